@@ -1,0 +1,110 @@
+"""Errors of dflashctl: one root, narrow subclasses that carry their facts.
+
+Exit codes are not decided here: ``ops/cli.py`` maps these classes to codes in one place.
+"""
+
+from __future__ import annotations
+
+import typing as t
+
+
+class OpsError(Exception):
+    """Root of every error dflashctl raises on purpose."""
+
+
+class ConfigError(OpsError):
+    """hosts.toml (or a command-line value) is wrong; ``path`` names the key, e.g. ``hosts.pve.port``."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class UnreachableError(OpsError):
+    """The host cannot be reached or refused us. ``cause`` is one of DESIGN.md section 6's unreachable causes."""
+
+    cause: t.ClassVar[str] = "unknown"
+
+    def __init__(self, host: str, detail: str) -> None:
+        super().__init__(f"{host}: {detail}")
+        self.host = host
+        self.detail = detail
+
+
+class ConnectionRefused(UnreachableError):
+    cause = "refused"
+
+
+class ConnectTimeout(UnreachableError):
+    cause = "timeout"
+
+
+class NameResolutionError(UnreachableError):
+    cause = "dns"
+
+
+class AuthenticationFailed(UnreachableError):
+    cause = "auth"
+
+
+class HostKeyRejected(UnreachableError):
+    """The host's key is unknown or changed: never accepted silently (``dflashctl trust-host``)."""
+
+    cause = "host-key"
+
+    def __init__(self, host: str, detail: str, *, fingerprint: str | None = None, changed: bool = False) -> None:
+        super().__init__(host, detail)
+        self.fingerprint = fingerprint
+        self.changed = changed
+
+
+class ContainerDown(OpsError):
+    """The LXC container is stopped (``cause="stopped"``) or does not exist (``cause="missing"``)."""
+
+    def __init__(self, vmid: int, cause: str, detail: str) -> None:
+        super().__init__(detail)
+        self.vmid = vmid
+        self.cause = cause
+        self.detail = detail
+
+
+class RemoteCommandError(OpsError):
+    """A command on the host or in the container failed where it had to succeed."""
+
+    def __init__(self, argv: t.Sequence[str], exit_code: int | None, stderr: str, *, what: str | None = None) -> None:
+        first = (stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        head = what or (argv[0] if argv else "command")
+        super().__init__(f"{head}: {first} (exit {exit_code})")
+        self.argv = tuple(argv)
+        self.exit_code = exit_code
+        self.stderr = stderr
+
+
+class CommandTimeout(OpsError):
+    """A command outlived its timeout and was killed (on the remote side too)."""
+
+    def __init__(self, argv: t.Sequence[str], timeout: float) -> None:
+        super().__init__(f"{argv[0] if argv else 'command'}: no answer within {timeout:g}s (killed)")
+        self.argv = tuple(argv)
+        self.timeout = timeout
+
+
+class NotDeployed(OpsError):
+    """Nothing is deployed on the host yet."""
+
+
+class RunActive(OpsError):
+    """A live run holds the session; refusing to start or deploy over it."""
+
+
+class AgentError(OpsError):
+    """The agent ran but its answer could not be used (not JSON, unknown verb...)."""
+
+
+class CrashLoop(OpsError):
+    """restart-on-crash gave up: the run crashes again and again."""
+
+
+class SupervisorLocked(OpsError):
+    """Another restart-on-crash already watches this host and session."""

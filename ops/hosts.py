@@ -1,0 +1,336 @@
+"""The inventory: hosts.toml read once into frozen dataclasses (DESIGN.md section 2).
+
+Every unknown key and every bad value is a ``ConfigError`` that names its full key path,
+e.g. ``hosts.pve.port: expected an integer, got "x"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import tomllib
+import typing as t
+from pathlib import Path
+
+from ops.errors import ConfigError
+
+ENV_VAR = "DFLASHCTL_HOSTS"
+USER_FILE = "~/.config/dflashctl/hosts.toml"
+
+# What a new user gets with no hosts.toml anywhere: this machine, the tiny CPU run.
+EMBEDDED_DEFAULT = """\
+default = "local"
+
+[hosts.local]
+transport = "local"
+workdir = ".dflash"
+run_dir = ".dflash/runs"
+command = "python -m dflash train --config configs/tiny-cpu.toml"
+"""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProxmoxApi:
+    """Optional proxmoxer (https + API token) path for container status and start."""
+
+    node: str
+    api_host: str
+    port: int = 8006
+    user: str = "root@pam"
+    token_name: str
+    token_value_env: str
+    verify_ssl: bool = True
+    backend: str = "https"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Host:
+    """One machine dflashctl manages: where it is, how to get in, and what runs there."""
+
+    name: str
+    transport: t.Literal["local", "ssh"]
+    workdir: str
+    run_dir: str
+    python: str = "python3"
+    session: str = "dflash"
+    command: tuple[str, ...]
+    env: t.Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tmux_socket: str = "dflash"
+    hang_after: float = 900.0
+    startup_grace: float = 1200.0
+    keep_releases: int = 5
+    # ssh only
+    address: str | None = None
+    port: int | None = None  # None: from ~/.ssh/config, else 22
+    user: str | None = None  # None: from ~/.ssh/config, else the local user
+    identity_file: str | None = None
+    known_hosts: str | None = None
+    ssh_config: str = "~/.ssh/config"
+    connect_timeout: float = 10.0
+    container: int | None = None
+    pct: tuple[str, ...] = ("pct",)
+    proxmox: ProxmoxApi | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.transport == "local"
+
+    @property
+    def label(self) -> str:
+        """How messages name the host: ``pve (ct 200)``."""
+        return self.name if self.container is None else f"{self.name} (ct {self.container})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Inventory:
+    path: Path | None  # None: the embedded default
+    default: str
+    hosts: t.Mapping[str, Host]
+
+    def get(self, name: str | None = None) -> Host:
+        """The host called ``name``, or the default host."""
+        key = name or self.default
+        if key not in self.hosts:
+            known = ", ".join(sorted(self.hosts)) or "none"
+            raise ConfigError(f"hosts.{key}", f"no such host in {self.source} (known: {known})")
+        return self.hosts[key]
+
+    @property
+    def source(self) -> str:
+        return str(self.path) if self.path else "the embedded default inventory"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def find_hosts_file(explicit: str | os.PathLike[str] | None = None) -> Path | None:
+    """Lookup order: ``--hosts PATH``, ``$DFLASHCTL_HOSTS``, ``./hosts.toml``, the user file; None = embedded."""
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise ConfigError("--hosts", f"no such file: {path}")
+        return path
+    env = os.environ.get(ENV_VAR)
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"${ENV_VAR}", f"no such file: {path}")
+        return path
+    for candidate in (Path("hosts.toml"), Path(USER_FILE).expanduser()):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_inventory(explicit: str | os.PathLike[str] | None = None) -> Inventory:
+    """Find and parse the inventory once (see ``find_hosts_file`` for the order)."""
+    path = find_hosts_file(explicit)
+    if path is None:
+        return parse_inventory(EMBEDDED_DEFAULT, path=None, base=Path.cwd())
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read: {e.strerror}") from e
+    return parse_inventory(text, path=path.resolve(), base=path.resolve().parent)
+
+
+def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
+    """Parse hosts.toml text; relative paths of local hosts resolve against ``base``."""
+    where = str(path) if path else "hosts.toml"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(where, f"not valid TOML: {e}") from e
+    _only_keys(data, {"default", "hosts"}, "")
+    hosts_raw = data.get("hosts", {})
+    if not isinstance(hosts_raw, dict) or not hosts_raw:
+        raise ConfigError("hosts", "expected at least one [hosts.<name>] table")
+    hosts = {name: _parse_host(name, raw, base) for name, raw in hosts_raw.items()}
+    if "default" in data:
+        default = _str(data["default"], "default")
+    elif len(hosts) == 1:
+        default = next(iter(hosts))
+    else:
+        raise ConfigError("default", "required when there is more than one host")
+    if default not in hosts:
+        raise ConfigError("default", f'names no host: "{default}" (known: {", ".join(sorted(hosts))})')
+    return Inventory(path=path, default=default, hosts=hosts)
+
+
+_COMMON = {
+    "transport", "workdir", "run_dir", "python", "session", "command", "env", "tmux_socket",
+    "hang_after", "startup_grace", "keep_releases",
+}
+_SSH = {
+    "address", "port", "user", "identity_file", "known_hosts", "ssh_config", "connect_timeout",
+    "container", "pct", "proxmox",
+}
+
+
+def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
+    p = f"hosts.{name}"
+    if not isinstance(raw, dict):
+        raise ConfigError(p, f"expected a table, got {_show(raw)}")
+    transport = raw.get("transport", "ssh" if "address" in raw else None)
+    if transport not in ("local", "ssh"):
+        got = "nothing" if transport is None else _show(transport)
+        raise ConfigError(f"{p}.transport", f'expected "local" or "ssh", got {got}')
+    allowed = _COMMON | (_SSH if transport == "ssh" else set())
+    for key in raw:
+        if key not in allowed:
+            hint = ' (only for transport = "ssh")' if key in _SSH else ""
+            raise ConfigError(f"{p}.{key}", f"unknown key{hint}")
+
+    kw: dict[str, t.Any] = {"name": name, "transport": transport}
+    for key in ("python", "session", "tmux_socket"):
+        if key in raw:
+            kw[key] = _str(raw[key], f"{p}.{key}", nonempty=True)
+    for key in ("hang_after", "startup_grace"):
+        if key in raw:
+            kw[key] = _number(raw[key], f"{p}.{key}", minimum=0)
+    if "keep_releases" in raw:
+        kw["keep_releases"] = _int(raw["keep_releases"], f"{p}.keep_releases", minimum=2)
+    if "command" not in raw:
+        raise ConfigError(f"{p}.command", "required: the training command the session runs")
+    kw["command"] = _argv(raw["command"], f"{p}.command")
+    if "env" in raw:
+        env = raw["env"]
+        if not isinstance(env, dict):
+            raise ConfigError(f"{p}.env", f"expected a table of strings, got {_show(env)}")
+        kw["env"] = {k: _str(v, f"{p}.env.{k}") for k, v in env.items()}
+    for key in ("session", "tmux_socket"):
+        if key in kw and not _safe_name(kw[key]):
+            raise ConfigError(f"{p}.{key}", f"use letters, digits, '-', '_' only, got {_show(kw[key])}")
+
+    if transport == "local":
+        workdir = _local_path(raw.get("workdir", ".dflash"), f"{p}.workdir", base)
+        kw["workdir"] = workdir
+        kw["run_dir"] = _local_path(raw.get("run_dir", f"{workdir}/runs"), f"{p}.run_dir", base)
+        if "python" in kw and "/" in kw["python"]:
+            kw["python"] = _local_path(kw["python"], f"{p}.python", base)
+        return Host(**kw)
+
+    if "address" not in raw:
+        raise ConfigError(f"{p}.address", 'required for transport = "ssh"')
+    kw["address"] = _str(raw["address"], f"{p}.address", nonempty=True)
+    if "port" in raw:
+        kw["port"] = _int(raw["port"], f"{p}.port", minimum=1, maximum=65535)
+    for key in ("user", "identity_file", "known_hosts", "ssh_config"):
+        if key in raw:
+            kw[key] = _str(raw[key], f"{p}.{key}", nonempty=True)
+    if "connect_timeout" in raw:
+        kw["connect_timeout"] = _number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
+    if "container" in raw:
+        kw["container"] = _int(raw["container"], f"{p}.container", minimum=100)
+    if "pct" in raw:
+        kw["pct"] = _argv(raw["pct"], f"{p}.pct")
+    for key in ("workdir", "run_dir"):
+        if key in raw:
+            value = _str(raw[key], f"{p}.{key}", nonempty=True)
+            if not value.startswith("/"):
+                raise ConfigError(f"{p}.{key}", f"expected an absolute path on the host, got {_show(value)}")
+            kw[key] = value
+    kw.setdefault("workdir", "/root/dflash")
+    kw.setdefault("run_dir", f"{kw['workdir']}/runs")
+    if "proxmox" in raw:
+        kw["proxmox"] = _parse_proxmox(raw["proxmox"], f"{p}.proxmox", default_host=kw["address"])
+    return Host(**kw)
+
+
+def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:
+    if not isinstance(raw, dict):
+        raise ConfigError(p, f"expected a table, got {_show(raw)}")
+    allowed = {"node", "backend", "api_host", "port", "user", "token_name", "token_value_env", "verify_ssl"}
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{p}.{key}", "unknown key")
+    for key in ("node", "token_name", "token_value_env"):
+        if key not in raw:
+            raise ConfigError(f"{p}.{key}", "required")
+    backend = _str(raw.get("backend", "https"), f"{p}.backend")
+    if backend != "https":
+        # proxmoxer's ssh backends accept any host key; we only use the token API.
+        raise ConfigError(f"{p}.backend", f'only "https" is supported, got {_show(backend)}')
+    verify = raw.get("verify_ssl", True)
+    if not isinstance(verify, bool):
+        raise ConfigError(f"{p}.verify_ssl", f"expected true or false, got {_show(verify)}")
+    return ProxmoxApi(
+        node=_str(raw["node"], f"{p}.node", nonempty=True),
+        api_host=_str(raw.get("api_host", default_host), f"{p}.api_host", nonempty=True),
+        port=_int(raw.get("port", 8006), f"{p}.port", minimum=1, maximum=65535),
+        user=_str(raw.get("user", "root@pam"), f"{p}.user", nonempty=True),
+        token_name=_str(raw["token_name"], f"{p}.token_name", nonempty=True),
+        token_value_env=_str(raw["token_value_env"], f"{p}.token_value_env", nonempty=True),
+        verify_ssl=verify,
+        backend=backend,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Value checks: each names the key path it checks.
+
+
+def _show(value: t.Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def _only_keys(table: dict[str, t.Any], allowed: set[str], prefix: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ConfigError(f"{prefix}{key}", "unknown key")
+
+
+def _str(value: t.Any, path: str, *, nonempty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(path, f"expected a string, got {_show(value)}")
+    if nonempty and not value.strip():
+        raise ConfigError(path, "must not be empty")
+    return value
+
+
+def _int(value: t.Any, path: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(path, f"expected an integer, got {_show(value)}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f"{minimum if minimum is not None else '-inf'}..{maximum if maximum is not None else 'inf'}"
+        raise ConfigError(path, f"expected an integer in {bounds}, got {value}")
+    return value
+
+
+def _number(value: t.Any, path: str, *, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(path, f"expected a number of seconds, got {_show(value)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(path, f"expected at least {minimum:g}, got {value}")
+    return float(value)
+
+
+def _argv(value: t.Any, path: str) -> tuple[str, ...]:
+    """A command: a string split with shlex (``"sudo pct"``) or a list of strings."""
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    if isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as e:
+            raise ConfigError(path, f"cannot split into words: {e}") from e
+        if argv:
+            return tuple(argv)
+    raise ConfigError(path, f"expected a non-empty command (string or list of strings), got {_show(value)}")
+
+
+def _local_path(value: t.Any, path: str, base: Path) -> str:
+    text = _str(value, path, nonempty=True)
+    p = Path(text).expanduser()
+    # normpath, not resolve(): a venv's bin/python is a symlink that must stay one.
+    return os.path.normpath(p if p.is_absolute() else base / p)
+
+
+def _safe_name(value: str) -> bool:
+    return all(c.isalnum() or c in "-_" for c in value)
