@@ -136,6 +136,224 @@ def hosts_cmd(app: App) -> None:
         click.echo(f"{mark} {name:<12} {h.transport:<5} {where}{ct}  session={h.session}  workdir={h.workdir}")
 
 
+# --- doctor, trust-host (issue 2): the work is in ops/doctor.py and ops/transport.py ------------
+
+
+@cli.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as one JSON object.")
+@pass_app
+def doctor_cmd(app: App, as_json: bool) -> ExitCode:
+    """Check each host (or only --host): reachable, host key, login, container, tmux, python, disk, GPUs.
+
+    Exit 0 when everything passes, else the exit code of the most basic failure.
+    """
+    from ops import doctor
+
+    hosts = [app.host] if app.host_name else list(app.inventory.hosts.values())
+    reports = []
+    for host in hosts:
+        report = doctor.diagnose(host)
+        reports.append(report)
+        if not as_json:
+            click.echo(report.render())
+    if as_json:
+        click.echo(doctor.reports_json(reports))
+    failure = next((r.first_failure for r in reports if r.first_failure), None)
+    if failure is None:
+        return ExitCode.OK
+    return exit_code_for_error(failure.error) if failure.error is not None else ExitCode.ERROR
+
+
+@cli.command("trust-host")
+@click.option("--yes", is_flag=True, help="Record the key without asking.")
+@click.option("--replace", is_flag=True, help="Accept a CHANGED key: drop the old entries for this host, record the new one.")
+@pass_app
+def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
+    """Show the host's SSH key fingerprint and record it in known_hosts once you confirm."""
+    from ops.transport import record_host_key, scan_host_key
+
+    host = app.host
+    if host.is_local:
+        raise errors.ConfigError(f"hosts.{host.name}.transport", "a local host has no SSH host key to trust")
+    scan = scan_host_key(host)
+    name = scan.target.known_name
+    click.echo(f"{name} offers {scan.key_type} {scan.fingerprint}")
+    if scan.verdict == "known":
+        click.echo(f"already trusted (in {', '.join(sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint}))})")
+        return ExitCode.OK
+    if scan.verdict == "changed":
+        click.echo(f"WARNING: HOST KEY CHANGED for {name}. Known until now:", err=True)
+        for f, kind, fp in scan.recorded:
+            click.echo(f"  {kind} {fp}  ({f})", err=True)
+        click.echo(f"The server now offers {scan.key_type} {scan.fingerprint}. This can be an attack (or a reinstalled host).", err=True)
+        if not replace:
+            raise errors.HostKeyRejected(host.name, f"host key for {name} changed; nothing recorded. If the change is expected, "
+                                         f"run again with --replace", fingerprint=scan.fingerprint, changed=True,
+                                         expected=scan.recorded[0][2], key_type=scan.key_type)
+    if not yes and not click.confirm(f"Trust this key and record it in {scan.file}?", default=False):
+        click.echo("Not recorded.", err=True)
+        return ExitCode.ERROR
+    path = record_host_key(scan, replace=scan.verdict == "changed")
+    click.echo(f"recorded {scan.key_type} {scan.fingerprint} for {name} in {path}")
+    return ExitCode.OK
+
+
+@cli.command("deploy")
+@click.option("--dry-run", is_flag=True, help="List the files that would be added/changed/removed; upload nothing.")
+@click.option("--rollback", is_flag=True, help="Switch current back to the previous release.")
+@click.option("--force", is_flag=True, help="Deploy even while a run is live (it keeps its old modules).")
+@click.option("--install", is_flag=True, help="pip-install the modules the host's python lacks.")
+@click.option("--source", metavar="DIR", help="Checkout to deploy (default: the one dflashctl runs from).")
+@pass_app
+def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bool, source: str | None) -> None:
+    """Put this project's code on the host: a new release, then current -> it (atomic)."""
+    from ops import deploy
+
+    if rollback and (install or source):
+        raise click.UsageError("--rollback takes no --install or --source")
+    if rollback:
+        outcome = deploy.rollback(app.remote(), app.host, force=force, dry_run=dry_run, echo=click.echo)
+    else:
+        outcome = deploy.deploy(app.remote(), app.host, source=source, dry_run=dry_run, force=force,
+                                install=install, echo=click.echo)
+    click.echo(outcome.summary)
+
+
+# --- start, stop, status, tail, attach (issue 3): thin; the work is in ops/session.py -----------
+
+_session_option = click.option("--session", metavar="NAME", help="tmux session / run name (default: the host's `session`).")
+
+
+@cli.command("start")
+@_session_option
+@click.option("--replace", is_flag=True, help="Stop a live run of this session first, then start a new attempt.")
+@pass_app
+def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
+    """Start the host's command in a persistent tmux session (a new attempt dir each time)."""
+    from ops import session as run
+
+    out = run.start(app.remote(), session, replace=replace)
+    name = session or app.host.session
+    if out.get("replaced"):
+        r = out["replaced"]
+        click.echo(f"replaced attempt {r.get('attempt')} ({r.get('how')}, {r.get('seconds')}s)")
+    click.echo(f"started attempt {out['attempt']} of session '{name}' on {app.host.label}: "
+               f"runner pid {out.get('pid')}, command pid {out.get('child_pid')}")
+    click.echo(f"  release: {out.get('release')}")
+    click.echo(f"  log:     {out.get('log')}")
+    if out.get("exit"):
+        e = out["exit"]
+        click.echo(f"  note: the command already ended ({'signal ' + str(e['signal']) if e.get('signal') else 'exit ' + str(e.get('exit_code'))}); "
+                   "see `dflashctl status`", err=True)
+    if out.get("warning"):
+        click.echo(f"  warning: {out['warning']}", err=True)
+    return ExitCode.OK
+
+
+@cli.command("stop")
+@_session_option
+@click.option("--grace", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+              help="Seconds to wait after Ctrl-C (and again after SIGTERM) before escalating.")
+@pass_app
+def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
+    """Stop the run on purpose: Ctrl-C, wait, SIGTERM, wait, SIGKILL. `status` then says `stopped`."""
+    from ops import session as run
+
+    out = run.stop(app.remote(), session, grace=grace)
+    if not out.get("stopped") and out.get("reason"):
+        click.echo(f"nothing stopped: {out['reason']}")
+        return ExitCode.OK
+    e = out.get("exit") or {}
+    how = f"signal {e['signal']}" if e.get("signal") else f"exit {e.get('exit_code')}" if e else "no exit record"
+    click.echo(f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s ({how})")
+    return ExitCode.OK if out.get("ended") else ExitCode.ERROR
+
+
+@cli.command("status")
+@_session_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (DESIGN.md section 6).")
+@click.option("--watch", type=click.FloatRange(min=0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
+@click.option("--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports).")
+@pass_app
+def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None, show_facts: bool) -> ExitCode:
+    """One state, its cause and the evidence. Exit code = the state's code (0 running, 3 stalled, ...)."""
+    import json
+    import time
+
+    from ops import probe
+    from ops import session as run
+
+    host = app.host
+    code = ExitCode.OK
+    try:
+        while True:
+            facts = run.gather(host, session, app.remote)
+            st = probe.classify(facts)
+            if show_facts:
+                click.echo(json.dumps(facts, indent=1, sort_keys=True))
+                return exit_code_for_state(st.state)
+            if st.state in ("unreachable", "container-down"):
+                app.close()  # reconnect on the next round
+            code = exit_code_for_state(st.state)
+            if as_json:
+                click.echo(json.dumps(st.to_json()))
+            else:
+                if watch:
+                    click.echo(f"--- {st.checked_at}")
+                click.echo("\n".join(st.lines()))
+            if not watch:
+                return code
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return code
+
+
+@cli.command("tail")
+@_session_option
+@click.option("-n", "--lines", type=click.IntRange(min=1), default=30, show_default=True, help="How many lines.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new log lines until Ctrl-C.")
+@click.option("--source", type=click.Choice(["auto", "pane", "log"]), default="auto", show_default=True,
+              help="auto: the live pane when the session is alive, else the durable log.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="S",
+              help="Polling interval of --follow.")
+@pass_app
+def tail_cmd(app: App, session: str | None, lines: int, follow: bool, source: str, interval: float) -> ExitCode:
+    """The last lines of the run (the source used, and why, go to stderr)."""
+    from ops import session as run
+
+    remote = app.remote()
+    chunk = run.tail(remote, session, lines=lines, source=source)
+    click.echo(f"[{chunk.source}] {chunk.reason}", err=True)
+    for line in chunk.lines:
+        click.echo(line)
+    if follow:
+        try:
+            run.follow(remote, chunk, session, interval=interval, emit=click.echo,
+                       note=lambda m: click.echo(f"[log] {m}", err=True))
+        except KeyboardInterrupt:
+            pass
+    return ExitCode.OK
+
+
+@cli.command("attach")
+@_session_option
+@click.option("--exec", "do_exec", is_flag=True, help="Run the command (needs a terminal) instead of printing it.")
+@pass_app
+def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
+    """Print (or run) the command that attaches a terminal to the run's tmux pane."""
+    import os
+    import shlex
+
+    from ops import session as run
+
+    argv = run.attach_argv(app.host, session)
+    if not do_exec:
+        click.echo(shlex.join(argv))
+        return ExitCode.OK
+    # Interactive: it needs this terminal, so it replaces dflashctl instead of going through a Transport.
+    os.execvp(argv[0], argv)
+
+
 def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
     """Console entry point: run the CLI, map errors to one message and one exit code."""
     try:

@@ -48,15 +48,36 @@ class AuthenticationFailed(UnreachableError):
     cause = "auth"
 
 
+class ConnectionLost(UnreachableError):
+    """An open connection broke (sshd restarted, reset, EOF): the host dropped us."""
+
+    cause = "refused"
+
+
 class HostKeyRejected(UnreachableError):
-    """The host's key is unknown or changed: never accepted silently (``dflashctl trust-host``)."""
+    """The host's key is unknown or changed: never accepted silently (``dflashctl trust-host``).
+
+    ``fingerprint`` is the server's key (``SHA256:...``), ``expected`` the one known_hosts holds
+    when ``changed``.
+    """
 
     cause = "host-key"
 
-    def __init__(self, host: str, detail: str, *, fingerprint: str | None = None, changed: bool = False) -> None:
+    def __init__(
+        self,
+        host: str,
+        detail: str,
+        *,
+        fingerprint: str | None = None,
+        changed: bool = False,
+        expected: str | None = None,
+        key_type: str | None = None,
+    ) -> None:
         super().__init__(host, detail)
         self.fingerprint = fingerprint
         self.changed = changed
+        self.expected = expected
+        self.key_type = key_type
 
 
 class ContainerDown(OpsError):
@@ -96,6 +117,22 @@ class NotDeployed(OpsError):
 
 class RunActive(OpsError):
     """A live run holds the session; refusing to start or deploy over it."""
+
+
+class BundleError(OpsError):
+    """The local source cannot be bundled (unreadable file, no ops/ package...)."""
+
+
+class DeployError(OpsError):
+    """A deploy, rollback or release check failed; ``current`` was left as it was."""
+
+
+class MissingDependencies(OpsError):
+    """The host's python cannot import what the agent and training need; ``modules`` names them."""
+
+    def __init__(self, message: str, modules: t.Sequence[str]) -> None:
+        super().__init__(message)
+        self.modules = tuple(modules)
 
 
 class AgentError(OpsError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shlex
 import tomllib
 import typing as t
@@ -160,6 +161,8 @@ def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
     return Inventory(path=path, default=default, hosts=hosts)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
 _COMMON = {
     "transport", "workdir", "run_dir", "python", "session", "command", "env", "tmux_socket",
     "hang_after", "startup_grace", "keep_releases",
@@ -200,6 +203,9 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
         env = raw["env"]
         if not isinstance(env, dict):
             raise ConfigError(f"{p}.env", f"expected a table of strings, got {_show(env)}")
+        for k in env:
+            if not _ENV_NAME.fullmatch(k):
+                raise ConfigError(f"{p}.env.{k}", "not a valid environment variable name (letters, digits, '_'; not starting with a digit)")
         kw["env"] = {k: _str(v, f"{p}.env.{k}") for k, v in env.items()}
     for key in ("session", "tmux_socket"):
         if key in kw and not _safe_name(kw[key]):
@@ -216,6 +222,8 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
     if "address" not in raw:
         raise ConfigError(f"{p}.address", 'required for transport = "ssh"')
     kw["address"] = _str(raw["address"], f"{p}.address", nonempty=True)
+    if "@" in kw["address"] or any(c.isspace() for c in kw["address"]):
+        raise ConfigError(f"{p}.address", f'expected a host name or address (put the user in "user"), got {_show(kw["address"])}')
     if "port" in raw:
         kw["port"] = _int(raw["port"], f"{p}.port", minimum=1, maximum=65535)
     for key in ("user", "identity_file", "known_hosts", "ssh_config"):

@@ -39,8 +39,12 @@ def connect(host: Host) -> Remote:
     if host.is_local:
         return Remote(host, LocalTransport())
     from ops.proxmox import Container
-    from ops.transport import SSHTransport  # type: ignore[attr-defined]
+    from ops.transport import SSHTransport
 
     transport = SSHTransport.connect(host)
-    container = Container(transport, host.container, pct=host.pct, api=host.proxmox) if host.container is not None else None
+    container = (
+        Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label)
+        if host.container is not None
+        else None
+    )
     return Remote(host, transport, container)

@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (ops/testing/plugin.py).
+pytest_plugins = ["ops.testing.plugin"]
+
 # Tiny models on a 2-core machine: one torch thread per process keeps tests from fighting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

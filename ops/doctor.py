@@ -1,0 +1,314 @@
+"""``dflashctl doctor``: check, in order, everything a run on a host depends on.
+
+Each check is ``ok``, ``fail`` (with the reason and, where one exists, the typed error that decides
+the exit code) or ``skip`` (not applicable, or an earlier failure makes it moot). The order is
+from the most basic up: reachable, host-key, login, container, tmux, python, libtmux, torch, disk,
+nvidia-smi. Diagnosing never raises because something is down: down is a failed check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import typing as t
+
+from ops import errors
+from ops.hosts import Host
+from ops.transport import CommandResult, LocalTransport, Transport
+
+if t.TYPE_CHECKING:
+    from ops.proxmox import Container
+
+logger = logging.getLogger(__name__)
+
+OK, FAIL, SKIP = "ok", "fail", "skip"
+MIN_FREE_BYTES = 1 << 30  # below 1 GiB a checkpoint write will fail
+TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (DESIGN.md section 6)
+LIBTMUX_TMUX_MIN = (3, 2)  # libtmux 0.62 needs tmux 3.2a; older tmux works in raw mode
+
+# One call inside the target: facts about the interpreter, printed as one JSON line.
+PYTHON_PROBE = r"""
+import json, sys
+facts = {"version": sys.version.split()[0], "executable": sys.executable}
+try:
+    import libtmux
+    facts["libtmux"] = getattr(libtmux, "__version__", "?")
+except Exception as e:
+    facts["libtmux_error"] = f"{type(e).__name__}: {e}"
+try:
+    import torch
+    facts["torch"] = torch.__version__
+    facts["cuda"] = bool(torch.cuda.is_available())
+    facts["gpus"] = torch.cuda.device_count() if facts["cuda"] else 0
+except Exception as e:
+    facts["torch_error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(facts))
+"""
+
+# Free space where the run directory is (or would be): df of its nearest existing ancestor.
+# A constant script; the path arrives as "$1", never spliced into the text.
+DISK_PROBE = 'p=$1; while [ ! -e "$p" ]; do p=$(dirname -- "$p"); done; df -P -k -- "$p"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # "ok" | "fail" | "skip"
+    detail: str
+    error: errors.OpsError | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def cause(self) -> str | None:
+        return getattr(self.error, "cause", None) if self.error is not None else None
+
+    def to_json(self) -> dict[str, t.Any]:
+        return {"check": self.name, "status": self.status, "detail": self.detail, "cause": self.cause}
+
+
+@dataclasses.dataclass
+class HostReport:
+    host: str
+    label: str
+    checks: list[Check] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != FAIL for c in self.checks)
+
+    @property
+    def first_failure(self) -> Check | None:
+        return next((c for c in self.checks if c.status == FAIL), None)
+
+    def to_json(self) -> dict[str, t.Any]:
+        return {"host": self.host, "ok": self.ok, "checks": [c.to_json() for c in self.checks]}
+
+    def render(self) -> str:
+        lines = [self.label]
+        for c in self.checks:
+            lines.append(f"  {c.status.upper() if c.status == FAIL else c.status:<5} {c.name:<11} {c.detail}")
+        return "\n".join(lines)
+
+
+def reports_json(reports: t.Sequence[HostReport]) -> str:
+    return json.dumps({"ok": all(r.ok for r in reports), "hosts": [r.to_json() for r in reports]}, indent=2)
+
+
+class _Report:
+    """Collects checks; once something basic fails, the checks that need it are skipped."""
+
+    def __init__(self, report: HostReport) -> None:
+        self.report = report
+        self.blocked: str | None = None
+
+    def add(self, name: str, status: str, detail: str, error: errors.OpsError | None = None) -> None:
+        self.report.checks.append(Check(name, status, detail, error))
+
+    def fail(self, name: str, detail: str, error: errors.OpsError | None = None, *, blocks: bool = False) -> None:
+        self.add(name, FAIL, detail, error)
+        if blocks:
+            self.blocked = f"{name} failed"
+
+    def skip_rest(self, names: t.Sequence[str]) -> None:
+        for n in names:
+            self.add(n, SKIP, self.blocked or "not checked")
+
+
+INSIDE_CHECKS = ("tmux", "python", "libtmux", "torch", "disk", "nvidia-smi")
+
+
+def diagnose(host: Host) -> HostReport:
+    """Run every check for ``host``; never raises for a host or container that is down."""
+    rep = _Report(HostReport(host.name, host.label))
+    if host.is_local:
+        rep.add("reachable", OK, "this machine (transport = local)")
+        _inside(rep, host, LocalTransport())
+        return rep.report
+
+    from ops.transport import SSHTransport, scan_host_key
+
+    try:
+        scan = scan_host_key(host)
+    except errors.UnreachableError as e:
+        rep.fail("reachable", e.detail, e, blocks=True)
+        rep.skip_rest(("host-key", "login", *(("container",) if host.container is not None else ()), *INSIDE_CHECKS))
+        return rep.report
+    except errors.ConfigError as e:
+        rep.fail("reachable", str(e), e, blocks=True)
+        rep.skip_rest(("host-key", "login", *(("container",) if host.container is not None else ()), *INSIDE_CHECKS))
+        return rep.report
+    tgt = scan.target
+    via = f" via {tgt.proxy_jump.hostname}:{tgt.proxy_jump.port}" if tgt.proxy_jump else ""
+    rep.add("reachable", OK, f"{tgt.hostname}:{tgt.port} answers{via}")
+    rest = ("login", *(("container",) if host.container is not None else ()), *INSIDE_CHECKS)
+    if scan.verdict == "known":
+        files = sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint})
+        rep.add("host-key", OK, f"{scan.key_type} {scan.fingerprint} (pinned in {', '.join(files)})")
+    else:
+        changed = scan.verdict == "changed"
+        old = next((fp for _, _, fp in scan.recorded), None)
+        detail = (
+            f"CHANGED: known_hosts has {old}, the server offers {scan.key_type} {scan.fingerprint}; "
+            f"if expected, run: dflashctl --host {host.name} trust-host --replace"
+            if changed
+            else f"unknown: {tgt.known_name} offers {scan.key_type} {scan.fingerprint}, in none of {', '.join(tgt.known_hosts)}; "
+            f"check it, then run: dflashctl --host {host.name} trust-host"
+        )
+        err = errors.HostKeyRejected(host.name, detail, fingerprint=scan.fingerprint, changed=changed, expected=old, key_type=scan.key_type)
+        rep.fail("host-key", detail, err, blocks=True)
+        rep.skip_rest(rest)
+        return rep.report
+
+    try:
+        transport = SSHTransport.connect(host)
+    except (errors.UnreachableError, errors.ConfigError) as e:
+        rep.fail("login", getattr(e, "detail", str(e)), e, blocks=True)
+        rep.skip_rest(rest[1:])
+        return rep.report
+    with transport:
+        keys = ", ".join(tgt.key_files) or "ssh-agent/default keys"
+        rep.add("login", OK, f"{tgt.where} with {keys}")
+        where: Transport | Container = transport
+        if host.container is not None:
+            from ops.proxmox import Container
+
+            ct = Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label)
+            if not _container(rep, host, ct):
+                rep.skip_rest(INSIDE_CHECKS)
+                return rep.report
+            where = ct
+        _inside(rep, host, where)
+    return rep.report
+
+
+def _container(rep: _Report, host: Host, ct: Container) -> bool:
+    try:
+        status = ct.status()
+    except errors.OpsError as e:
+        rep.fail("container", f"cannot get the status of ct {ct.vmid}: {e}", e, blocks=True)
+        return False
+    pct = " ".join(host.pct)
+    if status == "running":
+        booted = None
+        try:
+            booted = ct.booted_at()
+        except errors.OpsError as e:
+            logger.info("booted_at of ct %s: %s", ct.vmid, e)
+        since = f" since {booted.strftime('%Y-%m-%dT%H:%M:%SZ')}" if booted else ""
+        rep.add("container", OK, f"ct {ct.vmid} running{since}")
+        return True
+    if status == "stopped":
+        detail = f"ct {ct.vmid} is stopped; start it on the host with `{pct} start {ct.vmid}`"
+    else:
+        detail = f"ct {ct.vmid} does not exist on this host (no nodes/*/lxc/{ct.vmid}.conf); check hosts.{host.name}.container"
+    rep.fail("container", detail, errors.ContainerDown(ct.vmid, status, detail), blocks=True)
+    return False
+
+
+def _run(where: Transport | Container, argv: list[str], timeout: float = 60) -> CommandResult | errors.OpsError:
+    try:
+        return where.run(argv, timeout=timeout)
+    except errors.OpsError as e:
+        return e
+
+
+def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
+    # tmux
+    res = _run(where, ["tmux", "-V"], timeout=30)
+    if isinstance(res, errors.OpsError):
+        rep.fail("tmux", str(res), res)
+    elif res.exit_code == 0:
+        text = res.out.strip()
+        version = _version(text)
+        if version and version < TMUX_MIN:
+            rep.fail("tmux", f"{text}: too old, dflashctl needs tmux >= 2.1")
+        elif version and version < LIBTMUX_TMUX_MIN:
+            rep.add("tmux", OK, f"{text} (older than 3.2a: the agent uses raw tmux calls, not libtmux)")
+        else:
+            rep.add("tmux", OK, text)
+    else:
+        rep.fail("tmux", f"tmux not found or not working: {_why(res)}; install it (apt-get install tmux)")
+
+    # python, libtmux, torch: one call
+    res = _run(where, [host.python, "-c", PYTHON_PROBE], timeout=120)
+    facts: dict[str, t.Any] | None = None
+    if isinstance(res, errors.OpsError):
+        rep.fail("python", str(res), res)
+    elif res.exit_code == 0:
+        try:
+            facts = json.loads(res.out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            rep.fail("python", f"{host.python} ran but printed no facts: {_why(res)}")
+    else:
+        rep.fail("python", f"cannot run {host.python!r} (hosts.{host.name}.python): {_why(res)}")
+    if facts is None:
+        rep.add("libtmux", SKIP, "python failed")
+        rep.add("torch", SKIP, "python failed")
+    else:
+        rep.add("python", OK, f"{host.python}: Python {facts.get('version')}")
+        if "libtmux" in facts:
+            rep.add("libtmux", OK, f"libtmux {facts['libtmux']}")
+        else:
+            rep.fail("libtmux", f"{host.python} cannot import libtmux ({facts.get('libtmux_error')}); pip install libtmux there")
+        if "torch" in facts:
+            gpus = f", CUDA, {facts.get('gpus')} GPU(s)" if facts.get("cuda") else ", no CUDA"
+            rep.add("torch", OK, f"torch {facts['torch']}{gpus}")
+        else:
+            rep.fail("torch", f"{host.python} cannot import torch ({facts.get('torch_error')})")
+
+    # disk
+    res = _run(where, ["sh", "-c", DISK_PROBE, "sh", host.run_dir], timeout=30)
+    if isinstance(res, errors.OpsError):
+        rep.fail("disk", str(res), res)
+    else:
+        free = _df_free(res)
+        if free is None:
+            rep.fail("disk", f"cannot read free space for {host.run_dir}: {_why(res)}")
+        elif free[0] < MIN_FREE_BYTES:
+            rep.fail("disk", f"only {_gib(free[0])} free at {free[1]} (run_dir {host.run_dir}); checkpoints need room")
+        else:
+            rep.add("disk", OK, f"{_gib(free[0])} free at {free[1]} (run_dir {host.run_dir})")
+
+    # nvidia-smi: optional (a CPU box has none)
+    res = _run(where, ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"], timeout=60)
+    if isinstance(res, errors.OpsError):
+        rep.fail("nvidia-smi", str(res), res)
+    elif res.exit_code == 0:
+        gpus = [ln.strip() for ln in res.out.splitlines() if ln.strip()]
+        rep.add("nvidia-smi", OK, f"{len(gpus)} GPU(s): " + "; ".join(gpus) if gpus else "no GPU listed")
+    elif res.exit_code in (126, 127) or "not found" in res.err or "No such file" in res.err:
+        rep.add("nvidia-smi", SKIP, "not installed (no NVIDIA GPU visible here)")
+    else:
+        rep.fail("nvidia-smi", f"nvidia-smi failed: {_why(res)}")
+
+
+def _why(res: CommandResult) -> str:
+    text = (res.err.strip() or res.out.strip()).splitlines()
+    last = text[-1] if text else "no output"
+    if res.timed_out:
+        return f"no answer (timed out); {last}"
+    return f"{last} (exit {res.exit_code if res.exit_code is not None else 'signal ' + str(res.signal)})"
+
+
+def _version(text: str) -> tuple[int, int] | None:
+    import re
+
+    m = re.search(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _df_free(res: CommandResult) -> tuple[int, str] | None:
+    if res.exit_code != 0:
+        return None
+    lines = res.out.strip().splitlines()
+    if len(lines) < 2:
+        return None
+    fields = lines[-1].split()
+    try:
+        return int(fields[3]) * 1024, fields[-1]
+    except (IndexError, ValueError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"

@@ -1,0 +1,36 @@
+"""Per-test tmux servers on their own ``-L`` sockets, reaped by socket name (never by process name)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import subprocess
+from pathlib import Path
+
+
+def socket_path(name: str) -> Path:
+    """Where ``tmux -L <name>`` puts its socket on this machine."""
+    return Path(os.environ.get("TMUX_TMPDIR") or "/tmp") / f"tmux-{os.getuid()}" / name
+
+
+class TmuxServers:
+    """Hands out unique socket names (``dflash-test-<rand>``) and kills their servers at ``reap()``."""
+
+    def __init__(self, prefix: str = "dflash-test") -> None:
+        self.prefix = prefix
+        self.names: list[str] = []
+
+    def new(self) -> str:
+        name = f"{self.prefix}-{secrets.token_hex(4)}"
+        self.names.append(name)
+        return name
+
+    def reap(self) -> None:
+        # Errors suppressed: a finalizer that raises hides the real test failure.
+        for name in self.names:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(["tmux", "-L", name, "kill-server"], capture_output=True, timeout=10)
+            with contextlib.suppress(OSError):
+                socket_path(name).unlink()
+        self.names.clear()
