@@ -1,0 +1,417 @@
+"""The DFlash block-diffusion drafter: its config and model, with z-lab's parameter names.
+
+A drafter predicts a whole block in one forward: ``[last verified token, MASK x (B-1)]`` at positions
+``anchor + k``. Its layers are Qwen3 decoder layers whose attention takes its queries from the block
+only, and its keys/values from ``[context ; block]``: the context is the target's features (outputs of
+``n`` target layers, concatenated, ``fc`` to H, ``hidden_norm``), projected by the SAME k_proj/v_proj
+as the block, in every layer. RoPE covers ``[context positions ; block positions]``. The target's
+embedding and lm_head are used (``TargetHead``) but not owned, so they are not in the state dict.
+
+Parameter names and ``config.json`` keys are those of z-lab's ``DFlashDraftModel`` (``dflash/model.py``),
+so a checkpoint of ours loads there; the config is a ``Qwen3Config`` (``model_type: qwen3``) with
+``block_size``, ``num_target_layers`` and ``dflash_config = {mask_token_id, target_layer_ids}``.
+
+Attention: at inference there is no mask in full layers (the block sees all context and itself) and a
+causal + sliding-window mask in ``sliding_attention`` layers. Training passes an explicit mask (dense
+bool for SDPA, or a flex_attention ``BlockMask``; see ``dflash.loss``), or a dict of them per layer type.
+
+Shape legend: B batch, C context length, Q block tokens (queries), K keys = C + Q (plus cached),
+H hidden, h heads, g kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import threading
+import typing as t
+
+import torch
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from torch.nn import functional as F
+from transformers import Qwen3Config
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from dflash.target import build_target_layer_ids
+
+try:  # flex_attention is the GPU training path; the dense SDPA path needs nothing optional
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch without flex attention
+    BlockMask = None  # type: ignore[assignment,misc]
+    flex_attention = None  # type: ignore[assignment]
+
+__all__ = [
+    "DFlashDraftConfig",
+    "DFlashDraftModel",
+    "DraftCache",
+    "draft_config_for",
+]
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+# What z-lab's Hub checkpoints carry: AutoModel resolves to dflash.py's DFlashDraftModel (trust_remote_code).
+ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+
+AttentionMask = t.Union[torch.Tensor, "BlockMask", None]
+
+
+@strict
+class DFlashDraftConfig(Qwen3Config):
+    """A Qwen3 config plus the DFlash keys. ``model_type`` stays ``qwen3`` so z-lab's loader reads it.
+
+    ``dflash_config`` holds ``mask_token_id`` and ``target_layer_ids``; ``layer_types`` (one of
+    ``full_attention``/``sliding_attention`` per layer) and ``sliding_window`` choose sliding layers.
+    Construction without DFlash keys is allowed (transformers builds default configs to diff against);
+    ``DFlashDraftModel`` requires them.
+    """
+
+    block_size: int = 16
+    num_target_layers: int | None = None
+    dflash_config: dict | None = None
+
+    def __post_init__(self, **kwargs: t.Any) -> None:
+        super().__post_init__(**kwargs)
+        self._check_dflash_keys()
+
+    def _check_dflash_keys(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(f"block_size: must be >= 2, got {self.block_size}")
+        layer_types = list(self.layer_types or [])
+        if len(layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types: expected {self.num_hidden_layers} entries (num_hidden_layers), got {len(layer_types)}"
+            )
+        for i, kind in enumerate(layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]: expected one of {list(LAYER_TYPES)}, got {kind!r}")
+        if SLIDING_ATTENTION in layer_types and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(
+                f"sliding_window: sliding_attention layers need a positive window (and use_sliding_window=true), "
+                f"got {self.sliding_window!r}"
+            )
+        if self.dflash_config is None:
+            return
+        mask_id = self.dflash_config.get("mask_token_id")
+        if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int)
+                                    or not 0 <= mask_id < self.vocab_size):
+            raise ValueError(
+                f"dflash_config.mask_token_id: expected an integer in [0, {self.vocab_size}), got {mask_id!r}"
+            )
+        ids = self.dflash_config.get("target_layer_ids")
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+            ):
+                raise ValueError(f"dflash_config.target_layer_ids: expected a non-empty list of layer indices, got {ids!r}")
+            if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
+                raise ValueError(
+                    f"dflash_config.target_layer_ids: {max(ids)} is out of range for num_target_layers="
+                    f"{self.num_target_layers}"
+                )
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return (self.dflash_config or {}).get("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> list[int] | None:
+        ids = (self.dflash_config or {}).get("target_layer_ids")
+        if ids is None and self.num_target_layers is not None:
+            return build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        return None if ids is None else list(ids)
+
+
+def draft_config_for(
+    target_config: Qwen3Config,
+    *,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: t.Sequence[int] | None = None,
+    layer_types: t.Sequence[str] | None = None,
+    sliding_window: int | None = None,
+    **overrides: t.Any,
+) -> DFlashDraftConfig:
+    """The drafter config for a target: same width, heads, vocabulary and RoPE base as the target.
+
+    ``overrides`` set any other Qwen3Config field (e.g. ``intermediate_size``).
+    """
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    num_target_layers = int(text.num_hidden_layers)
+    if num_layers < 1:
+        raise ValueError(f"num_layers: must be >= 1, got {num_layers}")
+    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(num_target_layers, num_layers)
+    types = list(layer_types) if layer_types is not None else [FULL_ATTENTION] * num_layers
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    fields: dict[str, t.Any] = dict(
+        vocab_size=int(text.vocab_size),
+        hidden_size=int(text.hidden_size),
+        intermediate_size=int(text.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=int(text.num_attention_heads),
+        num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+        head_dim=int(head_dim),
+        hidden_act="silu",
+        max_position_embeddings=int(text.max_position_embeddings),
+        rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+        rope_parameters=_draft_rope(text),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        layer_types=types,
+        use_sliding_window=SLIDING_ATTENTION in types,
+        sliding_window=sliding_window,
+        max_window_layers=num_layers,
+        bos_token_id=getattr(text, "bos_token_id", None),
+        eos_token_id=getattr(text, "eos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None),
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in ids]},
+        architectures=["DFlashDraftModel"],
+        auto_map=dict(ZLAB_AUTO_MAP),
+    )
+    fields.update(overrides)
+    return DFlashDraftConfig(**fields)
+
+
+def _draft_rope(text: t.Any) -> dict[str, t.Any]:
+    """The drafter's RoPE: the target's own for a Qwen3 target, else default RoPE on the target's base."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))
+    if getattr(text, "model_type", None) == "qwen3" and rope:
+        return rope
+    # Other families (e.g. multimodal rope with sections) do not apply to a Qwen3 drafter.
+    return {"rope_type": "default", "rope_theta": float(theta)}
+
+
+class DraftCache:
+    """The drafter's KV cache for speculative decoding: post-RoPE keys and values per layer.
+
+    It keeps every position (no sliding eviction), so key index == absolute position and the sliding
+    mask stays a function of indices, as in z-lab's serving code. ``crop(n)`` drops the block again.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
+        if old_k is not None and old_v is not None:
+            k = torch.cat([old_k, k], dim=-2)
+            v = torch.cat([old_v, v], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def get_seq_length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else int(k.shape[-2])
+
+    def crop(self, length: int) -> None:
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is not None and v is not None:
+                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, h, L, D]; cos/sin [B, L, D] for the same L positions.
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _inference_mask(q_len: int, k_len: int, sliding_window: int, device: torch.device) -> torch.Tensor:
+    """Causal + window over key indices, queries being the last ``q_len`` keys (z-lab's sliding layers)."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    return ((k_pos <= q_pos) & (q_pos - k_pos < sliding_window))[None, None]
+
+
+_flex_lock = threading.Lock()
+_compiled_flex: t.Callable[..., torch.Tensor] | None = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t.Any, scale: float) -> torch.Tensor:
+    """flex_attention: compiled on GPU (fused kernel), eager elsewhere (CPU tests; forward only)."""
+    global _compiled_flex
+    if flex_attention is None:  # pragma: no cover
+        raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
+    fn: t.Callable[..., torch.Tensor] = flex_attention
+    # Inside a compiled layer, dynamo compiles flex itself; wrapping it again would break the graph.
+    if q.is_cuda and not torch.compiler.is_compiling():
+        # torch.compile is not thread-safe: build the compiled kernel once, under a lock.
+        with _flex_lock:
+            if _compiled_flex is None:
+                _compiled_flex = t.cast(t.Callable[..., torch.Tensor], torch.compile(flex_attention, dynamic=True))
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Qwen3DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from ``[context ; block]`` through the same projections."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = int(config.head_dim or config.hidden_size // config.num_attention_heads)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.layer_type = config.layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == SLIDING_ATTENTION else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: AttentionMask = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        b, q_len, _ = hidden_states.shape
+        c_len = target_hidden.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(b, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([target_hidden, hidden_states], dim=1)  # [B, C+Q, H]: one projection for both
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings  # [B, C+Q, D]: context positions then block positions
+        q = _apply_rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = _apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+
+        if attention_mask is None and self.sliding_window is not None:
+            attention_mask = _inference_mask(q_len, k.shape[-2], self.sliding_window, q.device)
+        if BlockMask is not None and isinstance(attention_mask, BlockMask):
+            out = _flex(q, k, v, attention_mask, self.scaling)
+        else:
+            # A fully masked query row (a padding block) comes out as zeros from SDPA's safe softmax.
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
+
+
+class Qwen3DFlashDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm attention + residual, pre-norm SiLU-gated MLP + residual (a Qwen3 layer)."""
+
+    def __init__(self, config: DFlashDraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Qwen3DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: AttentionMask = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        # Tensors that need grad are positional (GradientCheckpointingLayer's rule); cache is a keyword
+        # so that checkpointing drops it.
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), target_hidden, position_embeddings, attention_mask, cache=cache
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """The drafter. ``forward`` returns the final-normed block hidden states ``[B, Q, H]``."""
+
+    config_class = DFlashDraftConfig
+    config: DFlashDraftConfig
+    base_model_prefix = ""
+    _no_split_modules = ["Qwen3DFlashDecoderLayer"]
+    _can_record_outputs: t.ClassVar[dict[str, t.Any]] = {}
+
+    def __init__(self, config: DFlashDraftConfig) -> None:
+        super().__init__(config)
+        target_layer_ids = config.target_layer_ids
+        if target_layer_ids is None:
+            raise ValueError("dflash_config.target_layer_ids: required (or num_target_layers to derive it)")
+        if config.mask_token_id is None:
+            raise ValueError("dflash_config.mask_token_id: required")
+        self.target_layer_ids = target_layer_ids
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
+        self.layers = nn.ModuleList(
+            [Qwen3DFlashDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_init()
+
+    @property
+    def layer_types(self) -> list[str]:
+        return list(self.config.layer_types)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.config.sliding_window if SLIDING_ATTENTION in self.config.layer_types else None
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def forward(
+        self,
+        position_ids: torch.Tensor,
+        attention_mask: AttentionMask | dict[str, AttentionMask] = None,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        past_key_values: DraftCache | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        """Block hidden states.
+
+        ``noise_embedding`` [B, Q, H]: the target's embedding of the block ids. ``target_hidden``
+        [B, C, n*H]: target features of the C context positions not yet in ``past_key_values``.
+        ``position_ids`` [B, C+Q]: their positions, then the block's. ``attention_mask``: None
+        (inference), a mask for every layer, or ``{layer_type: mask}``. ``use_cache`` is accepted for
+        z-lab's signature; the cache is used whenever ``past_key_values`` is given.
+        """
+        if noise_embedding is None or target_hidden is None:
+            raise ValueError("noise_embedding and target_hidden are required")
+        expected = self.fc.in_features
+        if target_hidden.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden: expected {expected} features ({len(self.target_layer_ids)} target layers "
+                f"{self.target_layer_ids} x hidden {self.config.hidden_size}), got {target_hidden.shape[-1]}"
+            )
+        if position_ids.shape[-1] != target_hidden.shape[1] + noise_embedding.shape[1]:
+            raise ValueError(
+                f"position_ids: expected {target_hidden.shape[1]} context + {noise_embedding.shape[1]} block "
+                f"positions, got {position_ids.shape[-1]}"
+            )
+        target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        hidden_states = noise_embedding.to(self.fc.weight.dtype)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            mask = attention_mask[layer.self_attn.layer_type] if isinstance(attention_mask, dict) else attention_mask
+            hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, cache=past_key_values)
+        return self.norm(hidden_states)

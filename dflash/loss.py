@@ -1,0 +1,372 @@
+"""DFlash training objective as pure functions: anchors, blocks, the attention mask, the loss, metrics.
+
+One training step of a drafter on a batch of sequences (``drafter_loss``):
+
+1. anchors: per sequence up to ``num_anchors`` positions ``p`` with ``loss_mask[p]`` and ``loss_mask[p+1]``
+   set, drawn uniformly without replacement (fresh every step, from a seeded ``torch.Generator``),
+   sorted, padded with invalid anchors;
+2. blocks: ``[input_ids[p], MASK x (B-1)]`` at positions ``p + k``, all blocks of a batch in one forward;
+3. mask: a query of block ``n`` sees the target context strictly before its anchor (the anchor's own
+   target state does not exist yet at inference) and its own block, never another block; in
+   ``sliding_attention`` layers the block part is causal and the context is cut to the window;
+4. loss: slot ``k`` (k >= 1) is scored against ``input_ids[p + k]`` (same position, NOT shifted by one)
+   with weight ``exp(-(k-1)/gamma) * loss_mask[p+k] * in_bounds * block_valid``; slot 0 is the given
+   token and is never scored; the loss is the weighted mean. lm_head and cross-entropy run over chunks
+   of blocks under activation checkpointing, so ``blocks x B x vocab`` logits never exist at once.
+
+Shape legend: Bt batch, S sequence, N anchors (blocks) per sequence, B block size, H hidden, V vocab,
+Q = N*B block queries, KV = S + Q keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing as t
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+if t.TYPE_CHECKING:
+    from dflash.drafter import DFlashDraftModel
+    from dflash.target import TargetHead
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # pragma: no cover - torch without flex attention
+    BlockMask = None  # type: ignore[assignment,misc]
+    create_block_mask = None  # type: ignore[assignment]
+
+__all__ = [
+    "Anchors",
+    "LossTerms",
+    "StepOutput",
+    "block_inputs",
+    "block_targets",
+    "default_gamma",
+    "dflash_loss",
+    "drafter_loss",
+    "mask_mod",
+    "sample_anchors",
+    "slot_weights",
+    "training_block_mask",
+    "training_mask",
+    "training_masks",
+]
+
+# The paper's decay per block size (SpecForge's --loss-decay-gamma help); others scale 7 * B / 16.
+_GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return _GAMMA_BY_BLOCK.get(block_size, 7.0 * block_size / 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Anchors:
+    """``positions`` [Bt, N] (0 where padding) and ``valid`` [Bt, N]; valid anchors first, ascending."""
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.positions.shape[1])
+
+
+def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int,
+                   generator: torch.Generator) -> Anchors:
+    """Draw up to ``num_anchors`` anchors per sequence among positions p with loss_mask[p] and [p+1].
+
+    Blocks near the end are kept: their slots past the sequence get zero weight (``block_targets``).
+    ``block_size`` is checked only. Raises ValueError if no sequence of the batch has any anchor.
+    """
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask: expected shape [batch, seq], got {list(loss_mask.shape)}")
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors: must be >= 1, got {num_anchors}")
+    if block_size < 2:
+        raise ValueError(f"block_size: must be >= 2, got {block_size}")
+    batch, seq = loss_mask.shape
+    device = loss_mask.device
+    supervised = loss_mask > 0
+    candidate = torch.zeros_like(supervised)
+    candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
+    counts = candidate.sum(dim=1)
+    width = min(num_anchors, int(counts.max()) if batch else 0)
+    if width == 0:
+        raise ValueError(
+            "loss_mask: no sequence in the batch has two consecutive supervised tokens (an anchor p needs "
+            "loss_mask[p] and loss_mask[p+1]); drop such samples before training"
+        )
+    # Random keys from the caller's generator (on its own device); invalid positions sort last.
+    keys = torch.rand((batch, seq), generator=generator, device=generator.device).to(device)
+    keys = keys.masked_fill(~candidate, 2.0)
+    chosen = keys.argsort(dim=1)[:, :width]
+    keep = torch.arange(width, device=device)[None, :] < counts.clamp(max=width)[:, None]
+    chosen = torch.where(keep, chosen, torch.full_like(chosen, seq)).sort(dim=1).values
+    valid = chosen < seq
+    return Anchors(positions=torch.where(valid, chosen, torch.zeros_like(chosen)), valid=valid)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: Anchors, *, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block token ids and positions, both ``[Bt, N*B]``: ``[x_p, MASK, ...]`` at ``p, p+1, ...``.
+
+    A padding block is all MASK (it is fully masked in attention and carries no weight).
+    """
+    batch, n = anchors.positions.shape
+    ids = torch.full((batch, n, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    first = torch.gather(input_ids, 1, anchors.positions)
+    ids[:, :, 0] = torch.where(anchors.valid, first, torch.full_like(first, mask_token_id))
+    offsets = torch.arange(block_size, device=input_ids.device)
+    positions = anchors.positions[:, :, None] + offsets
+    return ids.view(batch, n * block_size), positions.view(batch, n * block_size)
+
+
+def slot_weights(block_size: int, gamma: float | None, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[B]``: 0 for slot 0, ``exp(-(k-1)/gamma)`` for slot k >= 1 (1 everywhere when gamma is None/<=0)."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma is not None and gamma > 0 else torch.ones_like(k)
+    w[0] = 0.0
+    return w
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, *, block_size: int,
+                  gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and weights ``[Bt, N, B]``: slot k of the block at p is scored against ``input_ids[p+k]``."""
+    seq = input_ids.shape[1]
+    index = anchors.positions[:, :, None] + torch.arange(block_size, device=input_ids.device)  # [Bt, N, B]
+    in_bounds = index < seq
+    safe = index.clamp(max=seq - 1)
+    batch, n = anchors.positions.shape
+    labels = torch.gather(input_ids, 1, safe.view(batch, -1)).view(batch, n, block_size)
+    supervised = torch.gather(loss_mask.float(), 1, safe.view(batch, -1)).view(batch, n, block_size)
+    weights = (
+        supervised
+        * in_bounds.float()
+        * anchors.valid[:, :, None].float()
+        * slot_weights(block_size, gamma, device=input_ids.device)
+    )
+    return labels, weights
+
+
+# ---- attention mask ------------------------------------------------------------------------
+
+
+def _visible(q_idx: torch.Tensor, kv_idx: torch.Tensor, anchor: torch.Tensor, valid: torch.Tensor, *,
+             seq_len: int, block_size: int, sliding_window: int | None) -> torch.Tensor:
+    """The one rule both mask forms use. ``anchor``/``valid`` belong to the query's block."""
+    q_block, q_off = q_idx // block_size, q_idx % block_size
+    kv_block, kv_off = (kv_idx - seq_len) // block_size, (kv_idx - seq_len) % block_size
+    context = (kv_idx < seq_len) & (kv_idx < anchor)
+    own_block = (kv_idx >= seq_len) & (kv_block == q_block)
+    if sliding_window is not None:
+        # The query sits at anchor + q_off; it sees keys within the last `sliding_window` positions,
+        # itself included, and nothing after itself (causal inside the block), as at inference.
+        context = context & (anchor + q_off - kv_idx < sliding_window)
+        own_block = own_block & (kv_off <= q_off) & (q_off - kv_off < sliding_window)
+    return (context | own_block) & valid
+
+
+def training_mask(anchors: Anchors, *, seq_len: int, block_size: int,
+                  sliding_window: int | None = None) -> torch.Tensor:
+    """Dense boolean mask ``[Bt, 1, Q, KV]`` (True = may attend) for SDPA/eager on CPU."""
+    device = anchors.positions.device
+    n = anchors.num_blocks
+    q_idx = torch.arange(n * block_size, device=device)[None, :, None]
+    kv_idx = torch.arange(seq_len + n * block_size, device=device)[None, None, :]
+    anchor = anchors.positions.repeat_interleave(block_size, dim=1)[:, :, None]
+    valid = anchors.valid.repeat_interleave(block_size, dim=1)[:, :, None]
+    mask = _visible(q_idx, kv_idx, anchor, valid, seq_len=seq_len, block_size=block_size,
+                    sliding_window=sliding_window)
+    return mask[:, None]
+
+
+def mask_mod(anchors: Anchors, *, seq_len: int, block_size: int,
+             sliding_window: int | None = None) -> t.Callable[..., torch.Tensor]:
+    """flex_attention's ``mask_mod(b, h, q_idx, kv_idx)`` for the same rule as ``training_mask``."""
+    positions, valid = anchors.positions, anchors.valid
+    n = anchors.num_blocks
+
+    def mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        block = (q_idx // block_size).clamp(max=n - 1)  # flex may probe padded query rows
+        in_range = q_idx < n * block_size
+        return in_range & _visible(q_idx, kv_idx, positions[b, block], valid[b, block], seq_len=seq_len,
+                                   block_size=block_size, sliding_window=sliding_window)
+
+    return mod
+
+
+def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
+                        sliding_window: int | None = None) -> BlockMask:
+    """flex_attention ``BlockMask`` with the semantics of ``training_mask`` (the GPU path)."""
+    if create_block_mask is None:  # pragma: no cover
+        raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
+    batch, n = anchors.positions.shape
+    return create_block_mask(
+        mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
+        B=batch, H=None, Q_LEN=n * block_size, KV_LEN=seq_len + n * block_size,
+        device=anchors.positions.device,
+    )
+
+
+def training_masks(drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int,
+                   backend: str = "auto") -> dict[str, t.Any]:
+    """``{layer_type: mask}`` for the drafter's layer types. backend: "dense", "flex" or "auto" (flex on GPU)."""
+    if backend == "auto":
+        backend = "flex" if anchors.positions.is_cuda and create_block_mask is not None else "dense"
+    if backend not in ("dense", "flex"):
+        raise ValueError(f"attention backend: expected 'auto', 'dense' or 'flex', got {backend!r}")
+    build = training_block_mask if backend == "flex" else training_mask
+    masks: dict[str, t.Any] = {}
+    for kind in dict.fromkeys(drafter.layer_types):
+        window = drafter.config.sliding_window if kind == "sliding_attention" else None
+        masks[kind] = build(anchors, seq_len=seq_len, block_size=drafter.block_size, sliding_window=window)
+    return masks
+
+
+# ---- loss --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTerms:
+    """The weighted loss and the counts behind the metrics (all over scored slots, weight > 0)."""
+
+    loss: torch.Tensor  # scalar, with grad
+    weight_sum: torch.Tensor  # scalar
+    correct_per_slot: torch.Tensor  # [B] argmax == label
+    scored_per_slot: torch.Tensor  # [B]
+    accepted_sum: torch.Tensor  # scalar: sum over blocks of the matched prefix length (slots 1..)
+    blocks: torch.Tensor  # scalar: blocks with at least one scored slot
+
+
+def _chunk_terms(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
+    """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks)."""
+    weight = getattr(lm_head, "weight", None)
+    if weight is not None and hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)  # a drafter may train in another dtype than the frozen head
+    logits = lm_head(hidden).float()  # [n, B, V]: CE in fp32 whatever the model dtype
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    loss_sum = (ce * weights).sum()
+    with torch.no_grad():
+        scored = weights > 0
+        correct = (logits.argmax(dim=-1) == labels) & scored
+        # Teacher-forced acceptance: the run of correct, scored slots from slot 1 on.
+        accepted = correct[:, 1:].long().cumprod(dim=1).sum(dim=1)
+        has_scored = scored.any(dim=1)
+        terms = (correct.sum(dim=0), scored.sum(dim=0), (accepted * has_scored).sum(), has_scored.sum())
+    return (loss_sum, *terms)
+
+
+def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, *,
+                chunk_size: int | None = 128) -> LossTerms:
+    """Weighted cross-entropy of the block slots through the frozen lm_head.
+
+    ``hidden`` [Bt, N, B, H] (drafter output, final-normed), ``labels``/``weights`` [Bt, N, B].
+    ``chunk_size``: blocks per lm_head + CE chunk, checkpointed so that only one chunk's logits live at a
+    time (in forward and in backward); None or 0 computes everything at once (no recomputation).
+    """
+    block = labels.shape[-1]
+    hidden = hidden.reshape(-1, block, hidden.shape[-1])
+    labels = labels.reshape(-1, block)
+    weights = weights.reshape(-1, block)
+    # Padding blocks (and blocks with nothing supervised) cost lm_head time for nothing: drop them.
+    keep = (weights > 0).any(dim=1).nonzero().squeeze(1)
+    if keep.numel() == 0:
+        raise ValueError("dflash_loss: no slot has a positive weight (no valid block with a supervised target)")
+    hidden, labels, weights = hidden.index_select(0, keep), labels.index_select(0, keep), weights.index_select(0, keep)
+    total = hidden.shape[0]
+    step = total if not chunk_size else chunk_size
+    use_checkpoint = bool(chunk_size) and torch.is_grad_enabled() and hidden.requires_grad
+    sums: list[torch.Tensor] | None = None
+    for start in range(0, total, step):
+        parts = (hidden[start:start + step], labels[start:start + step], weights[start:start + step])
+        if use_checkpoint:
+            terms = checkpoint(_chunk_terms, *parts, lm_head, use_reentrant=False)
+        else:
+            terms = _chunk_terms(*parts, lm_head)
+        sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
+    assert sums is not None
+    loss_sum, correct, scored, accepted, blocks = sums
+    weight_sum = weights.sum()
+    return LossTerms(loss=loss_sum / weight_sum, weight_sum=weight_sum, correct_per_slot=correct,
+                     scored_per_slot=scored, accepted_sum=accepted, blocks=blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """One drafter step. ``loss`` has grad; the metrics are plain numbers / CPU tensors."""
+
+    loss: torch.Tensor
+    acc_per_slot: torch.Tensor  # [B-1]: accuracy of slots 1..B-1 (0 where nothing was scored)
+    acc: float  # accuracy over all scored slots
+    tau_tf: float  # teacher-forced accept length: mean over blocks of 1 + matched prefix
+    n_tokens: int  # supervised tokens in the batch (loss_mask), for Ktok/s
+    n_blocks: int  # valid anchors (blocks) trained on
+    anchors: Anchors
+
+
+def drafter_loss(
+    drafter: DFlashDraftModel,
+    head: TargetHead,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    features: torch.Tensor,
+    *,
+    num_anchors: int,
+    gamma: float | None = None,
+    generator: torch.Generator,
+    chunk_size: int | None = 128,
+    attention: str = "auto",
+) -> StepOutput:
+    """The whole DFlash objective for one batch: the entry point a drafter replica calls per step.
+
+    ``features`` [Bt, S, n*H] from ``TargetModel.features`` (on the drafter's device); ``input_ids``
+    and ``loss_mask`` [Bt, S] (moved there). ``gamma`` None: ``default_gamma(block_size)``.
+    ``attention``: "auto" (flex BlockMask on GPU, dense mask elsewhere), "dense" or "flex".
+    """
+    device = features.device
+    n_tokens = int((loss_mask > 0).sum())
+    input_ids = input_ids.to(device)
+    loss_mask = loss_mask.to(device)
+    if input_ids.shape != loss_mask.shape or features.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"input_ids {list(input_ids.shape)}, loss_mask {list(loss_mask.shape)} and features "
+            f"{list(features.shape[:2])} must agree on [batch, seq]"
+        )
+    block = drafter.block_size
+    gamma = default_gamma(block) if gamma is None else gamma
+    batch, seq = input_ids.shape
+
+    anchors = sample_anchors(loss_mask, num_anchors=num_anchors, block_size=block, generator=generator)
+    block_ids, block_positions = block_inputs(input_ids, anchors, block_size=block,
+                                              mask_token_id=drafter.mask_token_id)
+    context_positions = torch.arange(seq, device=device).expand(batch, seq)
+    hidden = drafter(
+        position_ids=torch.cat([context_positions, block_positions], dim=1),
+        attention_mask=training_masks(drafter, anchors, seq_len=seq, backend=attention),
+        noise_embedding=head.embed(block_ids),
+        target_hidden=features,
+    )
+    labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=gamma)
+    terms = dflash_loss(hidden.view(batch, anchors.num_blocks, block, -1), head.lm_head, labels, weights,
+                        chunk_size=chunk_size)
+
+    correct = terms.correct_per_slot[1:].double().cpu()
+    scored = terms.scored_per_slot[1:].double().cpu()
+    acc_per_slot = torch.where(scored > 0, correct / scored.clamp(min=1), torch.zeros_like(correct))
+    n_scored = float(scored.sum())
+    blocks = float(terms.blocks)
+    return StepOutput(
+        loss=terms.loss,
+        acc_per_slot=acc_per_slot.float(),
+        acc=float(correct.sum()) / n_scored if n_scored else 0.0,
+        tau_tf=1.0 + float(terms.accepted_sum) / blocks if blocks else math.nan,
+        n_tokens=n_tokens,
+        n_blocks=int(anchors.valid.sum()),
+        anchors=anchors,
+    )
