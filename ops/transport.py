@@ -189,9 +189,12 @@ def _feed(pipe: t.BinaryIO | None, stdin: Stdin) -> None:
     try:
         for chunk in iter_stdin(stdin):
             pipe.write(chunk)
-        pipe.close()
     except (BrokenPipeError, ValueError, OSError):
         pass  # the command stopped reading; its exit code tells the story
+    finally:
+        # Always close, even when the stdin iterator itself failed: the command must see EOF.
+        with contextlib.suppress(OSError, ValueError):
+            pipe.close()
 
 
 def _drain(stream: t.BinaryIO, sink: list[bytes]) -> None:
