@@ -91,7 +91,6 @@ class App:
     def remote(self) -> t.Any:
         """The host's ``Remote`` (transport + container), connected once per CLI call."""
         if self._remote is None:
-            _import_paramiko_without_invoke()
             from ops.remote import connect
 
             self._remote = connect(self.host)
@@ -104,36 +103,6 @@ class App:
 
 
 pass_app = click.make_pass_decorator(App)
-
-
-class _InvokeOnDemand:
-    """Stands in for the `invoke` module inside paramiko.config until a `Match exec` line needs it."""
-
-    def __getattr__(self, name: str) -> t.Any:
-        import invoke
-        import paramiko.config
-
-        paramiko.config.invoke = invoke
-        return getattr(invoke, name)
-
-
-def _import_paramiko_without_invoke() -> None:
-    """paramiko imports `invoke` at start-up only to run ssh_config `Match exec` lines; that import is a
-    third of paramiko's (~120 ms of every `dflashctl status`, bench/status_vs_raw.py). Import paramiko
-    without it, and hand paramiko.config a stand-in that imports invoke on first use."""
-    if "paramiko" in sys.modules or "invoke" in sys.modules:
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("invoke") is None:
-        return
-    sys.modules["invoke"] = None  # type: ignore[assignment]  # `import invoke` raises ImportError
-    try:
-        import paramiko.config
-    finally:
-        del sys.modules["invoke"]
-    paramiko.config.invoke = _InvokeOnDemand()  # type: ignore[attr-defined]
-    paramiko.config.invoke_import_error = None  # type: ignore[attr-defined]
 
 
 def init_logging(verbosity: int) -> None:

@@ -1,0 +1,96 @@
+"""`dflashctl status --json` vs the raw one-liner a user would type, against the same sshd + fake
+Proxmox container + live tmux session (all on 127.0.0.1).
+
+    .venv/bin/python bench/status_vs_raw.py [--rounds 15]
+
+raw:    ssh ... 'pct exec 200 -- tmux -L <sock> capture-pane -t =dflash: -p -S -30'   (30 lines, no state;
+        `-t =dflash` without the colon fails: "can't find pane: =dflash")
+status: dflashctl status --json   (a fresh CLI process: one ssh connection, one agent call, the full state)
+
+Prints the median wall time of each (rounds interleaved, so both see the same machine load), and the
+ratio of medians. Goal: ratio <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "ops"))
+
+from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
+from runkit import fake_release, train_command  # noqa: E402
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, subprocess.CompletedProcess[bytes]]:
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, timeout=120, env=env)
+    return time.perf_counter() - t0, p
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
+    home = root / "home"
+    (home / ".ssh").mkdir(parents=True)
+    sshd = Sshd(root / "sshd").start()
+    pve = FakePve()
+    try:
+        pve.create(200, start=True)
+        hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket="dflash-bench")
+        finish = hosts.workdir.parent / "finish"
+        finish.parent.mkdir(parents=True, exist_ok=True)
+        hosts.write(command=train_command("--steps", "1", "--interval", "0.5", "--until", str(finish)),
+                    hang_after=600, startup_grace=0)
+        fake_release(hosts.workdir)
+        r = hosts.cli("start")
+        assert r.exit_code == 0, r.output
+        retry_until(lambda: json.loads(hosts.cli("status", "--json").stdout)["state"] == "running", 30)
+
+        raw = sshd.ssh_argv(shlex.join([str(pve.pct), "exec", "200", "--", "tmux", "-L", "dflash-bench",
+                                        "capture-pane", "-t", "=dflash:", "-p", "-S", "-30"]))
+        from ops.testing.hostsfile import dflashctl_argv
+
+        status = [*dflashctl_argv(), "--hosts", str(hosts.path), "status", "--json"]
+        env = hosts.env()
+        # warm-up: page cache, sshd's first fork
+        for _ in range(2):
+            timed(raw)
+            timed(status, env)
+        t_raw, t_status = [], []
+        for _ in range(args.rounds):
+            dt, p = timed(raw)
+            assert p.returncode == 0 and b"step" in p.stdout, p.stderr
+            t_raw.append(dt)
+            dt, p = timed(status, env)
+            assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
+            t_status.append(dt)
+        finish.touch()
+    finally:
+        sshd.stop()
+        pve.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    m_raw, m_status = statistics.median(t_raw), statistics.median(t_status)
+    print(f"rounds: {args.rounds} (interleaved)")
+    print(f"raw ssh+pct+capture-pane : median {m_raw * 1000:7.1f} ms  (min {min(t_raw) * 1000:.1f}, max {max(t_raw) * 1000:.1f})")
+    print(f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})")
+    print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,632 @@
+"""Facts -> ``Status``: the pure classification behind `dflashctl status` (DESIGN.md section 6).
+
+No I/O. The input is one dict the operator side assembles (``ops.session.gather``):
+
+    {"host", "session", "socket", "container_id", "hang_after", "startup_grace", "checked_at",
+     "mode": "agent" | "fallback",
+     "unreachable":    {"cause", "detail"} | None,        # typed transport errors' .cause
+     "container_down": {"cause", "detail"} | None,        # ContainerDown.cause: stopped | missing
+     "agent_timeout":  "detail" | None,
+     "agent":    the agent's probe answer | None,
+     "fallback": {"reason", "tmux", "pane_capture"} | None}
+
+Durable evidence (exit.json, run.json, the log) decides before tmux texts do: `no server running on ...`
+is printed both when the server was killed and when it exited because its only session's command
+ended, so only the run's own exit record can tell those apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal as signal_mod
+import time
+import typing as t
+
+from ops import tmux as tmux_mod
+
+STATES = ("running", "stalled", "succeeded", "crashed", "lost", "not-started", "stopped", "container-down", "unreachable")
+CAUSES = {
+    "crashed": ("cuda-oom", "host-oom", "nccl-timeout", "nccl-error", "python-exception", "signal", "nonzero-exit"),
+    "lost": ("container-restart", "tmux-server-killed", "session-killed", "unknown"),
+    "container-down": ("stopped", "missing"),
+    "unreachable": ("refused", "timeout", "dns", "auth", "host-key", "unknown"),
+}
+# Records without PID 1's ticks compare start times: a container restart moves them by more than this.
+BOOT_SLACK = 1.0
+TAIL_KEEP = 30  # log lines kept on the Status for incident reports (not in the JSON)
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+@dataclasses.dataclass(slots=True)
+class TmuxView:
+    socket: str | None
+    server: str | None = None  # "alive" | "dead" | None (unknown)
+    session: str | None = None  # "alive" | "missing" | None
+    pane: str | None = None  # "alive" | "dead" | None
+    evidence: str | None = None  # the exact tmux stderr when something is not there
+
+
+@dataclasses.dataclass(slots=True)
+class ContainerView:
+    id: int
+    status: str | None  # "running" | "stopped" | "missing" | None (unknown)
+    booted_at: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Progress:
+    step: int | None
+    loss: float | None
+    ktok_s: float | None
+    at: str | None
+
+
+@dataclasses.dataclass(slots=True)
+class Status:
+    host: str
+    session: str
+    state: str
+    cause: str | None = None
+    detail: str | None = None
+    gpu: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    attempt: int | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    tmux: TmuxView = dataclasses.field(default_factory=lambda: TmuxView(None))
+    container: ContainerView | None = None
+    progress: Progress | None = None
+    log: str | None = None
+    evidence: list[str] = dataclasses.field(default_factory=list)
+    checked_at: str | None = None
+    mode: str = "agent"
+    fingerprint: str | None = None
+    pid: int | None = None
+    gpus: list[dict[str, t.Any]] | None = None
+    # not part of the JSON: the last log lines, for incident reports
+    tail: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, t.Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tail"}
+        d["tmux"] = dataclasses.asdict(self.tmux)
+        d["container"] = dataclasses.asdict(self.container) if self.container else None
+        d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
+        d["evidence"] = list(self.evidence)
+        return d
+
+    # ---------------------------------------------------------------- human output
+
+    def headline(self) -> str:
+        when = _clock(self.ended_at)
+        att = f"attempt {self.attempt}" if self.attempt is not None else None
+        if self.state == "crashed":
+            how = f"signal {self.signal}" if self.exit_code is None and self.signal else f"exit {self.exit_code}"
+            return f"crashed: {_cause_text(self)} ({_join(how, when, att)})"
+        if self.state == "succeeded":
+            return f"succeeded ({_join('exit 0', when, att)})"
+        if self.state == "stopped":
+            return f"stopped by dflashctl stop ({_join(when, att)})"
+        if self.state in ("running", "stalled"):
+            prog = ""
+            if self.progress and self.progress.step is not None:
+                prog = f"step {self.progress.step}"
+                if self.progress.loss is not None:
+                    prog += f", loss {self.progress.loss:g}"
+            pid = f"pid {self.pid}" if self.pid else None
+            if self.state == "stalled":
+                return f"stalled: {self.detail} ({_join(prog or None, att, pid)})"
+            return f"running{': ' + prog if prog else ''} ({_join(att or 'no run record', pid)})"
+        if self.state == "lost":
+            return f"lost: {_cause_text(self)} ({_join('no exit record', att)})"
+        if self.state == "container-down":
+            return f"container-down: container {self.container.id if self.container else '?'} is {self.cause}"
+        if self.state == "unreachable":
+            return f"unreachable ({self.cause}): {self.detail}"
+        return f"{self.state}: {self.detail}" if self.detail else self.state
+
+    def lines(self) -> list[str]:
+        """The headline, then tmux, container, progress, log and the evidence."""
+        out = [self.headline()]
+        if self.detail and self.state in ("crashed", "lost") and self.detail not in out[0]:
+            out.append(f"  detail:    {self.detail}")
+        tm = self.tmux
+        if tm.server is None and tm.evidence is None:
+            out.append(f"  tmux:      unknown (socket {tm.socket})")
+        else:
+            parts = [f"server {tm.server or 'unknown'}"]
+            if tm.session:
+                parts.append(f"session {tm.session}")
+            if tm.pane:
+                parts.append(f"pane {tm.pane}")
+            line = f"  tmux:      {', '.join(parts)} (socket {tm.socket})"
+            if tm.evidence:
+                line += f": {tm.evidence}"
+            out.append(line)
+        if self.container is not None:
+            c = self.container
+            boot = f", booted {c.booted_at}" if c.booted_at else ""
+            out.append(f"  container: {c.id} {c.status or 'unknown'}{boot}")
+        if self.progress is not None:
+            p = self.progress
+            bits = [f"step {p.step}" if p.step is not None else None,
+                    f"loss {p.loss:g}" if p.loss is not None else None,
+                    f"{p.ktok_s:g} Ktok/s" if p.ktok_s is not None else None]
+            out.append(f"  progress:  {_join(*bits) or 'no step yet'}" + (f" (at {p.at})" if p.at else ""))
+        if self.gpus:
+            for g in self.gpus:
+                out.append(f"  gpu {g.get('index')}:     {g.get('memory_used_mib')}/{g.get('memory_total_mib')} MiB, "
+                           f"{g.get('utilization_pct')}% util")
+        if self.log:
+            out.append(f"  log:       {self.log}")
+        if self.mode != "agent":
+            out.append(f"  mode:      {self.mode}")
+        if self.evidence:
+            out.append("  evidence:")
+            out.extend(f"    - {e}" for e in self.evidence)
+        return out
+
+
+def _join(*parts: str | None) -> str:
+    return ", ".join(p for p in parts if p)
+
+
+def _clock(ts: str | None) -> str | None:
+    # "2026-11-29T15:40:02Z" -> "15:40:02"
+    return ts[11:19] if ts and len(ts) >= 19 else None
+
+
+def _signame(n: int | None) -> str:
+    try:
+        return signal_mod.Signals(n).name if n else "?"
+    except ValueError:
+        return f"signal {n}"
+
+
+def _cause_text(s: Status) -> str:
+    c = s.cause
+    if c == "cuda-oom":
+        return "CUDA out of memory" + (f" on GPU {s.gpu}" if s.gpu is not None else "")
+    if c == "host-oom":
+        return "killed by the host OOM killer (container memory limit)"
+    if c == "nccl-timeout":
+        return "NCCL watchdog timeout (a collective hung)"
+    if c == "nccl-error":
+        return "NCCL error"
+    if c == "python-exception":
+        return _short(s.detail or "Python exception")
+    if c == "signal":
+        return f"killed by signal {s.signal} ({_signame(s.signal)})"
+    if c == "nonzero-exit":
+        return f"exit code {s.exit_code}"
+    if c == "container-restart":
+        return "the container restarted during the run"
+    if c == "tmux-server-killed":
+        return "the run died with its tmux server"
+    if c == "session-killed":
+        return "the run died with its tmux session"
+    return "the run vanished"
+
+
+def _short(text: str, n: int = 120) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a log tail: what killed the run
+
+
+_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's per-rank prefixes
+_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
+_GPU = re.compile(r"\bGPU (\d+)\b|\bcuda:(\d+)\b|\bdevice (\d+)\b")
+_NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out")
+_NCCL_ERROR = re.compile(
+    r"NCCL error|DistBackendError|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError"
+    r"|ncclInvalidUsage|Some NCCL operations have failed"
+)
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
+_STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
+_KTOK = re.compile(r"([0-9.]+) Ktok/s")
+
+
+@dataclasses.dataclass(slots=True)
+class Diagnosis:
+    cause: str
+    detail: str | None = None
+    gpu: int | None = None
+    signal: int | None = None
+    evidence: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable across runs: numbers, addresses and sizes collapse, so the same bug matches itself."""
+        if self.cause == "signal":
+            return f"signal|{self.signal}"
+        if self.cause == "cuda-oom":
+            return f"cuda-oom|gpu {self.gpu}"
+        body = re.sub(r"0x[0-9a-fA-F]+", "<addr>", self.detail or "")
+        body = re.sub(r"\d+(?:\.\d+)?", "#", body)
+        return f"{self.cause}|{body[:200]}"
+
+
+def _clean(lines: t.Iterable[str]) -> list[str]:
+    return [_PREFIX.sub("", line.rstrip()) for line in lines]
+
+
+def last_exception(lines: t.Sequence[str]) -> str | None:
+    """The exception line of the LAST traceback in ``lines`` (the first unindented line after its frames)."""
+    lines = _clean(lines)
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if not line.strip() or line[0] in " \t":
+            continue
+        if _EXC_LINE.match(line.split(": ", 1)[0]):
+            return line.strip()
+        return None
+    return None
+
+
+def _gpu_of(texts: t.Iterable[str]) -> int | None:
+    for text in texts:
+        m = _GPU.search(text)
+        if m:
+            return int(next(g for g in m.groups() if g is not None))
+    return None
+
+
+def diagnose(lines: t.Sequence[str], *, exit_code: int | None, signal: int | None,
+             oom_before: int | None = None, oom_after: int | None = None) -> Diagnosis:
+    """Why a run ended non-zero: the log tail, the exit record and the cgroup's oom_kill count."""
+    lines = _clean(lines)
+    exc = last_exception(lines)
+    if oom_before is not None and oom_after is not None and oom_after > oom_before:
+        how = f"signal {signal}" if signal else f"exit {exit_code}"
+        return Diagnosis("host-oom", f"the container's OOM killer killed {oom_after - oom_before} process(es) "
+                         f"during the run ({how})", signal=signal or _from_shell(exit_code),
+                         evidence=[f"cgroup memory.events oom_kill rose from {oom_before} to {oom_after}"])
+    if exc and _CUDA_OOM.search(exc):
+        return Diagnosis("cuda-oom", exc, gpu=_gpu_of([exc] + [x for x in lines if _CUDA_OOM.search(x)]))
+    if exc and _NCCL_TIMEOUT.search(exc):
+        return Diagnosis("nccl-timeout", exc)
+    if exc and _NCCL_ERROR.search(exc):
+        return Diagnosis("nccl-error", exc)
+    for pattern, cause in ((_NCCL_TIMEOUT, "nccl-timeout"), (_CUDA_OOM, "cuda-oom"), (_NCCL_ERROR, "nccl-error")):
+        hits = [x.strip() for x in lines if pattern.search(x)]
+        if hits:
+            gpu = _gpu_of(hits) if cause == "cuda-oom" else None
+            return Diagnosis(cause, _short(hits[-1], 400), gpu=gpu, signal=signal,
+                             evidence=[f"log: {_short(hits[-1], 200)}"])
+    if signal:
+        return Diagnosis("signal", f"ended by signal {signal} ({_signame(signal)})", signal=signal)
+    if exc:
+        return Diagnosis("python-exception", exc)
+    sh = _from_shell(exit_code)
+    if sh:
+        return Diagnosis("signal", f"exit {exit_code} = 128+{sh}: a process was killed by signal {sh} "
+                         f"({_signame(sh)})", signal=sh)
+    last = next((x.strip() for x in reversed(lines) if x.strip()), None)
+    return Diagnosis("nonzero-exit", _short(last, 400) if last else f"exit code {exit_code}")
+
+
+def _from_shell(exit_code: int | None) -> int | None:
+    """A shell reports a signalled child as 128+N."""
+    if exit_code is not None and 128 < exit_code <= 128 + 64:
+        return exit_code - 128
+    return None
+
+
+def progress_of(metrics: dict[str, t.Any] | None, log: dict[str, t.Any] | None) -> Progress | None:
+    """The last metrics.jsonl record, else the last `step N | loss X ...` line of the log."""
+    rec = (metrics or {}).get("last")
+    if isinstance(rec, dict) and rec.get("step") is not None:
+        return Progress(step=_int(rec.get("step")), loss=_float(rec.get("loss")),
+                        ktok_s=_float(rec.get("ktok_s")), at=rec.get("at") if isinstance(rec.get("at"), str)
+                        else iso((metrics or {}).get("mtime")))
+    return progress_from_lines((log or {}).get("tail") or [], iso((log or {}).get("mtime")))
+
+
+def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | None:
+    for line in reversed(lines):
+        m = _STEP.search(line)
+        if m:
+            k = _KTOK.search(line)
+            return Progress(step=int(m.group(1)), loss=_float(m.group(2)),
+                            ktok_s=_float(k.group(1)) if k else None, at=at)
+    return None
+
+
+def _int(v: t.Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _float(v: t.Any) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# The classification
+
+
+def tmux_view(socket: str | None, tf: dict[str, t.Any] | None, pane: dict[str, str] | None) -> TmuxView:
+    if tf is None:
+        return TmuxView(socket)
+    if tf.get("timed_out"):
+        return TmuxView(socket, evidence="tmux did not answer (timed out)")
+    if tf.get("installed") is False:
+        return TmuxView(socket, server="dead", evidence=f"tmux is not installed: {tf.get('stderr')}")
+    if tf.get("exit_code") == 0:
+        state = None if pane is None else "dead" if pane.get("pane_dead") == "1" else "alive"
+        return TmuxView(socket, "alive", "alive", state, None)
+    v = tmux_mod.classify(tf.get("stderr") or "")
+    return TmuxView(socket, v.server, v.session, None, v.text or None)
+
+
+def _pick_pane(tf: dict[str, t.Any] | None, pid: t.Any = None) -> dict[str, str] | None:
+    panes = (tf or {}).get("panes") or []
+    for p in panes:
+        if pid is not None and p.get("pane_pid") == str(pid):
+            return p
+    return panes[0] if panes else None
+
+
+def classify(facts: t.Mapping[str, t.Any]) -> Status:
+    """One state, its cause and the evidence it rests on."""
+    host, session = facts.get("host", "?"), facts.get("session", "?")
+    socket = facts.get("socket")
+    ct = facts.get("container_id")
+    s = Status(host=host, session=session, state="not-started", checked_at=iso(facts.get("checked_at")),
+               mode=facts.get("mode", "agent"), tmux=TmuxView(socket))
+    if ct is not None:
+        s.container = ContainerView(id=ct, status=None)
+
+    un = facts.get("unreachable")
+    if un:
+        s.state, s.cause, s.detail = "unreachable", un.get("cause") or "unknown", un.get("detail")
+        s.evidence.append(f"{un.get('cause')}: {un.get('detail')}")
+        return s
+    down = facts.get("container_down")
+    if down:
+        s.state, s.cause, s.detail = "container-down", down.get("cause"), down.get("detail")
+        if s.container is not None:
+            s.container.status = down.get("cause")
+        s.evidence.append(f"pct: {down.get('detail')}")
+        return s
+    if facts.get("agent_timeout"):
+        s.state, s.cause, s.detail = "unreachable", "timeout", facts["agent_timeout"]
+        if s.container is not None:
+            s.container.status = "running"
+        s.evidence.append(f"agent: {facts['agent_timeout']}")
+        return s
+
+    agent = facts.get("agent")
+    if agent is None:
+        fb = facts.get("fallback") or {}
+        s.mode = "fallback"
+        if s.container is not None:
+            s.container.status = "running"
+        s.evidence.append(f"fallback mode: {fb.get('reason') or 'the agent could not run'}; "
+                          "only tmux was asked (no run records read)")
+        _classify_by_tmux(s, fb.get("tmux"), fb.get("pane_capture"), attempt=None)
+        return s
+
+    if s.container is not None:
+        s.container.status = "running"
+        s.container.booted_at = iso(agent.get("pid1_start"))
+    if isinstance(agent.get("gpus"), list):
+        s.gpus = agent["gpus"]
+    elif isinstance(agent.get("gpus"), dict) and agent["gpus"].get("error"):
+        s.evidence.append(f"nvidia-smi failed: {agent['gpus']['error']}")
+    af = agent.get("attempt") or None
+    if af is not None and af.get("run"):
+        _classify_run(s, facts, agent, af)
+    else:
+        _classify_by_tmux(s, agent.get("tmux"), agent.get("pane_capture"), attempt=af)
+    return s
+
+
+def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.Any], af: dict[str, t.Any]) -> None:
+    """A run started by the runner: exit.json, stop.json, pid liveness, then tmux as context."""
+    run, exit_rec, stop = af["run"], af.get("exit"), af.get("stop")
+    now = agent.get("now") or facts.get("checked_at") or time.time()
+    tf = agent.get("tmux")
+    pane = _pick_pane(tf, run.get("pid"))
+    s.tmux = tmux_view(s.tmux.socket, tf, pane)
+    s.attempt = af.get("attempt") if af.get("attempt") is not None else run.get("attempt")
+    s.started_at = run.get("started_at")
+    s.pid = run.get("child_pid") or run.get("pid")
+    log = af.get("log") or {}
+    s.log = log.get("path") or (f"{af['dir']}/train.log" if af.get("dir") else None)
+    s.tail = list((log.get("tail") or [])[-TAIL_KEEP:])
+    s.progress = progress_of(af.get("metrics"), log)
+    for err in af.get("errors") or []:
+        s.evidence.append(f"unreadable record: {err}")
+    child, runner = af.get("child") or {}, af.get("runner") or {}
+
+    if exit_rec:
+        s.ended_at = exit_rec.get("ended_at")
+        s.exit_code, s.signal = exit_rec.get("exit_code"), exit_rec.get("signal")
+        how = f"signal {s.signal}" if s.exit_code is None and s.signal else f"exit {s.exit_code}"
+        s.evidence.append(f"exit.json: {how} at {s.ended_at}")
+        if stop:
+            s.state = "stopped"
+            s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')})"
+            s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
+        elif s.exit_code == 0:
+            s.state = "succeeded"
+        else:
+            s.state = "crashed"
+            d = diagnose(log.get("tail") or [], exit_code=s.exit_code, signal=s.signal,
+                         oom_before=run.get("oom_kill"), oom_after=exit_rec.get("oom_kill"))
+            s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
+            if d.signal and s.signal is None:
+                s.signal = d.signal
+            s.evidence.extend(d.evidence)
+        _tmux_context(s)
+        return
+
+    alive = child if child.get("alive") else runner if runner.get("alive") else None
+    if alive:
+        s.pid = alive["pid"]
+        who = "the command" if alive is child else "the runner (the command's pid is gone)"
+        s.evidence.append(f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)")
+        if alive.get("state") == "T":
+            s.evidence.append(f"pid {alive['pid']} is stopped (state T: SIGSTOP or a debugger)")
+        if stop:
+            s.evidence.append(f"stop.json: a stop was requested at {stop.get('requested_at')} but the process still runs")
+        _tmux_context(s, alive=True)
+        started = run.get("started_ts")
+        marks = [m for m in ((log or {}).get("mtime"), ((af.get("metrics") or {}).get("mtime")), started) if m]
+        last = max(marks) if marks else None
+        hang, grace = float(facts.get("hang_after", 900)), float(facts.get("startup_grace", 1200))
+        if started is not None and now - started <= grace:
+            s.state = "running"
+            if last is not None and now - last > hang:
+                s.evidence.append(f"no progress for {_dur(now - last)}, but still inside startup_grace ({_dur(grace)})")
+        elif last is not None and now - last > hang:
+            s.state = "stalled"
+            s.detail = f"no progress for {_dur(now - last)} (hang_after {_dur(hang)})"
+            s.evidence.append(f"last log/metrics write at {iso(last)} (container clock; now {iso(now)})")
+        else:
+            s.state = "running"
+        return
+
+    # no exit record and no live process
+    if s.pid and child:
+        s.evidence.append(f"pid {child.get('pid')} is gone" + (" (reused by another process)" if child.get("same") is False else ""))
+    if stop:
+        s.state = "stopped"
+        s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')}); the runner was killed before it wrote exit.json"
+        s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
+        _tmux_context(s)
+        return
+    s.state = "lost"
+    boot_now, boot_then, started = agent.get("pid1_start"), run.get("container_boot"), run.get("started_ts")
+    ticks_now, ticks_then = agent.get("pid1_ticks"), run.get("container_boot_ticks")
+    if isinstance(ticks_now, int) and isinstance(ticks_then, int):
+        restarted = ticks_now != ticks_then  # another PID 1: exact, no clock involved
+    else:
+        restarted = (boot_now is not None and boot_then is not None and boot_now > boot_then + BOOT_SLACK) or (
+            boot_now is not None and started is not None and boot_now > started + BOOT_SLACK)
+    if restarted:
+        s.cause = "container-restart"
+        s.detail = f"the container restarted at {iso(boot_now)}, after the run started at {s.started_at}"
+        s.evidence.append(f"PID 1 started at {iso(boot_now)}; run.json recorded the container boot at {iso(boot_then)}")
+    elif s.tmux.server == "dead":
+        s.cause = "tmux-server-killed"
+        s.detail = "no exit record and no live process, and the tmux server is dead: the run was killed together with it"
+    elif s.tmux.session == "missing":
+        s.cause = "session-killed"
+        s.detail = "no exit record and no live process, and the session is gone: the run was killed together with it"
+    else:
+        s.cause = "unknown"
+        s.detail = "no exit record and no live process: the runner was killed (SIGKILL, OOM killer...) before it could write exit.json"
+    if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_signal"):
+        s.evidence.append(f"tmux: the runner was killed by signal {pane['pane_dead_signal']} (pane_dead_signal)")
+    oom = agent.get("oom_kill")
+    if oom is not None and run.get("oom_kill") is not None and oom > run["oom_kill"] and not restarted:
+        s.evidence.append(f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer")
+    _tmux_context(s)
+
+
+def _tmux_context(s: Status, *, alive: bool = False) -> None:
+    tm = s.tmux
+    if tm.server == "dead":
+        extra = f" but the training process is alive (pid {s.pid}): it survived, SIGHUP is ignored; `dflashctl tail` reads the log" if alive else ""
+        s.evidence.append(f"tmux server is dead ({tm.evidence}){extra}")
+    elif tm.session == "missing":
+        extra = f" but the training process is alive (pid {s.pid}): it survived, SIGHUP is ignored" if alive else ""
+        s.evidence.append(f"tmux session '{s.session}' is gone ({tm.evidence}){extra}")
+    elif tm.pane == "dead":
+        s.evidence.append("tmux pane is dead (remain-on-exit keeps it for inspection)")
+
+
+def _classify_by_tmux(s: Status, tf: dict[str, t.Any] | None, capture: dict[str, t.Any] | None,
+                      attempt: dict[str, t.Any] | None) -> None:
+    """No run record (a session started by hand, or fallback mode): tmux is all there is."""
+    pane = _pick_pane(tf)
+    s.tmux = tmux_view(s.tmux.socket, tf, pane)
+    lines = list((capture or {}).get("lines") or [])
+    s.tail = lines[-TAIL_KEEP:]
+    if attempt is not None:
+        s.attempt = attempt.get("attempt")
+        log = attempt.get("log") or {}
+        s.log = log.get("path")
+        if log.get("tail"):
+            lines = list(log["tail"])
+            s.tail = lines[-TAIL_KEEP:]
+    tm = s.tmux
+    if tm.session == "alive" or (tm.evidence and "no server running" in tm.evidence):
+        s.evidence.append("no run record (run.json): this session was not started by `dflashctl start`")
+    if tf is None or tf.get("timed_out"):
+        s.state, s.cause, s.detail = "lost", "unknown", "tmux did not answer"
+        return
+    if tm.session == "alive" and pane is not None:
+        s.pid = _int(pane.get("pane_pid"))
+        if pane.get("pane_dead") != "1":
+            s.state = "running"
+            s.progress = progress_from_lines(lines, None)
+            s.evidence.append(f"pane process {pane.get('pane_pid')} ({pane.get('pane_current_command')}) is alive; "
+                              "without a run record progress and hangs cannot be judged")
+            return
+        status, sig = pane.get("pane_dead_status") or "", pane.get("pane_dead_signal") or ""
+        s.exit_code = _int(status) if status else None
+        s.signal = _int(sig) if sig else None
+        s.evidence.append(f"tmux: pane_dead=1 pane_dead_status={status or '(empty)'} pane_dead_signal={sig or '(empty)'}")
+        if s.exit_code == 0:
+            s.state = "succeeded"
+            return
+        if s.exit_code is None and s.signal is None:
+            # the pty closed but tmux has not reaped the process yet (or tmux < 3.3 and a signal):
+            # only the pane's text can say more
+            d = diagnose(lines, exit_code=None, signal=None)
+            if d.cause == "nonzero-exit":
+                s.state, s.cause = "lost", "unknown"
+                s.detail = "the command ended, but tmux reported neither an exit status nor a signal, and there is no exit record"
+                return
+            s.state = "crashed"
+            s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
+            s.evidence.extend(d.evidence)
+            return
+        s.state = "crashed"
+        d = diagnose(lines, exit_code=s.exit_code, signal=s.signal)
+        s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
+        s.evidence.extend(d.evidence)
+        return
+    if tm.server == "dead" and tm.evidence and "no server running" in tm.evidence:
+        s.state, s.cause = "lost", "unknown"
+        s.detail = ("the tmux server is gone and there is no exit record. tmux prints `no server running` both "
+                    "when the server was killed and when the session's command ended and the server exited with it "
+                    "(its last session closed), so this cannot be called a crash or a kill: only an exit record, "
+                    "written by a run started with `dflashctl start`, would tell a kill from a normal end")
+        s.evidence.append(f"tmux: {tm.evidence} (the socket file exists, no server answers)")
+        return
+    s.state = "not-started"
+    if tm.server == "dead":
+        s.detail = f"no run and no tmux server on socket {tm.socket}"
+    elif tm.session == "missing":
+        s.detail = f"no run and no session '{s.session}'"
+    else:
+        s.detail = f"no run, and tmux says: {tm.evidence}"
+    if tm.evidence:
+        s.evidence.append(f"tmux: {tm.evidence}")
+
+
+def _dur(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"

@@ -1,0 +1,309 @@
+"""The training session on a host, from the operator's side: start, stop, status, tail, attach.
+
+Each action is ONE agent call through the host's ``Remote`` (ssh + ``pct exec`` for a Proxmox host),
+so a common `status` costs one connection and one remote command. When the agent cannot run at all
+(nothing deployed, no python) `status` and `tail` fall back to plain tmux calls and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import time
+import typing as t
+
+from ops import errors, tmux
+from ops.hosts import Host
+from ops.probe import Status, classify
+
+if t.TYPE_CHECKING:
+    from ops.remote import Remote
+
+PROBE_TIMEOUT = 30.0
+TAIL_TIMEOUT = 30.0
+START_TIMEOUT = 60.0
+FALLBACK_LINES = 200
+
+
+def session_name(host: Host, session: str | None) -> str:
+    """``--session`` or the host's; it becomes a tmux target and a folder name, so it is checked."""
+    if session is None:
+        return host.session
+    if not session or not all(c.isalnum() or c in "-_" for c in session):
+        raise errors.ConfigError("--session", f"use letters, digits, '-', '_' only, got {session!r}")
+    return session
+
+
+def request(host: Host, session: str | None = None) -> dict[str, t.Any]:
+    """What every agent verb needs to find the run: session, socket and the host's paths."""
+    return {
+        "session": session_name(host, session),
+        "socket": host.tmux_socket,
+        "run_dir": host.run_dir,
+        "workdir": host.workdir,
+        "python": host.python,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# status
+
+
+def gather(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> dict[str, t.Any]:
+    """Every fact for ``ops.probe.classify``; never raises because something is down."""
+    session = session_name(host, session)
+    facts: dict[str, t.Any] = {
+        "host": host.name, "session": session, "socket": host.tmux_socket, "container_id": host.container,
+        "hang_after": host.hang_after, "startup_grace": host.startup_grace, "checked_at": time.time(),
+        "mode": "agent",
+    }
+    try:
+        remote = connect()
+        answer = call(remote, "probe", request(host, session), timeout=PROBE_TIMEOUT)
+        if not answer.get("ok"):
+            raise errors.AgentError(f"agent probe: {answer.get('message')}")
+        facts["agent"] = answer
+    except errors.AgentError as e:
+        # an agent from another dflashctl version, or a broken release: tmux can still be asked
+        facts["mode"] = "fallback"
+        facts["fallback"] = _raw_or_down(facts, remote, host, session, reason=str(e))
+    except errors.UnreachableError as e:
+        facts["unreachable"] = {"cause": e.cause, "detail": str(e)}
+    except errors.ContainerDown as e:
+        facts["container_down"] = {"cause": e.cause, "detail": e.detail}
+    except errors.CommandTimeout as e:
+        facts["agent_timeout"] = f"the agent did not answer within {e.timeout:g}s"
+    except AgentUnavailable as e:
+        facts["mode"] = "fallback"
+        facts["fallback"] = _raw_or_down(facts, remote, host, session, reason=e.reason)
+    return facts
+
+
+def _raw_or_down(facts: dict[str, t.Any], remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any] | None:
+    try:
+        return raw_facts(remote, host, session, reason=reason)
+    except errors.ContainerDown as e:
+        facts["container_down"] = {"cause": e.cause, "detail": e.detail}
+    except errors.UnreachableError as e:
+        facts["unreachable"] = {"cause": e.cause, "detail": str(e)}
+    except errors.CommandTimeout as e:
+        facts["agent_timeout"] = f"tmux did not answer within {e.timeout:g}s"
+    return None
+
+
+def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> Status:
+    return classify(gather(host, session, connect))
+
+
+def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
+    """The raw fallback: plain tmux through Remote.run, stderr read by ops.tmux's table."""
+    for _ in range(3):
+        res = remote.run(tmux.panes_argv(host.tmux_socket, session), timeout=TAIL_TIMEOUT)
+        # a pane marked dead a moment before tmux reaped its process: ask again (as the agent does)
+        pending = [p for p in tmux.parse_panes(res.out) if p["pane_dead"] == "1" and not p["pane_dead_status"]
+                   and not p["pane_dead_signal"]]
+        if res.exit_code != 0 or not pending:
+            break
+        time.sleep(0.05)
+    tf = {
+        "socket": host.tmux_socket, "exit_code": res.exit_code, "stderr": res.err.strip(),
+        "timed_out": res.timed_out, "installed": not tmux.not_found(res.exit_code, res.err),
+        "panes": tmux.parse_panes(res.out) if res.exit_code == 0 else [],
+    }
+    capture = None
+    if res.exit_code == 0:
+        cap = remote.run(tmux.capture_argv(host.tmux_socket, session, FALLBACK_LINES), timeout=TAIL_TIMEOUT)
+        capture = {"exit_code": cap.exit_code, "stderr": cap.err.strip(),
+                   "lines": tmux.last_lines(cap.out.split("\n"), FALLBACK_LINES) if cap.exit_code == 0 else []}
+    return {"reason": reason, "tmux": tf, "pane_capture": capture}
+
+
+# --------------------------------------------------------------------------------------------
+# start / stop
+
+
+def start(remote: Remote, session: str | None = None, *, replace: bool = False) -> dict[str, t.Any]:
+    host = remote.host
+    req = request(host, session)
+    req.update(command=list(host.command), env=dict(host.env), replace=replace)
+    try:
+        answer = call(remote, "start", req, timeout=START_TIMEOUT)
+    except AgentUnavailable as e:
+        if e.not_deployed:
+            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
+        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+    if not answer.get("ok"):
+        kind, message = answer.get("error"), answer.get("message")
+        if kind == "not-deployed":
+            raise errors.NotDeployed(f"{host.label}: {message}")
+        if kind == "run-active":
+            raise errors.RunActive(f"{host.label}: {message}")
+        raise errors.AgentError(f"{host.label}: start: {message}")
+    return answer
+
+
+def stop(remote: Remote, session: str | None = None, *, grace: float = 60.0) -> dict[str, t.Any]:
+    host = remote.host
+    req = request(host, session)
+    req["grace"] = grace
+    try:
+        # C-c, grace, TERM, grace, KILL: the call may take two graces and a bit.
+        answer = call(remote, "stop", req, timeout=2 * grace + 30)
+    except AgentUnavailable as e:
+        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+    if not answer.get("ok"):
+        raise errors.AgentError(f"{host.label}: stop: {answer.get('message')}")
+    return answer
+
+
+# --------------------------------------------------------------------------------------------
+# tail
+
+
+class TailChunk(t.NamedTuple):
+    source: str
+    reason: str | None
+    lines: list[str]
+    log: str | None
+    offset: int | None
+
+
+def tail(remote: Remote, session: str | None = None, *, lines: int = 30, source: str = "auto",
+         follow: bool = False) -> TailChunk:
+    """The last ``lines`` lines and where they came from. ``follow``: the caller goes on with
+    ``follow()``, so ``auto`` prefers the log (one stream, no line lost or shown twice)."""
+    host = remote.host
+    req = request(host, session)
+    req.update(lines=lines, source=source, follow=follow)
+    try:
+        a = call(remote, "tail", req, timeout=TAIL_TIMEOUT)
+    except AgentUnavailable as e:
+        return _raw_tail(remote, host, req["session"], lines, source, reason=e.reason)
+    if not a.get("ok"):
+        raise errors.OpsError(f"{host.label}: {a.get('message')}")
+    return TailChunk(a["source"], a.get("reason"), a["lines"], a.get("log"), a.get("offset"))
+
+
+def _raw_tail(remote: Remote, host: Host, session: str, lines: int, source: str, *, reason: str) -> TailChunk:
+    if source == "log":
+        raise errors.OpsError(f"{host.label}: cannot read the log: {reason}")
+    res = remote.run(tmux.capture_argv(host.tmux_socket, session, lines), timeout=TAIL_TIMEOUT)
+    if res.exit_code != 0:
+        v = tmux.classify(res.err)
+        raise errors.OpsError(f"{host.label}: fallback mode ({reason}): no pane to show: {v.text}")
+    return TailChunk("pane", f"fallback mode ({reason}): showing the pane of session '{session}'",
+                     tmux.last_lines(res.out.split("\n"), lines), None, None)
+
+
+def follow(remote: Remote, first: TailChunk, session: str | None = None, *, interval: float = 1.0,
+           emit: t.Callable[[str], None], note: t.Callable[[str], None],
+           rounds: int | None = None) -> None:
+    """`tail -f`: poll the log by offset through the agent (never a long-lived channel). Returns
+    when ``rounds`` polls are done (None: until interrupted)."""
+    host = remote.host
+    log, offset = first.log, first.offset
+    if log is None or offset is None:
+        raise errors.OpsError(f"{host.label}: no log to follow (source {first.source})")
+    done = 0
+    while rounds is None or done < rounds:
+        time.sleep(interval)
+        done += 1
+        req = request(host, session)
+        req.update(offset=offset, log=log)
+        a = call(remote, "tail", req, timeout=TAIL_TIMEOUT)
+        if not a.get("ok"):
+            note(f"follow: {a.get('message')}")
+            continue
+        for line in a["lines"]:
+            emit(line)
+        offset = a["offset"]
+        cur = a.get("current_log")
+        if cur and cur != log and a.get("offset") == a.get("size"):
+            note(f"a new attempt started: following {cur}")
+            log, offset = cur, 0
+
+
+# --------------------------------------------------------------------------------------------
+# attach
+
+
+def attach_argv(host: Host, session: str | None = None) -> list[str]:
+    """The command that attaches an interactive terminal to the session's pane."""
+    session = session_name(host, session)
+    inner = tmux.attach_argv(host.tmux_socket, session)
+    if host.is_local:
+        return ["env", "-u", "TMUX", *inner]
+    if host.container is not None:
+        inner = [*host.pct, "exec", str(host.container), "--", *inner]
+    ssh = ["ssh", "-t", "-o", "StrictHostKeyChecking=yes"]
+    if host.port:
+        ssh += ["-p", str(host.port)]
+    if host.identity_file:
+        ssh += ["-i", os.path.expanduser(host.identity_file)]
+    if host.known_hosts:
+        ssh += ["-o", f"UserKnownHostsFile={os.path.expanduser(host.known_hosts)} ~/.ssh/known_hosts"]
+    target = f"{host.user}@{host.address}" if host.user else str(host.address)
+    # ssh hands the remote shell ONE string: quote the remote argv once.
+    return [*ssh, target, shlex.join(inner)]
+
+
+# --------------------------------------------------------------------------------------------
+# The agent protocol, operator side (the agent itself is ops/agent.py, run in the container)
+
+
+class AgentUnavailable(Exception):
+    """The agent could not run at all (no python, nothing deployed): ``reason`` says why."""
+
+    def __init__(self, reason: str, *, not_deployed: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.not_deployed = not_deployed
+
+
+AGENT_PROTOCOL = 1  # ops.agent.PROTOCOL of the agent this dflashctl understands
+
+# A constant program; the release path and the verb travel as argv items, never inside the code.
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.agent import main; sys.exit(main())"
+
+
+def agent_argv(workdir: str, python: str, verb: str) -> list[str]:
+    """``<python> -I -S -c BOOT <workdir>/current <verb> --json``: the agent of the deployed release only.
+
+    -I: no PYTHON* variables (pct exec keeps the ssh session's environment) and, unlike ``-m``, no
+    current directory on sys.path (a checkout or any ``ops/`` folder there would shadow the release).
+    -S: no site-packages: the agent is stdlib only, so it starts faster (no .pth files, no editable
+    finders) and behaves the same whatever is installed. The runner and training get the full interpreter."""
+    return [python, "-I", "-S", "-c", BOOT, os.path.join(workdir, "current"), verb, "--json"]
+
+
+def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: float = 60.0) -> dict[str, t.Any]:
+    """Run one agent verb through ``remote.run`` (the request as JSON on stdin) and return its answer.
+
+    Raises ``AgentUnavailable`` when the agent cannot run (the caller may fall back to raw tmux),
+    ``CommandTimeout`` when it did not answer, ``AgentError`` for an answer that is not ours;
+    transport errors (unreachable, container down) pass through untouched."""
+    host = remote.host
+    argv = agent_argv(host.workdir, host.python, verb)
+    res = remote.run(argv, stdin=json.dumps(dict(req)).encode(), timeout=timeout)
+    if res.timed_out:
+        raise errors.CommandTimeout(argv, timeout)
+    err = res.err.strip()
+    last = err.splitlines()[-1] if err else ""
+    if res.exit_code in (126, 127) or "Failed to exec" in err:
+        raise AgentUnavailable(f"cannot run {host.python}: {last or f'exit {res.exit_code}'}")
+    if re.search(r"No module named '?ops(\.agent|\.tmux|\.runner)?'?$", last):
+        raise AgentUnavailable(f"nothing is deployed at {os.path.join(host.workdir, 'current')}", not_deployed=True)
+    try:
+        answer = json.loads(res.out)
+    except ValueError:
+        if res.exit_code != 0:
+            raise AgentUnavailable(f"the agent failed: {last or f'exit {res.exit_code}'}") from None
+        raise errors.AgentError(f"agent {verb}: answer is not JSON: {res.out[:200]!r}") from None
+    if not isinstance(answer, dict) or "ok" not in answer:
+        raise errors.AgentError(f"agent {verb}: unexpected answer {res.out[:200]!r}")
+    if answer.get("protocol", AGENT_PROTOCOL) != AGENT_PROTOCOL:
+        raise errors.AgentError(f"the deployed agent speaks protocol {answer.get('protocol')}, this dflashctl "
+                                f"{AGENT_PROTOCOL}: run `dflashctl deploy`")
+    return answer

@@ -1,0 +1,87 @@
+"""A tiny stand-in for `python -m dflash train`: prints step lines, writes metrics.jsonl to
+$DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside the fake container).
+
+    fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
+                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|kill|forever]
+
+--until FILE keeps stepping until FILE exists (the test decides when the run ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+
+def log(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--lines", type=int, default=0, help="print `line 1..N` first")
+    p.add_argument("--cr", action="store_true", help="print a \\r progress row")
+    p.add_argument("--binary", action="store_true", help="print bytes that are not UTF-8")
+    p.add_argument("--until", default=None)
+    p.add_argument("--then", default="exit:0")
+    a = p.parse_args()
+
+    run_dir = os.environ.get("DFLASH_RUN_DIR", ".")
+    for i in range(1, a.lines + 1):
+        log(f"line {i}")
+    if a.cr:
+        sys.stdout.write("loading 10%\rloading 50%\rloading 100%\n")
+        sys.stdout.flush()
+    if a.binary:
+        sys.stdout.buffer.write(b"bad bytes \xff\xfe here\n")
+        sys.stdout.flush()
+    step = 0
+    while step < a.steps or (a.until and not os.path.exists(a.until)):
+        step += 1
+        loss = round(3.0 / step, 4)
+        log(f"step {step} | loss {loss} | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1")
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "ktok_s": 12.5,
+                                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+        time.sleep(a.interval)
+
+    kind, _, arg = a.then.partition(":")
+    if kind == "exit":
+        log(f"done after {step} steps")
+        return int(arg or 0)
+    if kind == "oom":
+        log("Traceback (most recent call last):")
+        log('  File "/root/dflash/dflash/train.py", line 88, in step')
+        log("    loss.backward()")
+        log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity "
+            "of 79.25 GiB of which 1.06 GiB is free. Of the allocated memory 74.1 GiB is allocated by PyTorch.")
+        return 1
+    if kind == "oom-old":
+        log("Traceback (most recent call last):")
+        log('  File "train.py", line 10, in <module>')
+        log("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity; "
+            "6.50 GiB already allocated; 3.44 MiB free; 6.60 GiB reserved in total by PyTorch)")
+        return 1
+    if kind == "exception":
+        raise KeyError(arg or "missing_key")
+    if kind == "nccl-timeout":
+        log("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.")
+        os.kill(os.getpid(), signal.SIGABRT)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "forever":
+        while True:
+            time.sleep(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

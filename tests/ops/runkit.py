@@ -1,0 +1,56 @@
+"""Helpers for the start/stop/status/tail tests (issue 3): a fake release and the fake trainer.
+
+Imported by name (pytest puts tests/ops on sys.path): `from runkit import ...`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+from ops.runner import proc_stat
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_TRAIN = str(Path(__file__).with_name("fake_train.py"))
+
+
+def fake_release(workdir: Path, release_id: str = "r0000000000000001") -> Path:
+    """What `dflashctl deploy` leaves behind, cut short: ops/ copied into releases/<id>, and
+    ``current -> releases/<id>`` as a relative symlink."""
+    rel = workdir / "releases" / release_id
+    rel.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(REPO / "ops", rel / "ops", ignore=shutil.ignore_patterns("__pycache__", "testing"), dirs_exist_ok=True)
+    link = workdir / "current"
+    if link.is_symlink():
+        link.unlink()
+    link.symlink_to(f"releases/{release_id}")
+    return rel
+
+
+def train_command(*args: str) -> list[str]:
+    """The fake trainer, run by `python` found on PATH (the runner puts the venv's bin first)."""
+    return ["python", FAKE_TRAIN, *args]
+
+
+def reap_runs(run_dir: Path) -> list[int]:
+    """SIGKILL the runners and commands recorded under ``run_dir`` that still live (same pid AND
+    same start time: never a stranger that reused the pid). Local runs survive their tmux server by
+    design, so a test that started one must end it. Returns the pids it killed."""
+    killed = []
+    for record in Path(run_dir).glob("*/attempt-*/run.json"):
+        try:
+            run = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        for pid_key, start_key in (("child_pid", "child_start"), ("pid", "pid_start")):
+            pid, start = run.get(pid_key), run.get(start_key)
+            st = proc_stat(pid) if isinstance(pid, int) else None
+            if st is not None and st[1] == start and st[0] not in "ZX":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+    return killed

@@ -1,0 +1,223 @@
+"""ops.probe from recorded fact sets (tests/ops/facts/*.json, made by tests/ops/facts/record.py
+against the real sshd + fake container + tmux) and from hand-written log tails."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from ops import probe
+from ops.cli import ExitCode, exit_code_for_state
+
+FACTS = Path(__file__).with_name("facts")
+RECORDED = sorted(FACTS.glob("*.json"))
+
+
+def load(name: str) -> dict:
+    return json.loads((FACTS / f"{name}.json").read_text())
+
+
+def test_every_state_and_cause_of_the_contract_has_a_recorded_fact_set() -> None:
+    seen = {(d["expect"]["state"], d["expect"].get("cause")) for d in map(lambda p: json.loads(p.read_text()), RECORDED)}
+    for state in probe.STATES:
+        assert any(s == state for s, _ in seen), state
+    for state, causes in probe.CAUSES.items():
+        for cause in causes:
+            if (state, cause) == ("unreachable", "unknown"):
+                continue  # only for errors the transport cannot name
+            assert (state, cause) in seen, (state, cause)
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_recorded_fact_set(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    want = doc["expect"]
+    st = probe.classify(doc["facts"])
+    got = st.to_json()
+    assert (got["state"], got["cause"]) == (want["state"], want.get("cause")), st.lines()
+    for key in ("gpu", "exit_code", "signal", "detail", "mode"):
+        if key in want:
+            assert got[key] == want[key], key
+    if "tmux_server" in want:
+        assert got["tmux"]["server"] == want["tmux_server"]
+    if "tmux_session" in want:
+        assert got["tmux"]["session"] == want["tmux_session"]
+    if "progress_step_min" in want:
+        assert got["progress"]["step"] >= want["progress_step_min"]
+    # the JSON contract: stable keys, absent facts null, lists of strings
+    assert set(got) >= {"host", "session", "state", "cause", "detail", "gpu", "exit_code", "signal", "attempt",
+                        "started_at", "ended_at", "tmux", "container", "progress", "log", "evidence", "checked_at"}
+    assert set(got["tmux"]) == {"socket", "server", "session", "pane", "evidence"}
+    assert got["tmux"]["server"] in ("alive", "dead", None)
+    assert got["tmux"]["session"] in ("alive", "missing", None)
+    assert got["tmux"]["pane"] in ("alive", "dead", None)
+    assert got["container"] is None or got["container"]["status"] in ("running", "stopped", "missing", None)
+    assert all(isinstance(e, str) for e in got["evidence"])
+    assert got["mode"] in ("agent", "fallback")
+    assert json.loads(json.dumps(got)) == got
+    assert isinstance(exit_code_for_state(st.state), ExitCode)
+    assert st.lines()[0] == st.headline() and st.headline()
+
+
+def test_exit_codes_follow_the_state_table() -> None:
+    table = {"running": 0, "stalled": 3, "succeeded": 4, "crashed": 5, "lost": 6, "not-started": 7, "stopped": 8,
+             "container-down": 9, "unreachable": 10}
+    assert {s: int(exit_code_for_state(s)) for s in probe.STATES} == table
+
+
+def test_durable_evidence_decides_before_tmux() -> None:
+    """The same dead-server tmux text, with and without an exit record."""
+    doc = load("running-tmux-server-killed")
+    facts = copy.deepcopy(doc["facts"])
+    att = facts["agent"]["attempt"]
+    att["exit"] = {"exit_code": 0, "signal": None, "ended_at": "2026-11-29T16:00:00Z", "oom_kill": 0}
+    att["child"]["alive"] = att["runner"]["alive"] = False
+    st = probe.classify(facts)
+    assert st.state == "succeeded" and st.tmux.server == "dead" and st.tmux.evidence.startswith("no server running on")
+    att["exit"] = None
+    st = probe.classify(facts)
+    assert (st.state, st.cause) == ("lost", "tmux-server-killed")
+
+
+def test_stalled_only_after_hang_after_and_startup_grace() -> None:
+    facts = copy.deepcopy(load("stalled")["facts"])
+    assert probe.classify(facts).state == "stalled"
+    facts["hang_after"] = 10**6
+    assert probe.classify(facts).state == "running"
+    facts["hang_after"] = 1
+    facts["startup_grace"] = 10**6
+    st = probe.classify(facts)
+    assert st.state == "running" and any("inside startup_grace" in e for e in st.evidence)
+
+
+def test_a_reused_pid_is_not_our_process() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    att = facts["agent"]["attempt"]
+    for key in ("child", "runner"):
+        att[key].update(alive=False, same=False)  # as the agent reports a pid whose start time differs
+    st = probe.classify(facts)
+    assert (st.state, st.cause) == ("lost", "unknown")
+    assert any("reused by another process" in e for e in st.evidence)
+
+
+def test_stop_record_wins_over_the_exit_code() -> None:
+    facts = copy.deepcopy(load("crashed-signal")["facts"])
+    facts["agent"]["attempt"]["stop"] = {"requested_at": "2026-11-29T16:00:00Z", "reason": "stop", "grace": 60}
+    st = probe.classify(facts)
+    assert st.state == "stopped" and st.cause is None and st.signal == 9
+
+
+def test_container_restart_beats_tmux_texts() -> None:
+    st = probe.classify(load("lost-container-restart")["facts"])
+    assert st.tmux.evidence.startswith("error connecting to") and "(No such file or directory)" in st.tmux.evidence
+    assert st.container is not None and st.container.booted_at >= st.started_at
+
+
+def test_hand_started_lost_explains_why_it_cannot_tell() -> None:
+    a = probe.classify(load("hand-lost-server-killed")["facts"])
+    b = probe.classify(load("hand-lost-command-exited")["facts"])
+    assert a.tmux.evidence.split(" on ")[0] == b.tmux.evidence.split(" on ")[0] == "no server running"
+    assert a.detail == b.detail and "only an exit record" in a.detail
+    assert a.headline() == "lost: the run vanished (no exit record)"
+
+
+def test_headlines() -> None:
+    assert probe.classify(load("crashed-cuda-oom")["facts"]).headline().startswith("crashed: CUDA out of memory on GPU 5 (exit 1, ")
+    assert probe.classify(load("crashed-signal")["facts"]).headline().startswith("crashed: killed by signal 9 (SIGKILL) (signal 9, ")
+    assert probe.classify(load("succeeded")["facts"]).headline().startswith("succeeded (exit 0, ")
+    assert probe.classify(load("container-down-stopped")["facts"]).headline() == "container-down: container 200 is stopped"
+    assert probe.classify(load("unreachable-refused")["facts"]).headline().startswith("unreachable (refused): ")
+    assert probe.classify(load("stopped")["facts"]).headline().startswith("stopped by dflashctl stop (")
+    lines = probe.classify(load("running")["facts"]).lines()
+    assert lines[0].startswith("running: step ") and "attempt 1, pid " in lines[0]
+    assert [ln.split(":")[0].strip() for ln in lines[1:5]] == ["tmux", "container", "progress", "log"]
+
+
+# ---------------------------------------------------------------------------------------------
+# log tails
+
+
+OOM_NEW = [
+    "step 1199 | loss 2.31",
+    "Traceback (most recent call last):",
+    '  File "train.py", line 3, in <module>',
+    "    loss.backward()",
+    "    ^^^^^^^^^^^^^^^",
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity of 79.25 GiB",
+]
+
+
+@pytest.mark.parametrize(
+    "lines, exit_code, signal, cause, gpu, detail_start",
+    [
+        (OOM_NEW, 1, None, "cuda-oom", 5, "torch.OutOfMemoryError: CUDA out of memory"),
+        (["Traceback (most recent call last):", "  x", "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity)"],
+         1, None, "cuda-oom", 3, "RuntimeError: CUDA out of memory"),
+        (["[rank0]: Traceback (most recent call last):", "[rank0]:   x",
+          "[rank0]: torch.OutOfMemoryError: CUDA out of memory on device cuda:7"], 1, None, "cuda-oom", 7, "torch.OutOfMemoryError"),
+        # torchrun: the worker's OOM, then torchrun's own traceback ending in ChildFailedError
+        (OOM_NEW + ["Traceback (most recent call last):", "  y",
+                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: train.py FAILED"], 1, None, "cuda-oom", 5, "torch.OutOfMemoryError"),
+        (["[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, OpType=ALLREDUCE) ran for 600081 milliseconds before timing out."],
+         None, 6, "nccl-timeout", None, "[Rank 3] Watchdog caught"),
+        (["torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275, unhandled system error"], 1, None, "nccl-error", None, "torch.distributed.DistBackendError"),
+        (["Traceback (most recent call last):", '  File "a.py", line 1', "ValueError: bad config value 3",
+          "", "wandb: Waiting for W&B process to finish... (failed 1)."], 1, None, "python-exception", None, "ValueError: bad config value 3"),
+        (["Traceback (most recent call last):", "  x", "KeyboardInterrupt"], None, 2, "signal", None, "ended by signal 2"),
+        (["killed"], 137, None, "signal", None, "exit 137 = 128+9"),
+        (["usage: train [-h]", "train: error: bad flag"], 2, None, "nonzero-exit", None, "train: error: bad flag"),
+        ([], 3, None, "nonzero-exit", None, "exit code 3"),
+    ],
+)
+def test_diagnose(lines: list[str], exit_code: int | None, signal: int | None, cause: str, gpu: int | None, detail_start: str) -> None:
+    d = probe.diagnose(lines, exit_code=exit_code, signal=signal)
+    assert (d.cause, d.gpu) == (cause, gpu)
+    assert (d.detail or "").startswith(detail_start), d.detail
+
+
+def test_host_oom_needs_the_cgroup_count_to_rise() -> None:
+    d = probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=2, oom_after=3)
+    assert d.cause == "host-oom" and d.signal == 9 and "oom_kill rose from 2 to 3" in d.evidence[0]
+    assert probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=3, oom_after=3).cause == "signal"
+    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=0, oom_after=1).cause == "host-oom"
+    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=None, oom_after=1).cause == "signal"
+
+
+def test_fingerprint_is_stable_across_numbers() -> None:
+    a = probe.diagnose(["Traceback (most recent call last):", "  x", "ValueError: step 120 at 0x7f3a1c"], exit_code=1, signal=None)
+    b = probe.diagnose(["Traceback (most recent call last):", "  x", "ValueError: step 5 at 0x7f0000"], exit_code=1, signal=None)
+    c = probe.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
+    assert a.fingerprint == b.fingerprint == "python-exception|ValueError: step # at <addr>"
+    assert c.fingerprint != a.fingerprint
+
+
+def test_last_exception_takes_the_last_traceback_only() -> None:
+    lines = ["Traceback (most recent call last):", "  a", "KeyError: 1", "",
+             "During handling of the above exception, another exception occurred:", "",
+             "Traceback (most recent call last):", "  b", "    c", "RuntimeError: wrapped"]
+    assert probe.last_exception(lines) == "RuntimeError: wrapped"
+    assert probe.last_exception(["no traceback here"]) is None
+
+
+def test_progress_from_metrics_then_log() -> None:
+    p = probe.progress_of({"last": {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}}, None)
+    assert p == probe.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
+    line = "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
+    p = probe.progress_of(None, {"tail": ["noise", line, "more noise"], "mtime": 0})
+    assert p == probe.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
+    assert probe.progress_of(None, {"tail": ["nothing"]}) is None
+
+
+def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    facts["agent"]["gpus"] = [{"index": 5, "name": "NVIDIA H200", "memory_used_mib": 143602.0,
+                               "memory_total_mib": 143771.0, "utilization_pct": 0.0}]
+    st = probe.classify(facts)
+    assert st.to_json()["gpus"][0]["index"] == 5
+    assert any(line.strip().startswith("gpu 5:") and "143602.0/143771.0 MiB, 0.0% util" in line for line in st.lines())
+    facts["agent"]["gpus"] = {"error": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."}
+    st = probe.classify(facts)
+    assert st.gpus is None and any(e.startswith("nvidia-smi failed: NVIDIA-SMI has failed") for e in st.evidence)
