@@ -1,0 +1,476 @@
+"""The run config: one TOML file read once into frozen dataclasses, plus ``--set key=value`` overrides.
+
+Every unknown key and every bad value is a ``ConfigError`` that names its full key path, e.g.
+``drafter.block_size: expected an integer, got "x"``. ``--set`` values are typed by the dataclass field
+they land on (``--set drafter.block_size=8``, ``--set devices.targets=cuda:0,cuda:1``,
+``--set checkpoint.dir=none`` to clear an optional value).
+
+Paths: a relative ``data.path``, ``data.tokenizer`` or ``target.path`` is looked up next to the config
+file first (data that ships with its config), then in the working directory; ``output_dir`` and
+``checkpoint.dir`` resolve against the working directory.
+``DFLASH_RUN_DIR`` (set by dflashctl's runner) wins over ``output_dir``. With no ``checkpoint.dir``,
+checkpoints go next to the run dirs (``$DFLASH_RUN_DIR/../checkpoints``) so that every attempt of a
+supervised run resumes from the same place; without DFLASH_RUN_DIR, to ``<output_dir>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import types
+import typing as t
+from pathlib import Path
+
+RUN_DIR_ENV = "DFLASH_RUN_DIR"
+
+DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+class ConfigError(ValueError):
+    """The run config (file, ``--set`` or environment) is wrong; ``path`` names the key."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TinyTargetConfig:
+    """A random-init Qwen3 target built from a config (tests, demo): no download."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02  # larger: sharper random logits (a tiny target with more structure)
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TargetConfig:
+    """The frozen target: a local HF checkpoint (``path``) OR a tiny config (``[target.tiny]``)."""
+
+    path: str | None = None
+    tiny: TinyTargetConfig | None = None
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DrafterConfig:
+    layers: int = 5
+    block_size: int = 16
+    gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8 (the paper's table), else 7*B/16
+    num_anchors: int = 512
+    target_layer_ids: tuple[int, ...] | None = None  # None: build_target_layer_ids(L, layers)
+    mask_token_id: int | None = None  # None: the last row of the target vocabulary
+    dtype: str = "bfloat16"
+    loss_chunk: int = 128  # blocks per lm_head + cross-entropy chunk
+
+    @property
+    def loss_gamma(self) -> float:
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    path: str
+    format: str = "auto"  # "tokens" ({"input_ids", "loss_mask"}), "chat" ({"messages"}), or "auto" per line
+    tokenizer: str | None = None  # needed for chat records; default: target.path
+    max_length: int = 3072  # longer samples are cut
+    batch_size: int = 1  # sequences per batch at most
+    max_batch_tokens: int | None = None  # padded tokens per batch at most (None: batch_size * max_length)
+    bucket_window: int = 64  # batches' worth of samples sorted by length together (bucketing)
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DevicesConfig:
+    targets: tuple[str, ...] = ("cpu",)
+    drafters: tuple[str, ...] = ("cpu",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QueueConfig:
+    capacity: int = 64  # batches of features in flight; per-drafter mode splits it over the queues
+    mode: str = "shared"  # "shared" (one queue) or "per-drafter" (round-robin, for comparison only)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW on fp32 master weights; linear warmup then cosine (or linear, constant) decay."""
+
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: no clipping
+    oom_retry: bool = True  # a drafter step that runs out of memory is retried once as two half-batches
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    interval: int = 1000  # global steps; 0: only at the end and on SIGTERM
+    dir: str | None = None
+    keep: int = 3
+    resume: str = "auto"  # "auto" (latest complete checkpoint, if any), "never", or a checkpoint path
+    optimizer: bool = True  # save each replica's AdamW moments (resume continues them)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    target: TargetConfig
+    drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    data: DataConfig
+    devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
+    queue: QueueConfig = dataclasses.field(default_factory=QueueConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    max_steps: int = 1000  # global steps: batches trained by all drafters together
+    log_every: int = 10
+    average_every: int = 50  # global steps between replica averagings
+    barrier_timeout: float = 600.0  # seconds drafters wait for each other at an averaging/checkpoint barrier
+    compile: bool = False
+    compile_backend: str = "inductor"
+    activation_checkpointing: bool = False
+    seed: int = 0
+    output_dir: str = "runs/dflash"
+
+    def run_dir(self, environ: t.Mapping[str, str] | None = None) -> Path:
+        """Where metrics.jsonl goes: ``$DFLASH_RUN_DIR`` when set, else ``output_dir``."""
+        env = os.environ if environ is None else environ
+        return Path(env.get(RUN_DIR_ENV) or self.output_dir).expanduser()
+
+    def checkpoint_dir(self, environ: t.Mapping[str, str] | None = None) -> Path:
+        """Durable across attempts: see the module docstring."""
+        if self.checkpoint.dir:
+            return Path(self.checkpoint.dir).expanduser()
+        env = os.environ if environ is None else environ
+        if env.get(RUN_DIR_ENV):
+            return Path(env[RUN_DIR_ENV]).expanduser().resolve().parent / "checkpoints"
+        return Path(self.output_dir).expanduser() / "checkpoints"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike[str], overrides: t.Sequence[str] = ()) -> RunConfig:
+    """Read ``path`` and apply ``key=value`` overrides; the one entry point for ``dflash train``."""
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError("--config", f"cannot read {p}: {e.strerror}") from e
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(str(p), f"not valid TOML: {e}") from e
+    for item in overrides:
+        apply_override(raw, item)
+    return parse_config(raw, base=p.resolve().parent)
+
+
+def parse_config(raw: t.Mapping[str, t.Any], *, base: Path | None = None) -> RunConfig:
+    """Validate a TOML-shaped dict into a ``RunConfig``; ``base`` resolves data paths."""
+    cfg = _build(RunConfig, raw, "")
+    _check(cfg)
+    if base is not None:
+        data = cfg.data
+        kw: dict[str, t.Any] = {"path": _resolve(base, data.path)}
+        if data.tokenizer is not None:
+            kw["tokenizer"] = _resolve(base, data.tokenizer)
+        tkw: dict[str, t.Any] = {}
+        if cfg.target.path is not None:
+            tkw["path"] = _resolve(base, cfg.target.path)
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(data, **kw), target=dataclasses.replace(cfg.target, **tkw)
+        )
+    return cfg
+
+
+def _resolve(base: Path, value: str) -> str:
+    """A relative path is looked up next to the config file first, then in the working directory."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    beside = base / p
+    if beside.exists() or not p.exists():
+        return str(beside) if beside.exists() else value
+    return str(p.resolve())
+
+
+def apply_override(raw: dict[str, t.Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` to the raw dict, typed by the field it names."""
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError("--set", f'expected key=value, got "{item}"')
+    parts = key.split(".")
+    hint = _field_type(parts)
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), "is a value, not a table")
+        node = child
+    parsed = _parse_cli_value(value.strip(), hint)
+    if parsed is _NONE:
+        node.pop(parts[-1], None)
+    else:
+        node[parts[-1]] = parsed
+
+
+_NONE = object()
+
+
+def _field_type(parts: list[str]) -> t.Any:
+    """The type annotation of the field a dotted key names (errors name unknown keys)."""
+    cls: t.Any = RunConfig
+    for i, part in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise ConfigError(path, "unknown key")
+        hints = t.get_type_hints(cls)
+        if part not in hints:
+            raise ConfigError(path, "unknown key")
+        cls = _unwrap_optional(hints[part])
+    return cls
+
+
+def _unwrap_optional(tp: t.Any) -> t.Any:
+    if t.get_origin(tp) in (t.Union, types.UnionType):
+        args = [a for a in t.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _parse_cli_value(value: str, tp: t.Any) -> t.Any:
+    if value.lower() in ("none", "null"):
+        return _NONE
+    if tp is str:
+        return value
+    if t.get_origin(tp) is tuple:
+        if value.startswith("["):
+            return _toml_value(value)
+        return [_toml_value(v.strip()) for v in value.split(",") if v.strip()]
+    return _toml_value(value)
+
+
+def _toml_value(value: str) -> t.Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value  # a bare word: the field's type check reports it by name
+
+
+# --------------------------------------------------------------------------------------------
+# Typed building (dataclass fields drive the checks)
+
+
+def _build(cls: type, raw: t.Any, prefix: str) -> t.Any:
+    where = prefix or "config"
+    if not isinstance(raw, t.Mapping):
+        raise ConfigError(where, f"expected a table, got {_show(raw)}")
+    hints = t.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(_join(prefix, key), "unknown key")
+    kw: dict[str, t.Any] = {}
+    for f in dataclasses.fields(cls):
+        path = _join(prefix, f.name)
+        if f.name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(path, "required")
+            continue
+        kw[f.name] = _value(hints[f.name], raw[f.name], path)
+    return cls(**kw)
+
+
+def _value(tp: t.Any, v: t.Any, path: str) -> t.Any:
+    inner = _unwrap_optional(tp)
+    if inner is not tp and v is None:
+        return None
+    tp = inner
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _build(tp, v, path)
+    if tp is bool:
+        if not isinstance(v, bool):
+            raise ConfigError(path, f"expected true or false, got {_show(v)}")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(path, f"expected an integer, got {_show(v)}")
+        return v
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(path, f"expected a number, got {_show(v)}")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise ConfigError(path, f"expected a string, got {_show(v)}")
+        return v
+    if t.get_origin(tp) is tuple:
+        args = t.get_args(tp)
+        if not isinstance(v, list):
+            raise ConfigError(path, f"expected a list, got {_show(v)}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_value(args[0], x, f"{path}[{i}]") for i, x in enumerate(v))
+        if len(v) != len(args):
+            raise ConfigError(path, f"expected a list of {len(args)} values, got {len(v)}")
+        return tuple(_value(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
+    raise AssertionError(f"unsupported config type {tp!r} at {path}")  # programmer error
+
+
+def _check(cfg: RunConfig) -> None:
+    """Range and cross-field checks, each naming its key."""
+
+    def positive(path: str, v: float, *, zero: bool = False) -> None:
+        if v < 0 or (v == 0 and not zero):
+            raise ConfigError(path, f"must be {'>= 0' if zero else '> 0'}, got {v:g}")
+
+    def choice(path: str, v: str, allowed: t.Sequence[str]) -> None:
+        if v not in allowed:
+            raise ConfigError(path, f"expected one of {', '.join(map(repr, allowed))}, got {_show(v)}")
+
+    tg = cfg.target
+    if (tg.path is None) == (tg.tiny is None):
+        raise ConfigError("target", "give exactly one of target.path (a local checkpoint) or [target.tiny]")
+    if tg.path is not None and not tg.path.strip():
+        raise ConfigError("target.path", "must not be empty")
+    choice("target.dtype", tg.dtype, DTYPES)
+    if tg.tiny is not None:
+        tiny = tg.tiny
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            positive(f"target.tiny.{name}", getattr(tiny, name))
+        positive("target.tiny.initializer_range", tiny.initializer_range)
+        if tiny.num_heads % tiny.num_kv_heads:
+            raise ConfigError("target.tiny.num_kv_heads", f"must divide num_heads ({tiny.num_heads})")
+        if tiny.num_layers < 4:
+            raise ConfigError("target.tiny.num_layers", f"must be >= 4 (features come from layers 1..L-3), got {tiny.num_layers}")
+
+    d = cfg.drafter
+    positive("drafter.layers", d.layers)
+    if d.block_size < 2:
+        raise ConfigError("drafter.block_size", f"must be >= 2, got {d.block_size}")
+    if d.gamma is not None:
+        positive("drafter.gamma", d.gamma)
+    positive("drafter.num_anchors", d.num_anchors)
+    positive("drafter.loss_chunk", d.loss_chunk)
+    choice("drafter.dtype", d.dtype, DTYPES)
+    if d.target_layer_ids is not None:
+        if not d.target_layer_ids:
+            raise ConfigError("drafter.target_layer_ids", "must not be empty (leave it out for the default)")
+        for i, lid in enumerate(d.target_layer_ids):
+            positive(f"drafter.target_layer_ids[{i}]", lid, zero=True)
+        if tg.tiny is not None and max(d.target_layer_ids) >= tg.tiny.num_layers:
+            raise ConfigError("drafter.target_layer_ids", f"layer {max(d.target_layer_ids)} is beyond the target's {tg.tiny.num_layers} layers")
+    if d.mask_token_id is not None:
+        positive("drafter.mask_token_id", d.mask_token_id, zero=True)
+        if tg.tiny is not None and d.mask_token_id >= tg.tiny.vocab_size:
+            raise ConfigError("drafter.mask_token_id", f"{d.mask_token_id} is outside the target vocabulary ({tg.tiny.vocab_size})")
+
+    da = cfg.data
+    if not da.path.strip():
+        raise ConfigError("data.path", "must not be empty")
+    choice("data.format", da.format, ("auto", "tokens", "chat"))
+    if da.max_length < 2:
+        raise ConfigError("data.max_length", f"must be >= 2, got {da.max_length}")
+    positive("data.batch_size", da.batch_size)
+    positive("data.bucket_window", da.bucket_window)
+    if da.max_batch_tokens is not None and da.max_batch_tokens < da.max_length:
+        raise ConfigError("data.max_batch_tokens", f"must be >= data.max_length ({da.max_length}) so every sample fits, got {da.max_batch_tokens}")
+
+    for role in ("targets", "drafters"):
+        devices = getattr(cfg.devices, role)
+        if not devices:
+            raise ConfigError(f"devices.{role}", "needs at least one device")
+        seen: set[str] = set()
+        for i, dev in enumerate(devices):
+            if not _DEVICE.match(dev):
+                raise ConfigError(f"devices.{role}[{i}]", f'expected "cpu" or "cuda:<index>", got {_show(dev)}')
+            if dev != "cpu" and dev in seen:
+                raise ConfigError(f"devices.{role}[{i}]", f"{dev} is listed twice (only cpu may repeat)")
+            seen.add(dev)
+
+    positive("queue.capacity", cfg.queue.capacity)
+    choice("queue.mode", cfg.queue.mode, ("shared", "per-drafter"))
+    if cfg.queue.mode == "per-drafter" and cfg.queue.capacity < len(cfg.devices.drafters):
+        raise ConfigError("queue.capacity", f"per-drafter mode needs at least one slot per drafter ({len(cfg.devices.drafters)})")
+
+    o = cfg.optim
+    positive("optim.lr", o.lr)
+    if not 0 <= o.warmup_ratio < 1:
+        raise ConfigError("optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio:g}")
+    choice("optim.schedule", o.schedule, ("cosine", "linear", "constant"))
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio:g}")
+    positive("optim.weight_decay", o.weight_decay, zero=True)
+    for i, b in enumerate(o.betas):
+        if not 0 <= b < 1:
+            raise ConfigError(f"optim.betas[{i}]", f"must be in [0, 1), got {b:g}")
+    positive("optim.eps", o.eps)
+    positive("optim.grad_clip", o.grad_clip, zero=True)
+
+    c = cfg.checkpoint
+    positive("checkpoint.interval", c.interval, zero=True)
+    positive("checkpoint.keep", c.keep)
+    if c.dir is not None and not c.dir.strip():
+        raise ConfigError("checkpoint.dir", "must not be empty (leave it out for the default)")
+    if not c.resume.strip():
+        raise ConfigError("checkpoint.resume", 'expected "auto", "never" or a checkpoint path')
+
+    positive("max_steps", cfg.max_steps)
+    positive("log_every", cfg.log_every)
+    positive("average_every", cfg.average_every)
+    positive("barrier_timeout", cfg.barrier_timeout)
+    choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
+    if not cfg.output_dir.strip():
+        raise ConfigError("output_dir", "must not be empty")
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _show(v: t.Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a table"
+    if isinstance(v, list):
+        return "a list"
+    return repr(v)
+
+
+def to_dict(cfg: RunConfig) -> dict[str, t.Any]:
+    """The config as plain data (saved with checkpoints and printed at start)."""
+    return dataclasses.asdict(cfg)
+
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "DevicesConfig", "DrafterConfig", "OptimConfig",
+    "QueueConfig", "RUN_DIR_ENV", "RunConfig", "TargetConfig", "TinyTargetConfig", "apply_override",
+    "load_config", "parse_config", "to_dict",
+]

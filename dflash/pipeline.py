@@ -1,0 +1,798 @@
+"""The threaded pipeline: T target threads -> ONE bounded queue -> D drafter threads.
+
+Each target thread reads its shard of batches, runs its target's forward (under no_grad, on its device)
+and puts the features into the queue; each drafter thread takes whatever item comes next and trains
+its own replica with its own optimizer. The queue is bounded (backpressure: targets wait when drafters
+are behind) and consume-once (every batch is trained exactly once). Because every drafter pulls from
+the same queue, a slow or dead drafter only lowers the total: the others take its share by themselves.
+``mode="per-drafter"`` (target i feeds only drafter i mod D, each queue 1/D of the capacity) is the
+old round-robin assignment, kept to measure against (5 targets on 3 drafters = [2, 2, 1]).
+
+Rules that keep it from hanging:
+
+- every blocking ``get``/``put`` waits at most ``poll`` seconds at a time and then checks the stop state;
+- a worker that raises (e.g. ``torch.OutOfMemoryError`` on its GPU) is logged with its role, device and
+  traceback, kept in the error list, and the others go on; with no drafter left, or no target left
+  (once the queue is drained), the run ends and ``run()`` raises ``PipelineError``, after joining
+  every thread;
+- an OOM in a drafter step is retried ONCE with ``micro_batches=2`` after the drafter's ``recover()``
+  (the trainer halves the batch, or the anchors of a single sequence); a second OOM kills that drafter,
+  and the batch it held is not trained. A target OOM is not retried: that GPU is full with the model's
+  forward itself, and the other targets carry on;
+- a fatal error (an injected ``raise``, a failing averaging or checkpoint) stops everything and is
+  re-raised by ``run()`` with its own traceback.
+
+Steps are GLOBAL: one step is one batch trained by any drafter; the counter, the learning-rate schedule,
+``max_steps``, averaging and checkpoint intervals all count them. Every ``average_every`` (and every
+checkpoint) steps the drafters meet at a barrier: each finishes its step in flight, the last to arrive
+runs ``on_sync`` (averaging, checkpoint) while no step is in flight, then all go on; the event carries
+the step count reached by then (the interval's step plus the steps that were in flight, e.g. a
+checkpoint requested at step 50 may be step 51). The barrier's
+parties are the drafters still running, so a drafter that dies never blocks it; one that does not
+arrive within ``barrier_timeout`` is left out of that round (and logged). At the end (``max_steps``, or
+a stop request such as SIGTERM) the drafters finish their step in flight and ``on_sync`` runs once more
+with ``final=True`` on the main thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+import typing as t
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Role = t.Literal["target", "drafter"]
+
+
+class PipelineError(RuntimeError):
+    """The run cannot go on: no drafter or no target is left, or threads would not stop."""
+
+    def __init__(self, message: str, failures: t.Sequence[WorkerFailure] = ()) -> None:
+        super().__init__(message)
+        self.failures = tuple(failures)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``FaultInjector`` fault that names no exception of its own."""
+
+
+# --------------------------------------------------------------------------------------------
+# What flows and what workers do
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Item:
+    """One batch of target features in the queue."""
+
+    payload: t.Any
+    tokens: int  # target tokens behind it (Ktok/s)
+    position: int  # its global batch index
+    shard: int
+    target: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one drafter step reports."""
+
+    loss: float
+    acc: float  # mean accuracy over the scored slots
+    tau_tf: float  # teacher-forced accept length
+    blocks: int = 0
+    lr: float = 0.0
+    acc_per_slot: tuple[float, ...] = ()
+
+
+class TargetWork(t.Protocol):
+    """A target replica: features for one batch, on the device the consumer wants (or pinned CPU)."""
+
+    device: str
+
+    def produce(self, batch: t.Any) -> t.Any: ...
+
+
+class DrafterWork(t.Protocol):
+    """A drafter replica with its optimizer."""
+
+    device: str
+
+    def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> StepStats: ...
+
+    def recover(self) -> None:
+        """After an out-of-memory error: drop gradients and cached blocks before the retry."""
+        ...
+
+
+class Source(t.Protocol):
+    """A shard: an iterator of batches that carry ``index`` (global batch index) and ``n_tokens``."""
+
+    def __next__(self) -> t.Any: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineOptions:
+    max_steps: int
+    start_step: int = 0  # resumed runs continue the global step count
+    capacity: int = 64
+    mode: str = "shared"  # or "per-drafter"
+    average_every: int = 0  # 0: no periodic averaging barrier
+    checkpoint_every: int = 0  # 0: only the final checkpoint
+    barrier_timeout: float = 600.0
+    oom_retry: bool = True
+    poll: float = 0.05  # seconds any blocking wait lasts before it looks at the stop state again
+    join_timeout: float = 8.0  # after the stop, how long all threads together get to exit
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncEvent:
+    """A moment with no drafter step in flight among ``replicas``: average them, checkpoint."""
+
+    step: int
+    average: bool
+    checkpoint: bool
+    replicas: tuple[int, ...]  # drafters taking part
+    missing: tuple[int, ...]  # running drafters that did not reach the barrier in time
+    position: tuple[int, ...]  # next global batch index of every shard (the data position)
+    final: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    role: Role
+    index: int
+    device: str
+    step: int | None  # drafters: the global step; targets: their own batch count
+    exc: BaseException
+    traceback: str
+    fatal: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def error_line(self) -> str:
+        return traceback.format_exception_only(type(self.exc), self.exc)[-1].strip()
+
+    def summary(self) -> str:
+        at = f" at step {self.step}" if self.step is not None else ""
+        return f"{self.name} ({self.device}) died{at}: {self.error_line}"
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerState:
+    """Live counters of one worker thread (written by it, read by the metrics)."""
+
+    role: Role
+    index: int
+    device: str
+    alive: bool = True
+    dead: bool = False
+    busy_s: float = 0.0  # in forward (targets) or in the training step (drafters)
+    wait_s: float = 0.0  # blocked on the queue (targets: full; drafters: empty)
+    sync_s: float = 0.0  # drafters: at the averaging/checkpoint barrier
+    items: int = 0
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Snapshot:
+    at: float  # time.monotonic()
+    step: int
+    queue_depth: int
+    queue_capacity: int
+    workers: tuple[WorkerState, ...]  # copies
+
+    def live(self, role: Role) -> int:
+        """Workers of ``role`` that have not died (one that finished its work still counts)."""
+        return sum(1 for w in self.workers if w.role == role and not w.dead)
+
+    def total(self, role: Role) -> int:
+        return sum(1 for w in self.workers if w.role == role)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunResult:
+    steps: int  # the global step count at the end (resumed runs include earlier steps)
+    reason: str  # "max-steps" or "stopped"
+    failures: tuple[WorkerFailure, ...]
+    position: tuple[int, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Fault injection (tests, the bench, DFLASH_FAULT)
+
+
+@dataclasses.dataclass(slots=True)
+class Fault:
+    role: str  # "target", "drafter", or "checkpoint" (checked by the trainer when it saves)
+    index: int | None  # None: whichever worker of that role gets there first
+    step: int
+    kind: str = "raise"  # "raise", "hang" (stop making progress until the run stops) or "kill" (checkpoint)
+    exc: t.Callable[[str], BaseException] | None = None  # built from the worker's device
+    times: int = 1  # consecutive checks it fires on (2 = also the OOM retry)
+    fatal: bool = False  # stop the whole run instead of one worker
+    label: str = ""
+    on_fire: t.Callable[[Fault], None] | None = None
+    fired: int = 0
+
+
+class FaultInjector:
+    """Faults keyed by (role, worker index, step), fired at the first check at or after that step.
+
+    Drafters check with the global step they are about to train, targets with their own batch count.
+    ``counts`` says what fired, per (role, index).
+    """
+
+    def __init__(self) -> None:
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self.counts: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    def add(self, fault: Fault) -> Fault:
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def fail_at(
+        self,
+        role: str,
+        index: int | None,
+        step: int,
+        exc: BaseException | t.Callable[[str], BaseException] | None = None,
+        *,
+        times: int = 1,
+        fatal: bool = False,
+        label: str = "",
+        on_fire: t.Callable[[Fault], None] | None = None,
+    ) -> Fault:
+        make: t.Callable[[str], BaseException] | None
+        if isinstance(exc, BaseException):
+            make = lambda _device, e=exc: e  # noqa: E731
+        else:
+            make = exc
+        return self.add(Fault(role, index, step, "raise", make, times, fatal, label, on_fire))
+
+    def hang_at(self, role: str, index: int | None, step: int, *, times: int = 1, label: str = "",
+                on_fire: t.Callable[[Fault], None] | None = None) -> Fault:
+        return self.add(Fault(role, index, step, "hang", None, times, False, label, on_fire))
+
+    def check(self, role: str, index: int, step: int) -> Fault | None:
+        with self._lock:
+            for f in self._faults:
+                if f.role == role and (f.index is None or f.index == index) and step >= f.step and f.fired < f.times:
+                    f.fired += 1
+                    self.counts[(role, index)] += 1
+                    hit = f
+                    break
+            else:
+                return None
+        if hit.on_fire is not None:
+            hit.on_fire(hit)
+        return hit
+
+
+def cuda_oom(device: str) -> torch.OutOfMemoryError:
+    """An out-of-memory error with the text the CUDA caching allocator writes (for injection)."""
+    gpu = device.split(":")[1] if device.startswith("cuda:") else "0"
+    return torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. "
+        f"GPU {gpu} has a total capacity of 95.00 GiB of which 1.12 GiB is free. "
+        "Including non-PyTorch memory, this process has 93.86 GiB memory in use. "
+        "Of the allocated memory 90.10 GiB is allocated by PyTorch, and 2.31 GiB is reserved by PyTorch "
+        "but unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+
+
+FAULT_ENV = "DFLASH_FAULT"
+
+
+def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
+    """Parse ``DFLASH_FAULT`` (comma-separated) into an injector whose faults fire once per run dir.
+
+    - ``raise-at-step:N``           the run dies at global step N with ``InjectedFault`` (a Python exception)
+    - ``oom-at-step:N``             the run dies at step N with a CUDA out-of-memory error
+    - ``drafter-oom-at-step:N:I``   drafter I dies at step N with a CUDA OOM (the others go on)
+    - ``hang-at-step:N``            every drafter stops making progress at step N (until SIGTERM)
+    - ``kill-in-checkpoint:N``      SIGKILL in the middle of writing the first checkpoint at step >= N
+
+    Before firing, a marker file ``.dflash-fault-<spec>`` is written into ``marker_dir`` (the checkpoint
+    dir): a resumed run with the same environment sees it and does not fire again.
+    """
+    inj = FaultInjector()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        kind, _, rest = part.partition(":")
+        args = rest.split(":") if rest else []
+        try:
+            nums = [int(a) for a in args]
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}: bad fault {part!r}: steps and indices are integers") from None
+        want = {"raise-at-step": 1, "oom-at-step": 1, "hang-at-step": 1, "drafter-oom-at-step": 2,
+                "kill-in-checkpoint": 1}
+        if kind not in want:
+            raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (known: {', '.join(want)})")
+        if len(nums) != want[kind]:
+            raise ValueError(f"{FAULT_ENV}: {kind} takes {want[kind]} number(s), got {part!r}")
+        marker = marker_dir / (".dflash-fault-" + part.replace(":", "-"))
+        if marker.exists():
+            logger.info("%s: %s already fired (marker %s); not again", FAULT_ENV, part, marker)
+            continue
+
+        def fire(_fault: Fault, marker: Path = marker, part: str = part) -> None:
+            if marker.exists():
+                return
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(part + "\n")
+            logger.warning("%s: firing %s", FAULT_ENV, part)
+
+        step = nums[0]
+        if kind == "raise-at-step":
+            msg = f"{FAULT_ENV} {part}: injected failure at step {step}"
+            inj.fail_at("drafter", None, step, lambda _d, m=msg: InjectedFault(m), fatal=True, label=part, on_fire=fire)
+        elif kind == "oom-at-step":
+            inj.fail_at("drafter", None, step, cuda_oom, fatal=True, label=part, on_fire=fire)
+        elif kind == "drafter-oom-at-step":
+            inj.fail_at("drafter", nums[1], step, cuda_oom, times=2, label=part, on_fire=fire)
+        elif kind == "kill-in-checkpoint":
+            inj.add(Fault("checkpoint", 0, step, "kill", label=part, on_fire=fire))
+        else:  # every drafter hangs, not only the first one there
+            inj.hang_at("drafter", None, step, times=1 << 30, label=part, on_fire=fire)
+    return inj
+
+
+# --------------------------------------------------------------------------------------------
+# Step counting and the barrier
+
+
+@dataclasses.dataclass(slots=True)
+class _Sync:
+    step: int
+    kinds: set[str]
+    deadline: float
+    arrived: set[int] = dataclasses.field(default_factory=set)
+    running: bool = False
+    done: bool = False
+
+
+class _Coordinator:
+    """The global step counter, the data position and the live-party barrier (one lock)."""
+
+    def __init__(self, *, drafters: int, shard_starts: t.Sequence[int], stride: int, options: PipelineOptions,
+                 action: t.Callable[[SyncEvent], None] | None) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.opts = options
+        self.completed = options.start_step
+        self.claimed = options.start_step
+        self.parties: set[int] = set(range(drafters))
+        self.draining = False
+        self.sync: _Sync | None = None
+        self.deferred: set[str] = set()
+        self.position = list(shard_starts)
+        self.stride = stride
+        self.action = action
+
+    # drafters ---------------------------------------------------------------------------
+
+    def next_step(self, j: int, state: WorkerState) -> int | None:
+        """Pass any pending barrier, then claim the next global step; None: this drafter is done."""
+        with self.cond:
+            while True:
+                if self.draining:
+                    return None
+                s = self.sync
+                if s is not None and not s.done:
+                    t0 = time.monotonic()
+                    try:
+                        self._barrier(j, s)
+                    finally:
+                        state.sync_s += time.monotonic() - t0
+                    continue
+                if self.claimed >= self.opts.max_steps:
+                    return None
+                self.claimed += 1
+                return self.claimed
+
+    def unclaim(self) -> None:
+        with self.cond:
+            self.claimed -= 1
+
+    def took(self, item: Item) -> None:
+        with self.cond:
+            nxt = item.position + self.stride
+            if nxt > self.position[item.shard]:
+                self.position[item.shard] = nxt
+
+    def complete(self) -> int:
+        with self.cond:
+            self.completed += 1
+            n = self.completed
+            kinds: set[str] = set()
+            if self.opts.average_every and n % self.opts.average_every == 0:
+                kinds.add("average")
+            if self.opts.checkpoint_every and n % self.opts.checkpoint_every == 0:
+                kinds.add("checkpoint")
+            if kinds and n < self.opts.max_steps:  # the final sync covers the last step
+                self._request(kinds, n)
+            return n
+
+    def retire(self, j: int) -> None:
+        with self.cond:
+            self.parties.discard(j)
+            self.cond.notify_all()
+
+    def drain(self) -> None:
+        with self.cond:
+            self.draining = True
+            self.cond.notify_all()
+
+    # internals --------------------------------------------------------------------------
+
+    def _request(self, kinds: set[str], n: int) -> None:
+        if self.sync is None:
+            self.sync = _Sync(n, set(kinds), time.monotonic() + self.opts.barrier_timeout)
+        elif not self.sync.running:
+            self.sync.kinds |= kinds
+        else:
+            self.deferred |= kinds
+
+    def _barrier(self, j: int, s: _Sync) -> None:
+        s.arrived.add(j)
+        self.cond.notify_all()
+        while not s.done:
+            if self.draining and not s.running:  # the final sync replaces it
+                self._finish(s)
+                return
+            if not s.running and (self.parties <= s.arrived or time.monotonic() >= s.deadline):
+                s.running = True
+                replicas = tuple(sorted(s.arrived & self.parties))
+                missing = tuple(sorted(self.parties - s.arrived))
+                if missing:
+                    logger.warning(
+                        "barrier at step %d: %s did not arrive within %.0fs; going on without %s",
+                        s.step, ", ".join(f"drafter-{m}" for m in missing), self.opts.barrier_timeout,
+                        "it" if len(missing) == 1 else "them",
+                    )
+                event = SyncEvent(
+                    step=self.completed, average="average" in s.kinds, checkpoint="checkpoint" in s.kinds,
+                    replicas=replicas, missing=missing, position=tuple(self.position),
+                )
+                self.cond.release()
+                try:
+                    if self.action is not None:
+                        self.action(event)
+                finally:
+                    self.cond.acquire()
+                    self._finish(s)
+                return
+            self.cond.wait(self.opts.poll)
+
+    def _finish(self, s: _Sync) -> None:
+        s.done = True
+        self.sync = None
+        if self.deferred:
+            kinds, self.deferred = self.deferred, set()
+            self._request(kinds, self.completed)
+        self.cond.notify_all()
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline
+
+
+class Pipeline:
+    """Build with workers and their sources, then ``run()`` on the main thread (it blocks)."""
+
+    def __init__(
+        self,
+        *,
+        targets: t.Sequence[TargetWork],
+        sources: t.Sequence[Source],
+        drafters: t.Sequence[DrafterWork],
+        options: PipelineOptions,
+        shard_starts: t.Sequence[int] | None = None,
+        on_sync: t.Callable[[SyncEvent], None] | None = None,
+        on_step: t.Callable[[int, StepStats, int], None] | None = None,
+        injector: FaultInjector | None = None,
+    ) -> None:
+        if not targets or not drafters:
+            raise ValueError("a pipeline needs at least one target and one drafter")
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(targets)} targets need {len(targets)} sources, got {len(sources)}")
+        if options.mode not in ("shared", "per-drafter"):
+            raise ValueError(f'queue mode: expected "shared" or "per-drafter", got {options.mode!r}')
+        self.targets = list(targets)
+        self.sources = list(sources)
+        self.drafters = list(drafters)
+        self.options = options
+        self.on_step = on_step
+        self.on_sync = on_sync
+        self.injector = injector or FaultInjector()
+        T, D = len(targets), len(drafters)
+        if options.mode == "shared":
+            self.queues = [queue.Queue[Item](maxsize=options.capacity)]
+            self.feeds = [0] * T  # target i -> queue index
+            self.takes = [0] * D  # drafter j -> queue index
+        else:
+            per = max(1, options.capacity // D)
+            self.queues = [queue.Queue[Item](maxsize=per) for _ in range(D)]
+            self.feeds = [i % D for i in range(T)]
+            self.takes = list(range(D))
+        self.workers: dict[tuple[str, int], WorkerState] = {}
+        for i, w in enumerate(self.targets):
+            self.workers[("target", i)] = WorkerState("target", i, w.device)
+        for j, w in enumerate(self.drafters):
+            self.workers[("drafter", j)] = WorkerState("drafter", j, w.device)
+        starts = list(shard_starts) if shard_starts is not None else list(range(T))
+        self.coord = _Coordinator(drafters=D, shard_starts=starts, stride=T, options=options,
+                                  action=self._sync_action if on_sync is not None else None)
+        self.failures: list[WorkerFailure] = []
+        self.threads: list[threading.Thread] = []
+        self._thread_workers: dict[threading.Thread, WorkerState] = {}
+        self._lock = threading.Lock()  # failures, liveness
+        self._stop = threading.Event()  # everyone: leave now
+        self._draining = threading.Event()  # drafters: finish the step in flight, claim no more
+        self._done = threading.Event()  # the last drafter has left
+        self._stop_requested = False  # set by signal handlers: a plain flag, no locks
+        self._fatal: WorkerFailure | None = None
+        self._fatal_ids: set[int] = set()
+        self._ran = False
+
+    # public -----------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Finish the steps in flight, run the final sync, return from ``run()`` with reason "stopped".
+
+        Safe to call from a signal handler: on the main thread (where handlers run, while ``run()``
+        waits) it only sets a flag that ``run()`` picks up within ``poll`` seconds; from another thread
+        it also tells the workers at once.
+        """
+        self._stop_requested = True
+        if threading.current_thread() is not threading.main_thread():
+            self._draining.set()
+            self.coord.drain()
+
+    @property
+    def step(self) -> int:
+        return self.coord.completed
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(
+            at=time.monotonic(),
+            step=self.coord.completed,
+            queue_depth=sum(q.qsize() for q in self.queues),
+            queue_capacity=sum(q.maxsize for q in self.queues),
+            workers=tuple(dataclasses.replace(w) for w in self.workers.values()),
+        )
+
+    def run(self) -> RunResult:
+        if self._ran:
+            raise RuntimeError("a Pipeline runs once")
+        self._ran = True
+        for (role, i), ws in self.workers.items():
+            main = self._target_main if role == "target" else self._drafter_main
+            th = threading.Thread(target=main, args=(i,), name=ws.name, daemon=True)
+            self._thread_workers[th] = ws
+            self.threads.append(th)
+        for th in self.threads:
+            th.start()
+        try:
+            while not self._done.wait(self.options.poll):
+                if self._stop_requested and not self._draining.is_set():
+                    logger.warning("stop requested: finishing the steps in flight")
+                    self._draining.set()
+                    self.coord.drain()
+        finally:
+            self._stop.set()
+            self._draining.set()
+            self.coord.drain()
+            hung = self._join()
+        if self._fatal is not None:
+            raise self._fatal.exc
+        if hung:
+            raise PipelineError(f"threads still running {self.options.join_timeout:g}s after the stop: {', '.join(hung)}", self.failures)
+        steps = self.coord.completed
+        stopped = self._stop_requested
+        if steps < self.options.max_steps and not stopped:
+            raise PipelineError(self._why_short(), self.failures)
+        alive = tuple(j for j in range(len(self.drafters)) if not self.workers[("drafter", j)].dead)
+        if self.on_sync is not None and alive:
+            self.on_sync(SyncEvent(step=steps, average=True, checkpoint=True, replicas=alive, missing=(),
+                                   position=tuple(self.coord.position), final=True))
+        return RunResult(steps, "stopped" if stopped and steps < self.options.max_steps else "max-steps",
+                         tuple(self.failures), tuple(self.coord.position))
+
+    # threads ----------------------------------------------------------------------------
+
+    def _sync_action(self, event: SyncEvent) -> None:
+        # A failed averaging or checkpoint is the run's failure, not one drafter's.
+        assert self.on_sync is not None
+        try:
+            self.on_sync(event)
+        except BaseException as e:
+            self._fatal_ids.add(id(e))
+            raise
+
+    def _target_main(self, i: int) -> None:
+        ws = self.workers[("target", i)]
+        work, source, q = self.targets[i], self.sources[i], self.queues[self.feeds[i]]
+        local = 0
+        try:
+            while not self._stop.is_set() and not self._draining.is_set():
+                local += 1
+                self._inject("target", i, local, work.device)
+                t0 = time.monotonic()
+                try:
+                    batch = next(source)
+                except StopIteration:  # a finite source (tests, the bench): this target is done
+                    break
+                payload = work.produce(batch)
+                t1 = time.monotonic()
+                ws.busy_s += t1 - t0
+                ok = self._put(q, Item(payload, int(batch.n_tokens), int(batch.index), i, i))
+                ws.wait_s += time.monotonic() - t1
+                if not ok:
+                    break
+                ws.items += 1
+        except BaseException as e:
+            self._fail("target", i, local, e)
+        finally:
+            self._retire("target", i)
+
+    def _drafter_main(self, j: int) -> None:
+        ws = self.workers[("drafter", j)]
+        work, k = self.drafters[j], self.takes[j]
+        step: int | None = None
+        try:
+            while True:
+                step = self.coord.next_step(j, ws)
+                if step is None:
+                    break
+                t0 = time.monotonic()
+                item = self._get(k)
+                t1 = time.monotonic()
+                ws.wait_s += t1 - t0
+                if item is None:
+                    self.coord.unclaim()
+                    step = None
+                    break
+                self.coord.took(item)
+                stats = self._train(j, work, item, step)
+                ws.busy_s += time.monotonic() - t1
+                ws.items += 1
+                n = self.coord.complete()
+                step = None
+                if self.on_step is not None:
+                    self.on_step(n, stats, item.tokens)
+        except BaseException as e:
+            if step is not None:
+                self.coord.unclaim()
+            self._fail("drafter", j, step, e)
+        finally:
+            self._retire("drafter", j)
+
+    def _train(self, j: int, work: DrafterWork, item: Item, step: int) -> StepStats:
+        attempts = 2 if self.options.oom_retry else 1
+        for attempt in range(attempts):
+            try:
+                self._inject("drafter", j, step, work.device)
+                return work.step(item.payload, step=step, micro_batches=2 if attempt else 1)
+            except torch.OutOfMemoryError as e:
+                if attempt + 1 >= attempts or id(e) in self._fatal_ids:
+                    raise
+                logger.warning("drafter-%d (%s): out of memory at step %d; retrying once with the batch halved",
+                               j, work.device, step)
+                work.recover()
+        raise AssertionError("unreachable")
+
+    def _inject(self, role: Role, index: int, step: int, device: str) -> None:
+        fault = self.injector.check(role, index, step)
+        if fault is None:
+            return
+        if fault.kind == "hang":
+            logger.warning("%s-%d (%s): injected hang at step %d", role, index, device, step)
+            while not self._stop.is_set() and not self._draining.is_set() and not self._stop_requested:
+                self._stop.wait(self.options.poll)
+            return
+        exc = fault.exc(device) if fault.exc is not None else InjectedFault(f"injected failure: {role}-{index} at step {step}")
+        if fault.fatal:
+            self._fatal_ids.add(id(exc))
+        raise exc
+
+    def _get(self, k: int) -> Item | None:
+        q = self.queues[k]
+        while not self._stop.is_set() and not self._draining.is_set():
+            try:
+                return q.get(timeout=self.options.poll)
+            except queue.Empty:
+                if not self._feeding(k):
+                    return None  # drained, and nothing can refill it
+        return None
+
+    def _put(self, q: queue.Queue[Item], item: Item) -> bool:
+        while not self._stop.is_set() and not self._draining.is_set():
+            try:
+                q.put(item, timeout=self.options.poll)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _feeding(self, k: int) -> bool:
+        with self._lock:
+            return any(self.workers[("target", i)].alive for i, f in enumerate(self.feeds) if f == k)
+
+    # bookkeeping ------------------------------------------------------------------------
+
+    def _fail(self, role: Role, index: int, step: int | None, exc: BaseException) -> None:
+        ws = self.workers[(role, index)]
+        fatal = id(exc) in self._fatal_ids or isinstance(exc, (KeyboardInterrupt, SystemExit))
+        failure = WorkerFailure(role, index, ws.device, step, exc, traceback.format_exc(), fatal)
+        with self._lock:
+            self.failures.append(failure)
+            ws.dead = True
+            ws.error = failure.error_line
+            left = sum(1 for w in self.workers.values() if w.role == role and w.alive and w is not ws)
+        if fatal:
+            logger.error("%s\n%s", failure.summary(), failure.traceback.rstrip())
+            if self._fatal is None:
+                self._fatal = failure
+            self._stop.set()
+            self._draining.set()
+            self.coord.drain()
+        else:
+            logger.error("%s; %d %s%s left\n%s", failure.summary(), left, role, "" if left == 1 else "s",
+                         failure.traceback.rstrip())
+
+    def _retire(self, role: Role, index: int) -> None:
+        with self._lock:
+            self.workers[(role, index)].alive = False
+            drafters_left = any(w.alive for w in self.workers.values() if w.role == "drafter")
+        if role == "drafter":
+            self.coord.retire(index)
+            if not drafters_left:
+                self._done.set()
+
+    def _join(self) -> list[str]:
+        deadline = time.monotonic() + self.options.join_timeout
+        hung = []
+        for th in self.threads:
+            th.join(max(0.0, deadline - time.monotonic()))
+            if th.is_alive():
+                hung.append(f"{th.name} ({self._thread_workers[th].device})")
+        if hung:
+            logger.error("threads still running after the stop: %s", ", ".join(hung))
+        return hung
+
+    def _why_short(self) -> str:
+        dead = [f for f in self.failures if not f.fatal]
+        drafters = [f for f in dead if f.role == "drafter"]
+        targets = [f for f in dead if f.role == "target"]
+        step = self.coord.completed
+        if drafters and all(self.workers[("drafter", j)].dead for j in range(len(self.drafters))):
+            return f"no drafter left at step {step}: {'; '.join(f.summary() for f in drafters)}"
+        if targets:
+            return f"no target left to feed the drafters at step {step}: {'; '.join(f.summary() for f in targets)}"
+        return f"the drafters stopped at step {step} of {self.options.max_steps}"
+
+
+__all__ = [
+    "DrafterWork", "FAULT_ENV", "Fault", "FaultInjector", "InjectedFault", "Item", "Pipeline", "PipelineError",
+    "PipelineOptions", "RunResult", "Snapshot", "Source", "StepStats", "SyncEvent", "TargetWork", "WorkerFailure",
+    "WorkerState", "cuda_oom", "faults_from_env",
+]

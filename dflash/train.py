@@ -1,0 +1,617 @@
+"""Building and running one training run from a ``RunConfig``: the thing ``dflash train`` does.
+
+    python -m dflash train --config configs/tiny-cpu.toml --set max_steps=200
+
+What it builds: one frozen target replica per target device (``devices.targets``; a repeated "cpu" gets
+its own replica, since a target's feature hooks belong to one thread), one drafter replica per drafter
+device with its own AdamW over fp32 master weights (the model itself in ``drafter.dtype``; in fp32 the
+masters are the parameters), the target's frozen embedding + lm_head on every drafter device, the data
+shards, and the pipeline (``dflash.pipeline``) that runs them.
+
+Learning rate: linear warmup over ``optim.warmup_ratio * max_steps`` global steps, then cosine (or
+linear) decay to ``min_lr_ratio * lr`` at ``max_steps``; every drafter reads it at the global step it
+trains. Gradients are clipped to ``optim.grad_clip`` (global norm, per replica, on the fp32 masters).
+
+OOM retry: a drafter step that runs out of memory is retried once "with the batch halved": a batch of
+several sequences is split into two micro-batches whose gradients add up; a single sequence is retried
+with half the anchors.
+
+Checkpoints (``dflash.checkpoint``): every ``checkpoint.interval`` global steps at the drafters' barrier,
+at the end, and on SIGTERM/SIGINT. The replicas are averaged first, so one drafter is saved; the trainer
+state holds the global step, the data position, the RNG states and (``checkpoint.optimizer``) each
+replica's AdamW state plus the fp32 masters. ``checkpoint.resume = "auto"`` continues from the latest
+complete checkpoint: same step count, same next batch of every shard.
+
+Signals: the first SIGTERM (or SIGINT) lets the steps in flight finish, writes a checkpoint and exits
+143 (130 for SIGINT); a second one exits at once.
+
+Fault injection (``DFLASH_FAULT``, for the supervisor's tests; see ``dflash.pipeline.faults_from_env``):
+``raise-at-step:N``, ``oom-at-step:N``, ``drafter-oom-at-step:N:I``, ``hang-at-step:N``, and
+``kill-in-checkpoint:N`` (SIGKILL in the middle of writing the first checkpoint at step >= N). Each fires
+once per checkpoint dir (a marker file there), so the resumed run goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import typing as t
+from pathlib import Path
+
+import torch
+
+from dflash import checkpoint as ckpt
+from dflash.averaging import Averager
+from dflash.config import ConfigError, RunConfig, to_dict
+from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
+from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.loss import drafter_loss
+from dflash.metrics import Metrics
+from dflash.pipeline import (
+    FAULT_ENV, FaultInjector, Pipeline, PipelineOptions, StepStats, SyncEvent, faults_from_env,
+)
+from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_target_config
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Learning rate
+
+
+class LRSchedule:
+    """lr at a (1-based) global step: linear warmup, then cosine/linear decay to min_lr_ratio * lr."""
+
+    def __init__(self, *, lr: float, total_steps: int, warmup_ratio: float, schedule: str, min_lr_ratio: float) -> None:
+        self.lr = lr
+        self.total = max(1, total_steps)
+        self.warmup = math.ceil(warmup_ratio * self.total)
+        self.schedule = schedule
+        self.min_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.schedule == "linear":
+            scale = 1.0 - progress
+        else:
+            scale = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Workers
+
+
+@dataclasses.dataclass(slots=True)
+class FeatureBatch:
+    """A queue item's payload: target features and the tokens they belong to."""
+
+    input_ids: torch.Tensor  # [B, S] (CPU)
+    loss_mask: torch.Tensor  # [B, S] (CPU)
+    features: torch.Tensor  # [B, S, n*H] on the consumer's device, or (pinned) CPU
+    index: int  # global batch index
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class TargetReplica:
+    """One target thread's frozen model: batch -> FeatureBatch on ``dest``."""
+
+    def __init__(self, model: TargetModel, device: str, dest: str) -> None:
+        self.model = model
+        self.device = device
+        self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
+
+    def produce(self, batch: t.Any) -> FeatureBatch:
+        dev = torch.device(self.device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+            ids = batch.input_ids.to(dev, non_blocking=True)
+            att = batch.attention_mask.to(dev, non_blocking=True)
+            feats = t.cast(torch.Tensor, self.model.features(ids, att))
+            dest = torch.device(self.dest)
+            if dest != dev:
+                if dest.type == "cpu":
+                    out = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+                    out.copy_(feats, non_blocking=True)
+                else:
+                    out = feats.to(dest, non_blocking=True)
+                _sync_device(dev)  # the consumer must not read before the copy lands
+                feats = out
+        return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index))
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class DrafterReplica:
+    """One drafter thread's replica: its model, fp32 masters, AdamW, anchor generator and frozen head."""
+
+    def __init__(self, model: DFlashDraftModel, head: TargetHead, *, device: str, cfg: RunConfig,
+                 schedule: LRSchedule, seed: int, index: int) -> None:
+        self.model = model
+        self.head = head
+        self.device = device
+        self.cfg = cfg
+        self.schedule = schedule
+        self.index = index
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.separate_masters = any(p.dtype != torch.float32 for p in self.params)
+        if self.separate_masters:
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        else:
+            self.masters = self.params
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
+
+    def trainable(self) -> list[torch.Tensor]:
+        """What averaging averages: the fp32 masters (the parameters themselves in fp32)."""
+        return list(self.masters)
+
+    @torch.no_grad()
+    def sync_from_masters(self) -> None:
+        if self.separate_masters:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def recover(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    def step(self, payload: FeatureBatch, *, step: int, micro_batches: int = 1) -> StepStats:
+        dev = torch.device(self.device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+            return self._step(payload, step=step, micro_batches=micro_batches)
+
+    def _step(self, payload: FeatureBatch, *, step: int, micro_batches: int) -> StepStats:
+        d = self.cfg.drafter
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        feats = payload.features.to(self.device, non_blocking=True)
+        rows = payload.input_ids.shape[0]
+        anchors = d.num_anchors
+        if micro_batches > 1 and rows >= 2:
+            cuts = [(a * rows // micro_batches, (a + 1) * rows // micro_batches) for a in range(micro_batches)]
+        else:
+            cuts = [(0, rows)]
+            if micro_batches > 1:  # one sequence: halve the anchors instead
+                anchors = max(1, anchors // micro_batches)
+        loss_sum = acc_sum = tau_sum = 0.0
+        blocks = 0
+        slots: torch.Tensor | None = None
+        for a, b in cuts:
+            out = drafter_loss(
+                self.model, self.head, payload.input_ids[a:b], payload.loss_mask[a:b], feats[a:b],
+                num_anchors=anchors, gamma=d.loss_gamma, generator=self.generator, chunk_size=d.loss_chunk,
+            )
+            share = (b - a) / rows
+            (out.loss * share).backward()
+            loss_sum += float(out.loss.detach()) * share
+            acc_sum += out.acc * share
+            if out.n_blocks and not math.isnan(out.tau_tf):
+                tau_sum += out.tau_tf * out.n_blocks
+                blocks += out.n_blocks
+            slots = out.acc_per_slot * share if slots is None else slots + out.acc_per_slot * share
+        if self.separate_masters:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.detach().float()
+        if self.cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.sync_from_masters()
+        self.trained.append(payload.index)
+        return StepStats(
+            loss=loss_sum, acc=acc_sum, tau_tf=tau_sum / blocks if blocks else float("nan"), blocks=blocks, lr=lr,
+            acc_per_slot=tuple(float(x) for x in slots) if slots is not None else (),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile and activation checkpointing
+
+
+def prepare_drafter(model: DFlashDraftModel, *, activation_checkpointing: bool, compile: bool,
+                    backend: str = "inductor", dynamic: bool | None = True) -> None:
+    """Non-reentrant activation checkpointing per layer, THEN compile per layer (the order that works).
+
+    The layers' ``forward`` is what gets checkpointed (transformers' GradientCheckpointingLayer), and
+    ``Module.compile`` compiles the call that runs it, so each compiled region contains its checkpoint.
+    Compilation itself happens at the first call: ``warm_up`` runs it serially before any thread starts.
+    """
+    if activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError("activation_checkpointing", f"{type(model).__name__} does not support it")
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        import torch._dynamo.config as dynamo_config
+
+        # anchors and lengths vary per batch; several replicas share the compiled code
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+        for layer in model.layers:
+            layer.compile(backend=backend, dynamic=dynamic)
+
+
+def warm_up(replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int,
+            lengths: t.Sequence[tuple[int, int]] = ((1, 48), (2, 40))) -> None:
+    """One forward + backward per shape on throwaway data, serially: compiles before threads exist."""
+    gen = torch.Generator().manual_seed(0)
+    d = replica.cfg.drafter
+    for rows, seq in lengths:
+        ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
+        ids[ids == mask_token_id] = 0
+        mask = torch.ones(rows, seq, dtype=torch.long)
+        feats = torch.randn(rows, seq, feature_size, generator=gen).to(replica.device, replica.model.dtype)
+        out = drafter_loss(replica.model, replica.head, ids, mask, feats, num_anchors=min(d.num_anchors, 8),
+                           gamma=d.loss_gamma, generator=torch.Generator(device=replica.device).manual_seed(0),
+                           chunk_size=d.loss_chunk)
+        out.loss.backward()
+    replica.model.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Signals
+
+
+class _Signals:
+    """First SIGTERM/SIGINT: graceful stop (the pipeline checkpoints); second: exit at once."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.pipeline: Pipeline | None = None
+        self._old: dict[int, t.Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals only reach the main thread (tests may run us elsewhere)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, _frame: t.Any) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            os.write(2, f"dflash: second {name}: exiting now, without a checkpoint\n".encode())
+            os._exit(128 + signum)
+        self.received = signum
+        os.write(2, f"dflash: {name}: finishing the steps in flight, then a checkpoint and exit\n".encode())
+        if self.pipeline is not None:
+            self.pipeline.request_stop()  # sets a flag only: safe inside a handler
+
+
+class _SigkillWhenPickled:
+    """``kill-in-checkpoint``: the process dies by SIGKILL while torch.save writes the trainer state."""
+
+    def __reduce__(self) -> t.Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+class Run:
+    """Everything one training run needs, built from a config (``build``), then ``train()``."""
+
+    def __init__(self, cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None,
+                 stream: t.TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.env = dict(os.environ if environ is None else environ)
+        self.stream = stream if stream is not None else sys.stdout
+        self.run_dir = cfg.run_dir(self.env)
+        self.ckpt_dir = cfg.checkpoint_dir(self.env)
+        self.start_step = 0
+        self.position: DataPosition | None = None
+        self.last_saved: int | None = None
+        self.pipeline: Pipeline | None = None
+        self.metrics: Metrics | None = None
+        spec = self.env.get(FAULT_ENV, "").strip()
+        try:
+            self.injector = faults_from_env(spec, self.ckpt_dir) if spec else FaultInjector()
+        except ValueError as e:
+            raise ConfigError(f"${FAULT_ENV}", str(e).removeprefix(f"{FAULT_ENV}: ")) from None
+        self._build()
+
+    # building ---------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        resume = self._find_resume()
+        self.targets = self._build_targets()
+        t0 = self.targets[0].model
+        self.vocab_size = t0.vocab_size
+        tokenizer = self._tokenizer()
+        mask_id = cfg.drafter.mask_token_id
+        if mask_id is None:
+            mask_id = default_mask_token_id(t0.vocab_size, len(tokenizer) if tokenizer is not None else None)
+        elif mask_id >= t0.vocab_size:
+            raise ConfigError("drafter.mask_token_id", f"{mask_id} is outside the target vocabulary ({t0.vocab_size})")
+        self.mask_token_id = mask_id
+        self.draft_config = draft_config_for(
+            t0.model.config, num_layers=cfg.drafter.layers, block_size=cfg.drafter.block_size,
+            mask_token_id=mask_id, target_layer_ids=t0.layer_ids,
+        )
+        self.dataset = JsonlDataset(cfg.data.path, format=cfg.data.format, tokenizer=tokenizer,
+                                    max_length=cfg.data.max_length, vocab_size=t0.vocab_size, mask_token_id=mask_id)
+        self.plan = BatchPlan(self.dataset.lengths, batch_size=cfg.data.batch_size,
+                              max_batch_tokens=cfg.data.max_batch_tokens, bucket_window=cfg.data.bucket_window,
+                              shuffle=cfg.data.shuffle, seed=cfg.seed)
+        self.schedule = LRSchedule(lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_ratio=cfg.optim.warmup_ratio,
+                                   schedule=cfg.optim.schedule, min_lr_ratio=cfg.optim.min_lr_ratio)
+        self.drafters = self._build_drafters()
+        if resume is not None:
+            self._restore(resume)
+        self.averager = Averager.for_replicas([r.trainable() for r in self.drafters])
+        starts = shard_starts(len(self.targets), self.position)
+        self.shard_starts = starts
+        self.sources = [Shard(self.dataset, self.plan, start=s, stride=len(self.targets)) for s in starts]
+
+    def _find_resume(self) -> Path | None:
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        if mode == "auto":
+            return ckpt.latest_complete(self.ckpt_dir)
+        path = Path(mode).expanduser()
+        if not path.is_dir():
+            raise ConfigError("checkpoint.resume", f'expected "auto", "never" or a checkpoint directory; {path} does not exist')
+        return path
+
+    def _build_targets(self) -> list[TargetReplica]:
+        cfg = self.cfg
+        dtype = torch_dtype(cfg.target.dtype)
+        devices = list(cfg.devices.targets)
+        drafter_devices = list(cfg.devices.drafters)
+        out = []
+        for i, dev in enumerate(devices):
+            if cfg.target.tiny is not None:
+                tiny = cfg.target.tiny
+                tc = tiny_target_config(
+                    vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
+                    num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
+                    intermediate_size=tiny.intermediate_size, max_position_embeddings=tiny.max_position_embeddings,
+                    initializer_range=tiny.initializer_range,
+                )
+                model = TargetModel.from_config(tc, dtype=dtype, device=dev, seed=tiny.seed,
+                                                layer_ids=cfg.drafter.target_layer_ids, num_draft_layers=cfg.drafter.layers)
+            else:
+                assert cfg.target.path is not None
+                try:
+                    model = TargetModel.from_pretrained(cfg.target.path, dtype=dtype, device=dev,
+                                                        layer_ids=cfg.drafter.target_layer_ids,
+                                                        num_draft_layers=cfg.drafter.layers)
+                except OSError as e:
+                    raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
+            if cfg.queue.mode == "per-drafter":
+                dest = drafter_devices[i % len(drafter_devices)]
+            elif len(set(drafter_devices)) == 1:
+                dest = drafter_devices[0]
+            else:
+                dest = "cpu"  # any drafter may take it: pinned host memory, each drafter copies it over
+            out.append(TargetReplica(model, dev, dest))
+        return out
+
+    def _tokenizer(self) -> t.Any:
+        d = self.cfg.data
+        path = d.tokenizer or (self.cfg.target.path if d.format != "tokens" else None)
+        if path is None:
+            return None
+        try:
+            return load_tokenizer(path)
+        except DataError:
+            if d.tokenizer is not None or d.format == "chat":
+                raise
+            return None  # the target folder has no tokenizer; pre-tokenized data needs none
+
+    def _build_drafters(self) -> list[DrafterReplica]:
+        cfg = self.cfg
+        dtype = torch_dtype(cfg.drafter.dtype)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            base = DFlashDraftModel(self.draft_config)
+        heads: dict[str, TargetHead] = {}
+        out = []
+        for j, dev in enumerate(cfg.devices.drafters):
+            model = copy.deepcopy(base).to(device=dev, dtype=dtype)
+            if dev not in heads:
+                heads[dev] = self.targets[0].model.head().to(dev)
+            prepare_drafter(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                            backend=cfg.compile_backend)
+            out.append(DrafterReplica(model, heads[dev], device=dev, cfg=cfg, schedule=self.schedule,
+                                      seed=cfg.seed * 1000 + j, index=j))
+        return out
+
+    def _restore(self, path: Path) -> None:
+        try:
+            c = ckpt.load_checkpoint(path, map_location="cpu")
+        except ckpt.CheckpointError as e:
+            raise ConfigError("checkpoint.resume", str(e)) from e
+        mine, theirs = self.draft_config, c.config
+        for key, name in (("num_hidden_layers", "drafter.layers"), ("block_size", "drafter.block_size"),
+                          ("hidden_size", "target"), ("vocab_size", "target")):
+            if getattr(mine, key) != getattr(theirs, key):
+                raise ConfigError(name, f"the checkpoint {path} has {key}={getattr(theirs, key)}, this run {getattr(mine, key)}; "
+                                        'resume it with the same model, or set checkpoint.resume = "never"')
+        if mine.target_layer_ids != theirs.target_layer_ids or mine.mask_token_id != theirs.mask_token_id:
+            raise ConfigError("drafter", f"the checkpoint {path} was trained on other target layers or another MASK id")
+        for r in self.drafters:
+            r.model.load_state_dict(c.state_dict, strict=True)
+        state = c.trainer_state or {}
+        opt = c.optimizer_state or {}
+        masters = opt.get("masters")
+        for j, r in enumerate(self.drafters):
+            if r.separate_masters:
+                with torch.no_grad():
+                    if masters is not None:
+                        for m, saved in zip(r.masters, masters):
+                            m.copy_(saved)
+                    else:
+                        for m, p in zip(r.masters, r.params):
+                            m.copy_(p)
+            saved_opts = opt.get("replicas") or []
+            if saved_opts:
+                r.optimizer.load_state_dict(saved_opts[j % len(saved_opts)])
+            gens = state.get("generators") or []
+            if j < len(gens):
+                r.generator.set_state(gens[j])
+        if "rng" in state:
+            ckpt.restore_rng_state(state["rng"])
+        self.start_step = c.step
+        self.last_saved = c.step
+        if "data" in state:
+            pos = DataPosition.from_dict(state["data"])
+            expect = f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}"
+            if pos.fingerprint and pos.fingerprint != expect:
+                logger.warning("resume: the data or its batching changed since %s; continuing at the saved batch indices", path)
+            self.position = pos
+        logger.info("resuming from %s at step %d", path, c.step)
+
+    # running ----------------------------------------------------------------------------
+
+    def save(self, step: int, position: t.Sequence[int], replicas: t.Sequence[int]) -> Path | None:
+        if step == self.last_saved:
+            return None
+        reps = [self.drafters[j] for j in replicas]
+        first = reps[0]
+        trainer_state: dict[str, t.Any] = {
+            "step": step,
+            "data": DataPosition(tuple(position), f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}").to_dict(),
+            "targets": len(self.targets),
+            "drafters": len(self.drafters),
+            "config": to_dict(self.cfg),
+            "rng": ckpt.rng_state(),
+            "generators": [r.generator.get_state() for r in self.drafters],
+        }
+        optimizer_state = None
+        if self.cfg.checkpoint.optimizer:
+            optimizer_state = {  # only replicas at the barrier: a straggler may be mid-step
+                "replicas": [r.optimizer.state_dict() for r in reps],
+                "masters": [m.detach().cpu() for m in first.masters] if first.separate_masters else None,
+            }
+        if self.injector.check("checkpoint", 0, step) is not None:
+            trainer_state["fault"] = _SigkillWhenPickled()
+        path = ckpt.save_checkpoint(self.ckpt_dir, step=step, drafter=first.model, trainer_state=trainer_state,
+                                    optimizer_state=optimizer_state, keep=self.cfg.checkpoint.keep)
+        self.last_saved = step
+        return path
+
+    def on_sync(self, ev: SyncEvent) -> None:
+        if ev.average and len(ev.replicas) > 1:
+            reps = [self.drafters[j] for j in ev.replicas]
+            self.averager.average([r.trainable() for r in reps])
+            for r in reps:
+                r.sync_from_masters()
+            logger.debug("step %d: averaged drafters %s", ev.step, list(ev.replicas))
+        if ev.checkpoint:
+            self.save(ev.step, ev.position, ev.replicas)
+
+    def train(self, signals: _Signals | None = None) -> int:
+        cfg = self.cfg
+        if self.start_step >= cfg.max_steps:
+            logger.info("already at step %d (max_steps %d): nothing to train", self.start_step, cfg.max_steps)
+            return EXIT_OK
+        if cfg.compile:
+            for r in self.drafters:  # compile serially, before any thread exists
+                warm_up(r, feature_size=self.targets[0].model.feature_size, vocab_size=self.vocab_size,
+                        mask_token_id=self.mask_token_id)
+            torch.compiler.set_stance("eager_on_recompile")  # no compilation inside the threads, ever
+        self.pipeline = Pipeline(
+            targets=self.targets, sources=self.sources, drafters=self.drafters, shard_starts=self.shard_starts,
+            on_sync=self.on_sync, injector=self.injector,
+            options=PipelineOptions(
+                max_steps=cfg.max_steps, start_step=self.start_step, capacity=cfg.queue.capacity, mode=cfg.queue.mode,
+                average_every=cfg.average_every if len(self.drafters) > 1 else 0,
+                checkpoint_every=cfg.checkpoint.interval, barrier_timeout=cfg.barrier_timeout,
+                oom_retry=cfg.optim.oom_retry,
+            ),
+        )
+        self.metrics = Metrics(log_every=cfg.log_every, path=self.run_dir / "metrics.jsonl", stream=self.stream,
+                               snapshot=self.pipeline.snapshot)
+        self.pipeline.on_step = self.metrics.record
+        if signals is not None:
+            signals.pipeline = self.pipeline
+            if signals.received is not None:
+                logger.warning("stopped before training started")
+                return 128 + signals.received
+        logger.info(
+            "training: %d target(s) %s -> queue %s (capacity %d) -> %d drafter(s) %s; steps %d..%d; checkpoints in %s; metrics in %s",
+            len(self.targets), list(cfg.devices.targets), cfg.queue.mode, cfg.queue.capacity, len(self.drafters),
+            list(cfg.devices.drafters), self.start_step, cfg.max_steps, self.ckpt_dir, self.run_dir / "metrics.jsonl",
+        )
+        self.metrics.start()
+        try:
+            result = self.pipeline.run()
+        finally:
+            self.metrics.close()
+            if cfg.compile:
+                torch.compiler.set_stance("default")
+        for f in result.failures:
+            logger.warning("during the run: %s", f.summary())
+        if result.reason == "stopped" and signals is not None and signals.received is not None:
+            logger.warning("stopped at step %d after a checkpoint", result.steps)
+            return 128 + signals.received
+        logger.info("finished at step %d", result.steps)
+        return EXIT_OK
+
+
+def run_training(cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, stream: t.TextIO | None = None) -> int:
+    """Build the run, train it, return the process exit code (see ``dflash.__main__``)."""
+    signals = _Signals()
+    signals.install()
+    try:
+        run = Run(cfg, environ=environ, stream=stream)
+        if signals.received is not None:
+            return 128 + signals.received
+        return run.train(signals)
+    finally:
+        signals.restore()
+
+
+__all__ = [
+    "DrafterReplica", "FeatureBatch", "LRSchedule", "Run", "TargetReplica", "prepare_drafter", "run_training",
+    "torch_dtype", "warm_up",
+]
