@@ -29,6 +29,7 @@ from pathlib import Path
 # pct runs its commands with this PATH (pve-common CLIHandler), and lxc-attach passes it on.
 PCT_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
 INIT_MARK = "__init__"
+MS_BIND, MS_MOVE, MS_REC = 4096, 8192, 16384  # <sys/mount.h>
 
 
 class Die(Exception):
@@ -319,12 +320,41 @@ VERBS = {
 # The container's init (pid 1 of the namespace)
 
 
+def mount_points(conf: Path) -> list[tuple[str, str]]:
+    """``(host path, container path)`` of the ``mpN: <host>,mp=<ct>`` bind mounts in a CT config."""
+    points = []
+    for line in conf.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.startswith("mp") and key[2:].isdigit():
+            host, *opts = value.strip().split(",")
+            ct = next((o[3:] for o in opts if o.startswith("mp=")), None)
+            if ct:
+                points.append((host, ct))
+    return points
+
+
 def init_main(state: str, vmid: str, ready_fd: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, b"mode=1777,size=268435456") != 0:
-        err = ctypes.get_errno()
-        os.write(ready_fd, f"mount /tmp: {os.strerror(err)}\n".encode())
-        os._exit(1)
+
+    def mount(src: bytes, dst: bytes, fstype: bytes | None, flags: int, data: bytes | None) -> None:
+        if libc.mount(src, dst, fstype, flags, data) != 0:
+            err = ctypes.get_errno()
+            os.write(ready_fd, f"mount {dst.decode()}: {os.strerror(err)}\n".encode())
+            os._exit(1)
+
+    # A fresh tmpfs for /tmp, built aside first so that bind mounts of host folders that live under the
+    # host's /tmp (mpN lines, like PVE's) can still be reached, then moved over /tmp.
+    st = State(Path(state))
+    staging = Path(state) / "run" / f"{vmid}.tmp.d"
+    staging.mkdir(parents=True, exist_ok=True)
+    mount(b"tmpfs", bytes(staging), b"tmpfs", 0, b"mode=1777,size=268435456")
+    for host, ct in mount_points(st.conf(vmid)):
+        if ct == "/tmp" or not ct.startswith("/tmp/"):
+            continue  # outside /tmp the container sees the host's filesystem anyway
+        target = staging / os.path.relpath(ct, "/tmp")
+        target.mkdir(parents=True, exist_ok=True)
+        mount(host.encode(), bytes(target), None, MS_BIND | MS_REC, None)
+    mount(bytes(staging), b"/tmp", None, MS_MOVE, None)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     os.write(ready_fd, b"ok\n")
     os.close(ready_fd)

@@ -19,6 +19,16 @@ from ops.testing import pct as pct_program
 BASE = "/var/tmp"
 
 
+def shared_tmp_paths() -> list[str]:
+    """Folders the tests run from that a container must see: the checkout and the interpreter's prefix."""
+    repo = Path(__file__).resolve().parents[2]
+    found = []
+    for p in (str(repo), sys.prefix, os.path.realpath(sys.prefix)):
+        if (p.startswith("/tmp/") and not any(p == f or p.startswith(f + "/") for f in found)):
+            found.append(p)
+    return found
+
+
 class FakePve:
     """A fake PVE node: ``pct`` (a script for hosts.toml), containers as real namespaces.
 
@@ -48,7 +58,11 @@ class FakePve:
 
     def create(self, vmid: int = 200, *, start: bool = False) -> int:
         conf = self.state / "nodes" / self.node / "lxc" / f"{vmid}.conf"
-        conf.write_text(f"arch: amd64\nhostname: ct{vmid}\nmemory: 2048\nostype: debian\nrootfs: local-lvm:vm-{vmid}-disk-0,size=8G\n")
+        lines = ["arch: amd64", f"hostname: ct{vmid}", "memory: 2048", "ostype: debian", f"rootfs: local-lvm:vm-{vmid}-disk-0,size=8G"]
+        # This checkout and its venv, bind-mounted like PVE's mpN when they live under the host's /tmp
+        # (a CI clone may): the container mounts its own /tmp and would not see them otherwise.
+        lines += [f"mp{i}: {p},mp={p}" for i, p in enumerate(shared_tmp_paths())]
+        conf.write_text("\n".join(lines) + "\n")
         if start:
             self.start(vmid)
         return vmid

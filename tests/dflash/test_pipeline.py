@@ -292,7 +292,8 @@ def test_a_drafter_that_misses_the_barrier_is_left_out_after_the_timeout() -> No
                            average_every=5, barrier_timeout=0.3)
     result = pipe.run()
     assert result.reason == "stopped"
-    missed = [e for e in events if not e.final]
+    # Under load drafter 1 may reach its step 3 only after a sync or two: look for the first miss.
+    missed = [e for e in events if not e.final and e.missing]
     assert missed and missed[0].replicas == (0,) and missed[0].missing == (1,)
     assert_all_joined(pipe)
 
