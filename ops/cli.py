@@ -354,6 +354,55 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
     os.execvp(argv[0], argv)
 
 
+# --- restart-on-crash (issue 5): thin; the policy and the loop are in ops/supervise.py ------------
+
+
+@cli.command("restart-on-crash")
+@_session_option
+@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, metavar="S",
+              help="Seconds between probes.")
+@click.option("--backoff", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="S",
+              help="First wait before a restart; doubles (with jitter) per restart.")
+@click.option("--max-backoff", type=click.FloatRange(min=0), default=900.0, show_default=True, metavar="S",
+              help="Longest wait before a restart.")
+@click.option("--min-uptime", type=click.FloatRange(min=0), default=600.0, show_default=True, metavar="S",
+              help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=5, show_default=True, metavar="N",
+              help="Give up after more than N restarts within --window.")
+@click.option("--window", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True, metavar="S",
+              help="The time window of --max-restarts.")
+@click.option("--once", is_flag=True, help="One probe and at most one restart (for cron and systemd timers).")
+@click.option("--restart-stalled", is_flag=True, help="Also restart a stalled run (stop it first, stack saved if py-spy is there).")
+@click.option("--start-container", is_flag=True, help="Start a stopped container (pct or the PVE API), then restart the run.")
+@click.option("--retry-oom", is_flag=True, help="Also restart after a CUDA out-of-memory crash (it usually repeats).")
+@click.option("--on-event", metavar="CMD", help="Run CMD for each incident: its JSON on stdin, DFLASHCTL_STATE/CAUSE/HOST/SESSION/ACTION set.")
+@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Incidents, lock and memory (default $XDG_STATE_HOME/dflashctl or ~/.local/state/dflashctl).")
+@pass_app
+def restart_on_crash_cmd(app: App, session: str | None, interval: float, backoff: float, max_backoff: float,
+                         min_uptime: float, max_restarts: int, window: float, once: bool, restart_stalled: bool,
+                         start_container: bool, retry_oom: bool, on_event: str | None, state_dir: str | None) -> ExitCode:
+    """Watch the run and restart it after a crash (backoff, crash-loop guard, incident files).
+
+    Exit 0 when the run succeeded, or with --once when it is left running (or was restarted); with
+    --once a run left alone exits with its `status` code; 11 when it gave up on a crash loop. Ctrl-C
+    or SIGTERM stop the supervisor, never the run (exit 0).
+    """
+    from pathlib import Path
+
+    from ops import supervise
+
+    opts = supervise.Options(interval=interval, backoff=backoff, max_backoff=max_backoff, min_uptime=min_uptime,
+                             max_restarts=max_restarts, window=window, once=once, restart_stalled=restart_stalled,
+                             start_container=start_container, retry_oom=retry_oom)
+    sup = supervise.Supervisor(app.host, session, opts, state_dir=Path(state_dir).expanduser() if state_dir else None,
+                               on_event=supervise.parse_hook(on_event), emit=click.echo)
+    outcome = sup.run()  # CrashLoop (exit 11) and SupervisorLocked (exit 1) are raised
+    if outcome.kind != "once" or outcome.state in (None, "restarted", "running", "succeeded"):
+        return ExitCode.OK
+    return exit_code_for_state(outcome.state)
+
+
 def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
     """Console entry point: run the CLI, map errors to one message and one exit code."""
     try:

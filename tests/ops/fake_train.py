@@ -3,8 +3,14 @@ $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside th
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
                   [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|kill|forever]
+                  [--checkpoint FILE [--every K]] [--control FILE]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
+--checkpoint FILE resumes from the step counter in FILE and saves it there (write, then rename)
+every K steps, as the training core does with `resume = "auto"`.
+--control FILE is read before each step: `once:KIND[@N]` (the file is taken, so a restarted run does
+not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
+without output), @N: after N steps of this run.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ def main() -> int:
     p.add_argument("--binary", action="store_true", help="print bytes that are not UTF-8")
     p.add_argument("--until", default=None)
     p.add_argument("--then", default="exit:0")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--control", default=None)
     a = p.parse_args()
 
     run_dir = os.environ.get("DFLASH_RUN_DIR", ".")
@@ -42,17 +51,65 @@ def main() -> int:
     if a.binary:
         sys.stdout.buffer.write(b"bad bytes \xff\xfe here\n")
         sys.stdout.flush()
-    step = 0
+    step = resume(a.checkpoint)
+    if step:
+        log(f"resumed from checkpoint at step {step}")
+    done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
+        fault = control(a.control, done_here)
+        if fault:
+            return end(fault, step)
         step += 1
+        done_here += 1
         loss = round(3.0 / step, 4)
         log(f"step {step} | loss {loss} | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1")
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"step": step, "loss": loss, "ktok_s": 12.5,
                                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+        if a.checkpoint and step % a.every == 0:
+            save(a.checkpoint, step)
         time.sleep(a.interval)
+    return end(a.then, step)
 
-    kind, _, arg = a.then.partition(":")
+
+def resume(path: str | None) -> int:
+    try:
+        with open(path or "") as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def save(path: str, step: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def control(path: str | None, done_here: int) -> str | None:
+    """The fault the control file asks for now, if any (a `once:` file is taken when it fires)."""
+    try:
+        with open(path or "") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    mode, _, rest = text.partition(":")
+    kind, _, after = rest.partition("@")
+    if done_here < int(after or 0):
+        return None
+    if mode == "once":
+        try:
+            os.unlink(path)  # type: ignore[arg-type]
+        except FileNotFoundError:
+            return None  # taken by another run
+    return kind
+
+
+def end(how: str, step: int) -> int:
+    kind, _, arg = how.partition(":")
     if kind == "exit":
         log(f"done after {step} steps")
         return int(arg or 0)
