@@ -113,9 +113,9 @@ def oom_kill_count() -> int | None:
     return None
 
 
-def write_json_atomic(path: str, data: dict[str, t.Any]) -> None:
+def write_json_atomic(path: str | os.PathLike[str], data: dict[str, t.Any]) -> None:
     """Write then rename, so a reader never sees half a record."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")

@@ -46,6 +46,7 @@ from pathlib import Path
 from ops import errors
 from ops.hosts import Host
 from ops.probe import Status, iso
+from ops.runner import write_json_atomic
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -435,16 +436,6 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
-def _write_json_atomic(path: Path, data: t.Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Lock:
     """One supervisor per host+session: an flock'ed file holding the owner's pid. The kernel drops
     the lock when the owner dies, so a stale file never blocks."""
@@ -513,7 +504,7 @@ class IncidentLog:
 
     def write(self, path: Path, incident: dict[str, t.Any]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(path, incident)
+        write_json_atomic(path, incident)
 
 
 def incident_for(st: Status, d: Decision, now: float, *, restarts: int, opts: Options) -> dict[str, t.Any]:
@@ -739,7 +730,7 @@ class Supervisor:
     def _save_memory(self) -> None:
         try:
             self.memory_path.parent.mkdir(parents=True, exist_ok=True)
-            _write_json_atomic(self.memory_path, {**self.policy.memory(), "host": self.host.name, "session": self.session,
+            write_json_atomic(self.memory_path, {**self.policy.memory(), "host": self.host.name, "session": self.session,
                                                   "updated_at": iso(self.clock())})
         except OSError as e:
             self.emit(f"warning: cannot save the supervisor memory {self.memory_path}: {e}")
