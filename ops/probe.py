@@ -202,7 +202,8 @@ def _cause_text(s: Status) -> str:
     if c == "signal":
         return f"killed by signal {s.signal} ({_signame(s.signal)})"
     if c == "nonzero-exit":
-        return f"exit code {s.exit_code}"
+        # The exit code is in the parentheses already: say what the command last said, if anything.
+        return f"exited with an error: {_short(s.detail)}" if s.detail else "exited with an error"
     if c == "container-restart":
         return "the container restarted during the run"
     if c == "tmux-server-killed":
