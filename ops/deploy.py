@@ -32,14 +32,13 @@ from ops.transport import CommandResult
 if t.TYPE_CHECKING:
     from ops.remote import Remote
 
-# What the agent (libtmux) and the training core (torch, transformers, safetensors) import in the
-# container, and how pip names them. torch is left unpinned on purpose: a GPU box needs its own
+# What the training core imports in the container, and how pip names them (the agent and the runner
+# are stdlib only: status works before any of these is installed). torch is left unpinned on purpose: a GPU box needs its own
 # CUDA build, not the CPU pin of pyproject.toml.
 REQUIRED_MODULES: dict[str, str] = {
     "torch": "torch",
     "transformers": "transformers>=5.0,<6",
     "safetensors": "safetensors>=0.4",
-    "libtmux": "libtmux>=0.40",
     "click": "click>=8.1",
 }
 MIN_PYTHON = (3, 11)
@@ -814,7 +813,7 @@ def _check_modules(remote: Remote, host: Host, facts: Facts, *, install: bool, d
     names = ", ".join(missing)
     python = facts.raw.get("executable") or host.python
     if not install:
-        message = (f"{host.label}: {python} cannot import {names} (needed by the agent and training); "
+        message = (f"{host.label}: {python} cannot import {names} (needed by training); "
                    f"run `dflashctl deploy --install` to pip-install {'it' if len(missing) == 1 else 'them'}, "
                    f"or install by hand")
         if dry_run:

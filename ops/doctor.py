@@ -2,7 +2,7 @@
 
 Each check is ``ok``, ``fail`` (with the reason and, where one exists, the typed error that decides
 the exit code) or ``skip`` (not applicable, or an earlier failure makes it moot). The order is
-from the most basic up: reachable, host-key, login, container, tmux, python, libtmux, torch, disk,
+from the most basic up: reachable, host-key, login, container, tmux, python, packages, torch, disk,
 nvidia-smi. Diagnosing never raises because something is down: down is a failed check.
 """
 
@@ -14,6 +14,7 @@ import logging
 import typing as t
 
 from ops import errors
+from ops.deploy import REQUIRED_MODULES
 from ops.hosts import Host
 from ops.transport import CommandResult, LocalTransport, Transport
 
@@ -25,17 +26,17 @@ logger = logging.getLogger(__name__)
 OK, FAIL, SKIP = "ok", "fail", "skip"
 MIN_FREE_BYTES = 1 << 30  # below 1 GiB a checkpoint write will fail
 TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (DESIGN.md section 6)
-LIBTMUX_TMUX_MIN = (3, 2)  # libtmux 0.62 needs tmux 3.2a; older tmux works in raw mode
 
 # One call inside the target: facts about the interpreter, printed as one JSON line.
 PYTHON_PROBE = r"""
 import json, sys
 facts = {"version": sys.version.split()[0], "executable": sys.executable}
-try:
-    import libtmux
-    facts["libtmux"] = getattr(libtmux, "__version__", "?")
-except Exception as e:
-    facts["libtmux_error"] = f"{type(e).__name__}: {e}"
+facts["missing"] = []
+for name in sys.argv[1:]:
+    try:
+        __import__(name)
+    except Exception as e:
+        facts["missing"].append(f"{name} ({type(e).__name__}: {e})")
 try:
     import torch
     facts["torch"] = torch.__version__
@@ -114,7 +115,7 @@ class _Report:
             self.add(n, SKIP, self.blocked or "not checked")
 
 
-INSIDE_CHECKS = ("tmux", "python", "libtmux", "torch", "disk", "nvidia-smi")
+INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "disk", "nvidia-smi")
 
 
 def diagnose(host: Host) -> HostReport:
@@ -222,15 +223,14 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
         version = _version(text)
         if version and version < TMUX_MIN:
             rep.fail("tmux", f"{text}: too old, dflashctl needs tmux >= 2.1")
-        elif version and version < LIBTMUX_TMUX_MIN:
-            rep.add("tmux", OK, f"{text} (older than 3.2a: the agent uses raw tmux calls, not libtmux)")
         else:
             rep.add("tmux", OK, text)
     else:
         rep.fail("tmux", f"tmux not found or not working: {_why(res)}; install it (apt-get install tmux)")
 
-    # python, libtmux, torch: one call
-    res = _run(where, [host.python, "-c", PYTHON_PROBE], timeout=120)
+    # python, the training packages, torch: one call
+    packages = [m for m in REQUIRED_MODULES if m != "torch"]
+    res = _run(where, [host.python, "-c", PYTHON_PROBE, *packages], timeout=120)
     facts: dict[str, t.Any] | None = None
     if isinstance(res, errors.OpsError):
         rep.fail("python", str(res), res)
@@ -242,14 +242,14 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
     else:
         rep.fail("python", f"cannot run {host.python!r} (hosts.{host.name}.python): {_why(res)}")
     if facts is None:
-        rep.add("libtmux", SKIP, "python failed")
+        rep.add("packages", SKIP, "python failed")
         rep.add("torch", SKIP, "python failed")
     else:
         rep.add("python", OK, f"{host.python}: Python {facts.get('version')}")
-        if "libtmux" in facts:
-            rep.add("libtmux", OK, f"libtmux {facts['libtmux']}")
+        if not facts.get("missing"):
+            rep.add("packages", OK, f"imports {', '.join(packages)}")
         else:
-            rep.fail("libtmux", f"{host.python} cannot import libtmux ({facts.get('libtmux_error')}); pip install libtmux there")
+            rep.fail("packages", f"{host.python} cannot import {'; '.join(facts['missing'])}; dflashctl deploy --install installs them")
         if "torch" in facts:
             gpus = f", CUDA, {facts.get('gpus')} GPU(s)" if facts.get("cuda") else ", no CUDA"
             rep.add("torch", OK, f"torch {facts['torch']}{gpus}")

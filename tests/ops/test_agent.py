@@ -15,7 +15,7 @@ import pytest
 from ops import errors, session, tmux
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote
-from ops.testing import pid_alive, retry_until
+from ops.testing import TmuxServers, pid_alive, retry_until
 from ops.transport import LocalTransport
 from runkit import fake_release, reap_runs, train_command
 
@@ -83,14 +83,16 @@ def test_start_is_one_tmux_invocation_with_the_options_first(local: Remote) -> N
     out = session.start(local)
     sock = local.host.tmux_socket
     assert out["attempt"] == 1 and out["release"] == "r0000000000000001"
-    assert tmux_out(sock, "show-options", "-gv", "remain-on-exit") == "on"
-    assert tmux_out(sock, "show-options", "-gv", "exit-empty") == "off"
-    assert tmux_out(sock, "show-options", "-gv", "history-limit") == "100000"
-    size = tmux_out(sock, "display-message", "-p", "-t", "=dflash:", "#{window_width}x#{window_height}")
-    assert size == "240x60"
+    # Checked through libtmux, independently of the agent's own tmux calls.
+    server = TmuxServers.server(sock)
+    assert server.show_option("remain-on-exit", global_=True) is True
+    assert server.show_option("exit-empty", global_=True) is False
+    assert server.show_option("history-limit", global_=True) == 100000
+    pane = server.sessions.get(session_name="dflash").active_window.active_pane
+    assert (pane.pane_width, pane.pane_height) == ("240", "60")
     run = json.loads((attempt_dir(local, 1) / "run.json").read_text())
     # `exec` in the command string: the pane's process IS the runner
-    assert tmux_out(sock, "display-message", "-p", "-t", "=dflash:", "#{pane_pid}") == str(run["pid"])
+    assert pane.pane_pid == str(run["pid"])
     assert run["pid"] == out["pid"] and run["child_pid"] == out["child_pid"]
     assert run["cwd"] == os.path.realpath(Path(local.host.workdir) / "releases" / "r0000000000000001")
     link = Path(local.host.run_dir) / "dflash" / "current"

@@ -488,13 +488,13 @@ def test_missing_modules_are_named_and_install_is_offered(tmp_path: Path, src: P
     remote = connect(host)
     with pytest.raises(MissingDependencies) as err:
         deploy(remote, host, source=str(src), echo=lambda s: None)
-    assert err.value.modules == ("torch", "transformers", "safetensors", "libtmux", "click")
-    assert "cannot import torch, transformers, safetensors, libtmux, click (needed by the agent and training)" in str(err.value)
+    assert err.value.modules == ("torch", "transformers", "safetensors", "click")
+    assert "cannot import torch, transformers, safetensors, click (needed by training)" in str(err.value)
     assert "dflashctl deploy --install" in str(err.value)
     assert not Path(host.workdir, "current").exists()
     out, echo = lines()
     deploy(remote, host, source=str(src), dry_run=True, install=True, echo=echo)
-    assert out[0].startswith("would pip-install into ") and out[0].endswith("torch transformers>=5.0,<6 safetensors>=0.4 libtmux>=0.40 click>=8.1")
+    assert out[0].startswith("would pip-install into ") and out[0].endswith("torch transformers>=5.0,<6 safetensors>=0.4 click>=8.1")
 
 
 def test_a_python_that_is_not_there_or_too_old_is_a_clear_error(tmp_path: Path, src: Path) -> None:
@@ -672,7 +672,7 @@ def test_cli_names_missing_modules_and_a_missing_python_in_the_container(pve_hos
     pve_hosts.write(python=str(bare))
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 1
-    assert "pve (ct 200): " in r.stderr and "cannot import torch, transformers, safetensors, libtmux, click" in r.stderr
+    assert "pve (ct 200): " in r.stderr and "cannot import torch, transformers, safetensors, click" in r.stderr
     assert "dflashctl deploy --install" in r.stderr
     pve_hosts.write(python="/nonexistent/python3")
     r = pve_hosts.cli("deploy", "--source", str(src))

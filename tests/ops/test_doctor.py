@@ -33,11 +33,11 @@ def test_everything_passes_on_both_hosts(pve_hosts: PveHosts) -> None:
     pve = statuses(r)
     assert pve == {
         "reachable": "ok", "host-key": "ok", "login": "ok", "container": "ok", "tmux": "ok", "python": "ok",
-        "libtmux": "ok", "torch": "ok", "disk": "ok", "nvidia-smi": "skip",
+        "packages": "ok", "torch": "ok", "disk": "ok", "nvidia-smi": "skip",
     }
     c = checks(r)
     assert c["tmux"]["detail"].startswith("tmux 3.")
-    assert "libtmux 0." in c["libtmux"]["detail"] and c["torch"]["detail"].startswith("torch 2.")
+    assert c["packages"]["detail"] == "imports transformers, safetensors, click" and c["torch"]["detail"].startswith("torch 2.")
     assert "GiB free" in c["disk"]["detail"] and "ct 200 running since" in c["container"]["detail"]
     assert "SHA256:" in c["host-key"]["detail"]
     local = statuses(r, "local")
@@ -128,7 +128,7 @@ def test_python_missing_in_the_container(pve_hosts: PveHosts) -> None:
     r = pve_hosts.cli("--host", "pve", "doctor", "--json")
     assert r.exit_code == 1
     s = statuses(r)
-    assert (s["container"], s["tmux"], s["python"], s["libtmux"], s["torch"], s["disk"]) == ("ok", "ok", "fail", "skip", "skip", "ok")
+    assert (s["container"], s["tmux"], s["python"], s["packages"], s["torch"], s["disk"]) == ("ok", "ok", "fail", "skip", "skip", "ok")
     assert "/opt/no-python/bin/python3" in checks(r)["python"]["detail"] and "hosts.pve.python" in checks(r)["python"]["detail"]
 
 

@@ -154,12 +154,13 @@ def test_close_kills_every_init_it_started() -> None:
 def test_tmux_servers_are_reaped_by_socket(tmux_servers: TmuxServers) -> None:
     name = tmux_servers.new()
     assert name.startswith("dflash-test-")
-    subprocess.run(["tmux", "-L", name, "new-session", "-d", "-s", "x", "sleep 600"], check=True, timeout=30)
+    server = tmux_servers.server(name)
+    server.new_session(session_name="x", window_command="sleep 600")
     pid = int(subprocess.run(["tmux", "-L", name, "display-message", "-p", "#{pid}"], capture_output=True, text=True, timeout=30).stdout)
     assert socket_path(name).exists()
     tmux_servers.reap()
     retry_until(lambda: not pid_alive(pid), 10)
-    assert not socket_path(name).exists()
+    assert not socket_path(name).exists() and not server.is_alive()
 
 
 def test_pve_hosts_writes_a_usable_inventory_and_runs_the_real_cli(pve_hosts: PveHosts) -> None:
