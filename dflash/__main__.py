@@ -1,6 +1,8 @@
 """`dflash` / `python -m dflash`: the training core's command line.
 
     dflash train --config configs/tiny-cpu.toml [--set drafter.block_size=8 ...]
+    dflash make-tiny --out .dflash/tiny [--seed 0]
+    dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
@@ -51,6 +53,79 @@ def train(config_path: str, overrides: tuple[str, ...]) -> None:
 
     cfg = load_config(config_path, overrides)
     raise SystemExit(run_training(cfg))
+
+
+@cli.command("make-tiny")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (the demo uses <workdir>/tiny).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same bytes.")
+@click.option("--force", is_flag=True, help="Build again even when a complete output of the same spec is there.")
+@click.option("--target-steps", type=click.IntRange(0), default=None, help="Training steps of the tiny target (default 150).")
+@click.option("--samples", type=click.IntRange(1), default=None, help="Training samples the target writes (default 1024).")
+@click.option("--eval-prompts", type=click.IntRange(1), default=None, help="Held-out prompts (default 32).")
+def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, samples: int | None,
+                  eval_prompts: int | None) -> None:
+    """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
+    import dataclasses
+    import time
+
+    from dflash.tiny import TinySpec, make_tiny
+
+    spec = TinySpec(seed=seed)
+    changes = {k: v for k, v in (("target_steps", target_steps), ("train_samples", samples),
+                                 ("eval_prompts", eval_prompts)) if v is not None}
+    spec = dataclasses.replace(spec, **changes)
+    t0 = time.monotonic()
+    path, built = make_tiny(out, spec, force=force, log=lambda m: click.echo(f"make-tiny: {m}"))
+    if not built:
+        click.echo(f"make-tiny: {path} is already there (seed {seed}); --force builds it again")
+        return
+    from dflash.tiny import load_manifest
+
+    m = load_manifest(path) or {}
+    click.echo(f"make-tiny: wrote {path} in {time.monotonic() - t0:.0f}s: target/ (loss {m.get('target_loss')}), "
+               f"train.jsonl ({m.get('train_samples')} answers), eval.jsonl ({m.get('eval_prompts')} held-out prompts); "
+               f"MASK id {m.get('mask_token_id')}")
+
+
+@cli.command("eval")
+@click.option("--drafter", "drafter_path", type=click.Path(), help="A checkpoint dir, or a folder of step-* checkpoints (the latest).")
+@click.option("--untrained", is_flag=True, help="Measure the drafter the run started from (step 0: same config and seed).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Run config (with --untrained and no --drafter).")
+@click.option("--target", "target_path", type=click.Path(), help="Target checkpoint (default: the one the run trained against).")
+@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompts (default: eval.jsonl next to the training data).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N prompts.")
+@click.option("--ddtree-budget", default=32, show_default=True, type=click.IntRange(0), help="Nodes of the offline DDTree tree (0: skip).")
+@click.option("--device", default="cpu", show_default=True, help='"cpu" or "cuda:<index>".')
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
+@click.option("--strict", is_flag=True, help="Exit 1 when an output differs from plain greedy decoding.")
+def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None, target_path: str | None,
+             prompts_path: str | None, max_new_tokens: int, limit: int | None, ddtree_budget: int, device: str,
+             json_path: str | None, strict: bool) -> None:
+    """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
+    import json
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from dflash.evaluate import evaluate, load_setup
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars are noise in a report
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{device} asked for, but this torch has no CUDA device", param_hint="--device")
+    s = load_setup(drafter=drafter_path, untrained=untrained, config=config_path, target=target_path,
+                   prompts=prompts_path, device=device, limit=limit)
+    report = evaluate(s.target, s.drafter, s.prompts, max_new_tokens=max_new_tokens, drafter_name=s.drafter_name,
+                      untrained=s.untrained, step=s.step, target_name=s.target_name, prompts_name=s.prompts_name,
+                      ddtree_budget=ddtree_budget or None)
+    for line in report.lines():
+        click.echo(line)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(json.dumps(report.to_json(), indent=1) + "\n")
+    if strict and not report.all_equal:
+        raise SystemExit(EXIT_FAILED)
 
 
 @cli.group()
@@ -123,8 +198,11 @@ def bench_pipeline(targets: int, drafters: int, target_ms: float, drafter_ms: fl
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; maps errors to the exit codes above (the only place that does)."""
+    from dflash.checkpoint import CheckpointError
     from dflash.config import ConfigError
     from dflash.data import DataError
+    from dflash.evaluate import EvalError
+    from dflash.tiny import TinyError
 
     try:
         cli.main(args=argv, prog_name="dflash", standalone_mode=False)
@@ -136,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (ConfigError, DataError) as e:  # bad input, found before training starts; the message names the key
+    except (ConfigError, DataError, EvalError, TinyError, CheckpointError) as e:  # bad input; the message names it
         click.echo(f"dflash: {e}", err=True)
         return EXIT_CONFIG
     return EXIT_OK

@@ -67,7 +67,7 @@ def test_compile_with_checkpointing_matches_neither(parts: dict[str, object]) ->
 
 
 def test_compiled_drafters_train_in_threads(tmp_path: Path) -> None:
-    cfg = load_config(REPO / "configs" / "tiny-cpu.toml", [
+    cfg = load_config(REPO / "configs" / "tiny-random.toml", [
         f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "max_steps=6", "log_every=3",
         "checkpoint.interval=0", "compile=true", "compile_backend=eager", "activation_checkpointing=true",
     ])

@@ -26,7 +26,7 @@ def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
 
 
 def test_tiny_cpu_config_loads_with_the_documented_shape() -> None:
-    cfg = load_config(REPO / "configs" / "tiny-cpu.toml")
+    cfg = load_config(REPO / "configs" / "tiny-random.toml")
     assert isinstance(cfg, RunConfig)
     assert cfg.devices.targets == ("cpu", "cpu") and cfg.devices.drafters == ("cpu", "cpu")
     assert cfg.target.tiny is not None and cfg.target.path is None

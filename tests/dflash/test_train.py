@@ -27,7 +27,7 @@ from dflash.train import LRSchedule, Run
 from ops.testing import retry_until
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny-cpu.toml"
+TINY = REPO / "configs" / "tiny-random.toml"
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,0 +1,442 @@
+"""How many tokens a drafter saves: ``dflash eval``, exact greedy speculative decoding on held-out prompts.
+
+For every prompt the target decodes ``max_new_tokens`` tokens greedily WITH the drafter
+(``dflash.spec_decode``: one target forward verifies a drafted block) and once more WITHOUT it
+(one forward per token). Reported, as in z-lab's benchmark:
+
+- ``tau``: mean over prompts of the prompt's mean(accepted + 1): tokens per target forward;
+- ``accept_histogram[k]``: target steps that accepted k drafted tokens, k = 0 .. B-1 (a block of B
+  carries the last verified token and B-1 drafts, so accepted + 1 runs 1 .. B);
+- ``position_acceptance[k-1]``: share of steps whose draft k was accepted, among steps that drafted k;
+- ``target_equal``: prompts whose output is token for token the target's plain greedy output (must be
+  all: speculative decoding never changes what the target says); ``outputs`` holds those tokens;
+- ``topk_recall[K][k-1]``: share of drafted positions k whose true token (the target's greedy token
+  there) is among the drafter's top K at that slot: how much a tree of drafts (DDTree) could win;
+- ``ddtree``: the offline acceptance length of a DDTree-style draft tree under a node budget: the tree
+  holds the ``budget`` likeliest prefixes under the drafter's per-slot distributions (best first, as
+  DDTree builds it); one walk along the target's greedy sequence (teacher forced: it IS what decoding
+  produces) accepts the longest prefix of the true continuation that is a path of the tree.
+
+``untrained_drafter`` builds the drafter a run starts from (same config and seed as step 0 of
+training), so "before" is measured the same way as "after".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+import os
+import time
+import typing as t
+from pathlib import Path
+
+import torch
+
+from dflash.spec_decode import speculative_generate, target_greedy
+
+if t.TYPE_CHECKING:
+    from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+    from dflash.target import TargetHead, TargetModel
+
+__all__ = [
+    "EvalError", "EvalReport", "Setup", "ddtree_accept", "evaluate", "load_prompts", "load_setup", "resolve_checkpoint",
+    "teacher_forced_walk", "untrained_drafter",
+]
+
+TOPK = (1, 2, 4, 8)
+DEFAULT_BUDGET = 32
+
+
+class EvalError(ValueError):
+    """The evaluation cannot run as asked (a missing file, a bad prompt); the message names it."""
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_prompts(path: str | os.PathLike[str], *, limit: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
+    """Prompts from JSONL: ``{"input_ids": [...]}`` is a whole prompt; a training record (with a
+    ``loss_mask``) contributes the tokens before its first supervised one."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise EvalError(f"--prompts: cannot read {path}: {e.strerror}") from e
+    prompts: list[list[int]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise EvalError(f"{where}: not JSON ({e})") from None
+        ids = rec.get("input_ids") if isinstance(rec, dict) else None
+        if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+            raise EvalError(f"{where}: input_ids: expected a non-empty list of token ids")
+        mask = rec.get("loss_mask")
+        if isinstance(mask, list) and 1 in mask:
+            ids = ids[: mask.index(1)]
+            if not ids:
+                raise EvalError(f"{where}: loss_mask: the first token is supervised, so there is no prompt")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise EvalError(f"{where}: input_ids: token {max(ids)} is outside the target vocabulary ({vocab_size})")
+        prompts.append(ids)
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise EvalError(f"--prompts: no prompts in {path}")
+    return prompts
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint dir (``step-N``, or any folder with config.json), or the latest complete one under
+    a checkpoints root or a run dir that holds ``checkpoints/``."""
+    from dflash import checkpoint as ckpt
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    for root in (p, p / "checkpoints"):
+        latest = ckpt.latest_complete(root)
+        if latest is not None:
+            return latest
+    if not p.exists():
+        raise EvalError(f"--drafter: {p} does not exist")
+    raise EvalError(f"--drafter: no drafter in {p} (expected a checkpoint dir with config.json, or a folder of step-* checkpoints)")
+
+
+def untrained_drafter(config: DFlashDraftConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> DFlashDraftModel:
+    """The drafter a run with this config and seed starts from (``dflash.train`` builds it the same way)."""
+    from dflash.drafter import DFlashDraftModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlashDraftModel(config)
+    model.to(device=device, dtype=dtype)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# DDTree offline
+
+
+def ddtree_accept(log_probs: torch.Tensor, truth: t.Sequence[int], budget: int) -> int:
+    """Accepted drafts of a best-first tree of ``budget`` nodes over per-slot ``log_probs`` [D, V]:
+    the longest prefix of ``truth`` (the D true tokens after the block's first) that is a tree path.
+
+    Nodes are prefixes scored by the sum of their slots' log-probabilities; they come out of the heap
+    in decreasing score, each bringing its first child and its next sibling (so the tree is exactly
+    the ``budget`` likeliest prefixes).
+    """
+    depth = min(log_probs.shape[0], len(truth))
+    if depth == 0 or budget <= 0:
+        return 0
+    width = min(log_probs.shape[1], budget)
+    top_lp, top_ids = log_probs[:depth].float().topk(width, dim=-1)
+    lp, ids = top_lp.tolist(), top_ids.tolist()
+    tree: set[tuple[int, ...]] = set()
+    # heap items: (-score, prefix ranks); a prefix of ranks names the tokens ids[d][rank]
+    heap: list[tuple[float, tuple[int, ...]]] = [(-lp[0][0], (0,))]
+    while heap and len(tree) < budget:
+        neg, ranks = heapq.heappop(heap)
+        d = len(ranks) - 1
+        tree.add(tuple(ids[i][r] for i, r in enumerate(ranks)))
+        if d + 1 < depth:
+            heapq.heappush(heap, (neg - lp[d + 1][0], (*ranks, 0)))
+        if ranks[-1] + 1 < width:
+            sibling = (*ranks[:-1], ranks[-1] + 1)
+            heapq.heappush(heap, (neg + lp[d][ranks[-1]] - lp[d][ranks[-1] + 1], sibling))
+    accepted = 0
+    while accepted < depth and tuple(truth[: accepted + 1]) in tree:
+        accepted += 1
+    return accepted
+
+
+@torch.no_grad()
+def teacher_forced_walk(target: TargetModel, drafter: DFlashDraftModel, head: TargetHead, tokens: torch.Tensor,
+                        num_prompt: int, *, budget: int | None = None) -> list[int]:
+    """Accepted drafts per step when decoding ``tokens`` [1, P+T] (the target's greedy output) again:
+    chain drafts (``budget`` None: exactly what speculative decoding accepts) or a DDTree tree."""
+    feats = t.cast(torch.Tensor, target.features(tokens.to(target.device)))
+    seq = tokens[0].tolist()
+    block = drafter.block_size
+    device = target.device
+    start = num_prompt  # the first new token is the block's given token (the prefill made it)
+    out: list[int] = []
+    while start + 1 < len(seq):
+        verify = min(block, len(seq) - start - 1)
+        drafted = verify - 1
+        truth = seq[start + 1: start + 1 + drafted]
+        if drafted == 0:
+            accepted = 0
+        else:
+            block_ids = torch.full((1, verify), drafter.mask_token_id, dtype=torch.long, device=device)
+            block_ids[0, 0] = seq[start]
+            hidden = drafter(position_ids=torch.arange(start + verify, device=device)[None],
+                             noise_embedding=head.embed(block_ids), target_hidden=feats[:, :start])
+            logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))[0].float()
+            if budget is None:
+                best = logits.argmax(dim=-1).tolist()
+                accepted = 0
+                while accepted < drafted and best[accepted] == truth[accepted]:
+                    accepted += 1
+            else:
+                accepted = ddtree_accept(torch.log_softmax(logits, dim=-1), truth, budget)
+        out.append(accepted)
+        start += accepted + 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The report
+
+
+@dataclasses.dataclass
+class EvalReport:
+    drafter: str
+    untrained: bool
+    step: int | None
+    target: str
+    prompts: str
+    num_prompts: int
+    max_new_tokens: int
+    block_size: int
+    tau: float
+    steps: int
+    new_tokens: int
+    accept_histogram: list[int]
+    position_acceptance: list[float]
+    target_equal: int
+    mismatched_prompts: list[int]
+    topk_recall: dict[str, list[float]]
+    ddtree: dict[str, float] | None
+    per_prompt_tau: list[float]
+    outputs: list[list[int]]  # per prompt, the new tokens speculative decoding produced
+    seconds: float
+
+    @property
+    def all_equal(self) -> bool:
+        return self.target_equal == self.num_prompts
+
+    def to_json(self) -> dict[str, t.Any]:
+        d = dataclasses.asdict(self)
+        d["all_equal"] = self.all_equal
+        return d
+
+    def lines(self) -> list[str]:
+        if self.untrained:
+            name = f"untrained (step 0 of the run: the config and seed of {self.drafter})"
+        else:
+            name = self.drafter + (f" (step {self.step})" if self.step is not None else "")
+        out = [
+            f"drafter: {name}",
+            f"target:  {self.target}",
+            f"prompts: {self.num_prompts} from {self.prompts}, {self.max_new_tokens} new tokens each, block size {self.block_size}",
+            f"tau {self.tau:.2f}  (tokens per target forward; {self.new_tokens} tokens in {self.steps} verify steps)",
+            "accepted drafts per step (0..B-1): " + " ".join(f"{k}:{n}" for k, n in enumerate(self.accept_histogram)),
+            "acceptance by position (1..B-1):   " + " ".join(f"{a:.2f}" for a in self.position_acceptance),
+        ]
+        for k, rec in self.topk_recall.items():
+            out.append(f"top-{k} recall by slot:             " + " ".join(f"{r:.2f}" for r in rec))
+        if self.ddtree:
+            out.append(f"DDTree offline tau at {int(self.ddtree['budget'])} nodes: {self.ddtree['tau']:.2f}")
+        verdict = "yes" if self.all_equal else f"NO for prompts {self.mismatched_prompts}"
+        out.append(f"output identical to plain greedy decoding: {verdict} ({self.target_equal}/{self.num_prompts} prompts)")
+        return out
+
+
+def evaluate(target: TargetModel, drafter: DFlashDraftModel, prompts: t.Sequence[t.Sequence[int]], *,
+             max_new_tokens: int = 64, drafter_name: str = "", untrained: bool = False, step: int | None = None,
+             target_name: str = "", prompts_name: str = "", ddtree_budget: int | None = DEFAULT_BUDGET,
+             progress: t.Callable[[int, int], None] | None = None) -> EvalReport:
+    """Speculative decoding of every prompt, checked against plain greedy decoding."""
+    if max_new_tokens < 1:
+        raise EvalError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+    t0 = time.monotonic()
+    block = drafter.block_size
+    head = target.head()
+    hist = [0] * block
+    drafted_at = [0] * (block - 1)
+    accepted_at = [0] * (block - 1)
+    recall_hits = {k: [0] * (block - 1) for k in TOPK}
+    recall_seen = [0] * (block - 1)
+    taus: list[float] = []
+    mismatched: list[int] = []
+    outputs: list[list[int]] = []
+    tree_steps: list[int] = []
+    steps = new_tokens = 0
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, head=head, keep_draft_logits=True)
+        plain = target_greedy(target, ids, max_new_tokens=max_new_tokens)
+        if not torch.equal(res.tokens.cpu(), plain.cpu()):
+            mismatched.append(i)
+        seq = res.tokens[0].tolist()
+        outputs.append(seq[res.num_prompt_tokens:])
+        taus.append(res.tau)
+        steps += len(res.accept_lengths)
+        new_tokens += len(seq) - res.num_prompt_tokens
+        logits_iter = iter(res.draft_logits or [])
+        for start, acc in zip(res.block_starts, res.accept_lengths):
+            hist[acc] += 1
+            drafted = min(block, len(seq) - start - 1) - 1 if start + 1 < len(seq) else 0
+            drafted = max(drafted, acc)
+            for k in range(1, drafted + 1):
+                drafted_at[k - 1] += 1
+                accepted_at[k - 1] += int(acc >= k)
+            if drafted <= 0:
+                continue
+            logits = next(logits_iter, None)
+            if logits is None:
+                continue
+            for k in range(1, min(logits.shape[0], len(seq) - start - 1) + 1):
+                truth = seq[start + k]
+                recall_seen[k - 1] += 1
+                order = logits[k - 1].topk(max(TOPK)).indices.tolist()
+                for K in TOPK:
+                    recall_hits[K][k - 1] += int(truth in order[:K])
+        if ddtree_budget:
+            tree_steps.extend(teacher_forced_walk(target, drafter, head, res.tokens, res.num_prompt_tokens,
+                                                  budget=ddtree_budget))
+        if progress is not None:
+            progress(i + 1, len(prompts))
+    ddtree = None
+    if ddtree_budget and tree_steps:
+        ddtree = {"budget": float(ddtree_budget), "tau": sum(a + 1 for a in tree_steps) / len(tree_steps)}
+    return EvalReport(
+        drafter=drafter_name, untrained=untrained, step=step, target=target_name, prompts=prompts_name,
+        num_prompts=len(prompts), max_new_tokens=max_new_tokens, block_size=block,
+        tau=sum(taus) / len(taus) if taus else math.nan, steps=steps, new_tokens=new_tokens,
+        accept_histogram=hist,
+        position_acceptance=[a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
+        target_equal=len(prompts) - len(mismatched), mismatched_prompts=mismatched,
+        topk_recall={str(K): [h / s if s else 0.0 for h, s in zip(recall_hits[K], recall_seen)] for K in TOPK},
+        ddtree=ddtree, per_prompt_tau=[round(x, 4) for x in taus], outputs=outputs, seconds=round(time.monotonic() - t0, 2),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Finding what to evaluate (``dflash eval``)
+
+
+@dataclasses.dataclass
+class Setup:
+    target: TargetModel
+    drafter: DFlashDraftModel
+    prompts: list[list[int]]
+    drafter_name: str
+    target_name: str
+    prompts_name: str
+    step: int | None
+    untrained: bool
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_setup(*, drafter: str | None, untrained: bool = False, config: str | None = None, target: str | None = None,
+               prompts: str | None = None, device: str = "cpu", limit: int | None = None) -> Setup:
+    """Resolve the CLI's choices: the drafter (a checkpoint, or the untrained one of a run config), the
+    target (``--target``, else the one the run trained against), the prompts (``--prompts``, else the
+    ``eval.jsonl`` that make-tiny wrote next to the training data)."""
+    from dflash import checkpoint as ckpt
+    from dflash.config import load_config, to_dict
+    from dflash.drafter import DFlashDraftConfig, draft_config_for
+    from dflash.target import TargetModel, default_mask_token_id, tiny_target_config
+
+    if drafter is None and not (untrained and config):
+        raise EvalError("give --drafter CHECKPOINT, or --untrained with --config RUN.toml")
+    run: dict[str, t.Any] | None = to_dict(load_config(config)) if config else None
+    ckpt_dir = resolve_checkpoint(drafter) if drafter else None
+    step = None
+    if ckpt_dir is not None:
+        try:
+            state = torch.load(ckpt_dir / ckpt.STATE_FILE, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            state = None  # a published drafter folder: weights and config only
+        except Exception as e:  # torch raises several unpickling errors
+            raise EvalError(f"--drafter: cannot read {ckpt_dir / ckpt.STATE_FILE}: {e}") from e
+        if state is not None:
+            step = int(state.get("step", 0))
+            if run is None:
+                run = (state.get("trainer_state") or {}).get("config")
+
+    draft_cfg: DFlashDraftConfig | None = None
+    if ckpt_dir is not None:
+        try:
+            draft_cfg = DFlashDraftConfig.from_dict(json.loads((ckpt_dir / "config.json").read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise EvalError(f"--drafter: {ckpt_dir / 'config.json'}: {e}") from e
+
+    # the target
+    tcfg = (run or {}).get("target") or {}
+    dtype = _DTYPES.get(str(tcfg.get("dtype")), torch.float32 if device == "cpu" else torch.bfloat16)
+    layer_ids = draft_cfg.target_layer_ids if draft_cfg is not None else (run or {}).get("drafter", {}).get("target_layer_ids")
+    n_layers = int((run or {}).get("drafter", {}).get("layers", 5))
+    try:
+        if target is not None or tcfg.get("path"):
+            path = target or str(tcfg["path"])
+            target_name = path
+            if not Path(path).is_dir():
+                where = "--target" if target else "the run's target.path"
+                raise EvalError(f"{where}: {path} is not a folder (a local checkpoint: config.json + weights); "
+                                "give --target PATH")
+            tm = TargetModel.from_pretrained(path, dtype=dtype, device=device, layer_ids=layer_ids, num_draft_layers=n_layers)
+        elif tcfg.get("tiny"):
+            tiny = tcfg["tiny"]
+            tc = tiny_target_config(
+                vocab_size=tiny["vocab_size"], hidden_size=tiny["hidden_size"], num_hidden_layers=tiny["num_layers"],
+                num_attention_heads=tiny["num_heads"], num_key_value_heads=tiny["num_kv_heads"], head_dim=tiny["head_dim"],
+                intermediate_size=tiny["intermediate_size"], max_position_embeddings=tiny["max_position_embeddings"],
+                initializer_range=tiny["initializer_range"],
+            )
+            tm = TargetModel.from_config(tc, dtype=dtype, device=device, seed=int(tiny["seed"]), layer_ids=layer_ids,
+                                         num_draft_layers=n_layers)
+            target_name = f"tiny random-init Qwen3 (seed {tiny['seed']})"
+        else:
+            raise EvalError("no target: give --target PATH (the run config names none)")
+    except (OSError, ValueError) as e:
+        if isinstance(e, EvalError):
+            raise
+        raise EvalError(f"--target: cannot load a model from {target or tcfg.get('path')}: {e}") from e
+
+    # the drafter
+    if draft_cfg is None:
+        assert run is not None
+        d = run.get("drafter") or {}
+        mask = d.get("mask_token_id")
+        if mask is None:
+            mask = default_mask_token_id(tm.vocab_size)
+        draft_cfg = draft_config_for(tm.model.config, num_layers=int(d.get("layers", 5)), block_size=int(d.get("block_size", 16)),
+                                     mask_token_id=int(mask), target_layer_ids=tm.layer_ids)
+    if untrained:
+        ddtype = _DTYPES.get(str((run or {}).get("drafter", {}).get("dtype")), torch.float32)
+        model = untrained_drafter(draft_cfg, seed=int((run or {}).get("seed", 0)), dtype=ddtype, device=device)
+        drafter_name = str(ckpt_dir or config)
+    else:
+        assert ckpt_dir is not None
+        try:
+            model = ckpt.load_drafter(ckpt_dir, device=device)
+        except ckpt.CheckpointError as e:
+            raise EvalError(f"--drafter: {e}") from e
+        drafter_name = str(ckpt_dir)
+    if list(model.target_layer_ids) != list(tm.layer_ids) or model.config.vocab_size != tm.vocab_size:
+        raise EvalError(f"--drafter: it reads target layers {model.target_layer_ids} of a {model.config.vocab_size}-token "
+                        f"vocabulary; this target has layers {tm.layer_ids} and {tm.vocab_size} tokens")
+
+    # the prompts
+    if prompts is None:
+        data_path = ((run or {}).get("data") or {}).get("path")
+        if not data_path:
+            raise EvalError("give --prompts FILE (no run config to find eval.jsonl next to the training data)")
+        prompts = str(Path(data_path).parent / "eval.jsonl")
+        if not Path(prompts).is_file():
+            raise EvalError(f"give --prompts FILE: there is no {prompts} next to the training data")
+    loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size)
+    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained)

@@ -1,0 +1,188 @@
+"""Issue 8 "Done when": the demo's flow, shortened, with the REAL parts: make-tiny's target and data,
+`dflashctl deploy` of this checkout to a local host, `start` in a real tmux server (this test's own
+socket), `status`, `tail`, `restart-on-crash`, the real `dflash train` (2 target + 2 drafter threads)
+and `dflash eval`. A crash is injected with the training core's DFLASH_FAULT hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.tiny import TinySpec, make_tiny
+from ops.testing import CliResult, retry_until
+from ops.testing.hostsfile import dflashctl_argv, dump_hosts
+from runkit import REPO, reap_runs
+
+pytestmark = pytest.mark.timeout(240)
+
+SMALL = TinySpec(target_steps=40, train_samples=48, eval_prompts=3, response_len=20, gen_batch=16, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out, _ = make_tiny(tmp_path_factory.mktemp("tiny") / "tiny", SMALL)
+    return out
+
+
+class LocalDemo:
+    """A local host like the shipped one (hosts.toml `local`), in a temp dir, on this test's tmux socket."""
+
+    def __init__(self, root: Path, socket: str, tiny: Path) -> None:
+        self.root = root
+        self.workdir = root / "wd"
+        self.run_dir = self.workdir / "runs"
+        self.session_dir = self.run_dir / "dflash"
+        self.hosts = root / "hosts.toml"
+        self.socket = socket
+        self.workdir.mkdir(parents=True)
+        shutil.copytree(tiny, self.workdir / "tiny")  # <workdir>/tiny: what configs/tiny-cpu.toml reads
+
+    def configure(self, *overrides: str, env: dict[str, str] | None = None) -> None:
+        command = ["python", "-m", "dflash", "train", "--config", "configs/tiny-cpu.toml"]
+        for item in ("log_every=5", "average_every=5", *overrides):
+            command += ["--set", item]
+        table: dict[str, t.Any] = {
+            "transport": "local", "workdir": str(self.workdir), "run_dir": str(self.run_dir),
+            "python": sys.executable, "session": "dflash", "command": command, "tmux_socket": self.socket,
+            "env": {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+        }
+        self.hosts.write_text(dump_hosts("local", {"local": table}))
+
+    def environ(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("DFLASHCTL_HOSTS", "TMUX", "TMUX_PANE", "DFLASH_FAULT")}
+        env["HOME"] = str(self.root / "home")
+        return env
+
+    def cli(self, *args: str, timeout: float = 90) -> CliResult:
+        p = subprocess.run([*dflashctl_argv(), "--hosts", str(self.hosts), *args], capture_output=True, text=True,
+                           timeout=timeout, env=self.environ(), cwd=self.root)
+        return CliResult(p.returncode, p.stdout, p.stderr)
+
+    def status(self) -> dict[str, t.Any]:
+        r = self.cli("status", "--json")
+        assert r.stdout.strip(), r.output
+        st = json.loads(r.stdout)
+        st["_exit"] = r.exit_code
+        return st
+
+    def log(self, n: int) -> str:
+        p = self.session_dir / f"attempt-{n}" / "train.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def eval(self, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, t.Any]]:
+        out = self.root / "eval.json"
+        p = subprocess.run([sys.executable, "-m", "dflash", "eval", "--drafter", str(self.session_dir / "checkpoints"),
+                            "--json", str(out), *args], capture_output=True, text=True, timeout=120,
+                           env=self.environ(), cwd=self.root)
+        assert p.returncode == 0, p.stdout + p.stderr
+        return p, json.loads(out.read_text())
+
+
+@pytest.fixture
+def demo(tmp_path: Path, tmux_socket: str, tiny: Path) -> t.Iterator[LocalDemo]:
+    d = LocalDemo(tmp_path, tmux_socket, tiny)
+    try:
+        yield d
+    finally:
+        reap_runs(d.run_dir)  # a local run outlives its tmux server by design; end what we started
+
+
+def test_deploy_start_status_running_then_succeeded_tail_and_eval_equals_greedy(demo: LocalDemo) -> None:
+    demo.configure("max_steps=40", "checkpoint.interval=20")
+    r = demo.cli("deploy")
+    assert r.exit_code == 0 and "deployed" in r.stdout, r.output
+    r = demo.cli("start")
+    assert r.exit_code == 0 and "started attempt 1 of session 'dflash'" in r.stdout, r.output
+
+    seen: list[str] = []
+
+    def finished() -> dict[str, t.Any] | None:
+        st = demo.status()
+        if not seen or seen[-1] != st["state"]:
+            seen.append(st["state"])
+        return st if st["state"] not in ("running", "not-started") else None
+
+    final = retry_until(finished, 150, interval=0.3)
+    assert final["state"] == "succeeded" and final["_exit"] == 4, (final, demo.log(1)[-2000:])
+    assert seen == ["running", "succeeded"], seen
+    assert final["exit_code"] == 0 and final["attempt"] == 1 and final["progress"]["step"] == 40
+
+    r = demo.cli("tail", "-n", "30")
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    assert 0 < len(lines) <= 30
+    steps = [int(m.group(1)) for m in (re.match(r"step (\d+) \| loss [\d.]+ \| acc [\d.]+ \| tau_tf", x) for x in lines) if m]
+    assert steps and steps[-1] == 40 and steps == sorted(steps)
+    assert r.stderr.startswith("[log]"), r.stderr  # the session ended: the durable log, and it says so
+
+    p, report = demo.eval("--strict", "--max-new-tokens", "16")
+    assert report["all_equal"] is True and report["num_prompts"] == SMALL.eval_prompts and report["step"] == 40
+    # token for token the target's own greedy output, computed here without the drafter
+    from dflash.target import TargetModel
+
+    target = TargetModel.from_pretrained(str(demo.workdir / "tiny" / "target"), dtype=torch.float32, num_draft_layers=2)
+    prompts = [json.loads(x)["input_ids"] for x in (demo.workdir / "tiny" / "eval.jsonl").read_text().splitlines()]
+    for prompt, out in zip(prompts, report["outputs"]):
+        greedy = target.generate_greedy(torch.tensor([prompt]), 16)[0, len(prompt):].tolist()
+        assert out == greedy
+    assert f"tau {report['tau']:.2f}" in p.stdout
+
+
+def test_restart_on_crash_restarts_the_run_which_resumes_from_its_checkpoint(demo: LocalDemo) -> None:
+    demo.configure("max_steps=40", "checkpoint.interval=10", env={"DFLASH_FAULT": "raise-at-step:25"})
+    assert demo.cli("deploy").exit_code == 0
+    assert demo.cli("start").exit_code == 0
+    state = demo.root / "supervisor"
+    r = demo.cli("restart-on-crash", "--interval", "1", "--backoff", "0.2", "--min-uptime", "5",
+                 "--state-dir", str(state), timeout=200)
+    assert r.exit_code == 0, r.output
+    assert re.search(r"crashed: .*-> restart in", r.stdout) and "restarted: attempt 2 started" in r.stdout, r.stdout
+    assert "the run succeeded" in r.stdout
+
+    first = json.loads((demo.session_dir / "attempt-1" / "exit.json").read_text())
+    assert first["exit_code"] == 1
+    assert "DFLASH_FAULT raise-at-step:25: injected failure at step 25" in demo.log(1)
+    m = re.search(r"resuming from \S+/step-(\d+) at step (\d+)", demo.log(2))
+    assert m, demo.log(2)[-2000:]
+    resumed = int(m.group(2))
+    assert 10 <= resumed < 25, resumed
+    steps = [int(x) for x in re.findall(r"^step (\d+) \|", demo.log(2), re.M)]
+    assert steps and steps[0] > resumed and steps[-1] == 40, steps
+    assert not (demo.session_dir / "attempt-3").exists()
+
+    st = demo.status()
+    assert st["state"] == "succeeded" and st["attempt"] == 2 and st["_exit"] == 4
+    incidents = [json.loads(p.read_text()) for p in (state / "incidents").glob("*.json")]
+    assert any(i.get("state") == "crashed" and i.get("cause") == "python-exception" for i in incidents), incidents
+
+
+# ---------------------------------------------------------------------------------------------
+# README.md stays true to the code
+
+
+def test_readme_tomls_parse_and_its_state_table_is_the_cli_s() -> None:
+    from ops.cli import STATE_EXIT
+    from ops.hosts import parse_inventory
+
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
+    hosts = [b for b in blocks if "[hosts." in b]
+    assert len(hosts) == 2
+    inv = parse_inventory(hosts[0], path=None, base=REPO)
+    shipped = parse_inventory((REPO / "hosts.toml").read_text(), path=None, base=REPO)
+    assert inv.get("local") == shipped.get("local"), "README shows the shipped local host"
+    pve = parse_inventory(hosts[1], path=None, base=REPO).get("pve")
+    assert pve.container == 200 and pve.address == "pve.example.internal" and pve.proxmox is not None
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (\d+) \|", text, re.M))
+    assert {k: int(v) for k, v in rows.items()} == {k: int(v) for k, v in STATE_EXIT.items()}
+    assert "scripts/demo     #" in text and "scripts/test     #" in text
