@@ -269,10 +269,18 @@ class JsonlDataset:
             raise DataError(f"{where}: {e}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
 def load_tokenizer(path: str) -> t.Any:
     """A local tokenizer (never downloads)."""
     from transformers import AutoTokenizer
 
+    # transformers 5 builds an empty tokenizer from a model folder that has none: refuse it here, so
+    # that pre-tokenized data never depends on it and chat data gets a clear error.
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise DataError(f"data.tokenizer: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:

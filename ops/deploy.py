@@ -720,7 +720,7 @@ def deploy(remote: Remote, host: Host, *, source: str | None = None, dry_run: bo
                 echo(f"{mark} {p}")
         current = f"releases/{facts.current_id}" if facts.current_id else "nothing deployed"
         summary = (f"dry run: {bundle.id} vs {current} on {where}: {plan.describe()}; would send "
-                   f"{len(plan.send)} {'file' if len(plan.send) == 1 else 'files'} ({human_bytes(plan.send_bytes)}); nothing changed")
+                   f"{len(plan.send)} {'file' if len(plan.send) == 1 else 'files'} ({human_bytes(plan.send_bytes)}); nothing was sent or switched")
         return Outcome("dry-run", bundle.id, facts.current_id, plan, summary=summary)
 
     _refuse_live_run(facts, host, force=force, doing="deploy", echo=echo)

@@ -104,6 +104,10 @@ class Options:
             raise errors.ConfigError("--max-restarts", f"expected a whole number >= 0, got {self.max_restarts!r}")
 
 
+def _when(delay: float, opts: Options) -> str:
+    return ("now (--once)" if opts.once else "now") if delay <= 0 else f"in {_dur(delay)}"
+
+
 def backoff_delay(streak: int, backoff: float, max_backoff: float, rng: random.Random) -> float:
     """The wait before recovery number ``streak`` (0-based) since the last reset: ``backoff * 2**streak``
     stretched by a random 0..25%, never below ``backoff`` nor above ``max_backoff``."""
@@ -265,6 +269,12 @@ class Policy:
         if st.attempt is None:
             return None
         known = max((x for x in (self.max_attempt, self.last_started) if x is not None), default=None)
+        if known is not None and st.attempt < known:
+            # Attempt numbers went back: the run dir was cleared or moved, this is a new run history.
+            had = bool(self.restarts or self.streak or self.last_fingerprint)
+            self.reset()
+            self.max_attempt, self.last_started, self.alive = st.attempt, None, {}
+            return f"attempt {st.attempt} is a new run (attempts went back from {known}): crash-loop memory reset" if had else None
         self.max_attempt = st.attempt if self.max_attempt is None else max(self.max_attempt, st.attempt)
         if known is not None and st.attempt > known and st.attempt != self.last_started:
             had = bool(self.restarts or self.streak or self.last_fingerprint)
@@ -352,9 +362,9 @@ class Policy:
             return Decision(p.action, p.reason, delay=max(0.0, p.due - now))
         if key in self.decided:
             # judged before (a container outage came in between): plan it again, not a second crash
-            delay = backoff_delay(self.streak, o.backoff, o.max_backoff, self.rng)
+            delay = self._backoff(self.streak)
             verb = "stop and restart" if action == STOP_THEN_RESTART else "restart"
-            self.pending = Pending(key, action, now + delay, f"{verb} in {_dur(delay)}")
+            self.pending = Pending(key, action, now + delay, f"{verb} {_when(delay, o)}")
             return Decision(action, self.pending.reason, delay=delay)
         self.decided.add(key)
         uptime = self._uptime(st, now)
@@ -371,9 +381,9 @@ class Policy:
             return Decision(GIVE_UP, f"crash loop: {n} restarts within --window {_dur(o.window)} (--max-restarts "
                             f"{o.max_restarts}); last failure: {what}", new=True)
         self.last_fingerprint = fp
-        delay = backoff_delay(self.streak, o.backoff, o.max_backoff, self.rng)
+        delay = self._backoff(self.streak)
         verb = "stop and restart" if action == STOP_THEN_RESTART else "restart"
-        reason = f"{verb} in {_dur(delay)} (restart {n + 1} of at most {o.max_restarts} within {_dur(o.window)})"
+        reason = f"{verb} {_when(delay, o)} (restart {n + 1} of at most {o.max_restarts} within {_dur(o.window)})"
         self.pending = Pending(key, action, now + delay, reason)
         return Decision(action, reason, delay=delay, new=True)
 
@@ -382,10 +392,14 @@ class Policy:
         p = self.pending
         if p is not None and p.key == ("container",):
             return Decision(p.action, p.reason, delay=max(0.0, p.due - now))
-        delay = backoff_delay(self.container_failures, o.backoff, o.max_backoff, self.rng)
-        reason = f"start the container in {_dur(delay)} (--start-container), then re-probe"
+        delay = self._backoff(self.container_failures)
+        reason = f"start the container {_when(delay, o)} (--start-container), then re-probe"
         self.pending = Pending(("container",), START_CONTAINER, now + delay, reason)
         return Decision(START_CONTAINER, reason, delay=delay, new=True)
+
+    def _backoff(self, n: int) -> float:
+        # --once acts at once: cron's or the timer's period is its backoff.
+        return 0.0 if self.opts.once else backoff_delay(n, self.opts.backoff, self.opts.max_backoff, self.rng)
 
     # ---------------------------------------------------------------- outcomes
 
@@ -403,7 +417,7 @@ class Policy:
                 self.pending = None
                 return None
             self.container_failures += 1
-            delay = backoff_delay(self.container_failures, o.backoff, o.max_backoff, self.rng)
+            delay = self._backoff(self.container_failures)
         else:
             self.restarts.append(now)  # a failed start counts too
             self.streak += 1
@@ -413,7 +427,7 @@ class Policy:
                     self.last_started = attempt
                     self.max_attempt = attempt if self.max_attempt is None else max(self.max_attempt, attempt)
                 return None
-            delay = backoff_delay(self.streak, o.backoff, o.max_backoff, self.rng)
+            delay = self._backoff(self.streak)
         if self.pending is not None:
             self.pending.due = now + delay
             self.pending.error = error or "failed"

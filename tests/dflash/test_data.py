@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash.data import (
-    BatchPlan, ChatRenderer, DataError, DataPosition, JsonlDataset, Shard, collate, has_anchor, shard_starts,
+    BatchPlan, ChatRenderer, DataError, DataPosition, JsonlDataset, Shard, collate, has_anchor, load_tokenizer, shard_starts,
 )
 
 
@@ -248,3 +248,11 @@ def test_a_different_number_of_shards_restarts_from_the_smallest_position() -> N
     assert all(s % 3 == j for j, s in enumerate(starts)) and min(starts) == 8
     assert shard_starts(2, saved) == [8, 13]
     assert shard_starts(2, None) == [0, 1]
+
+
+def test_a_model_folder_without_tokenizer_files_is_no_tokenizer(tmp_path: Path) -> None:
+    # transformers would hand back an empty tokenizer for it; we refuse, so pre-tokenized data
+    # (format "auto") trains without one and chat data gets a clear error.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(DataError, match=r"^data.tokenizer: no tokenizer in .*\(none of tokenizer.json"):
+        load_tokenizer(str(tmp_path))

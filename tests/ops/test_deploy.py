@@ -205,7 +205,7 @@ def test_dry_run_lists_the_change_and_changes_nothing(target: Target, src: Path)
     outcome = deploy(target.remote, target.host, source=str(src), dry_run=True, echo=echo)
     assert out == ["+ dflash/new.py", "~ ops/agent.py", "- configs/tiny-cpu.toml"]
     assert outcome.action == "dry-run" and outcome.bytes_sent == 0
-    assert "nothing changed" in outcome.summary and "would send 2 files" in outcome.summary
+    assert "nothing was sent or switched" in outcome.summary and "would send 2 files" in outcome.summary
     assert sorted(str(p) for p in target.workdir.rglob("*")) == snapshot
     assert target.current() == f"releases/{first.release}"
 

@@ -327,6 +327,18 @@ def test_a_run_started_by_hand_cancels_the_plan_and_resets_the_memory() -> None:
     assert p.observe(crashed(3, at=now + 20, fp="python-exception|E: other"), now + 20).action == RESTART
 
 
+def test_attempt_numbers_going_back_are_a_new_run_history() -> None:
+    # The run dir was moved aside (the demo does it) and a new attempt-1 crashes: a first crash,
+    # not the same fingerprint again.
+    p = policy(retry_oom=True, min_uptime=600)
+    _, now = restart_now(p, crashed(1, at=T0, fp=OOM, cause="cuda-oom"), T0)
+    mem = json.loads(json.dumps(p.memory()))
+    q = policy(retry_oom=True, min_uptime=600)
+    q.load(mem)
+    d = q.observe(crashed(1, at=now + 30, lived=30, fp=OOM, cause="cuda-oom"), now + 30)
+    assert d.action == RESTART and d.note and "attempts went back from 2" in d.note
+
+
 def test_the_memory_survives_the_supervisor() -> None:
     p = policy(retry_oom=True)
     _, now = restart_now(p, crashed(1, at=T0, fp=OOM, cause="cuda-oom"), T0)
@@ -479,3 +491,9 @@ def test_parse_hook_errors_name_the_option() -> None:
     with pytest.raises(errors.ConfigError):
         parse_hook("   ")
     assert parse_hook(None) is None
+
+
+def test_once_restarts_now_and_says_so() -> None:
+    p = policy(once=True, backoff=10)
+    d = p.observe(crashed(1, at=T0), T0)
+    assert (d.action, d.delay) == (RESTART, 0.0) and d.reason.startswith("restart now (--once)")
