@@ -399,7 +399,9 @@ def start(req: Request) -> dict[str, t.Any]:
                 "stop it with `dflashctl stop`, or start with --replace",
                 attempt=af.get("attempt") if af else None, pid=live["pid"] if live else None,
             )
-        replaced = _stop(req, af, tf, grace=float(req.get("replace_grace", 10.0)), reason="replaced")
+        # A live pane with no live run record (started by hand): the last attempt dir, if any, belongs
+        # to an ended run whose evidence must not be touched, so stop the pane, not that attempt.
+        replaced = _stop(req, af if live else None, tf, grace=float(req.get("replace_grace", 10.0)), reason="replaced")
         tf = tmux_facts(req)
     if _session_alive(tf):
         # a dead pane (remain-on-exit) or a replaced run still holds the name

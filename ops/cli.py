@@ -415,6 +415,9 @@ def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
         sys.exit(int(ExitCode.ERROR))
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.BadParameter as e:
+        e.show()
+        sys.exit(int(ExitCode.ERROR))  # a bad argument VALUE is our error (1), not a usage error (2)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

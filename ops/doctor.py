@@ -173,7 +173,8 @@ def diagnose(host: Host) -> HostReport:
         if host.container is not None:
             from ops.proxmox import Container
 
-            ct = Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label)
+            ct = Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label,
+                           config_key=f"hosts.{host.name}.proxmox")
             if not _container(rep, host, ct):
                 rep.skip_rest(INSIDE_CHECKS)
                 return rep.report

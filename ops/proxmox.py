@@ -56,12 +56,14 @@ class Container:
         pct: t.Sequence[str] = ("pct",),
         api: ProxmoxApi | None = None,
         label: str | None = None,
+        config_key: str = "proxmox",
     ) -> None:
         self.transport = transport
         self.vmid = int(vmid)
         self.pct = tuple(pct)
         self.api = api
         self.label = label or f"ct {vmid}"
+        self.config_key = config_key  # where hosts.toml holds `api`, for error messages
         self._api_client: t.Any = None
 
     # -- commands inside ----------------------------------------------------------------------
@@ -180,7 +182,7 @@ class Container:
             assert self.api is not None
             token = os.environ.get(self.api.token_value_env)
             if not token:
-                raise ConfigError("proxmox.token_value_env", f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)")
+                raise ConfigError(f"{self.config_key}.token_value_env", f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)")
             from proxmoxer import ProxmoxAPI
 
             self._api_client = ProxmoxAPI(

@@ -43,7 +43,8 @@ def connect(host: Host) -> Remote:
 
     transport = SSHTransport.connect(host)
     container = (
-        Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label)
+        Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label,
+                  config_key=f"hosts.{host.name}.proxmox")
         if host.container is not None
         else None
     )

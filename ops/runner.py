@@ -247,6 +247,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "python": args.python or sys.executable,
     }
     env = child_env(args)
+    # A stop signal that lands before the child exists is held, then passed on: it must neither kill
+    # the runner (no exit.json, an orphaned command) nor be lost.
+    held: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
     try:
         # Its own session: no controlling tty, so a pty hangup cannot reach it even if it resets
         # SIGHUP; stdin from /dev/null (nobody types into a training run).
@@ -279,6 +284,8 @@ def main(argv: t.Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    for signum in held:
+        forward(signum, None)
 
     assert child.stdout is not None
     _pump(child, child.stdout.fileno(), tee)

@@ -197,7 +197,8 @@ class Policy:
         # crash-loop memory
         self.restarts: list[float] = []  # when recoveries of the run happened (window guard)
         self.streak = 0  # recoveries since a run last survived min_uptime (the backoff exponent)
-        self.last_fingerprint: str | None = None  # the previous failure's fingerprint ("twice in a row")
+        self.last_fingerprint: str | None = None  # the previous EARLY failure's fingerprint ("twice in a row")
+        self.last_failure_attempt: int | None = None  # the attempt that failure belongs to
         self.last_started: int | None = None  # the attempt this supervisor (or its predecessor) started last
         # this process only
         self.container_failures = 0
@@ -213,7 +214,7 @@ class Policy:
     def memory(self) -> dict[str, t.Any]:
         # `seen`: so a --once from cron does not announce the same stopped/OOM run every few minutes
         return {"restarts": list(self.restarts), "streak": self.streak, "last_fingerprint": self.last_fingerprint,
-                "last_started": self.last_started, "seen": list(self.seen) if self.seen else None}
+                "last_failure_attempt": self.last_failure_attempt, "last_started": self.last_started, "seen": list(self.seen) if self.seen else None}
 
     def load(self, mem: t.Mapping[str, t.Any]) -> None:
         """Take a saved memory; a damaged one is ignored field by field (a fresh start is safe)."""
@@ -224,6 +225,8 @@ class Policy:
             self.streak = mem["streak"]
         if isinstance(mem.get("last_fingerprint"), str):
             self.last_fingerprint = mem["last_fingerprint"]
+        if isinstance(mem.get("last_failure_attempt"), int):
+            self.last_failure_attempt = mem["last_failure_attempt"]
         if isinstance(mem.get("last_started"), int):
             self.last_started = mem["last_started"]
         seen = mem.get("seen")
@@ -234,6 +237,7 @@ class Policy:
         self.restarts.clear()
         self.streak = 0
         self.last_fingerprint = None
+        self.last_failure_attempt = None
 
     def restarts_in_window(self, now: float) -> int:
         self.restarts = [x for x in self.restarts if x > now - self.opts.window]
@@ -372,7 +376,9 @@ class Policy:
         if not early:
             self.streak = 0
         fp = st.fingerprint if st.state == "crashed" else None
-        if fp is not None and fp == self.last_fingerprint and early:
+        # Twice = two different attempts, each failing before --min-uptime (a supervisor restarted by
+        # cron or systemd may judge the same crashed attempt again: that is not a second crash).
+        if fp is not None and fp == self.last_fingerprint and early and st.attempt != self.last_failure_attempt:
             lived = f"after {_dur(uptime)}" if uptime is not None else "early"
             return Decision(GIVE_UP, f"crash loop: the same failure twice in a row, the second {lived}, before "
                             f"--min-uptime {_dur(o.min_uptime)}: {what}", new=True)
@@ -380,7 +386,7 @@ class Policy:
         if n >= o.max_restarts:
             return Decision(GIVE_UP, f"crash loop: {n} restarts within --window {_dur(o.window)} (--max-restarts "
                             f"{o.max_restarts}); last failure: {what}", new=True)
-        self.last_fingerprint = fp
+        self.last_fingerprint, self.last_failure_attempt = (fp, st.attempt) if early else (None, None)
         delay = self._backoff(self.streak)
         verb = "stop and restart" if action == STOP_THEN_RESTART else "restart"
         reason = f"{verb} {_when(delay, o)} (restart {n + 1} of at most {o.max_restarts} within {_dur(o.window)})"
@@ -902,8 +908,8 @@ class Supervisor:
                 attempt = out.get("attempt")
                 how = f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; " if out.get("replaced") else ""
                 self.emit(f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}")
-        except errors.NotDeployed:
-            raise  # the supervisor cannot fix this: say so and end (exit 1)
+        except (errors.NotDeployed, errors.ConfigError):
+            raise  # the supervisor cannot fix these (nothing deployed, a missing API token): say so and end (exit 1)
         except errors.RunActive as e:
             self.policy.cancel()
             self._open = (path, inc)

@@ -295,3 +295,20 @@ def test_watch_and_follow_end_cleanly_on_ctrl_c(local: Remote, tmp_path: Path) -
     steps = [int(line.split()[1]) for line in outs["follow"]]
     assert steps == list(range(steps[0], steps[0] + len(steps)))  # in order, none lost, none twice
     assert follow_err.startswith("[log] following the log ")
+
+
+def test_replace_over_a_hand_started_pane_leaves_the_ended_attempt_alone(local: Remote, tmp_path: Path) -> None:
+    session.start(local)
+    (tmp_path / "finish").touch()
+    wait_state(local, "succeeded")
+    first = attempt_dir(local, 1)
+    sock = local.host.tmux_socket
+    server = TmuxServers.server(sock)
+    server.kill_session("=dflash")  # the dead pane goes; someone starts the name by hand
+    pane = server.new_session(session_name="dflash", window_command="sleep 600").active_window.active_pane
+    hand_pid = int(pane.pane_pid)
+    out = session.start(local, replace=True)
+    assert out["attempt"] == 2
+    assert not (first / "stop.json").exists(), "an ended attempt's evidence was rewritten"
+    assert json.loads((first / "exit.json").read_text())["exit_code"] == 0
+    retry_until(lambda: not pid_alive(hand_pid), 20)

@@ -174,3 +174,14 @@ def test_cli_reports_a_config_error_with_exit_1(tmp_path: Path) -> None:
     r = subprocess.run([*dflashctl_argv(), "--hosts", str(f), "--host", "gpu9", "trust-host"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr.startswith("dflashctl: hosts.gpu9: no such host in ") and "(known: pve)" in r.stderr
+
+
+def test_a_bad_argument_value_exits_1_and_an_unknown_option_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from ops.cli import main
+
+    with pytest.raises(SystemExit) as bad_value:
+        main(["tail", "-n", "0"])
+    assert bad_value.value.code == 1 and "0 is not in the range x>=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["tail", "--bogus"])
+    assert usage.value.code == 2 and "No such option '--bogus'" in capsys.readouterr().err

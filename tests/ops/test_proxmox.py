@@ -152,7 +152,7 @@ def api_container(fake_pve: t.Any, fake_pve_api: t.Any, vmid: int = 200) -> Cont
 
     api = ProxmoxApi(node="pve", api_host="127.0.0.1", port=fake_pve_api.port, token_name="dflashctl",
                      token_value_env="DFLASH_TEST_PVE_TOKEN", verify_ssl=False)
-    return Container(LocalTransport(), vmid, pct=(str(fake_pve.pct),), api=api)
+    return Container(LocalTransport(), vmid, pct=(str(fake_pve.pct),), api=api, config_key="hosts.pve.proxmox")
 
 
 @pytest.mark.filterwarnings("ignore:Unverified HTTPS request")
@@ -175,7 +175,7 @@ def test_api_status_and_start(fake_pve: t.Any, fake_pve_api: t.Any, monkeypatch:
 def test_api_token_errors(fake_pve: t.Any, fake_pve_api: t.Any, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_pve.create(200)
     monkeypatch.delenv("DFLASH_TEST_PVE_TOKEN", raising=False)
-    with pytest.raises(errors.ConfigError, match="DFLASH_TEST_PVE_TOKEN is not set"):
+    with pytest.raises(errors.ConfigError, match=r"^hosts.pve.proxmox.token_value_env: environment variable DFLASH_TEST_PVE_TOKEN is not set"):
         api_container(fake_pve, fake_pve_api).status()
     monkeypatch.setenv("DFLASH_TEST_PVE_TOKEN", "wrong")
     with pytest.raises(errors.RemoteCommandError, match="401"):

@@ -226,12 +226,25 @@ def test_reconnect_delay_grows_to_a_cap(failures: int, interval: float, seed: in
 
 def test_the_same_fingerprint_twice_before_min_uptime_is_a_crash_loop() -> None:
     p = policy(retry_oom=True, min_uptime=600)
+    # after 3 hours: not early, so it starts no row
     _, now = restart_now(p, crashed(1, at=T0, lived=3 * 3600, fp=OOM, cause="cuda-oom"), T0)
-    d = p.observe(crashed(2, at=now + 120, lived=120, fp=OOM, cause="cuda-oom"), now + 120)
+    # the first early one is restarted (transient failures happen)
+    _, now = restart_now(p, crashed(2, at=now + 120, lived=120, fp=OOM, cause="cuda-oom"), now + 120)
+    d = p.observe(crashed(3, at=now + 90, lived=90, fp=OOM, cause="cuda-oom"), now + 90)
     assert (d.action, d.new) == (GIVE_UP, True)
-    assert "crash loop: the same failure twice in a row, the second after 2m, before --min-uptime 10m" in d.reason
+    assert "crash loop: the same failure twice in a row, the second after 90s, before --min-uptime 10m" in d.reason
     assert "CUDA out of memory" in d.reason
-    assert "attempt 2" in d.reason
+    assert "attempt 3" in d.reason
+
+
+def test_a_new_supervisor_does_not_count_the_same_crashed_attempt_twice() -> None:
+    # cron's --once judged attempt 3 and its restart failed (ssh dropped); the next --once sees attempt 3 again
+    p = policy(once=True, min_uptime=600)
+    p.observe(crashed(3, at=T0, lived=30), T0)
+    p.recovered(T0, RESTART, ok=False, error="connection lost")
+    q = policy(once=True, min_uptime=600)
+    q.load(json.loads(json.dumps(p.memory())))
+    assert q.observe(crashed(3, at=T0, lived=30), T0 + 300).action == RESTART
 
 
 def test_the_same_fingerprint_after_min_uptime_is_restarted() -> None:
