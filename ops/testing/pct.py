@@ -180,29 +180,27 @@ def kill_init(st: State, vmid: str) -> None:
     st.run_file(vmid).unlink(missing_ok=True)
 
 
-def cmd_stop(st: State, vmid: str, args: list[str]) -> int:
+def _kill_running(st: State, vmid: str, *, then_start: bool) -> int:
+    """stop and reboot: only a running CT; under the state lock."""
     st.load_config(vmid)
     fd = st.lock()
     try:
         if not st.init_info(vmid):
             raise Die(f"CT {vmid} not running")
         kill_init(st, vmid)
+        if then_start:
+            start_init(st, vmid)
     finally:
         os.close(fd)
     return 0
+
+
+def cmd_stop(st: State, vmid: str, args: list[str]) -> int:
+    return _kill_running(st, vmid, then_start=False)
 
 
 def cmd_reboot(st: State, vmid: str, args: list[str]) -> int:
-    st.load_config(vmid)
-    fd = st.lock()
-    try:
-        if not st.init_info(vmid):
-            raise Die(f"CT {vmid} not running")
-        kill_init(st, vmid)
-        start_init(st, vmid)
-    finally:
-        os.close(fd)
-    return 0
+    return _kill_running(st, vmid, then_start=True)
 
 
 def cmd_destroy(st: State, vmid: str, args: list[str]) -> int:
