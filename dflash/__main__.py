@@ -3,6 +3,7 @@
     dflash train --config configs/tiny-cpu.toml [--set drafter.block_size=8 ...]
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
+                [--plot eval.png [--compare eval-before.json]]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
@@ -99,11 +100,25 @@ def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, sa
 @click.option("--device", default="cpu", show_default=True, help='"cpu" or "cuda:<index>".')
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 when an output differs from plain greedy decoding.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Draw acceptance by position and the accepted-drafts histogram (.png or .svg; needs dflash[plot]).")
+@click.option("--compare", "compare_path", type=click.Path(dir_okay=False), metavar="REPORT.json",
+              help="With --plot: an earlier report (--json) drawn side by side, as before / after.")
 def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None, target_path: str | None,
              prompts_path: str | None, max_new_tokens: int, limit: int | None, ddtree_budget: int, device: str,
-             json_path: str | None, strict: bool) -> None:
+             json_path: str | None, strict: bool, plot_path: str | None, compare_path: str | None) -> None:
     """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
     import json
+
+    before = None
+    if compare_path and not plot_path:
+        raise click.BadParameter("needs --plot FILE", param_hint="--compare")
+    if plot_path:  # said before the (long) eval, not after it
+        from dflash import eval_plot
+
+        eval_plot.check_out(plot_path)
+        eval_plot.require_matplotlib()
+        before = eval_plot.load_report(compare_path) if compare_path else None
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -124,6 +139,9 @@ def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None,
     if json_path:
         with open(json_path, "w") as f:
             f.write(json.dumps(report.to_json(), indent=1) + "\n")
+    if plot_path:
+        eval_plot.draw(plot_path, [before, report.to_json()] if before else [report.to_json()])
+        click.echo(f"plot: {plot_path}")
     if strict and not report.all_equal:
         raise SystemExit(EXIT_FAILED)
 
@@ -161,11 +179,12 @@ def _slowdowns(values: t.Sequence[str]) -> dict[int, float]:
 @click.option("--kill-drafter", default=0, show_default=True, type=click.IntRange(0), help="Which drafter --kill-drafter-at kills.")
 @click.option("--average-every", default=0, show_default=True, type=click.IntRange(0), help="Barrier + averaging every N steps (0: off).")
 @click.option("--average-ms", default=0.0, show_default=True, type=click.FloatRange(0), help="Simulated averaging cost.")
+@click.option("--no-accounting", is_flag=True, help="Leave per-worker time accounting out (to measure its cost).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Also write the result as JSON.")
 def bench_pipeline(targets: int, drafters: int, target_ms: float, drafter_ms: float, drafter_slowdown: tuple[str, ...],
                    mode: str, capacity: int, steps: int, tokens_per_batch: int, payload_mb: float,
                    kill_drafter_at: int | None, kill_drafter: int, average_every: int, average_ms: float,
-                   json_path: str | None) -> None:
+                   no_accounting: bool, json_path: str | None) -> None:
     """The real pipeline with simulated workers: Ktok/s against min(target supply, drafter demand)."""
     from dflash.simulate import BenchSpec, dump_json, format_result, run_bench
 
@@ -182,7 +201,7 @@ def bench_pipeline(targets: int, drafters: int, target_ms: float, drafter_ms: fl
     spec = BenchSpec(targets=targets, drafters=drafters, target_ms=target_ms, drafter_ms=drafter_ms, slowdowns=slow,
                      mode=mode, capacity=capacity, steps=steps, tokens_per_batch=tokens_per_batch,
                      payload_mb=payload_mb, kill_drafter_at=kill_drafter_at, kill_drafter=kill_drafter,
-                     average_every=average_every, average_ms=average_ms)
+                     average_every=average_every, average_ms=average_ms, accounting=not no_accounting)
     quiet = logging.getLogger("dflash.pipeline")  # the injected kill's traceback is expected
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
@@ -201,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.checkpoint import CheckpointError
     from dflash.config import ConfigError
     from dflash.data import DataError
+    from dflash.eval_plot import PlotError
     from dflash.evaluate import EvalError
     from dflash.tiny import TinyError
 
@@ -217,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, EvalError, TinyError, CheckpointError) as e:  # bad input; the message names it
         click.echo(f"dflash: {e}", err=True)
         return EXIT_CONFIG
+    except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw
+        click.echo(f"dflash: {e}", err=True)
+        return EXIT_FAILED
     return EXIT_OK
 
 

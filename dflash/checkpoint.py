@@ -9,27 +9,43 @@ Layout of one checkpoint, ``<root>/step-<n>/``:
 - ``trainer_state.pt``  {"step", "trainer_state", "optimizer"}: whatever the trainer needs to resume
                         (data position, RNG, pipeline config); loaded with ``weights_only=True``, so
                         it may hold tensors, numbers, strings, lists, tuples and dicts
-- ``checkpoint.json``   the manifest, written last: step and the size of every file above
+- ``checkpoint.json``   the manifest, written last: step, the run id, the size and sha256 of every file above
 
 Everything is written into ``<root>/.tmp-step-<n>-<pid>``, fsynced, and renamed to ``step-<n>``, so a
 ``step-*`` directory is either absent or complete; ``latest_complete`` also checks the manifest, so a
-directory copied or truncated by hand is not picked either.
+directory copied or truncated by hand is not picked either, and the sha256 sums, so a corrupted file is
+skipped (with a warning naming it) for the previous checkpoint.
+
+Runs: every run has an id (``new_run_id``: its UTC start time, then random hex), written into each of its
+checkpoints and kept across resumes. ``keep`` prunes only the run's own checkpoints, and only after the
+new one is renamed in; a ``step-<n>`` of ANOTHER run that is in the way is moved into
+``<root>/old-<its run id>-<time>/``, never deleted. ``resume_order`` lists the newest run's checkpoints
+first (newest step first), then older runs'. Checkpoints written before run ids (and sha256 sums)
+existed still load; they count as one run older than any other.
+
+Writing in the background: ``snapshot`` copies what a checkpoint holds to CPU (the only part that must
+happen while the drafters wait), ``CheckpointWriter`` writes snapshots in one background thread, one at
+a time, and re-raises a failed write as ``CheckpointWriteError`` at the next ``wait``/``check``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import os
 import random
 import re
+import secrets
 import shutil
+import threading
 import typing as t
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
@@ -37,13 +53,22 @@ from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointWriteError",
+    "CheckpointWriter",
+    "Snapshot",
     "latest_complete",
     "list_complete",
     "load_checkpoint",
     "load_drafter",
+    "move_aside",
+    "new_run_id",
     "restore_rng_state",
+    "resume_order",
     "rng_state",
+    "run_of",
     "save_checkpoint",
+    "snapshot",
+    "write_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,10 +80,15 @@ MANIFEST_FILE = "checkpoint.json"
 FORMAT = "dflash-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
+_HASH_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete or not ours; the message names the path."""
+    """A checkpoint directory is missing, incomplete, corrupted or not ours; the message names the path."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A background checkpoint write failed (disk full, ...): the run fails; earlier checkpoints stand."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +99,12 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]
     trainer_state: dict[str, t.Any]
     optimizer_state: dict[str, t.Any] | None
+    run_id: str | None = None  # None: written before run ids existed
+
+
+def new_run_id() -> str:
+    """A fresh run's identity: its start time (UTC, so ids sort by start) and random hex."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -125,6 +161,65 @@ def _clean_stale(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What one checkpoint holds, as CPU copies no one else references: safe to write from another thread."""
+
+    step: int
+    run_id: str | None
+    config: DFlashDraftConfig
+    weights: dict[str, torch.Tensor]
+    trainer_state: dict[str, t.Any]
+    optimizer_state: dict[str, t.Any] | None
+
+
+def _cpu_copy(value: t.Any, into: t.Any = None) -> t.Any:
+    """Tensors copied to CPU (a CPU tensor too: training goes on changing the original), containers rebuilt.
+
+    ``into``: the same structure from an earlier snapshot whose write is done; its tensors of the same
+    shape and dtype are written over instead of allocating (fresh memory's page faults cost more than the copy).
+    """
+    if isinstance(value, torch.Tensor):
+        src = value.detach()
+        if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
+                and into.device.type == "cpu" and into.is_contiguous()):
+            return into.copy_(src)
+        return src.to("cpu", copy=True).contiguous()
+    if isinstance(value, dict):
+        old = into if isinstance(into, dict) else {}
+        return {k: _cpu_copy(v, old.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
+        return type(value)(_cpu_copy(v, o) for v, o in zip(value, old))
+    return value
+
+
+@torch.no_grad()
+def snapshot(drafter: DFlashDraftModel, *, step: int, trainer_state: dict[str, t.Any],
+             optimizer_state: dict[str, t.Any] | None = None, run_id: str | None = None,
+             reuse: Snapshot | None = None) -> Snapshot:
+    """Copy a checkpoint's contents to CPU: call it while no thread changes the drafter (the barrier).
+    ``reuse``: a written snapshot (``CheckpointWriter.spare``) whose buffers this one may overwrite."""
+    if step < 0:
+        raise ValueError(f"step: must be >= 0, got {step}")
+    # A torch.compile wrapper adds "_orig_mod." to names; the file keeps z-lab's plain names.
+    state = {name.replace("_orig_mod.", ""): tensor for name, tensor in drafter.state_dict().items()}
+    return Snapshot(
+        step=step, run_id=run_id, config=drafter.config,
+        weights=_cpu_copy(state, reuse.weights if reuse else None),
+        trainer_state=_cpu_copy(trainer_state, reuse.trainer_state if reuse else None),
+        optimizer_state=_cpu_copy(optimizer_state, reuse.optimizer_state if reuse else None),
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def save_checkpoint(
     root: str | os.PathLike[str],
     *,
@@ -133,13 +228,19 @@ def save_checkpoint(
     trainer_state: dict[str, t.Any],
     optimizer_state: dict[str, t.Any] | None = None,
     keep: int | None = 3,
+    run_id: str | None = None,
 ) -> Path:
-    """Write ``<root>/step-<step>`` atomically and keep only the ``keep`` newest (None/0: keep all).
+    """Write ``<root>/step-<step>`` atomically now and keep only the run's ``keep`` newest (None/0: keep all).
 
     Call it when no thread is changing the drafter (at the trainer's barrier). Returns the directory.
     """
-    if step < 0:
-        raise ValueError(f"step: must be >= 0, got {step}")
+    return write_checkpoint(root, snapshot(drafter, step=step, trainer_state=trainer_state,
+                                           optimizer_state=optimizer_state, run_id=run_id), keep=keep)
+
+
+def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int | None = 3) -> Path:
+    """Write a snapshot as ``<root>/step-<n>``: temp dir, fsync, rename; then prune the run's oldest."""
+    step = snap.step
     if keep is not None and keep < 0:
         raise ValueError(f"keep: must be >= 0 (0 or None keeps all), got {keep}")
     root = Path(root)
@@ -151,28 +252,30 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        # A torch.compile wrapper adds "_orig_mod." to names; the file keeps z-lab's plain names.
-        weights = {name.replace("_orig_mod.", ""): tensor.detach().to("cpu").contiguous()
-                   for name, tensor in drafter.state_dict().items()}
+        weights = snap.weights
         dtype = next(iter(weights.values())).dtype if weights else None
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(config_json(drafter.config, dtype=dtype))
-        torch.save({"step": step, "trainer_state": trainer_state, "optimizer": optimizer_state}, tmp / STATE_FILE)
-        files = {name: (tmp / name).stat().st_size for name in (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE)}
+        (tmp / CONFIG_FILE).write_text(config_json(snap.config, dtype=dtype))
+        torch.save({"step": step, "trainer_state": snap.trainer_state, "optimizer": snap.optimizer_state},
+                   tmp / STATE_FILE)
+        names = (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE)
         manifest = {
             "format": FORMAT,
             "step": step,
+            "run_id": snap.run_id,
             "saved_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "files": files,
+            "files": {name: (tmp / name).stat().st_size for name in names},
+            "sha256": {name: _sha256(tmp / name) for name in names},
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        for name in (*files, MANIFEST_FILE):
+        for name in (*names, MANIFEST_FILE):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. after a resume): move the old one aside
-            old = root / f".old-step-{step}-{os.getpid()}"
-            final.rename(old)
-            shutil.rmtree(old, ignore_errors=True)
+        if final.exists():  # another run's (a fork's parent, a corrupted one): never deleted, moved aside
+            aside = _archive_dir(root, _manifest_run(final))
+            final.rename(aside / final.name)
+            logger.warning("%s was in the way of step %d of run %s: moved aside to %s", final, step,
+                           snap.run_id, aside / final.name)
         tmp.rename(final)
         _fsync_dir(root)
     except BaseException:
@@ -180,12 +283,110 @@ def save_checkpoint(
         raise
     logger.info("checkpoint step %d written to %s", step, final)
     if keep:
-        for old_path in list_complete(root)[:-keep]:
+        mine = [p for p in list_complete(root) if p != final and _manifest_run(p) == snap.run_id]
+        mine.append(final)  # the newest of its run: steps only grow within a run
+        for old_path in mine[:-keep]:
             # Rename first: a half-deleted directory must not look like a checkpoint.
             doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
             old_path.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
     return final
+
+
+def _archive_dir(root: Path, run_id: str | None) -> Path:
+    """A new ``<root>/old-<run id>-<time>/`` (not a ``step-*`` name, so never resumed or pruned by itself)."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    base = f"old-{run_id or 'no-run-id'}-{stamp}"
+    for n in range(1000):
+        aside = root / (base if n == 0 else f"{base}-{n}")
+        try:
+            aside.mkdir()
+        except FileExistsError:
+            continue
+        return aside
+    raise CheckpointError(f"{root}: cannot find a free name for {base}")
+
+
+def move_aside(root: str | os.PathLike[str]) -> list[Path]:
+    """Move every ``step-*`` directory under ``root`` into ``old-<run id>-<time>/`` (one per run), for a
+    run that starts afresh (``resume = "never"``) in a directory that already holds checkpoints.
+    Returns the folders it made; deletes nothing."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    by_run: dict[str | None, list[Path]] = {}
+    for entry in sorted(root.iterdir()):
+        if _STEP_DIR.match(entry.name) and entry.is_dir():
+            by_run.setdefault(_manifest_run(entry), []).append(entry)
+    made = []
+    for run_id, paths in by_run.items():
+        aside = _archive_dir(root, run_id)
+        for p in paths:
+            p.rename(aside / p.name)
+        made.append(aside)
+    if made:
+        _fsync_dir(root)
+    return made
+
+
+class CheckpointWriter:
+    """Writes snapshots to ``root`` in ONE background thread, one at a time.
+
+    ``submit`` first waits for the previous write, so at most one snapshot is held in memory and the
+    writes stay in step order. A failed write is raised (as ``CheckpointWriteError``) by the next
+    ``submit``, ``check`` or ``wait``; the run must ``wait`` before it exits, or the last one is lost.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep: int | None = 3) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.written: Path | None = None  # the last checkpoint written
+        self._spare: Snapshot | None = None  # the last snapshot written: its buffers serve the next one
+        self._thread: threading.Thread | None = None
+        self._step: int | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, snap: Snapshot) -> None:
+        self.wait()
+        self._step = snap.step
+        # Not a daemon: an interpreter that exits without wait() still finishes the write.
+        self._thread = threading.Thread(target=self._write, args=(snap,), name=f"checkpoint-{snap.step}")
+        self._thread.start()
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            self.written = write_checkpoint(self.root, snap, keep=self.keep)
+            self._spare = snap
+        except BaseException as e:  # reported by the caller's next wait()
+            self._error = e
+
+    def spare(self) -> Snapshot | None:
+        """After ``wait``: the last written snapshot, handed over once, for ``snapshot(reuse=...)``."""
+        if self.busy:
+            return None
+        spare, self._spare = self._spare, None
+        return spare
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise a finished write's error now; never blocks."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Block until the write in flight is on disk; raise its error. Returns the last checkpoint written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointWriteError(
+                f"checkpoint step {self._step} could not be written to {self.root}: {type(error).__name__}: {error}"
+            ) from error
+        return self.written
 
 
 # ---- finding and reading ------------------------------------------------------------------
@@ -198,8 +399,26 @@ def _step_of(path: Path) -> int:
     return int(match.group(1))
 
 
+def _read_manifest(path: Path) -> dict[str, t.Any] | None:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _manifest_run(path: Path) -> str | None:
+    run_id = (_read_manifest(path) or {}).get("run_id")
+    return run_id if isinstance(run_id, str) else None
+
+
+def run_of(path: str | os.PathLike[str]) -> str | None:
+    """The id of the run that wrote the checkpoint at ``path`` (None: written before run ids existed)."""
+    return _manifest_run(Path(path))
+
+
 def _manifest_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None if it is."""
+    """Why ``path`` is not a complete checkpoint, or None if it is (sizes only: ``_hash_problem`` reads the bytes)."""
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
     except FileNotFoundError:
@@ -223,8 +442,23 @@ def _manifest_problem(path: Path) -> str | None:
     return None
 
 
+def _hash_problem(path: Path, manifest: dict[str, t.Any]) -> str | None:
+    """A file whose sha256 is not the manifest's (same size, other bytes); None for old manifests without sums."""
+    sums = manifest.get("sha256")
+    if not isinstance(sums, dict):
+        return None
+    for name, expected in sorted(sums.items()):
+        try:
+            actual = _sha256(path / name)
+        except OSError as exc:
+            return f"{name} unreadable: {exc.strerror}"
+        if actual != expected:
+            return f"{name} is corrupted: its sha256 is not the one in {MANIFEST_FILE}"
+    return None
+
+
 def list_complete(root: str | os.PathLike[str]) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest step first."""
+    """Complete checkpoints under ``root`` (every run's), oldest step first. Sizes only: no hashing."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -239,10 +473,25 @@ def list_complete(root: str | os.PathLike[str]) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
-def latest_complete(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root`` (never a half-written one), or None."""
+def resume_order(root: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints in the order to try them: the newest run first (run ids sort by start time;
+    checkpoints without a run id last), and within a run the newest step first."""
     found = list_complete(root)
-    return found[-1] if found else None
+    runs = {p: _manifest_run(p) for p in found}
+    return sorted(found, key=lambda p: (runs[p] is not None, runs[p] or "", _step_of(p)), reverse=True)
+
+
+def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Path | None:
+    """The newest complete checkpoint of the newest run under ``root`` (never a half-written one), or None.
+
+    With ``verify`` the files' sha256 sums are checked too: a corrupted checkpoint is skipped, with a
+    warning naming it, for the previous one."""
+    for path in resume_order(root):
+        problem = _hash_problem(path, _read_manifest(path) or {}) if verify else None
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s; trying the previous one", path, problem)
+    return None
 
 
 def _read_config(path: Path) -> DFlashDraftConfig:
@@ -258,35 +507,58 @@ def _read_config(path: Path) -> DFlashDraftConfig:
         raise CheckpointError(f"{path / CONFIG_FILE}: {exc}") from None
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Read a complete checkpoint for resuming: config, drafter weights, trainer and optimizer state."""
+def _load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device=device)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
+                    verify: bool = True) -> Checkpoint:
+    """Read a complete checkpoint for resuming: config, drafter weights, trainer and optimizer state.
+    ``verify`` checks every file against the manifest's sha256 first (manifests without sums: sizes only)."""
     path = Path(path)
     problem = _manifest_problem(path) if path.is_dir() else "no such directory"
     if problem is not None:
         raise CheckpointError(f"{path}: not a complete checkpoint: {problem}")
+    problem = _hash_problem(path, _read_manifest(path) or {}) if verify else None
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
     config = _read_config(path)
-    state_dict = load_file(str(path / WEIGHTS_FILE), device=str(map_location))
+    state_dict = _load_weights(path / WEIGHTS_FILE, str(map_location))
     try:
         state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError subclasses and RuntimeErrors here
         raise CheckpointError(f"{path / STATE_FILE}: cannot be loaded with weights_only=True: {exc}") from exc
     return Checkpoint(path=path, step=int(state["step"]), config=config, state_dict=state_dict,
-                      trainer_state=state["trainer_state"], optimizer_state=state.get("optimizer"))
+                      trainer_state=state["trainer_state"], optimizer_state=state.get("optimizer"),
+                      run_id=_manifest_run(path))
 
 
 def load_drafter(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu") -> DFlashDraftModel:
     """A drafter for serving or evaluation, in eval mode. Also reads z-lab's published drafter folders
-    (``config.json`` + ``model.safetensors``, no trainer state). Weights must match exactly."""
+    (``config.json`` + ``model.safetensors``, no trainer state, no manifest). Weights must match exactly;
+    where there is a manifest, its sha256 sums are checked first."""
     path = Path(path)
+    manifest = _read_manifest(path)
+    if manifest is not None:
+        problem = _hash_problem(path, manifest)
+        if problem is not None:
+            raise CheckpointError(f"{path}: {problem}")
     config = _read_config(path)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: no {WEIGHTS_FILE}")
-    state_dict = load_file(str(weights_path))
+    state_dict = _load_weights(weights_path, "cpu")
     with torch.device("meta"):
         model = DFlashDraftModel(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as exc:  # size mismatch, missing or unexpected names: say the first one
+        detail = next((x.strip() for x in str(exc).splitlines()[1:] if x.strip()), str(exc))
+        raise CheckpointError(f"{weights_path} does not match {path / CONFIG_FILE}: {detail}") from exc
     # Non-persistent buffers (RoPE frequencies) are not in the file: rebuild them for real.
     model.rotary_emb = type(model.rotary_emb)(config)
     model.to(device=device, dtype=dtype if dtype is not None else next(iter(state_dict.values())).dtype)

@@ -16,6 +16,7 @@ supervised run resumes from the same place; without DFLASH_RUN_DIR, to ``<output
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -105,7 +106,11 @@ class DevicesConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class QueueConfig:
-    capacity: int = 64  # batches of features in flight; per-drafter mode splits it over the queues
+    capacity: int = 64  # batches of features in flight at most; per-drafter mode splits it over the queues
+    # ... and bytes of features in flight at most (pinned host memory, or the drafter GPU's memory):
+    # 4 GiB is ~14 batches of 8K tokens x 5 layers x 5120 wide in bf16. A batch larger than it still
+    # passes alone. Per-drafter mode splits it like the capacity.
+    max_bytes: int = 4 << 30
     mode: str = "shared"  # "shared" (one queue) or "per-drafter" (round-robin, for comparison only)
 
 
@@ -129,8 +134,17 @@ class CheckpointConfig:
     interval: int = 1000  # global steps; 0: only at the end and on SIGTERM
     dir: str | None = None
     keep: int = 3
-    resume: str = "auto"  # "auto" (latest complete checkpoint, if any), "never", or a checkpoint path
-    optimizer: bool = True  # save each replica's AdamW moments (resume continues them)
+    # "auto" (the newest run's latest intact checkpoint, if any), "never" (a new run; checkpoints already
+    # in the dir are moved into old-<run id>-<time>/), or a checkpoint path
+    resume: str = "auto"
+    optimizer: bool = True  # save one replica's AdamW moments + fp32 masters (resume gives them to every replica)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MetricsConfig:
+    """Where progress goes besides the step line and metrics.jsonl."""
+
+    tensorboard: bool = False  # TensorBoard event files in the attempt dir (the `tensorboard` extra)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,6 +156,7 @@ class RunConfig:
     queue: QueueConfig = dataclasses.field(default_factory=QueueConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     max_steps: int = 1000  # global steps: batches trained by all drafters together
     log_every: int = 10
     average_every: int = 50  # global steps between replica averagings
@@ -175,13 +190,17 @@ def load_config(path: str | os.PathLike[str], overrides: t.Sequence[str] = ()) -
     """Read ``path`` and apply ``key=value`` overrides; the one entry point for ``dflash train``."""
     p = Path(path).expanduser()
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError("--config", f"cannot read {p}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError("--config", f"{p} is not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(str(p), f"not valid TOML: {e}") from e
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise ConfigError(str(p), "not valid TOML: tables or arrays nested too deeply") from None
     for item in overrides:
         apply_override(raw, item)
     return parse_config(raw, base=p.resolve().parent)
@@ -238,6 +257,8 @@ def apply_override(raw: dict[str, t.Any], item: str) -> None:
 
 
 _NONE = object()
+_INT64 = 1 << 63
+SEED_MAX = (1 << 32) - 1
 
 
 def _field_type(parts: list[str]) -> t.Any:
@@ -277,8 +298,8 @@ def _parse_cli_value(value: str, tp: t.Any) -> t.Any:
 def _toml_value(value: str) -> t.Any:
     try:
         return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return value  # a bare word: the field's type check reports it by name
+    except (tomllib.TOMLDecodeError, RecursionError):
+        return value  # a bare word (or nesting too deep to parse): the field's type check reports it by name
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,11 +340,19 @@ def _value(tp: t.Any, v: t.Any, path: str) -> t.Any:
     if tp is int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(path, f"expected an integer, got {_show(v)}")
+        if not -_INT64 <= v < _INT64:  # torch (seeds, sizes) overflows past 64 bits
+            raise ConfigError(path, f"{v} is out of range for a 64-bit integer")
         return v
     if tp is float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(path, f"expected a number, got {_show(v)}")
-        return float(v)
+        try:
+            number = float(v)  # an integer too large for a float raises
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):  # TOML has nan and inf; no setting means either
+            raise ConfigError(path, f"expected a finite number, got {v if isinstance(v, float) else 'a huge integer'}")
+        return number
     if tp is str:
         if not isinstance(v, str):
             raise ConfigError(path, f"expected a string, got {_show(v)}")
@@ -413,6 +442,7 @@ def _check(cfg: RunConfig) -> None:
             seen.add(dev)
 
     positive("queue.capacity", cfg.queue.capacity)
+    positive("queue.max_bytes", cfg.queue.max_bytes)
     choice("queue.mode", cfg.queue.mode, ("shared", "per-drafter"))
     if cfg.queue.mode == "per-drafter" and cfg.queue.capacity < len(cfg.devices.drafters):
         raise ConfigError("queue.capacity", f"per-drafter mode needs at least one slot per drafter ({len(cfg.devices.drafters)})")
@@ -439,6 +469,10 @@ def _check(cfg: RunConfig) -> None:
     if not c.resume.strip():
         raise ConfigError("checkpoint.resume", 'expected "auto", "never" or a checkpoint path')
 
+    if not 0 <= cfg.seed <= SEED_MAX:  # replica generators are seeded with seed * 1000 + index
+        raise ConfigError("seed", f"must be in [0, {SEED_MAX}], got {cfg.seed}")
+    if tg.tiny is not None and not 0 <= tg.tiny.seed <= SEED_MAX:
+        raise ConfigError("target.tiny.seed", f"must be in [0, {SEED_MAX}], got {tg.tiny.seed}")
     positive("max_steps", cfg.max_steps)
     positive("log_every", cfg.log_every)
     positive("average_every", cfg.average_every)
@@ -446,6 +480,21 @@ def _check(cfg: RunConfig) -> None:
     choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
     if not cfg.output_dir.strip():
         raise ConfigError("output_dir", "must not be empty")
+
+
+def check_devices(cfg: RunConfig) -> None:
+    """The devices the config names exist on this machine (at start-up, not when a config is parsed)."""
+    import torch
+
+    for role in ("targets", "drafters"):
+        for i, dev in enumerate(getattr(cfg.devices, role)):
+            if dev == "cpu":
+                continue
+            if not torch.cuda.is_available():
+                raise ConfigError(f"devices.{role}[{i}]", f"{dev} asked for, but this machine (or this torch build) has no CUDA device")
+            index = int(dev.split(":")[1])
+            if index >= torch.cuda.device_count():
+                raise ConfigError(f"devices.{role}[{i}]", f"{dev} asked for, but there are only {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _join(prefix: str, key: str) -> str:
@@ -470,7 +519,7 @@ def to_dict(cfg: RunConfig) -> dict[str, t.Any]:
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "DevicesConfig", "DrafterConfig", "OptimConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "DevicesConfig", "DrafterConfig", "MetricsConfig", "OptimConfig",
     "QueueConfig", "RUN_DIR_ENV", "RunConfig", "TargetConfig", "TinyTargetConfig", "apply_override",
-    "load_config", "parse_config", "to_dict",
+    "check_devices", "load_config", "parse_config", "to_dict",
 ]

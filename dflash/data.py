@@ -144,6 +144,8 @@ class JsonlDataset:
         self.vocab_size = vocab_size
         self.mask_token_id = mask_token_id  # a real token must never be the drafter's MASK row
         self.renderer = ChatRenderer(tokenizer) if tokenizer is not None else None
+        if self.path.is_dir():  # os.open would succeed and the first read fail with a traceback
+            raise DataError(f"data.path: {self.path} is a directory; expected a JSONL file")
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:

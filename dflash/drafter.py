@@ -21,6 +21,7 @@ H hidden, h heads, g kv heads, D head dim.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import typing as t
 
@@ -28,8 +29,8 @@ import torch
 from huggingface_hub.dataclasses import strict
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3PreTrainedModel,
@@ -46,6 +47,7 @@ except ImportError:  # pragma: no cover - torch without flex attention
     flex_attention = None  # type: ignore[assignment]
 
 __all__ = [
+    "CompileMissError",
     "DFlashDraftConfig",
     "DFlashDraftModel",
     "DraftCache",
@@ -238,24 +240,70 @@ def _inference_mask(q_len: int, k_len: int, sliding_window: int, device: torch.d
     return ((k_pos <= q_pos) & (q_pos - k_pos < sliding_window))[None, None]
 
 
+class CompileMissError(RuntimeError):
+    """A compiled drafter met a shape its warm-up did not compile (``fail_on_recompile``), or flex
+    attention on CUDA would have run unfused (the full score matrix: out of memory at real sizes)."""
+
+
 _flex_lock = threading.Lock()
 _compiled_flex: t.Callable[..., torch.Tensor] | None = None
 
+# One compiled call at a time, process-wide. Drafter threads calling compiled layers concurrently made
+# dynamo's cache lookup miss now and then although the shape was compiled (torch 2.13, aot_eager, 3 CPU
+# threads: "Unexpected recompilation: runtime guards failed even though they passed"), which after
+# warm-up is a dead drafter, or unfused attention without fail_on_recompile. Held while the compiled
+# forward launches its kernels (asynchronous on CUDA); the backward runs outside it.
+_compiled_calls = threading.RLock()
+
+
+def compiled_flex() -> t.Callable[..., torch.Tensor]:
+    """flex_attention compiled on its own (inductor: the fused kernel), for layers that are not compiled.
+
+    Built once under a lock; it compiles at its first call, which ``dflash.train.warm_up`` makes before
+    any worker thread exists.
+    """
+    global _compiled_flex
+    with _flex_lock:
+        if _compiled_flex is None:
+            _compiled_flex = t.cast(t.Callable[..., torch.Tensor],
+                                    torch.compile(flex_attention, dynamic=True, fullgraph=True))
+        return _compiled_flex
+
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t.Any, scale: float) -> torch.Tensor:
-    """flex_attention: compiled on GPU (fused kernel), eager elsewhere (CPU tests; forward only)."""
-    global _compiled_flex
+    """flex_attention: traced into the compiled layer, else the compiled kernel on CUDA, eager on CPU.
+
+    Eager flex is unfused (it materialises ``[B, h, Q, K]`` scores): allowed on CPU, where it runs
+    forward only (tests), never on CUDA.
+    """
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
-    fn: t.Callable[..., torch.Tensor] = flex_attention
-    # Inside a compiled layer, dynamo compiles flex itself; wrapping it again would break the graph.
-    if q.is_cuda and not torch.compiler.is_compiling():
-        # torch.compile is not thread-safe: build the compiled kernel once, under a lock.
-        with _flex_lock:
-            if _compiled_flex is None:
-                _compiled_flex = t.cast(t.Callable[..., torch.Tensor], torch.compile(flex_attention, dynamic=True))
-        fn = _compiled_flex
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    # Per frame: True only while dynamo traces THIS code. torch.compiler.is_compiling() is process-wide
+    # (set while any thread compiles), so a drafter thread would call unfused flex during another's compile.
+    if torch.compiler.is_dynamo_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    if not q.is_cuda:
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    try:
+        with _compiled_calls:
+            return compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    except RuntimeError as e:
+        if _RECOMPILE_MARK not in str(e):
+            raise
+        raise CompileMissError(_miss_line("flex attention", q, e)) from None
+
+
+# What torch raises when ``set_stance("fail_on_recompile")`` meets a shape nothing was compiled for.
+_RECOMPILE_MARK = "stance is 'fail_on_recompile'"
+
+
+def _miss_line(where: str, x: torch.Tensor, e: BaseException) -> str:
+    """One line for a compile miss after warm-up: where, the shape, torch's first guard failure."""
+    reasons = [ln.strip()[2:] for ln in str(e).splitlines() if ln.strip().startswith("- ")]
+    why = f" ({reasons[0]})" if reasons else ""
+    return (f"{where}: no compiled code for a batch of shape {list(x.shape)} after warm-up{why}; "
+            "a recompile now would run unfused or stall every drafter, so the run stops")
 
 
 class Qwen3DFlashAttention(nn.Module):
@@ -311,8 +359,17 @@ class Qwen3DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
-class Qwen3DFlashDecoderLayer(GradientCheckpointingLayer):
-    """Pre-norm attention + residual, pre-norm SiLU-gated MLP + residual (a Qwen3 layer)."""
+class Qwen3DFlashDecoderLayer(nn.Module):
+    """Pre-norm attention + residual, pre-norm SiLU-gated MLP + residual (a Qwen3 layer).
+
+    Activation checkpointing is ours, not transformers' ``GradientCheckpointingLayer`` (whose order
+    relative to ``Module.compile`` changed between 5.x releases): with ``gradient_checkpointing`` set,
+    ``forward`` runs the layer under non-reentrant ``torch.utils.checkpoint``. ``Module.compile``
+    compiles ``forward``, so the checkpoint sits INSIDE the compiled region: dynamo records it and
+    AOTAutograd recomputes the layer in the compiled backward (torchtitan's AC-then-compile order).
+    The other order, checkpoint around a compiled call, reruns the compiled call (and dynamo's cache
+    lookup) in the backward: pytorch #166926 and #144035 report crashes there.
+    """
 
     def __init__(self, config: DFlashDraftConfig, layer_idx: int) -> None:
         super().__init__()
@@ -320,6 +377,8 @@ class Qwen3DFlashDecoderLayer(GradientCheckpointingLayer):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # The attribute name transformers' gradient_checkpointing_enable() sets, so that switch works too.
+        self.gradient_checkpointing = False
 
     def forward(
         self,
@@ -329,8 +388,20 @@ class Qwen3DFlashDecoderLayer(GradientCheckpointingLayer):
         attention_mask: AttentionMask = None,
         cache: DraftCache | None = None,
     ) -> torch.Tensor:
-        # Tensors that need grad are positional (GradientCheckpointingLayer's rule); cache is a keyword
-        # so that checkpointing drops it.
+        if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
+            return t.cast(torch.Tensor, checkpoint(
+                self._forward, hidden_states, target_hidden, position_embeddings, attention_mask, use_reentrant=False,
+            ))
+        return self._forward(hidden_states, target_hidden, position_embeddings, attention_mask, cache)
+
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: AttentionMask = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.self_attn(
             self.input_layernorm(hidden_states), target_hidden, position_embeddings, attention_mask, cache=cache
@@ -378,6 +449,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
+    def set_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Non-reentrant activation checkpointing per layer, done by the layers themselves."""
+        for layer in self.layers:
+            layer.gradient_checkpointing = enabled
+
     def forward(
         self,
         position_ids: torch.Tensor,
@@ -411,7 +487,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         hidden_states = noise_embedding.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             mask = attention_mask[layer.self_attn.layer_type] if isinstance(attention_mask, dict) else attention_mask
-            hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, cache=past_key_values)
+            try:
+                with _compiled_calls if layer._compiled_call_impl is not None else contextlib.nullcontext():
+                    hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, cache=past_key_values)
+            except RuntimeError as e:  # a compiled layer refused to recompile after warm-up: say so in one line
+                if _RECOMPILE_MARK not in str(e):
+                    raise
+                raise CompileMissError(_miss_line(f"drafter layer {i}", hidden_states, e)) from None
         return self.norm(hidden_states)

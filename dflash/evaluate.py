@@ -429,6 +429,12 @@ def load_setup(*, drafter: str | None, untrained: bool = False, config: str | No
     if list(model.target_layer_ids) != list(tm.layer_ids) or model.config.vocab_size != tm.vocab_size:
         raise EvalError(f"--drafter: it reads target layers {model.target_layer_ids} of a {model.config.vocab_size}-token "
                         f"vocabulary; this target has layers {tm.layer_ids} and {tm.vocab_size} tokens")
+    target_hidden = int(tm.model.config.hidden_size)
+    if model.config.hidden_size != target_hidden or model.fc.in_features != len(tm.layer_ids) * target_hidden:
+        # caught here, before decoding, instead of a size-mismatch traceback in the first forward
+        raise EvalError(f"--drafter: its hidden size is {model.config.hidden_size} (fc reads {model.fc.in_features} "
+                        f"features); this target's is {target_hidden} ({len(tm.layer_ids)} layers x {target_hidden}): "
+                        "a drafter trained for another target")
 
     # the prompts
     if prompts is None:

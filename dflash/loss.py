@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import typing as t
 
 import torch
@@ -34,10 +35,9 @@ if t.TYPE_CHECKING:
     from dflash.target import TargetHead
 
 try:
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover - torch without flex attention
     BlockMask = None  # type: ignore[assignment,misc]
-    create_block_mask = None  # type: ignore[assignment]
 
 __all__ = [
     "Anchors",
@@ -45,6 +45,7 @@ __all__ = [
     "StepOutput",
     "block_inputs",
     "block_targets",
+    "candidate_counts",
     "default_gamma",
     "dflash_loss",
     "drafter_loss",
@@ -76,12 +77,20 @@ class Anchors:
         return int(self.positions.shape[1])
 
 
+def candidate_counts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[Bt]``: positions p per row with ``loss_mask[p]`` and ``loss_mask[p+1]`` (possible anchors)."""
+    supervised = loss_mask > 0
+    return (supervised[:, :-1] & supervised[:, 1:]).sum(dim=1)
+
+
 def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int,
-                   generator: torch.Generator) -> Anchors:
+                   generator: torch.Generator, counts: t.Sequence[int] | None = None) -> Anchors:
     """Draw up to ``num_anchors`` anchors per sequence among positions p with loss_mask[p] and [p+1].
 
     Blocks near the end are kept: their slots past the sequence get zero weight (``block_targets``).
     ``block_size`` is checked only. Raises ValueError if no sequence of the batch has any anchor.
+    ``counts``: ``candidate_counts(loss_mask)`` as host numbers, when the caller has them from host
+    data; without them the widest row is read from ``loss_mask`` (a host sync when it is on a GPU).
     """
     if loss_mask.dim() != 2:
         raise ValueError(f"loss_mask: expected shape [batch, seq], got {list(loss_mask.shape)}")
@@ -94,8 +103,9 @@ def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int
     supervised = loss_mask > 0
     candidate = torch.zeros_like(supervised)
     candidate[:, :-1] = supervised[:, :-1] & supervised[:, 1:]
-    counts = candidate.sum(dim=1)
-    width = min(num_anchors, int(counts.max()) if batch else 0)
+    if counts is None:
+        counts = candidate.sum(dim=1).tolist()
+    width = min(num_anchors, max(counts, default=0))
     if width == 0:
         raise ValueError(
             "loss_mask: no sequence in the batch has two consecutive supervised tokens (an anchor p needs "
@@ -105,7 +115,7 @@ def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int
     keys = torch.rand((batch, seq), generator=generator, device=generator.device).to(device)
     keys = keys.masked_fill(~candidate, 2.0)
     chosen = keys.argsort(dim=1)[:, :width]
-    keep = torch.arange(width, device=device)[None, :] < counts.clamp(max=width)[:, None]
+    keep = torch.arange(width, device=device)[None, :] < candidate.sum(dim=1).clamp(max=width)[:, None]
     chosen = torch.where(keep, chosen, torch.full_like(chosen, seq)).sort(dim=1).values
     valid = chosen < seq
     return Anchors(positions=torch.where(valid, chosen, torch.zeros_like(chosen)), valid=valid)
@@ -200,24 +210,86 @@ def mask_mod(anchors: Anchors, *, seq_len: int, block_size: int,
     return mod
 
 
+# flex_attention's tile: a BlockMask says per (query tile, key tile) "empty", "partial" or "full".
+_FLEX_TILE = 128
+
+
+def _tile_counts(anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None,
+                 tile: int) -> torch.Tensor:
+    """``[Bt, Q/tile, KV/tile]`` (rounded up): visible (query, key) pairs per tile, from the anchors alone.
+
+    The rule is an interval per query row: context keys ``[c0, c1)`` (before the anchor, cut to the
+    window) and own-block keys ``[s0, s1)``; padding blocks see nothing. Counting their overlap with
+    each key tile costs ``Q * KV/tile`` small integers, never the ``Q * KV`` mask.
+    """
+    positions, valid = anchors.positions, anchors.valid
+    device = positions.device
+    batch, n = positions.shape
+    q_len, kv_len = n * block_size, seq_len + n * block_size
+    q = torch.arange(q_len, device=device)
+    blk, off = q // block_size, q % block_size
+    anchor = positions[:, blk]  # [Bt, Q]
+    live = valid[:, blk]
+    start = seq_len + blk * block_size  # [Q]: the row's own block among the keys
+    if sliding_window is None:
+        c0 = torch.zeros_like(anchor)
+        s0, s1 = start, start + block_size
+    else:
+        c0 = (anchor + off - sliding_window + 1).clamp(min=0)
+        s0, s1 = start + (off - sliding_window + 1).clamp(min=0), start + off + 1
+    k0 = torch.arange(0, kv_len, tile, device=device)  # [KT]
+    k1 = (k0 + tile).clamp(max=kv_len)
+
+    def overlap(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        return (torch.minimum(hi[..., None], k1) - torch.maximum(lo[..., None], k0)).clamp(min=0)
+
+    rows = (overlap(c0, anchor) + overlap(s0, s1).expand(batch, -1, -1)) * live[..., None]  # [Bt, Q, KT]
+    q_tiles = -(-q_len // tile)
+    rows = F.pad(rows, (0, 0, 0, q_tiles * tile - q_len))
+    return rows.view(batch, q_tiles, tile, -1).sum(dim=2)
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BlockMask's layout of a [Bt, 1, QT, KT] tile set: count per row and column indices, set ones first."""
+    dense = tiles.to(torch.int32)
+    return dense.sum(dim=-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
 def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
                         sliding_window: int | None = None) -> BlockMask:
-    """flex_attention ``BlockMask`` with the semantics of ``training_mask`` (the GPU path)."""
-    if create_block_mask is None:  # pragma: no cover
+    """flex_attention ``BlockMask`` with the semantics of ``training_mask`` (the GPU path).
+
+    Built from the anchors directly (``BlockMask.from_kv_blocks``): the same tiles, full tiles and order
+    that ``create_block_mask(mask_mod(...))`` finds, without evaluating the mask on every (query, key).
+    """
+    if BlockMask is None:  # pragma: no cover
         raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
-    batch, n = anchors.positions.shape
-    return create_block_mask(
-        mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
-        B=batch, H=None, Q_LEN=n * block_size, KV_LEN=seq_len + n * block_size,
-        device=anchors.positions.device,
-    )
+    n = anchors.num_blocks
+    q_len, kv_len = n * block_size, seq_len + n * block_size
+    counts = _tile_counts(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window,
+                          tile=_FLEX_TILE)[:, None]
+    full = counts == _FLEX_TILE * _FLEX_TILE  # edge tiles are never full: their padding is never visible
+    partial = (counts > 0) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    with _BLOCK_MASK_LOCK:
+        return BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_FLEX_TILE,
+            mask_mod=mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
+            seq_lengths=(q_len, kv_len),
+        )
+
+
+# torch builds the query-side tiles under torch.fx.traceback.annotate, which edits a module-global dict:
+# two drafter threads building masks at once can die with KeyError: 'custom'. The build is a few ms.
+_BLOCK_MASK_LOCK = threading.Lock()
 
 
 def training_masks(drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int,
                    backend: str = "auto") -> dict[str, t.Any]:
     """``{layer_type: mask}`` for the drafter's layer types. backend: "dense", "flex" or "auto" (flex on GPU)."""
     if backend == "auto":
-        backend = "flex" if anchors.positions.is_cuda and create_block_mask is not None else "dense"
+        backend = "flex" if anchors.positions.is_cuda and BlockMask is not None else "dense"
     if backend not in ("dense", "flex"):
         raise ValueError(f"attention backend: expected 'auto', 'dense' or 'flex', got {backend!r}")
     build = training_block_mask if backend == "flex" else training_mask
@@ -263,19 +335,22 @@ def _chunk_terms(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
 
 
 def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, *,
-                chunk_size: int | None = 128) -> LossTerms:
+                chunk_size: int | None = 128, keep: torch.Tensor | None = None) -> LossTerms:
     """Weighted cross-entropy of the block slots through the frozen lm_head.
 
     ``hidden`` [Bt, N, B, H] (drafter output, final-normed), ``labels``/``weights`` [Bt, N, B].
     ``chunk_size``: blocks per lm_head + CE chunk, checkpointed so that only one chunk's logits live at a
     time (in forward and in backward); None or 0 computes everything at once (no recomputation).
+    ``keep``: indices into the ``Bt*N`` blocks of those with a positive weight, when the caller knows
+    them from host data; without it they are found on the device (``nonzero``: a host sync on a GPU).
     """
     block = labels.shape[-1]
     hidden = hidden.reshape(-1, block, hidden.shape[-1])
     labels = labels.reshape(-1, block)
     weights = weights.reshape(-1, block)
     # Padding blocks (and blocks with nothing supervised) cost lm_head time for nothing: drop them.
-    keep = (weights > 0).any(dim=1).nonzero().squeeze(1)
+    if keep is None:
+        keep = (weights > 0).any(dim=1).nonzero().squeeze(1)
     if keep.numel() == 0:
         raise ValueError("dflash_loss: no slot has a positive weight (no valid block with a supervised target)")
     hidden, labels, weights = hidden.index_select(0, keep), labels.index_select(0, keep), weights.index_select(0, keep)
@@ -299,12 +374,12 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """One drafter step. ``loss`` has grad; the metrics are plain numbers / CPU tensors."""
+    """One drafter step. ``loss`` has grad; the metrics stay on the device (read them once per log interval)."""
 
     loss: torch.Tensor
-    acc_per_slot: torch.Tensor  # [B-1]: accuracy of slots 1..B-1 (0 where nothing was scored)
-    acc: float  # accuracy over all scored slots
-    tau_tf: float  # teacher-forced accept length: mean over blocks of 1 + matched prefix
+    acc_per_slot: torch.Tensor  # [B-1] float32: accuracy of slots 1..B-1 (0 where nothing was scored)
+    acc: torch.Tensor  # 0-dim float64: accuracy over all scored slots
+    tau_tf: torch.Tensor  # 0-dim float64: teacher-forced accept length, mean over blocks of 1 + matched prefix
     n_tokens: int  # supervised tokens in the batch (loss_mask), for Ktok/s
     n_blocks: int  # valid anchors (blocks) trained on
     anchors: Anchors
@@ -326,13 +401,12 @@ def drafter_loss(
     """The whole DFlash objective for one batch: the entry point a drafter replica calls per step.
 
     ``features`` [Bt, S, n*H] from ``TargetModel.features`` (on the drafter's device); ``input_ids``
-    and ``loss_mask`` [Bt, S] (moved there). ``gamma`` None: ``default_gamma(block_size)``.
+    and ``loss_mask`` [Bt, S] on the host (pinned for an asynchronous copy), moved there.
+    ``gamma`` None: ``default_gamma(block_size)``.
     ``attention``: "auto" (flex BlockMask on GPU, dense mask elsewhere), "dense" or "flex".
+    No host sync: every shape and count comes from the host copy of ``loss_mask``.
     """
     device = features.device
-    n_tokens = int((loss_mask > 0).sum())
-    input_ids = input_ids.to(device)
-    loss_mask = loss_mask.to(device)
     if input_ids.shape != loss_mask.shape or features.shape[:2] != input_ids.shape:
         raise ValueError(
             f"input_ids {list(input_ids.shape)}, loss_mask {list(loss_mask.shape)} and features "
@@ -341,8 +415,18 @@ def drafter_loss(
     block = drafter.block_size
     gamma = default_gamma(block) if gamma is None else gamma
     batch, seq = input_ids.shape
+    # Host side (a device loss_mask is read once here): tokens, anchors per row, the blocks that count.
+    host_mask = loss_mask.cpu()
+    n_tokens = int((host_mask > 0).sum().tolist())
+    counts = candidate_counts(host_mask).tolist()
+    width = min(num_anchors, max(counts, default=0))
+    per_row = [min(width, c) for c in counts]  # valid anchors come first in every row
+    keep = torch.tensor([r * width + j for r, k in enumerate(per_row) for j in range(k)], dtype=torch.long)
 
-    anchors = sample_anchors(loss_mask, num_anchors=num_anchors, block_size=block, generator=generator)
+    input_ids = input_ids.to(device, non_blocking=True)
+    loss_mask = loss_mask.to(device, non_blocking=True)
+    anchors = sample_anchors(loss_mask, num_anchors=num_anchors, block_size=block, generator=generator,
+                             counts=counts)
     block_ids, block_positions = block_inputs(input_ids, anchors, block_size=block,
                                               mask_token_id=drafter.mask_token_id)
     context_positions = torch.arange(seq, device=device).expand(batch, seq)
@@ -354,19 +438,20 @@ def drafter_loss(
     )
     labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=gamma)
     terms = dflash_loss(hidden.view(batch, anchors.num_blocks, block, -1), head.lm_head, labels, weights,
-                        chunk_size=chunk_size)
+                        chunk_size=chunk_size, keep=keep.to(device, non_blocking=True))
 
-    correct = terms.correct_per_slot[1:].double().cpu()
-    scored = terms.scored_per_slot[1:].double().cpu()
+    correct = terms.correct_per_slot[1:].double()
+    scored = terms.scored_per_slot[1:].double()
     acc_per_slot = torch.where(scored > 0, correct / scored.clamp(min=1), torch.zeros_like(correct))
-    n_scored = float(scored.sum())
-    blocks = float(terms.blocks)
+    n_scored = scored.sum()
+    blocks = terms.blocks.double()
     return StepOutput(
         loss=terms.loss,
         acc_per_slot=acc_per_slot.float(),
-        acc=float(correct.sum()) / n_scored if n_scored else 0.0,
-        tau_tf=1.0 + float(terms.accepted_sum) / blocks if blocks else math.nan,
+        acc=torch.where(n_scored > 0, correct.sum() / n_scored.clamp(min=1), torch.zeros_like(n_scored)),
+        tau_tf=torch.where(blocks > 0, 1.0 + terms.accepted_sum.double() / blocks.clamp(min=1),
+                           torch.full_like(blocks, math.nan)),
         n_tokens=n_tokens,
-        n_blocks=int(anchors.valid.sum()),
+        n_blocks=sum(per_row),
         anchors=anchors,
     )

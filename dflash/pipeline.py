@@ -7,6 +7,8 @@ are behind) and consume-once (every batch is trained exactly once). Because ever
 the same queue, a slow or dead drafter only lowers the total: the others take its share by themselves.
 ``mode="per-drafter"`` (target i feeds only drafter i mod D, each queue 1/D of the capacity) is the
 old round-robin assignment, kept to measure against (5 targets on 3 drafters = [2, 2, 1]).
+The queue is bounded in items (``capacity``) AND in bytes (``max_bytes``, the payloads' ``nbytes``):
+features in flight sit in pinned host memory or on a drafter GPU, and neither is unlimited.
 
 Rules that keep it from hanging:
 
@@ -78,18 +80,20 @@ class Item:
     position: int  # its global batch index
     shard: int
     target: int
+    nbytes: int = 0  # memory the payload holds (the queue's byte bound)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepStats:
-    """What one drafter step reports."""
+    """What one drafter step reports. The figures may be device tensors (0-dim; ``acc_per_slot`` 1-dim):
+    reading them is a host sync, so the metrics read them once per log interval, not per step."""
 
-    loss: float
-    acc: float  # mean accuracy over the scored slots
-    tau_tf: float  # teacher-forced accept length
+    loss: float | torch.Tensor
+    acc: float | torch.Tensor  # mean accuracy over the scored slots
+    tau_tf: float | torch.Tensor  # teacher-forced accept length
     blocks: int = 0
     lr: float = 0.0
-    acc_per_slot: tuple[float, ...] = ()
+    acc_per_slot: tuple[float, ...] | torch.Tensor = ()
 
 
 class TargetWork(t.Protocol):
@@ -122,13 +126,15 @@ class Source(t.Protocol):
 class PipelineOptions:
     max_steps: int
     start_step: int = 0  # resumed runs continue the global step count
-    capacity: int = 64
+    capacity: int = 64  # items in flight at most
+    max_bytes: int | None = None  # and bytes of payloads (``payload.nbytes``) in flight at most; None: no bound
     mode: str = "shared"  # or "per-drafter"
     average_every: int = 0  # 0: no periodic averaging barrier
     checkpoint_every: int = 0  # 0: only the final checkpoint
     barrier_timeout: float = 600.0
     oom_retry: bool = True
     poll: float = 0.05  # seconds any blocking wait lasts before it looks at the stop state again
+    accounting: bool = True  # per-worker busy/wait time (off only to measure what it costs: the bench)
     join_timeout: float = 8.0  # after the stop, how long all threads together get to exit
 
 
@@ -182,10 +188,41 @@ class WorkerState:
     sync_s: float = 0.0  # drafters: at the averaging/checkpoint barrier
     items: int = 0
     error: str | None = None
+    # how busy_s is measured: "host" (monotonic clock around the work; a CPU worker, or a CUDA target,
+    # whose produce() ends in a sync) or "cuda-events" (a CUDA drafter: events around each step on its
+    # stream, folded in by ``Pipeline.snapshot`` once they completed, so no sync is added)
+    clock: str = "host"
+    # the phase running now ("busy", "wait", "barrier"; "" = other) and since when: a snapshot counts the
+    # open part too, so a long wait is spread over the log windows it spans, not credited at its end
+    phase: str = ""
+    since: float = 0.0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    def enter(self, phase: str, now: float) -> None:
+        """Close the running phase (its seconds go to its counter) and start ``phase`` at ``now``."""
+        with self._lock:
+            self._close(now)
+            self.phase, self.since = phase, now
+
+    def _close(self, now: float) -> None:
+        if self.phase == "busy":
+            self.busy_s += now - self.since
+        elif self.phase == "wait":
+            self.wait_s += now - self.since
+        elif self.phase == "barrier":
+            self.sync_s += now - self.since
+
+    def settled(self, now: float) -> WorkerState:
+        """A copy with the running phase counted up to ``now``."""
+        with self._lock:
+            copy = dataclasses.replace(self)
+        copy._close(now)
+        copy.since = now
+        return copy
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,6 +247,24 @@ class RunResult:
     reason: str  # "max-steps" or "stopped"
     failures: tuple[WorkerFailure, ...]
     position: tuple[int, ...]
+
+
+def _drop_frames(exc: BaseException) -> str:
+    """Detach ``exc`` (and its causes) from the frames it was raised through; return its one-line text.
+
+    A traceback keeps every frame's locals alive (activations, gradients of a failed step) for as long
+    as the exception lives; the text (``traceback.format_exc()``) is what we keep.
+    """
+    line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    return line
 
 
 # --------------------------------------------------------------------------------------------
@@ -397,11 +452,13 @@ class _Coordinator:
                     return None
                 s = self.sync
                 if s is not None and not s.done:
-                    t0 = time.monotonic()
+                    if self.opts.accounting:
+                        state.enter("barrier", time.monotonic())
                     try:
                         self._barrier(j, s)
                     finally:
-                        state.sync_s += time.monotonic() - t0
+                        if self.opts.accounting:
+                            state.enter("", time.monotonic())
                     continue
                 if self.claimed >= self.opts.max_steps:
                     return None
@@ -492,6 +549,110 @@ class _Coordinator:
 
 
 # --------------------------------------------------------------------------------------------
+# The queue
+
+
+def payload_bytes(payload: t.Any) -> int:
+    """Bytes a queue item holds: ``payload.nbytes`` (FeatureBatch, a tensor), 0 for anything else."""
+    n = getattr(payload, "nbytes", 0)
+    return int(n) if isinstance(n, int) else 0
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class FeatureQueue:
+    """A FIFO bounded by items AND by bytes (``Item.nbytes``); ``queue.Queue``'s put/get/qsize/maxsize.
+
+    ``put`` blocks while the item would overflow either bound; an empty queue takes any item, so a batch
+    larger than ``max_bytes`` still flows (alone). ``peak_bytes`` is the most it ever held.
+    """
+
+    def __init__(self, maxsize: int, max_bytes: int | None = None) -> None:
+        self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.queue: collections.deque[Item] = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self.queue)
+
+    def _fits(self, item: Item) -> bool:
+        if not self.queue:
+            return True
+        if len(self.queue) >= self.maxsize:
+            return False
+        return self.max_bytes is None or self.bytes + item.nbytes <= self.max_bytes
+
+    def put(self, item: Item, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._fits(item):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise queue.Full
+                self._cond.wait(left)
+            self.queue.append(item)
+            self.bytes += item.nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+            self._cond.notify_all()
+
+    def get(self, timeout: float | None = None) -> Item:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self.queue:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise queue.Empty
+                self._cond.wait(left)
+            item = self.queue.popleft()
+            self.bytes -= item.nbytes
+            self._cond.notify_all()
+            return item
+
+
+class _DeviceTimer:
+    """Busy time of a CUDA drafter: timing events around each step on the drafter's stream.
+
+    A drafter step returns before its kernels ran (it makes no host sync), so the host clock would
+    count launch time as busy and the GPU's work as waiting. The events are only queried (never waited
+    for) when the metrics take a snapshot: a step whose kernels have not finished counts in the next window.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.pending: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+        self.lock = threading.Lock()
+
+    def mark(self) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream(self.device))
+        return e
+
+    def done(self, start: torch.cuda.Event) -> None:
+        end = self.mark()
+        with self.lock:
+            self.pending.append((start, end))
+
+    def collect(self) -> float:
+        """Seconds of GPU time of the steps that have finished since the last call (no wait)."""
+        total = 0.0
+        with self.lock:
+            while self.pending and self.pending[0][1].query():
+                start, end = self.pending.popleft()
+                total += start.elapsed_time(end) / 1000.0
+        return total
+
+
+# --------------------------------------------------------------------------------------------
 # The pipeline
 
 
@@ -525,19 +686,27 @@ class Pipeline:
         self.injector = injector or FaultInjector()
         T, D = len(targets), len(drafters)
         if options.mode == "shared":
-            self.queues = [queue.Queue[Item](maxsize=options.capacity)]
+            self.queues = [FeatureQueue(options.capacity, options.max_bytes)]
             self.feeds = [0] * T  # target i -> queue index
             self.takes = [0] * D  # drafter j -> queue index
         else:
             per = max(1, options.capacity // D)
-            self.queues = [queue.Queue[Item](maxsize=per) for _ in range(D)]
+            per_bytes = None if options.max_bytes is None else max(1, options.max_bytes // D)
+            self.queues = [FeatureQueue(per, per_bytes) for _ in range(D)]
             self.feeds = [i % D for i in range(T)]
             self.takes = list(range(D))
         self.workers: dict[tuple[str, int], WorkerState] = {}
         for i, w in enumerate(self.targets):
             self.workers[("target", i)] = WorkerState("target", i, w.device)
+        self._timers: dict[int, _DeviceTimer] = {}
         for j, w in enumerate(self.drafters):
             self.workers[("drafter", j)] = WorkerState("drafter", j, w.device)
+            # a worker whose "compute" happens on the host (the bench's sleeps) says so with host_clock
+            if (options.accounting and torch.device(w.device).type == "cuda" and torch.cuda.is_available()
+                    and not getattr(w, "host_clock", False)):
+                self._timers[j] = _DeviceTimer(w.device)
+                self.workers[("drafter", j)].clock = "cuda-events"
+        self._timer_lock = threading.Lock()
         starts = list(shard_starts) if shard_starts is not None else list(range(T))
         self.coord = _Coordinator(drafters=D, shard_starts=starts, stride=T, options=options,
                                   action=self._sync_action if on_sync is not None else None)
@@ -572,18 +741,25 @@ class Pipeline:
         return self.coord.completed
 
     def snapshot(self) -> Snapshot:
+        with self._timer_lock:  # CUDA drafters: fold in the GPU time of their finished steps
+            for j, timer in self._timers.items():
+                self.workers[("drafter", j)].busy_s += timer.collect()
         return Snapshot(
             at=time.monotonic(),
             step=self.coord.completed,
             queue_depth=sum(q.qsize() for q in self.queues),
             queue_capacity=sum(q.maxsize for q in self.queues),
-            workers=tuple(dataclasses.replace(w) for w in self.workers.values()),
+            workers=tuple(w.settled(time.monotonic()) for w in self.workers.values()),
         )
 
     def run(self) -> RunResult:
         if self._ran:
             raise RuntimeError("a Pipeline runs once")
         self._ran = True
+        o = self.options
+        logger.info("queue: at most %d batches and %s of features in flight (%s)", o.capacity,
+                    "no byte bound" if o.max_bytes is None else format_bytes(o.max_bytes),
+                    "one shared queue" if o.mode == "shared" else f"{len(self.queues)} per-drafter queues")
         for (role, i), ws in self.workers.items():
             main = self._target_main if role == "target" else self._drafter_main
             th = threading.Thread(target=main, args=(i,), name=ws.name, daemon=True)
@@ -602,6 +778,7 @@ class Pipeline:
             self._draining.set()
             self.coord.drain()
             hung = self._join()
+            logger.info("queue: peak %s of features in flight", format_bytes(sum(q.peak_bytes for q in self.queues)))
         if self._fatal is not None:
             raise self._fatal.exc
         if hung:
@@ -632,48 +809,60 @@ class Pipeline:
         ws = self.workers[("target", i)]
         work, source, q = self.targets[i], self.sources[i], self.queues[self.feeds[i]]
         local = 0
+        # Host clock: produce() ends in the sync that makes its features safe to read (CUDA too), so
+        # the time up to its return is the forward's; the put after it is the time blocked on a full queue.
+        acct = self.options.accounting
         try:
             while not self._stop.is_set() and not self._draining.is_set():
                 local += 1
                 self._inject("target", i, local, work.device)
-                t0 = time.monotonic()
+                if acct:
+                    ws.enter("busy", time.monotonic())
                 try:
                     batch = next(source)
                 except StopIteration:  # a finite source (tests, the bench): this target is done
                     break
                 payload = work.produce(batch)
-                t1 = time.monotonic()
-                ws.busy_s += t1 - t0
-                ok = self._put(q, Item(payload, int(batch.n_tokens), int(batch.index), i, i))
-                ws.wait_s += time.monotonic() - t1
+                if acct:
+                    ws.enter("wait", time.monotonic())
+                ok = self._put(q, Item(payload, int(batch.n_tokens), int(batch.index), i, i, payload_bytes(payload)))
                 if not ok:
                     break
                 ws.items += 1
         except BaseException as e:
             self._fail("target", i, local, e)
         finally:
+            if acct:
+                ws.enter("", time.monotonic())
             self._retire("target", i)
 
     def _drafter_main(self, j: int) -> None:
         ws = self.workers[("drafter", j)]
         work, k = self.drafters[j], self.takes[j]
+        acct = self.options.accounting
+        timer = self._timers.get(j)  # CUDA: busy time from events (see _DeviceTimer), not the host clock
         step: int | None = None
         try:
             while True:
                 step = self.coord.next_step(j, ws)
                 if step is None:
                     break
-                t0 = time.monotonic()
+                if acct:
+                    ws.enter("wait", time.monotonic())
                 item = self._get(k)
-                t1 = time.monotonic()
-                ws.wait_s += t1 - t0
+                if acct:  # on CUDA the host's part of the step is "other": the events say how busy the GPU was
+                    ws.enter("busy" if timer is None else "", time.monotonic())
                 if item is None:
                     self.coord.unclaim()
                     step = None
                     break
                 self.coord.took(item)
+                start = timer.mark() if timer is not None else None
                 stats = self._train(j, work, item, step)
-                ws.busy_s += time.monotonic() - t1
+                if timer is not None and start is not None:
+                    timer.done(start)
+                if acct:
+                    ws.enter("", time.monotonic())
                 ws.items += 1
                 n = self.coord.complete()
                 step = None
@@ -684,6 +873,8 @@ class Pipeline:
                 self.coord.unclaim()
             self._fail("drafter", j, step, e)
         finally:
+            if acct:
+                ws.enter("", time.monotonic())
             self._retire("drafter", j)
 
     def _train(self, j: int, work: DrafterWork, item: Item, step: int) -> StepStats:
@@ -695,9 +886,12 @@ class Pipeline:
             except torch.OutOfMemoryError as e:
                 if attempt + 1 >= attempts or id(e) in self._fatal_ids:
                     raise
-                logger.warning("drafter-%d (%s): out of memory at step %d; retrying once with the batch halved",
-                               j, work.device, step)
-                work.recover()
+                # The traceback's frames hold the failed attempt's tensors: drop them before the retry.
+                error = _drop_frames(e)
+            # Outside the ``except``: the exception, and with it the failed attempt, is gone.
+            logger.warning("drafter-%d (%s): %s at step %d; retrying once with the batch halved",
+                           j, work.device, error, step)
+            work.recover()
         raise AssertionError("unreachable")
 
     def _inject(self, role: Role, index: int, step: int, device: str) -> None:
@@ -724,7 +918,7 @@ class Pipeline:
                     return None  # drained, and nothing can refill it
         return None
 
-    def _put(self, q: queue.Queue[Item], item: Item) -> bool:
+    def _put(self, q: FeatureQueue, item: Item) -> bool:
         while not self._stop.is_set() and not self._draining.is_set():
             try:
                 q.put(item, timeout=self.options.poll)
@@ -743,6 +937,8 @@ class Pipeline:
         ws = self.workers[(role, index)]
         fatal = id(exc) in self._fatal_ids or isinstance(exc, (KeyboardInterrupt, SystemExit))
         failure = WorkerFailure(role, index, ws.device, step, exc, traceback.format_exc(), fatal)
+        if not fatal:  # the run goes on: a kept traceback would pin the dead worker's tensors until the end
+            _drop_frames(exc)
         with self._lock:
             self.failures.append(failure)
             ws.dead = True

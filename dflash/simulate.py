@@ -22,7 +22,7 @@ import typing as t
 
 import torch
 
-from dflash.metrics import Metrics
+from dflash.metrics import Metrics, busy_field, worker_window
 from dflash.pipeline import FaultInjector, Pipeline, PipelineOptions, StepStats, SyncEvent, cuda_oom
 
 
@@ -57,6 +57,8 @@ class SimTarget:
 
 
 class SimDrafter:
+    host_clock = True  # its "step" is a host sleep: CUDA events would time nothing
+
     def __init__(self, device: str, cost_s: float) -> None:
         self.device = device
         self.cost_s = cost_s
@@ -89,6 +91,7 @@ class BenchSpec:
     average_every: int = 0
     average_ms: float = 0.0
     warmup_frac: float = 0.1  # steady state starts after this share of the steps
+    accounting: bool = True  # per-worker time accounting (off: to measure what it costs)
 
     def target_rate(self) -> float:
         return 1000.0 / self.target_ms  # batches per second per target
@@ -173,7 +176,7 @@ def run_bench(spec: BenchSpec, *, log: t.TextIO | None = None) -> BenchResult:
     pipe = Pipeline(
         targets=targets, sources=sources, drafters=drafters, injector=injector, on_step=on_step, on_sync=on_sync,
         options=PipelineOptions(max_steps=spec.steps, capacity=spec.capacity, mode=spec.mode,
-                                average_every=spec.average_every, barrier_timeout=60.0),
+                                average_every=spec.average_every, barrier_timeout=60.0, accounting=spec.accounting),
     )
     metrics.snapshot = pipe.snapshot
     t0 = time.monotonic()
@@ -201,11 +204,8 @@ def run_bench(spec: BenchSpec, *, log: t.TextIO | None = None) -> BenchResult:
         windows["before-kill"] = window(warm, min(k, result.steps), everyone)
         windows["after-kill"] = window(min(k + settle, result.steps - 1), result.steps, survivors)
     snap = pipe.snapshot()
-    workers = [
-        {"name": w.name, "device": w.device, "busy": round(w.busy_s / wall, 4), "wait_s": round(w.wait_s, 3),
-         "sync_s": round(w.sync_s, 3), "items": w.items, "alive": w.alive, "dead": w.dead}
-        for w in snap.workers
-    ]
+    # the figures metrics.jsonl has per log interval, here over the whole run
+    workers = [worker_window(w, None, wall) for w in snap.workers] if spec.accounting else []
     return BenchResult(spec=spec, windows=windows, workers=workers,
                        per_drafter_items=[w.items for w in snap.workers if w.role == "drafter"],
                        wall_s=wall, steps=result.steps)
@@ -227,11 +227,16 @@ def format_result(res: BenchResult) -> str:
         rr = f"   (round-robin best {w.round_robin_bound:.1f})" if s.mode == "per-drafter" else ""
         lines.append(f"  {name:<12} steps {w.first:>5}-{w.last:<5} {w.ktok_s:8.1f} Ktok/s   bound {w.bound:8.1f} Ktok/s   "
                      f"ratio {w.ratio:.3f}{rr}")
-    lines.append(f"  {'worker':<10} {'device':<7} {'busy':>5} {'items':>6} {'wait_s':>8} {'sync_s':>7}")
+    if not res.workers:
+        lines.append("  per-worker accounting off (--no-accounting)")
+        return "\n".join(lines)
+    lines.append(f"  {busy_field(res.workers)}")
+    lines.append(f"  {'worker':<10} {'device':<7} {'busy':>5} {'wait':>5} {'barrier':>7} {'other':>5} {'batches':>7} "
+                 f"{'batch/s':>7}   (wait: a target blocked on a full queue, a drafter starved on an empty one)")
     for w in res.workers:
-        state = "" if w["alive"] or not w["dead"] else "  (dead)"
-        lines.append(f"  {w['name']:<10} {w['device']:<7} {w['busy']:5.2f} {w['items']:6d} {w['wait_s']:8.2f} "
-                     f"{w['sync_s']:7.2f}{state}")
+        state = "  (dead)" if w["dead"] else ""
+        lines.append(f"  {w['name']:<10} {w['device']:<7} {w['busy']:5.2f} {w['wait']:5.2f} {w['barrier']:7.2f} "
+                     f"{w['other']:5.2f} {w['items']:7d} {w['batches_s']:7.1f}{state}")
     return "\n".join(lines)
 
 

@@ -208,9 +208,16 @@ class TargetModel:
                         device: str | torch.device = "cpu",
                         layer_ids: Sequence[int] | None = None,
                         num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS) -> TargetModel:
-        """Load a local HF checkpoint (no download: ``local_files_only``)."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-        model.to(device)
+        """Load a local HF checkpoint (no download: ``local_files_only``) straight onto ``device``.
+
+        Off the CPU, transformers builds the model on the meta device and reads every tensor into its
+        place on ``device`` (``device_map``; needs ``accelerate``): a 27B target never passes through
+        host RAM (54 GB per replica otherwise, one replica per target GPU).
+        """
+        dev = torch.device(device)
+        placement = {} if dev.type == "cpu" else {"device_map": {"": dev}}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placement)
+        model.to(dev)  # a no-op where it already is
         return cls(model, layer_ids=layer_ids, num_draft_layers=num_draft_layers)
 
     # ---- facts ----------------------------------------------------------------------------

@@ -18,9 +18,12 @@ with half the anchors.
 
 Checkpoints (``dflash.checkpoint``): every ``checkpoint.interval`` global steps at the drafters' barrier,
 at the end, and on SIGTERM/SIGINT. The replicas are averaged first, so one drafter is saved; the trainer
-state holds the global step, the data position, the RNG states and (``checkpoint.optimizer``) each
-replica's AdamW state plus the fp32 masters. ``checkpoint.resume = "auto"`` continues from the latest
-complete checkpoint: same step count, same next batch of every shard.
+state holds the run id, the global step, the data position, the RNG states and (``checkpoint.optimizer``)
+one replica's AdamW state plus the fp32 masters. The barrier waits only for a CPU snapshot; a background
+thread writes it (one write at a time; the run waits for the last one before it exits, and a failed
+write fails the run). ``checkpoint.resume = "auto"`` continues the newest run from its latest intact
+checkpoint (a corrupted one is skipped with a warning): same step count, same next batch of every shard.
+``"never"`` moves the checkpoints already there into ``old-<run id>-<time>/`` and starts a new run.
 
 Signals: the first SIGTERM (or SIGINT) lets the steps in flight finish, writes a checkpoint and exits
 143 (130 for SIGINT); a second one exits at once.
@@ -41,6 +44,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import typing as t
 from pathlib import Path
 
@@ -48,11 +52,11 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
-from dflash.config import ConfigError, RunConfig, to_dict
+from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.loss import drafter_loss
-from dflash.metrics import Metrics
+from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
 from dflash.pipeline import (
     FAULT_ENV, FaultInjector, Pipeline, PipelineOptions, StepStats, SyncEvent, faults_from_env,
 )
@@ -108,6 +112,27 @@ class FeatureBatch:
     loss_mask: torch.Tensor  # [B, S] (CPU)
     features: torch.Tensor  # [B, S, n*H] on the consumer's device, or (pinned) CPU
     index: int  # global batch index
+    ready: t.Any = None  # a CUDA event after the copy into the consumer's GPU (made on the target's own stream)
+
+    @property
+    def nbytes(self) -> int:
+        """What the item holds in memory (the queue's byte bound counts it)."""
+        return int(self.features.nbytes + self.input_ids.nbytes + self.loss_mask.nbytes)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The features on ``device``, usable by the calling thread's current stream (no host sync)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.ready is not None and self.features.device == device:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(self.ready)
+            self.features.record_stream(stream)  # allocated on the target's stream: no early reuse
+            return self.features
+        return self.features.to(device, non_blocking=True)
+
+
+# devices with a fused AdamW kernel (torch >= 2.4 has CPU and CUDA ones)
+_FUSED_ADAMW = ("cuda", "cpu")
 
 
 def _sync_device(device: torch.device) -> None:
@@ -116,15 +141,22 @@ def _sync_device(device: torch.device) -> None:
 
 
 class TargetReplica:
-    """One target thread's frozen model: batch -> FeatureBatch on ``dest``."""
+    """One target thread's frozen model: batch -> FeatureBatch on ``dest``.
+
+    A copy to another GPU runs against a stream of this replica's own on that GPU: a copy between the
+    CURRENT streams would wait for the drafter's queued work there (and make it wait for this
+    forward), i.e. targets and drafters in lock-step. The host waits for its own forward and copy only.
+    """
 
     def __init__(self, model: TargetModel, device: str, dest: str) -> None:
         self.model = model
         self.device = device
         self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
+        self._dest_stream: t.Any = None  # created lazily, on the target's thread
 
     def produce(self, batch: t.Any) -> FeatureBatch:
         dev = torch.device(self.device)
+        ready = None
         with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
             ids = batch.input_ids.to(dev, non_blocking=True)
             att = batch.attention_mask.to(dev, non_blocking=True)
@@ -134,11 +166,22 @@ class TargetReplica:
                 if dest.type == "cpu":
                     out = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
                     out.copy_(feats, non_blocking=True)
+                    _sync_device(dev)  # the consumer must not read before the copy lands
                 else:
-                    out = feats.to(dest, non_blocking=True)
-                _sync_device(dev)  # the consumer must not read before the copy lands
+                    out, ready = self._to_gpu(feats, dest)
                 feats = out
-        return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index))
+        return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index), ready)
+
+    def _to_gpu(self, feats: torch.Tensor, dest: torch.device) -> tuple[torch.Tensor, t.Any]:
+        if self._dest_stream is None:
+            self._dest_stream = torch.cuda.Stream(dest)
+        with torch.cuda.stream(self._dest_stream):  # dest's current stream for this thread only
+            out = torch.empty(feats.shape, dtype=feats.dtype, device=dest)
+            out.copy_(feats, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._dest_stream)
+        ready.synchronize()  # the host waits for this forward and copy, never for the drafter
+        return out, ready
 
 
 class _nullcontext:
@@ -167,7 +210,11 @@ class DrafterReplica:
         else:
             self.masters = self.params
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        # fused: one kernel for all tensors, and the step counters stay on the device (the default
+        # for-each/single-tensor paths read them on the host per parameter)
+        fused = torch.device(device).type in _FUSED_ADAMW
+        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                           fused=fused or None, foreach=None if fused else True)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
@@ -179,14 +226,30 @@ class DrafterReplica:
     @torch.no_grad()
     def sync_from_masters(self) -> None:
         if self.separate_masters:
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m)
+            torch._foreach_copy_(self.params, self.masters)
+
+    def _grads_to_masters(self) -> None:
+        """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
+        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
+        for m in self.masters:
+            m.grad = None
+        if not pairs:
+            return
+        flat = torch.empty(sum(g.numel() for _, g in pairs), dtype=torch.float32, device=pairs[0][1].device)
+        views = [v.view_as(g) for v, (_, g) in zip(flat.split([g.numel() for _, g in pairs]), pairs)]
+        torch._foreach_copy_(views, [g.detach() for _, g in pairs])
+        for (m, _), v in zip(pairs, views):
+            m.grad = v
 
     def recover(self) -> None:
+        """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads.
+
+        No ``torch.cuda.empty_cache()``: it empties the cache of EVERY GPU (stalling the other threads),
+        and the caching allocator already frees this device's cached blocks and retries before it
+        raises an out-of-memory error.
+        """
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
 
     def step(self, payload: FeatureBatch, *, step: int, micro_batches: int = 1) -> StepStats:
         dev = torch.device(self.device)
@@ -200,7 +263,7 @@ class DrafterReplica:
             group["lr"] = lr
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        feats = payload.features.to(self.device, non_blocking=True)
+        feats = payload.take(torch.device(self.device))
         rows = payload.input_ids.shape[0]
         anchors = d.num_anchors
         if micro_batches > 1 and rows >= 2:
@@ -209,9 +272,12 @@ class DrafterReplica:
             cuts = [(0, rows)]
             if micro_batches > 1:  # one sequence: halve the anchors instead
                 anchors = max(1, anchors // micro_batches)
-        loss_sum = acc_sum = tau_sum = 0.0
-        blocks = 0
+        # The step's figures stay on the device (float64): no host sync here; the metrics read them.
+        loss_sum: torch.Tensor | None = None
+        acc_sum: torch.Tensor | None = None
+        tau_sum: torch.Tensor | None = None
         slots: torch.Tensor | None = None
+        blocks = 0
         for a, b in cuts:
             out = drafter_loss(
                 self.model, self.head, payload.input_ids[a:b], payload.loss_mask[a:b], feats[a:b],
@@ -219,15 +285,15 @@ class DrafterReplica:
             )
             share = (b - a) / rows
             (out.loss * share).backward()
-            loss_sum += float(out.loss.detach()) * share
-            acc_sum += out.acc * share
-            if out.n_blocks and not math.isnan(out.tau_tf):
-                tau_sum += out.tau_tf * out.n_blocks
+            loss_sum = _add(loss_sum, out.loss.detach().double() * share)
+            acc_sum = _add(acc_sum, out.acc * share)
+            if out.n_blocks:  # tau_tf is NaN only without blocks
+                tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
                 blocks += out.n_blocks
-            slots = out.acc_per_slot * share if slots is None else slots + out.acc_per_slot * share
+            slots = _add(slots, out.acc_per_slot * share)
+        assert loss_sum is not None and acc_sum is not None
         if self.separate_masters:
-            for p, m in zip(self.params, self.masters):
-                m.grad = None if p.grad is None else p.grad.detach().float()
+            self._grads_to_masters()
         if self.cfg.optim.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
         self.optimizer.step()
@@ -236,9 +302,13 @@ class DrafterReplica:
         self.sync_from_masters()
         self.trained.append(payload.index)
         return StepStats(
-            loss=loss_sum, acc=acc_sum, tau_tf=tau_sum / blocks if blocks else float("nan"), blocks=blocks, lr=lr,
-            acc_per_slot=tuple(float(x) for x in slots) if slots is not None else (),
+            loss=loss_sum, acc=acc_sum, tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
+            blocks=blocks, lr=lr, acc_per_slot=slots if slots is not None else (),
         )
+
+
+def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total + part
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,45 +316,106 @@ class DrafterReplica:
 
 
 def prepare_drafter(model: DFlashDraftModel, *, activation_checkpointing: bool, compile: bool,
-                    backend: str = "inductor", dynamic: bool | None = True) -> None:
-    """Non-reentrant activation checkpointing per layer, THEN compile per layer (the order that works).
+                    backend: str | t.Callable[..., t.Any] = "inductor", dynamic: bool | None = True) -> None:
+    """Activation checkpointing inside each layer, then compile per layer (the order that works).
 
-    The layers' ``forward`` is what gets checkpointed (transformers' GradientCheckpointingLayer), and
-    ``Module.compile`` compiles the call that runs it, so each compiled region contains its checkpoint.
-    Compilation itself happens at the first call: ``warm_up`` runs it serially before any thread starts.
+    The layer checkpoints its own forward (``Qwen3DFlashDecoderLayer``, non-reentrant), and
+    ``Module.compile`` compiles that forward, so each compiled region contains its checkpoint whatever
+    the transformers version. ``fullgraph``: a graph break would leave flex attention outside the
+    graph. Compilation happens at the first call: ``warm_up`` makes it, serially, before any thread.
     """
-    if activation_checkpointing:
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ConfigError("activation_checkpointing", f"{type(model).__name__} does not support it")
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.set_activation_checkpointing(activation_checkpointing)
     if compile:
-        import torch._dynamo.config as dynamo_config
-
-        # anchors and lengths vary per batch; several replicas share the compiled code
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         for layer in model.layers:
-            layer.compile(backend=backend, dynamic=dynamic)
+            layer.compile(backend=backend, dynamic=dynamic, fullgraph=True)
 
 
 def warm_up(replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int,
-            lengths: t.Sequence[tuple[int, int]] = ((1, 48), (2, 40))) -> None:
-    """One forward + backward per shape on throwaway data, serially: compiles before threads exist."""
-    gen = torch.Generator().manual_seed(0)
+            attention: str = "auto") -> list[tuple[int, int, int]]:
+    """Compile forward and backward for every shape a run can meet, serially, before threads exist.
+
+    Returns the ``(rows, seq, blocks)`` it ran (``warm_up_shapes``). Throwaway data; the replica's
+    weights and optimizer are untouched (gradients are dropped). A drafter whose parameters need no
+    gradient (tests) runs forward only.
+    """
+    import torch._dynamo.config as dynamo_config
+
     d = replica.cfg.drafter
-    for rows, seq in lengths:
-        ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
-        ids[ids == mask_token_id] = 0
-        mask = torch.ones(rows, seq, dtype=torch.long)
-        feats = torch.randn(rows, seq, feature_size, generator=gen).to(replica.device, replica.model.dtype)
-        out = drafter_loss(replica.model, replica.head, ids, mask, feats, num_anchors=min(d.num_anchors, 8),
-                           gamma=d.loss_gamma, generator=torch.Generator(device=replica.device).manual_seed(0),
-                           chunk_size=d.loss_chunk)
-        out.loss.backward()
+    flex = attention == "flex" or (attention == "auto" and torch.device(replica.device).type == "cuda")
+    shapes = warm_up_shapes(rows=replica.cfg.data.batch_size, max_length=replica.cfg.data.max_length,
+                            num_anchors=d.num_anchors, block_size=d.block_size, flex=flex,
+                            taken=_model_sizes(replica.model))
+    gen = torch.Generator().manual_seed(0)
+    # Each shape is a cache entry per layer input kind (the first layer's input needs no grad, the
+    # others' do); past the limit dynamo would run the layer eager. Hitting it anyway is an error.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes))
+    # No duck sizing: a warm-up size equal to a model size (hidden 64 = 8 blocks x 8) would be tied to
+    # it and specialised, and real batches would miss the cache.
+    with torch.fx.experimental._config.patch(use_duck_shape=False), \
+            dynamo_config.patch(fail_on_recompile_limit_hit=True):
+        for rows, seq, blocks in shapes:
+            ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
+            ids[ids == mask_token_id] = 0
+            mask = torch.zeros(rows, seq, dtype=torch.long)
+            mask[:, seq - blocks - 1:] = 1  # exactly `blocks` anchor candidates per row
+            feats = torch.randn(rows, seq, feature_size, generator=gen).to(replica.device, replica.model.dtype)
+            out = drafter_loss(replica.model, replica.head, ids, mask, feats, num_anchors=blocks,
+                               gamma=d.loss_gamma, generator=torch.Generator(device=replica.device).manual_seed(0),
+                               chunk_size=d.loss_chunk, attention=attention)
+            if out.loss.requires_grad:
+                out.loss.backward()
     replica.model.zero_grad(set_to_none=True)
+    return shapes
+
+
+# flex_attention's tile: the BlockMask has ceil(Q/128) query and ceil(K/128) key tiles.
+_TILE = 128
+
+
+def warm_up_shapes(*, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool,
+                   taken: t.Collection[int] = ()) -> list[tuple[int, int, int]]:
+    """``(rows, seq, blocks)`` batches that compile every graph a run can need.
+
+    dynamo compiles a size of 0 or 1 as a constant (a graph of its own) and any other size as a
+    symbol, so each size that can be 1 in a real batch is warmed up at 1 and at >= 2, in every
+    combination that can occur: rows (a batch of one sequence), and with flex attention the blocks (a
+    short sequence has one anchor), the query tiles and the key tiles (one tile up to 128 tokens).
+    Sizes >= 2 are kept apart from each other and from the model's sizes (``taken``) where possible.
+    """
+    avoid = set(taken) | {0, 1, block_size, _TILE}
+    many_rows = next(r for r in range(2, 1 << 20) if r not in avoid)
+    max_blocks = max(1, min(num_anchors, max_length - 1))
+
+    def pick(blocks: int, hi: int) -> tuple[int, int] | None:
+        # the longest seq <= hi whose sizes >= 2 collide with nothing, else the longest seq <= hi
+        seqs = range(min(hi, max_length), blocks, -1)
+        for seq in seqs:
+            sizes = [seq, blocks * block_size, seq + blocks * block_size] + ([blocks] if blocks > 1 else [])
+            if len(set(sizes)) == len(sizes) and not set(sizes) & (avoid | {many_rows}):
+                return seq, blocks
+        return (seqs[0], blocks) if seqs else None
+
+    def kind(seq: int, blocks: int) -> tuple[bool, ...]:
+        if not flex:  # dense attention: blocks only change the (symbolic) query length
+            return ()
+        q, kv = blocks * block_size, seq + blocks * block_size
+        return blocks == 1, q <= _TILE, kv <= _TILE
+
+    one_tile = max(1, _TILE // block_size)  # most blocks whose queries fit one tile
+    cases: dict[tuple[bool, ...], tuple[int, int]] = {}
+    for blocks in sorted({max_blocks, min(max_blocks, one_tile), min(max_blocks, 3), min(max_blocks, 2), 1},
+                         reverse=True):
+        for hi in (max_length, _TILE - blocks * block_size):  # several key tiles, then one
+            found = pick(blocks, hi)
+            if found is not None:
+                cases.setdefault(kind(*found), found)
+    row_cases = [1, many_rows] if rows >= 2 else [1]
+    return [(r, seq, blocks) for r in row_cases for seq, blocks in cases.values()]
+
+
+def _model_sizes(model: torch.nn.Module) -> set[int]:
+    """Every size of every parameter and buffer: warm-up sizes avoid them (see ``warm_up``)."""
+    return {int(n) for p in (*model.parameters(), *model.buffers()) for n in p.shape}
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +477,8 @@ class Run:
         self.start_step = 0
         self.position: DataPosition | None = None
         self.last_saved: int | None = None
+        self.run_id: str | None = None  # chosen by _find_resume: kept across resumes, new for a fresh start
+        self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
         spec = self.env.get(FAULT_ENV, "").strip()
@@ -353,12 +486,15 @@ class Run:
             self.injector = faults_from_env(spec, self.ckpt_dir) if spec else FaultInjector()
         except ValueError as e:
             raise ConfigError(f"${FAULT_ENV}", str(e).removeprefix(f"{FAULT_ENV}: ")) from None
+        if cfg.metrics.tensorboard and not tensorboard_available():  # before the models load, not mid-run
+            raise ConfigError("metrics.tensorboard", TENSORBOARD_HINT)
         self._build()
 
     # building ---------------------------------------------------------------------------
 
     def _build(self) -> None:
         cfg = self.cfg
+        check_devices(cfg)
         torch.manual_seed(cfg.seed)
         resume = self._find_resume()
         self.targets = self._build_targets()
@@ -390,16 +526,57 @@ class Run:
         self.shard_starts = starts
         self.sources = [Shard(self.dataset, self.plan, start=s, stride=len(self.targets)) for s in starts]
 
-    def _find_resume(self) -> Path | None:
+    def _find_resume(self) -> ckpt.Checkpoint | None:
+        """The checkpoint to continue (loaded and verified), and this run's id (``self.run_id``)."""
         mode = self.cfg.checkpoint.resume
         if mode == "never":
+            moved = ckpt.move_aside(self.ckpt_dir)
+            if moved:
+                logger.warning('checkpoint.resume = "never": the checkpoints already in %s were moved aside to %s '
+                               "(nothing deleted); starting from step 0", self.ckpt_dir, ", ".join(p.name for p in moved))
+            self.run_id = ckpt.new_run_id()
             return None
         if mode == "auto":
-            return ckpt.latest_complete(self.ckpt_dir)
+            tried = []
+            for path in ckpt.resume_order(self.ckpt_dir):
+                try:
+                    c = ckpt.load_checkpoint(path, map_location="cpu")
+                except ckpt.CheckpointError as e:
+                    logger.warning("resume: skipping %s: %s; trying the previous complete checkpoint", path,
+                                   str(e).removeprefix(f"{path}: "))
+                    tried.append(path.name)
+                    continue
+                self.run_id = self._lineage(c)
+                return c
+            if tried:  # fail closed: never quietly start over on top of a run whose checkpoints all went bad
+                raise ConfigError("checkpoint.resume", f"no checkpoint in {self.ckpt_dir} is intact ({', '.join(tried)}); "
+                                                       'move them away, or set checkpoint.resume = "never" to start over')
+            self.run_id = ckpt.new_run_id()
+            return None
         path = Path(mode).expanduser()
         if not path.is_dir():
             raise ConfigError("checkpoint.resume", f'expected "auto", "never" or a checkpoint directory; {path} does not exist')
-        return path
+        try:
+            c = ckpt.load_checkpoint(path, map_location="cpu")
+        except ckpt.CheckpointError as e:
+            raise ConfigError("checkpoint.resume", str(e)) from e
+        self.run_id = self._lineage(c)
+        return c
+
+    def _lineage(self, c: ckpt.Checkpoint) -> str:
+        """Continue the checkpoint's run, unless that run already went further (a fork: continuing it
+        under the same id would prune or overwrite its later checkpoints) or has no id (written before ids)."""
+        if c.run_id is None:
+            run_id = ckpt.new_run_id()
+            logger.info("resume: %s has no run id (an older checkpoint); this run is %s", c.path, run_id)
+            return run_id
+        later = [p.name for p in ckpt.list_complete(self.ckpt_dir) if ckpt.run_of(p) == c.run_id and _step_number(p) > c.step]
+        if later:
+            run_id = ckpt.new_run_id()
+            logger.warning("resume: run %s already has later checkpoints (%s) than %s; continuing as run %s, "
+                           "which leaves them alone", c.run_id, ", ".join(later), c.path, run_id)
+            return run_id
+        return c.run_id
 
     def _build_targets(self) -> list[TargetReplica]:
         cfg = self.cfg
@@ -465,11 +642,8 @@ class Run:
                                       seed=cfg.seed * 1000 + j, index=j))
         return out
 
-    def _restore(self, path: Path) -> None:
-        try:
-            c = ckpt.load_checkpoint(path, map_location="cpu")
-        except ckpt.CheckpointError as e:
-            raise ConfigError("checkpoint.resume", str(e)) from e
+    def _restore(self, c: ckpt.Checkpoint) -> None:
+        path = c.path
         mine, theirs = self.draft_config, c.config
         for key, name in (("num_hidden_layers", "drafter.layers"), ("block_size", "drafter.block_size"),
                           ("hidden_size", "target"), ("vocab_size", "target")):
@@ -508,17 +682,26 @@ class Run:
             if pos.fingerprint and pos.fingerprint != expect:
                 logger.warning("resume: the data or its batching changed since %s; continuing at the saved batch indices", path)
             self.position = pos
-        logger.info("resuming from %s at step %d", path, c.step)
+        logger.info("resuming from %s at step %d (run %s)", path, c.step, self.run_id)
 
     # running ----------------------------------------------------------------------------
 
     def save(self, step: int, position: t.Sequence[int], replicas: t.Sequence[int]) -> Path | None:
+        """Snapshot one replica to CPU (the drafters wait only for this) and hand it to the background writer.
+
+        After averaging every replica holds the same weights, so one is saved; so are ONE replica's AdamW
+        moments (the first at the barrier): the others' differ only by the batches they saw, and saving
+        them all multiplied the barrier's copies and the bytes on disk by the number of drafters.
+        ``_restore`` gives each replica its own moments when a checkpoint has several (older ones do).
+        """
         if step == self.last_saved:
             return None
+        self.writer.wait()  # one write at a time, and at most one snapshot in memory
         reps = [self.drafters[j] for j in replicas]
         first = reps[0]
         trainer_state: dict[str, t.Any] = {
             "step": step,
+            "run_id": self.run_id,
             "data": DataPosition(tuple(position), f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}").to_dict(),
             "targets": len(self.targets),
             "drafters": len(self.drafters),
@@ -528,16 +711,17 @@ class Run:
         }
         optimizer_state = None
         if self.cfg.checkpoint.optimizer:
-            optimizer_state = {  # only replicas at the barrier: a straggler may be mid-step
-                "replicas": [r.optimizer.state_dict() for r in reps],
-                "masters": [m.detach().cpu() for m in first.masters] if first.separate_masters else None,
+            optimizer_state = {  # a replica at the barrier: a straggler may be mid-step
+                "replicas": [first.optimizer.state_dict()],
+                "masters": list(first.masters) if first.separate_masters else None,
             }
         if self.injector.check("checkpoint", 0, step) is not None:
             trainer_state["fault"] = _SigkillWhenPickled()
-        path = ckpt.save_checkpoint(self.ckpt_dir, step=step, drafter=first.model, trainer_state=trainer_state,
-                                    optimizer_state=optimizer_state, keep=self.cfg.checkpoint.keep)
+        snap = ckpt.snapshot(first.model, step=step, run_id=self.run_id, trainer_state=trainer_state,
+                             optimizer_state=optimizer_state, reuse=self.writer.spare())
+        self.writer.submit(snap)
         self.last_saved = step
-        return path
+        return self.ckpt_dir / f"step-{step}"
 
     def on_sync(self, ev: SyncEvent) -> None:
         if ev.average and len(ev.replicas) > 1:
@@ -545,32 +729,54 @@ class Run:
             self.averager.average([r.trainable() for r in reps])
             for r in reps:
                 r.sync_from_masters()
-            logger.debug("step %d: averaged drafters %s", ev.step, list(ev.replicas))
+            rnd = self.averager.last_round
+            logger.debug("step %d: averaged drafters %s in %.3fs (%.1f MB moved)", ev.step, list(ev.replicas),
+                         rnd.seconds if rnd else 0.0, rnd.bytes_moved / 2**20 if rnd else 0.0)
         if ev.checkpoint:
             self.save(ev.step, ev.position, ev.replicas)
+        else:
+            self.writer.check()  # a failed background write ends the run at the next barrier
+
+    def _finish_writes(self, *, failing: bool = False) -> None:
+        """Wait for the checkpoint in flight. While another error is on its way out, only log the writer's."""
+        if self.writer.busy:
+            logger.info("waiting for the checkpoint being written")
+        try:
+            self.writer.wait()
+        except ckpt.CheckpointWriteError as e:
+            if not failing:
+                raise
+            logger.error("%s", e)
 
     def train(self, signals: _Signals | None = None) -> int:
         cfg = self.cfg
         if self.start_step >= cfg.max_steps:
             logger.info("already at step %d (max_steps %d): nothing to train", self.start_step, cfg.max_steps)
             return EXIT_OK
-        if cfg.compile:
-            for r in self.drafters:  # compile serially, before any thread exists
-                warm_up(r, feature_size=self.targets[0].model.feature_size, vocab_size=self.vocab_size,
-                        mask_token_id=self.mask_token_id)
-            torch.compiler.set_stance("eager_on_recompile")  # no compilation inside the threads, ever
+        # Compiled code (the layers, or flex attention alone on CUDA) is built here, serially, for every
+        # shape a batch can have; torch.compile is not thread-safe, and in a thread it would stall the others.
+        compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
+        if compiled:
+            started = time.monotonic()
+            for r in self.drafters:
+                shapes = warm_up(r, feature_size=self.targets[0].model.feature_size, vocab_size=self.vocab_size,
+                                 mask_token_id=self.mask_token_id)
+            logger.info("compiled the drafter for %d batch shapes in %.0f s; a recompile from now on is an error",
+                        len(shapes), time.monotonic() - started)
         self.pipeline = Pipeline(
             targets=self.targets, sources=self.sources, drafters=self.drafters, shard_starts=self.shard_starts,
             on_sync=self.on_sync, injector=self.injector,
             options=PipelineOptions(
                 max_steps=cfg.max_steps, start_step=self.start_step, capacity=cfg.queue.capacity, mode=cfg.queue.mode,
+                max_bytes=cfg.queue.max_bytes,
                 average_every=cfg.average_every if len(self.drafters) > 1 else 0,
                 checkpoint_every=cfg.checkpoint.interval, barrier_timeout=cfg.barrier_timeout,
                 oom_retry=cfg.optim.oom_retry,
             ),
         )
         self.metrics = Metrics(log_every=cfg.log_every, path=self.run_dir / "metrics.jsonl", stream=self.stream,
-                               snapshot=self.pipeline.snapshot)
+                               snapshot=self.pipeline.snapshot,
+                               tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None)
         self.pipeline.on_step = self.metrics.record
         if signals is not None:
             signals.pipeline = self.pipeline
@@ -584,11 +790,17 @@ class Run:
         )
         self.metrics.start()
         try:
+            if compiled:  # a miss would be unfused attention (out of memory) or a compile in a thread: fail
+                torch.compiler.set_stance("fail_on_recompile")
             result = self.pipeline.run()
+        except BaseException:
+            self._finish_writes(failing=True)
+            raise
         finally:
             self.metrics.close()
-            if cfg.compile:
+            if compiled:
                 torch.compiler.set_stance("default")
+        self._finish_writes()  # the final checkpoint is on disk before we say so or exit
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
         if result.reason == "stopped" and signals is not None and signals.received is not None:
@@ -596,6 +808,10 @@ class Run:
             return 128 + signals.received
         logger.info("finished at step %d", result.steps)
         return EXIT_OK
+
+
+def _step_number(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
 
 
 def run_training(cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, stream: t.TextIO | None = None) -> int:

@@ -1,6 +1,6 @@
 """The agent: runs inside the container (or on this machine) and answers one JSON object per call.
 
-    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail> --json  < request.json
+    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read> --json  < request.json
 
 (``ops.session.agent_argv``; by hand, ``python -m ops.agent probe --json < request.json`` does the same.)
 
@@ -15,9 +15,12 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,23 +29,35 @@ import typing as t
 
 from ops import tmux
 from ops.runner import (
+    DISK_FULL_BYTES,
+    ENV_FILE,
     EXIT_JSON,
+    EXIT_RESERVED,
     LOG,
     METRICS,
     RUN_JSON,
+    RUN_RESERVED,
     STOP_JSON,
+    disk_free,
     iso,
     oom_kill_count,
     pid1_start,
     proc_stat,
+    reserve,
     write_json_atomic,
 )
 
 PROTOCOL = 1
-VERBS = ("probe", "start", "stop", "tail")
+VERBS = ("probe", "start", "stop", "tail", "read")
 TMUX_TIMEOUT = 10.0
 DIAG_LINES = 200  # log lines the probe brings back for diagnosis
 FOLLOW_CHUNK = 1 << 20  # at most this many bytes per `tail -f` poll
+READ_CAP = 4 << 20  # `read`: at most this many bytes of metrics.jsonl per call, all attempts together
+TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
+MAX_LINES = 10_000  # `tail -n` above this shows this many
+LOCK = ".lock"  # <run_dir>/<session>/.lock: start, stop and replace of one session, one at a time
+LOCK_WAIT = 30.0  # seconds a start or stop waits for another one on the same session
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 Request = t.Mapping[str, t.Any]
 
@@ -183,20 +198,22 @@ def process_facts(pid: t.Any, start: t.Any) -> dict[str, t.Any] | None:
     return {"pid": pid, "alive": alive, "state": state, "same": same}
 
 
-def _tail_bytes(path: str, max_lines: int, block: int = 1 << 16) -> tuple[bytes, int, float]:
-    """The last ``max_lines`` lines of a file (read backwards), its size and mtime."""
+def _tail_bytes(path: str, max_lines: int, window: int = TAIL_WINDOW) -> tuple[bytes, int, float]:
+    """The last ``max_lines`` lines of a file, its size and mtime, reading at most ``window`` bytes
+    from its end in ONE read: O(1) in the log's size, whatever it holds (66 MB of tqdm ``\\r`` rows
+    with no newline cost the same as 66 bytes)."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         size = st.st_size
-        pos, data = size, b""
-        while pos > 0 and data.count(b"\n") <= max_lines:
-            step = min(block, pos)
-            pos -= step
-            f.seek(pos)
-            data = f.read(step) + data
-    # drop the partial first line unless we read from the very start
-    if pos > 0 and b"\n" in data:
-        data = data[data.index(b"\n") + 1 :]
+        pos = max(0, size - window)
+        f.seek(pos)
+        data = f.read(size - pos)
+    if pos > 0:
+        # the window starts inside a row: drop up to its first break. A `\r` counts: what follows it
+        # in the same row are later progress segments, and a row shows its last one.
+        breaks = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
+        if breaks:
+            data = data[min(breaks) + 1 :]
     lines = data.split(b"\n")
     trailing = lines[-1] == b""
     if trailing:
@@ -248,6 +265,7 @@ def attempt_facts(req: Request, lines: int = DIAG_LINES) -> dict[str, t.Any] | N
             errors.append(err)
     run = facts["run"] or {}
     facts["runner"] = process_facts(run.get("pid"), run.get("pid_start"))
+    facts["keeper"] = process_facts(run.get("keeper_pid"), run.get("keeper_start"))
     facts["child"] = process_facts(run.get("child_pid"), run.get("child_start"))
     facts["log"] = log_facts(os.path.join(adir, LOG), lines)
     facts["metrics"] = metrics_facts(os.path.join(adir, METRICS))
@@ -256,10 +274,10 @@ def attempt_facts(req: Request, lines: int = DIAG_LINES) -> dict[str, t.Any] | N
 
 
 def _alive(af: dict[str, t.Any] | None) -> dict[str, t.Any] | None:
-    """The live process of an attempt (the command first, then its runner), or None."""
+    """The live process of an attempt (the command first, then its keeper and runner), or None."""
     if not af or af.get("exit"):
         return None
-    for key in ("child", "runner"):
+    for key in ("child", "keeper", "runner"):
         p = af.get(key)
         if p and p["alive"]:
             return p
@@ -323,13 +341,15 @@ def probe(req: Request) -> dict[str, t.Any]:
     """Every fact the classification needs, in one call."""
     gpus = _start_gpus()
     tf = tmux_facts(req)
-    af = attempt_facts(req, int(req.get("lines", DIAG_LINES)))
+    lines = min(int(req.get("lines", DIAG_LINES)), MAX_LINES)
+    af = attempt_facts(req, lines)
     pane_capture = None
     if (af is None or af.get("run") is None) and _session_alive(tf):
         # no run record (a session started by hand): the pane is the only log there is
-        pane_capture = capture(req, int(req.get("lines", DIAG_LINES)))
+        pane_capture = capture(req, lines)
     boot, boot_ticks = pid1_start()
     return {
+        "disk": disk_facts(req["run_dir"]),
         "now": time.time(),
         "hostname": os.uname().nodename,
         "pid1_start": boot,
@@ -340,6 +360,68 @@ def probe(req: Request) -> dict[str, t.Any]:
         "pane_capture": pane_capture,
         "gpus": _finish_gpus(gpus),
     }
+
+
+def disk_facts(path: str) -> dict[str, t.Any] | None:
+    """Free space where the run writes (the nearest existing folder of ``path``)."""
+    probe_at = os.path.abspath(path)
+    while not os.path.isdir(probe_at) and os.path.dirname(probe_at) != probe_at:
+        probe_at = os.path.dirname(probe_at)
+    free = disk_free(probe_at)
+    return None if free is None else {"path": probe_at, "free": free, "full": free < DISK_FULL_BYTES}
+
+
+class SessionLock:
+    """``<run_dir>/<session>/.lock`` (flock, 0600): held across check -> attempt dir -> tmux -> run.json,
+    so two starts (a person and restart-on-crash) cannot both pass the check. A bounded wait: a
+    caller that cannot get it in ``wait`` seconds is refused, never hung."""
+
+    def __init__(self, req: Request, verb: str, *, optional: bool = False) -> None:
+        self.sdir = session_dir(req)
+        self.path = os.path.join(self.sdir, LOCK)
+        self.verb = verb
+        self.optional = optional  # stop: no session folder can be made (read-only) = no attempt to guard
+        self.wait = float(req.get("lock_wait", LOCK_WAIT))
+        self.fd: int | None = None
+
+    def __enter__(self) -> SessionLock:
+        try:
+            os.makedirs(self.sdir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            if self.optional:
+                return self
+            raise _disk_refusal(e, f"cannot create the lock {self.path}") from None
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+                    os.close(fd)
+                    raise Refused("busy", f"another start or stop of this session is still running ({holder}); "
+                                  f"waited {self.wait:g}s for {self.path}: try again") from None
+                time.sleep(0.05)
+        try:  # who holds it, for the message above (best effort: a full disk must not stop a stop)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self.verb} by pid {os.getpid()}".encode(), 0)
+        except OSError:
+            pass
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = None
+
+
+def _disk_refusal(e: OSError, what: str) -> Refused:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return Refused("disk-full", f"{what}: the disk is full ({e.strerror})")
+    return Refused("run-dir", f"{what}: {e.strerror or e}")
 
 
 def _next_attempt_dir(sdir: str) -> tuple[int, str]:
@@ -372,15 +454,59 @@ def _describe(af: dict[str, t.Any], live: dict[str, t.Any]) -> str:
     return f"attempt {af.get('attempt')}, pid {live['pid']}" + (f", started {started}" if started else "")
 
 
+def _validate_start(req: Request) -> None:
+    """Everything a start could trip over later, checked before anything changes on disk or in tmux."""
+    command = req.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        raise Refused("bad-request", "command: expected a non-empty list of strings")
+    if not command[0]:
+        raise Refused("bad-request", "command: the program name is empty")
+    for i, arg in enumerate(command):
+        if "\0" in arg:
+            raise Refused("bad-request", f"command: argument {i} holds a NUL byte, which no program can be given")
+    env = req.get("env") or {}
+    if not isinstance(env, dict):
+        raise Refused("bad-request", "env: expected a table of NAME = \"value\"")
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+            raise Refused("bad-request", f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)")
+        if not isinstance(value, str) or "\0" in value:
+            raise Refused("bad-request", f"env.{key}: expected a string without NUL bytes")
+
+
+def _prepare_attempt(adir: str, env: t.Mapping[str, str]) -> str:
+    """What the runner needs before it starts: an empty log, room for run.json and exit.json (so a
+    disk that fills up later cannot lose them, and a full disk fails HERE, cleanly), and the run's
+    environment in a 0600 file it reads and unlinks. Returns that file's path."""
+    os.close(os.open(os.path.join(adir, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    reserve(os.path.join(adir, RUN_RESERVED))
+    reserve(os.path.join(adir, EXIT_RESERVED))
+    path = os.path.join(adir, ENV_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(env), f)
+        f.flush()
+        os.fsync(fd)
+    return path
+
+
 def start(req: Request) -> dict[str, t.Any]:
-    workdir = req["workdir"]
-    current = os.path.join(workdir, "current")
+    _validate_start(req)
+    current = os.path.join(req["workdir"], "current")
     if not os.path.isdir(current):
         raise Refused("not-deployed", f"nothing is deployed at {current}: run `dflashctl deploy` first")
+    with SessionLock(req, "start"):
+        return _start_locked(req, current)
+
+
+def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
+    """Check, then make the new run, and only once it exists take the session name over and point
+    `current` at it: a start that fails leaves the previous attempt, its pane and `current` as they were."""
     release = os.path.basename(os.path.realpath(current))
     session, socket_name = req["session"], req["socket"]
     env = _tmux_env(req)
     tmux_bin = req.get("tmux", "tmux")
+    base = tmux.base(socket_name, tmux_bin)
 
     tf = tmux_facts(req)
     if not tf["installed"]:
@@ -389,6 +515,11 @@ def start(req: Request) -> dict[str, t.Any]:
     live = _alive(af)
     pane = _pane(tf)
     pane_live = pane is not None and pane.get("pane_dead") == "0"
+    sdir = session_dir(req)
+    disk = disk_facts(sdir)
+    if disk is not None and disk["full"]:
+        raise Refused("disk-full", f"the disk holding {disk['path']} is full ({disk['free']} bytes free, "
+                      f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again")
     replaced = None
     if live or pane_live:
         what = _describe(af, live) if (af and live) else f"pane pid {pane['pane_pid']} (no run record)" if pane else "?"
@@ -402,24 +533,33 @@ def start(req: Request) -> dict[str, t.Any]:
         # A live pane with no live run record (started by hand): the last attempt dir, if any, belongs
         # to an ended run whose evidence must not be touched, so stop the pane, not that attempt.
         replaced = _stop(req, af if live else None, tf, grace=float(req.get("replace_grace", 10.0)), reason="replaced")
-        tf = tmux_facts(req)
-    if _session_alive(tf):
-        # a dead pane (remain-on-exit) or a replaced run still holds the name
-        _run(tmux.base(socket_name, tmux_bin) + ["kill-session", "-t", tmux.exact(session)], env=env)
 
-    sdir = session_dir(req)
-    n, adir = _next_attempt_dir(sdir)
-    _point_current(sdir, os.path.basename(adir))
+    try:
+        n, adir = _next_attempt_dir(sdir)
+    except OSError as e:
+        raise _disk_refusal(e, f"cannot create an attempt under {sdir}") from None
+    try:
+        env_file = _prepare_attempt(adir, req.get("env") or {})
+    except OSError as e:
+        shutil.rmtree(adir, ignore_errors=True)
+        raise _disk_refusal(e, f"cannot prepare {adir}") from None
+
+    def undo(kind: str, message: str) -> Refused:
+        shutil.rmtree(adir, ignore_errors=True)
+        return Refused(kind, message)
+
     python = req.get("python") or sys.executable
+    # Nothing secret (env) and nothing tmux would expand (the cwd) on this command line.
     runner = [python, "-m", "ops.runner", "--attempt-dir", adir, "--session", session, "--attempt", str(n),
-              "--python", python, "--release", release]
-    for key, value in (req.get("env") or {}).items():
-        runner += ["--env", f"{key}={value}"]
-    runner += ["--", *req["command"]]
-    res = _run(tmux.start_argv(socket_name, session, current, runner, tmux_bin), env=env)
+              "--cwd", current, "--python", python, "--release", release, "--env-file", env_file,
+              "--", *req["command"]]
+    # The new run starts under a name of its own; the old session (a dead pane to read, or the run
+    # just replaced) keeps the real name until the new one is known to live.
+    staging = f"{session}-starting-{os.getpid()}"
+    res = _run(tmux.start_argv(socket_name, staging, runner, tmux_bin), env=env)
     if res["exit_code"] != 0:
-        raise Refused("tmux-failed", f"tmux could not create session '{session}': {res['stderr'].strip() or res}",
-                      attempt=n)
+        raise undo("tmux-failed", f"tmux could not create session '{session}': {res['stderr'].strip() or res}")
+    staged = {**req, "session": staging}
 
     # Wait for the runner's record, so we can say which pid runs (and catch an instant failure).
     run = None
@@ -427,19 +567,33 @@ def start(req: Request) -> dict[str, t.Any]:
     while run is None and time.monotonic() < deadline:
         run, _ = _read_json(os.path.join(adir, RUN_JSON))
         if run is None:
+            spane = _pane(tmux_facts(staged))
+            if spane is None or spane.get("pane_dead") == "1":
+                break  # the runner is gone without a record
             time.sleep(0.02)
+    warning = None
+    if run is None:
+        spane = _pane(tmux_facts(staged))
+        if spane is None or spane.get("pane_dead") == "1":
+            said = " | ".join([line.strip() for line in capture(staged, 100)["lines"] if line.strip()][-5:])
+            _run(base + ["kill-session", "-t", tmux.exact(staging)], env=env)
+            raise undo("runner-failed", f"the runner died at once, nothing was started: {said or 'it printed nothing'}")
+        warning = "the runner wrote no run.json yet"
+
+    # The new run exists: now it takes the session's name and `current`.
+    _run(base + ["kill-session", "-t", tmux.exact(session)], env=env)
+    ren = _run(base + ["rename-session", "-t", tmux.exact(staging), session], env=env)
+    if ren["exit_code"] != 0:
+        warning = f"the run lives in tmux session '{staging}': renaming it failed ({ren['stderr'].strip()})"
+    _point_current(sdir, os.path.basename(adir))
     exit_rec, _ = _read_json(os.path.join(adir, EXIT_JSON))
     out: dict[str, t.Any] = {
         "attempt": n, "attempt_dir": adir, "log": os.path.join(adir, LOG), "release": release,
         "pid": run.get("pid") if run else None, "child_pid": run.get("child_pid") if run else None,
         "started_at": run.get("started_at") if run else None, "exit": exit_rec, "replaced": replaced,
     }
-    if run is None:
-        tf = tmux_facts(req)
-        pane = _pane(tf)
-        out["warning"] = "the runner wrote no run.json yet"
-        if pane and pane.get("pane_dead") == "1":
-            out["warning"] = "the runner died at once: " + " | ".join(capture(req, 20)["lines"][-5:])
+    if warning:
+        out["warning"] = warning
     return out
 
 
@@ -507,6 +661,11 @@ def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, gr
 
 
 def stop(req: Request) -> dict[str, t.Any]:
+    with SessionLock(req, "stop", optional=True):
+        return _stop_locked(req)
+
+
+def _stop_locked(req: Request) -> dict[str, t.Any]:
     tf = tmux_facts(req)
     af = attempt_facts(req, 0)
     live = _alive(af)
@@ -526,7 +685,9 @@ def stop(req: Request) -> dict[str, t.Any]:
 def tail(req: Request) -> dict[str, t.Any]:
     """The last N lines from the pane (live session) or the durable log, and why; or, with an
     ``offset``, the log's new complete lines after that offset (``tail -f``)."""
-    n = int(req.get("lines", 30))
+    asked = int(req.get("lines", 30))
+    n = min(asked, MAX_LINES)
+    capped = f" (at most {MAX_LINES} lines are shown)" if asked > MAX_LINES else ""
     source = req.get("source", "auto")
     if req.get("offset") is not None:
         return _follow(req)
@@ -550,7 +711,8 @@ def tail(req: Request) -> dict[str, t.Any]:
             why = f"showing the dead pane of session '{req['session']}'"
         # `tail -f` goes on from the log's end as it is now
         offset = os.path.getsize(log) if have_log else None  # type: ignore[arg-type]
-        return {"source": "pane", "reason": why, "lines": cap["lines"], "log": log if have_log else None, "offset": offset}
+        return {"source": "pane", "reason": why + capped, "lines": cap["lines"], "log": log if have_log else None,
+                "offset": offset}
 
     if have_log:
         assert log is not None
@@ -567,7 +729,10 @@ def tail(req: Request) -> dict[str, t.Any]:
         else:
             why = f"showing the log {log}"
         data, size, _ = _tail_bytes(log, n)
-        return {"source": "log", "reason": why, "lines": tmux.decode_lines(data), "log": log, "offset": size}
+        lines = tmux.decode_lines(data)
+        if size > TAIL_WINDOW and len(lines) < n:
+            capped += f" (only the last {TAIL_WINDOW >> 20} MiB of the log are read)"
+        return {"source": "log", "reason": why + capped, "lines": lines, "log": log, "offset": size}
     if source == "auto" and pane is not None:
         cap = capture(req, n)
         return {"source": "pane", "reason": f"no log yet; showing the dead pane of session '{req['session']}'",
@@ -590,8 +755,9 @@ def _follow(req: Request) -> dict[str, t.Any]:
             data = f.read(FOLLOW_CHUNK)
     except (OSError, TypeError) as e:
         raise Refused("no-log", f"cannot read the log {log}: {e}") from None
-    # only complete lines; a partial one waits for its newline (unless it is huge)
-    cut = data.rfind(b"\n") + 1
+    # only complete lines; a partial one waits for its newline (unless it is huge). With no newline
+    # at all, a `\r` ends a progress segment: tqdm output with no newline for hours still shows.
+    cut = (data.rfind(b"\n") + 1) or (data.rfind(b"\r") + 1)
     if cut == 0 and len(data) < FOLLOW_CHUNK:
         cut = 0
     elif cut == 0:
@@ -600,11 +766,95 @@ def _follow(req: Request) -> dict[str, t.Any]:
             "offset": offset + cut, "size": size}
 
 
+def run_key(run: t.Mapping[str, t.Any] | None) -> str | None:
+    """Which run wrote an attempt dir: a dir removed and made again by another run gets another key."""
+    if not run:
+        return None
+    return f"{run.get('started_at')}|{run.get('pid')}|{run.get('pid_start')}"
+
+
+def read(req: Request) -> dict[str, t.Any]:
+    """`dflashctl plot`: every attempt's records (run.json, exit.json, stop.json), its metrics.jsonl
+    from the offset the caller already has (complete lines only, base64, at most ``cap`` bytes in all:
+    the caller loops while an attempt says ``more``), the log tail of the attempts it asks one for
+    (``tail``: true, or "crashed" = when it ended non-zero and not on request: to name the cause), and the checkpoints under ``<run_dir>/<session>/checkpoints``."""
+    import base64
+
+    sdir = session_dir(req)
+    known = req.get("attempts") or {}
+    if not isinstance(known, dict):
+        raise Refused("bad-request", "attempts: expected an object {attempt: {offset, run, tail}}")
+    cap, offsets = req.get("cap", READ_CAP), [a.get("offset") or 0 for a in known.values() if isinstance(a, dict)]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (cap, *offsets)):
+        raise Refused("bad-request", "cap and attempts.*.offset: expected whole numbers >= 0")
+    budget = max(1, min(cap, READ_CAP))
+    try:
+        names = os.listdir(sdir)
+    except FileNotFoundError:
+        names = []
+    except OSError as e:
+        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
+    numbered = sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
+    attempts = []
+    for n, name in numbered:
+        adir = os.path.join(sdir, name)
+        rec: dict[str, t.Any] = {"attempt": n}
+        for key, fname in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
+            rec[key] = _read_json(os.path.join(adir, fname))[0]
+        rec["run_key"] = run_key(rec["run"])
+        ask = known.get(str(n))
+        ask = ask if isinstance(ask, dict) else {}
+        offset = ask.get("offset") or 0
+        reset = ask.get("run") is not None and ask.get("run") != rec["run_key"]
+        if reset:
+            offset = 0  # another run made this attempt dir: all of it again
+        data, size = b"", None
+        try:
+            with open(os.path.join(adir, METRICS), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < offset:
+                    reset, offset = True, 0  # truncated: from the start
+                f.seek(offset)
+                data = f.read(budget) if budget > 0 else b""
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            rec["error"] = f"{os.path.join(adir, METRICS)}: {e.strerror or e}"
+        full = budget <= 0 or len(data) == budget
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and full and budget > 0:
+            cut = len(data)  # one line longer than the cap: pass it on (it is no JSON record anyway)
+        budget -= cut
+        rec.update(size=size, offset=offset, next=offset + cut, reset=reset, more=full and size is not None
+                   and offset + cut < size, data=base64.b64encode(data[:cut]).decode("ascii"))
+        want = ask.get("tail", req.get("tail"))
+        ended_badly = bool(rec["exit"]) and rec["exit"].get("exit_code") != 0 and not rec["stop"]
+        if want is True or (want == "crashed" and ended_badly):
+            lf = log_facts(os.path.join(adir, LOG), DIAG_LINES)
+            rec["log_tail"] = (lf or {}).get("tail") or []
+        attempts.append(rec)  # past the cap, an attempt still reports its records; its bytes come next call
+    checkpoints = []
+    cdir = os.path.join(sdir, "checkpoints")
+    try:
+        entries = os.listdir(cdir)
+    except OSError:
+        entries = []
+    for name in entries:
+        m = re.fullmatch(r"step-(\d+)", name)
+        manifest = os.path.join(cdir, name, "checkpoint.json")
+        if m and os.path.exists(manifest):
+            checkpoints.append({"step": int(m.group(1)), "time": os.path.getmtime(manifest)})
+    cur = current_attempt(req)
+    return {"session_dir": sdir, "current": _attempt_number(os.path.basename(cur)) if cur else None,
+            "attempts": attempts, "checkpoints": sorted(checkpoints, key=lambda c: c["step"]), "now": time.time()}
+
+
 HANDLERS: dict[str, t.Callable[[Request], dict[str, t.Any]]] = {
-    "probe": probe, "start": start, "stop": stop, "tail": tail,
+    "probe": probe, "start": start, "stop": stop, "tail": tail, "read": read,
 }
 REQUIRED = {"probe": ("session", "socket", "run_dir"), "start": ("session", "socket", "run_dir", "workdir", "command"),
-            "stop": ("session", "socket", "run_dir"), "tail": ("session", "socket", "run_dir")}
+            "stop": ("session", "socket", "run_dir"), "tail": ("session", "socket", "run_dir"),
+            "read": ("session", "socket", "run_dir")}
 
 
 def main(argv: t.Sequence[str] | None = None) -> int:
@@ -621,6 +871,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         missing = [k for k in REQUIRED[verb] if k not in req]
         if missing:
             raise ValueError(f"missing keys: {', '.join(missing)}")
+        for key in ("run_dir", "workdir", "python", "tmux"):
+            if req.get(key) is not None and (not isinstance(req[key], str) or "\0" in req[key]):
+                raise ValueError(f"{key}: expected a path without NUL bytes")
         for key in ("session", "socket"):
             # a tmux target and a folder name: nothing that could walk out of run_dir or change the target
             if not re.fullmatch(r"[A-Za-z0-9_-]+", str(req[key])):

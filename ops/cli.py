@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import sys
 import typing as t
 
@@ -104,6 +105,46 @@ class App:
 
 pass_app = click.make_pass_decorator(App)
 
+MAX_SECONDS = 365 * 24 * 3600.0  # one year: longer than any wait we mean; time.sleep overflows near 1e300
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds in ``[minimum, MAX_SECONDS]`` (``> minimum`` with ``min_open``).
+
+    The one type of every duration option: click's FloatRange lets NaN and inf through (NaN
+    compares false with every bound), and then waits end at once (``stop --grace nan`` sent
+    Ctrl-C, TERM and KILL within 0.02 s) or never, or time.sleep raises OverflowError.
+    """
+
+    name = "seconds"
+
+    def __init__(self, minimum: float = 0.0, *, min_open: bool = False) -> None:
+        self.minimum = minimum
+        self.min_open = min_open
+
+    def convert(self, value: t.Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            seconds = float(value)
+        else:
+            try:
+                seconds = float(str(value))
+            except ValueError:
+                self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        if seconds < self.minimum or (self.min_open and seconds == self.minimum):
+            self.fail(f"{value} is not {'>' if self.min_open else '>='} {self.minimum:g}", param, ctx)
+        if seconds > MAX_SECONDS:
+            self.fail(f"{value} is more than one year ({MAX_SECONDS:.0f} seconds)", param, ctx)
+        return seconds
+
+
+def _check_session(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--session follows hosts.toml's rule for `session`, checked here once, before anything runs."""
+    from ops.hosts import check_name
+
+    return None if value is None else check_name(value, "--session")
+
 
 def init_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
@@ -178,6 +219,12 @@ def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
     scan = scan_host_key(host)
     name = scan.target.known_name
     click.echo(f"{name} offers {scan.key_type} {scan.fingerprint}")
+    if scan.note:
+        click.echo(f"note: {scan.note}", err=True)
+    if scan.verdict == "revoked":
+        from ops.transport import revoked_error
+
+        raise revoked_error(scan.target, scan.key, scan.revoked_at)
     if scan.verdict == "known":
         click.echo(f"already trusted (in {', '.join(sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint}))})")
         return ExitCode.OK
@@ -195,6 +242,9 @@ def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
         return ExitCode.ERROR
     path = record_host_key(scan, replace=scan.verdict == "changed")
     click.echo(f"recorded {scan.key_type} {scan.fingerprint} for {name} in {path}")
+    if scan.verdict == "changed" and scan.patterns:
+        # A pattern line covers other hosts too: we never edit it; the exact entry now wins for this host.
+        click.echo(f"note: left as they are (they match other hosts too): {', '.join(scan.patterns)}", err=True)
     return ExitCode.OK
 
 
@@ -221,7 +271,8 @@ def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bo
 
 # --- start, stop, status, tail, attach (issue 3): thin; the work is in ops/session.py -----------
 
-_session_option = click.option("--session", metavar="NAME", help="tmux session / run name (default: the host's `session`).")
+_session_option = click.option("--session", metavar="NAME", callback=_check_session, expose_value=True,
+                               help="tmux session / run name (default: the host's `session`).")
 
 
 @cli.command("start")
@@ -252,7 +303,7 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
 
 @cli.command("stop")
 @_session_option
-@click.option("--grace", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="S",
+@click.option("--grace", type=Seconds(0), default=60.0, show_default=True, metavar="S",
               help="Seconds to wait after Ctrl-C (and again after SIGTERM) before escalating.")
 @pass_app
 def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
@@ -272,7 +323,7 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
 @cli.command("status")
 @_session_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (DESIGN.md section 6).")
-@click.option("--watch", type=click.FloatRange(min=0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
+@click.option("--watch", type=Seconds(0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
 @click.option("--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports).")
 @pass_app
 def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None, show_facts: bool) -> ExitCode:
@@ -314,7 +365,7 @@ def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new log lines until Ctrl-C.")
 @click.option("--source", type=click.Choice(["auto", "pane", "log"]), default="auto", show_default=True,
               help="auto: the live pane when the session is alive, else the durable log.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, metavar="S",
+@click.option("--interval", type=Seconds(0.1), default=1.0, show_default=True, metavar="S",
               help="Polling interval of --follow.")
 @pass_app
 def tail_cmd(app: App, session: str | None, lines: int, follow: bool, source: str, interval: float) -> ExitCode:
@@ -359,17 +410,17 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
 
 @cli.command("restart-on-crash")
 @_session_option
-@click.option("--interval", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True, metavar="S",
+@click.option("--interval", type=Seconds(0, min_open=True), default=30.0, show_default=True, metavar="S",
               help="Seconds between probes.")
-@click.option("--backoff", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="S",
+@click.option("--backoff", type=Seconds(0), default=10.0, show_default=True, metavar="S",
               help="First wait before a restart; doubles (with jitter) per restart.")
-@click.option("--max-backoff", type=click.FloatRange(min=0), default=900.0, show_default=True, metavar="S",
+@click.option("--max-backoff", type=Seconds(0), default=900.0, show_default=True, metavar="S",
               help="Longest wait before a restart.")
-@click.option("--min-uptime", type=click.FloatRange(min=0), default=600.0, show_default=True, metavar="S",
+@click.option("--min-uptime", type=Seconds(0), default=600.0, show_default=True, metavar="S",
               help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=5, show_default=True, metavar="N",
               help="Give up after more than N restarts within --window.")
-@click.option("--window", type=click.FloatRange(min=0, min_open=True), default=3600.0, show_default=True, metavar="S",
+@click.option("--window", type=Seconds(0, min_open=True), default=3600.0, show_default=True, metavar="S",
               help="The time window of --max-restarts.")
 @click.option("--once", is_flag=True, help="One probe and at most one restart (for cron and systemd timers).")
 @click.option("--restart-stalled", is_flag=True, help="Also restart a stalled run (stop it first, stack saved if py-spy is there).")
@@ -396,11 +447,49 @@ def restart_on_crash_cmd(app: App, session: str | None, interval: float, backoff
                              max_restarts=max_restarts, window=window, once=once, restart_stalled=restart_stalled,
                              start_container=start_container, retry_oom=retry_oom)
     sup = supervise.Supervisor(app.host, session, opts, state_dir=Path(state_dir).expanduser() if state_dir else None,
-                               on_event=supervise.parse_hook(on_event), emit=click.echo)
+                               on_event=supervise.parse_hook(on_event), emit=click.echo,
+                               hide_env=app.inventory.secret_env)
     outcome = sup.run()  # CrashLoop (exit 11) and SupervisorLocked (exit 1) are raised
     if outcome.kind != "once" or outcome.state in (None, "restarted", "running", "succeeded"):
         return ExitCode.OK
     return exit_code_for_state(outcome.state)
+
+
+# --- plot (issue 14): fetch + cache + draw are in ops/plot.py --------------------------------------
+
+
+@cli.command("plot")
+@_session_option
+@click.option("--out", default=None, metavar="FILE", help="FILE.png, .svg or .html (default: <session>-dashboard.png).")
+@click.option("--since", type=click.IntRange(min=0), default=None, metavar="STEP", help="Only steps >= STEP.")
+@click.option("--time", "use_time", is_flag=True, help="Wall time on x (since the first attempt started), not steps.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write every point drawn: attempt, step, time, series, value.")
+@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where fetched metrics are kept (default: restart-on-crash's, <state>/plot-cache).")
+@pass_app
+def plot_cmd(app: App, session: str | None, out: str | None, since: int | None, use_time: bool,
+             csv_path: str | None, state_dir: str | None) -> ExitCode:
+    """Draw the run's dashboard from the metrics.jsonl of every attempt (fetched incrementally)."""
+    from pathlib import Path
+
+    from ops import plot, supervise
+    from ops.session import session_name
+
+    name = session_name(app.host, session)
+    out = out or f"{name}-dashboard.png"
+    plot.check_out(out)
+    plot.require_matplotlib()  # a missing extra is said before anything connects
+    state = Path(state_dir).expanduser() if state_dir else supervise.private_dir(supervise.default_state_dir())
+    r = plot.plot(app.remote(), session, out=out, state_dir=state, since=since, use_time=use_time, csv_path=csv_path)
+    f = r.fetched
+    click.echo(f"fetched {f.new_bytes} new bytes of metrics.jsonl in {f.calls} call(s); "
+               f"{len(r.attempts)} attempt(s), {len(f.meta.get('checkpoints') or [])} checkpoint(s)")
+    for a in r.attempts:
+        steps = f"steps {a.records[0]['step']}..{a.records[-1]['step']}" if a.records else "no records"
+        click.echo(f"  attempt {a.number}: {len(a.records)} records, {steps}, {a.end or 'running'}")
+    click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else "") + f" ({r.points} points)")
+    return ExitCode.OK
 
 
 def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:

@@ -37,8 +37,10 @@ if t.TYPE_CHECKING:
 # CUDA build, not the CPU pin of pyproject.toml.
 REQUIRED_MODULES: dict[str, str] = {
     "torch": "torch",
-    "transformers": "transformers>=5.0,<6",
+    "transformers": "transformers>=5.24,<6",
     "safetensors": "safetensors>=0.4",
+    "accelerate": "accelerate>=1.1",  # targets load straight onto their GPU (device_map)
+    "numpy": "numpy>=1.24",  # the averaging engine
     "click": "click>=8.1",
 }
 MIN_PYTHON = (3, 11)
@@ -191,7 +193,9 @@ def run_state(run_dir, session):
             "dir": os.path.realpath(cur)}
     if os.path.exists(os.path.join(cur, "exit.json")):
         info["state"] = "ended"
-    elif isinstance(info["pid"], int) and proc_alive(info["pid"], info["started_at"], run.get("pid_start")):
+    elif any(isinstance(run.get(k), int) and proc_alive(run[k], info["started_at"], run.get(ks))
+             for k, ks in (("pid", "pid_start"), ("keeper_pid", "keeper_start"), ("child_pid", "child_start"))):
+        # the command outlives a killed runner (its keeper records the end): any of the three alive is a live run
         info["state"] = "alive"
     else:
         info["state"] = "gone"

@@ -144,7 +144,15 @@ def diagnose(host: Host) -> HostReport:
     rest = ("login", *(("container",) if host.container is not None else ()), *INSIDE_CHECKS)
     if scan.verdict == "known":
         files = sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint})
-        rep.add("host-key", OK, f"{scan.key_type} {scan.fingerprint} (pinned in {', '.join(files)})")
+        note = f"; {scan.note}" if scan.note else ""
+        rep.add("host-key", OK, f"{scan.key_type} {scan.fingerprint} (pinned in {', '.join(files)}{note})")
+    elif scan.verdict == "revoked":
+        from ops.transport import revoked_error
+
+        err = revoked_error(tgt, scan.key, scan.revoked_at)
+        rep.fail("host-key", err.detail, err, blocks=True)
+        rep.skip_rest(rest)
+        return rep.report
     else:
         changed = scan.verdict == "changed"
         old = next((fp for _, _, fp in scan.recorded), None)
@@ -154,7 +162,7 @@ def diagnose(host: Host) -> HostReport:
             if changed
             else f"unknown: {tgt.known_name} offers {scan.key_type} {scan.fingerprint}, in none of {', '.join(tgt.known_hosts)}; "
             f"check it, then run: dflashctl --host {host.name} trust-host"
-        )
+        ) + (f" ({scan.note})" if scan.note else "")
         err = errors.HostKeyRejected(host.name, detail, fingerprint=scan.fingerprint, changed=changed, expected=old, key_type=scan.key_type)
         rep.fail("host-key", detail, err, blocks=True)
         rep.skip_rest(rest)

@@ -80,6 +80,11 @@ class HostKeyRejected(UnreachableError):
         self.key_type = key_type
 
 
+class HostKeyRevoked(HostKeyRejected):
+    """The server's key is listed under a matching ``@revoked`` line of known_hosts: refused, and
+    trust-host will not record it either (the line has to be removed by hand)."""
+
+
 class ContainerDown(OpsError):
     """The LXC container is stopped (``cause="stopped"``) or does not exist (``cause="missing"``)."""
 

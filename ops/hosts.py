@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -18,6 +19,8 @@ from pathlib import Path
 from ops.errors import ConfigError
 
 ENV_VAR = "DFLASHCTL_HOSTS"
+MAX_COMMAND = 64 * 1024  # characters of `command`/`pct`: Linux allows 128 KiB for one argv item
+SHOW_MAX = 120  # characters of a bad value quoted in an error message
 USER_FILE = "~/.config/dflashctl/hosts.toml"
 
 # What a new user gets with no hosts.toml anywhere: this machine, the tiny CPU run.
@@ -83,6 +86,11 @@ class Host:
         """How messages name the host: ``pve (ct 200)``."""
         return self.name if self.container is None else f"{self.name} (ct {self.container})"
 
+    @property
+    def secret_env(self) -> tuple[str, ...]:
+        """Environment variables of this machine that hold this host's secrets (the API token)."""
+        return (self.proxmox.token_value_env,) if self.proxmox is not None else ()
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Inventory:
@@ -101,6 +109,11 @@ class Inventory:
     @property
     def source(self) -> str:
         return str(self.path) if self.path else "the embedded default inventory"
+
+    @property
+    def secret_env(self) -> tuple[str, ...]:
+        """Every host's secret environment variables (what a hook must not inherit)."""
+        return tuple(dict.fromkeys(name for h in self.hosts.values() for name in h.secret_env))
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,9 +145,11 @@ def load_inventory(explicit: str | os.PathLike[str] | None = None) -> Inventory:
     if path is None:
         return parse_inventory(EMBEDDED_DEFAULT, path=None, base=Path.cwd())
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(str(path), f"cannot read: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); TOML files are UTF-8") from e
     return parse_inventory(text, path=path.resolve(), base=path.resolve().parent)
 
 
@@ -145,6 +160,8 @@ def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(where, f"not valid TOML: {e}") from e
+    except RecursionError as e:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(where, "not valid TOML here: values nested too deeply") from e
     _only_keys(data, {"default", "hosts"}, "")
     hosts_raw = data.get("hosts", {})
     if not isinstance(hosts_raw, dict) or not hosts_raw:
@@ -208,8 +225,8 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
                 raise ConfigError(f"{p}.env.{k}", "not a valid environment variable name (letters, digits, '_'; not starting with a digit)")
         kw["env"] = {k: _str(v, f"{p}.env.{k}") for k, v in env.items()}
     for key in ("session", "tmux_socket"):
-        if key in kw and not _safe_name(kw[key]):
-            raise ConfigError(f"{p}.{key}", f"use letters, digits, '-', '_' only, got {_show(kw[key])}")
+        if key in kw:
+            check_name(kw[key], f"{p}.{key}")
 
     if transport == "local":
         workdir = _local_path(raw.get("workdir", ".dflash"), f"{p}.workdir", base)
@@ -224,11 +241,17 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
     kw["address"] = _str(raw["address"], f"{p}.address", nonempty=True)
     if "@" in kw["address"] or any(c.isspace() for c in kw["address"]):
         raise ConfigError(f"{p}.address", f'expected a host name or address (put the user in "user"), got {_show(kw["address"])}')
+    _ssh_word(kw["address"], f"{p}.address")
     if "port" in raw:
         kw["port"] = _int(raw["port"], f"{p}.port", minimum=1, maximum=65535)
     for key in ("user", "identity_file", "known_hosts", "ssh_config"):
         if key in raw:
             kw[key] = _str(raw[key], f"{p}.{key}", nonempty=True)
+    if "user" in kw:
+        _ssh_word(kw["user"], f"{p}.user")
+    for key in ("identity_file", "known_hosts", "ssh_config"):
+        if key in kw:
+            _ssh_path(kw[key], f"{p}.{key}")
     if "connect_timeout" in raw:
         kw["connect_timeout"] = _number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
     if "container" in raw:
@@ -271,7 +294,7 @@ def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:
         port=_int(raw.get("port", 8006), f"{p}.port", minimum=1, maximum=65535),
         user=_str(raw.get("user", "root@pam"), f"{p}.user", nonempty=True),
         token_name=_str(raw["token_name"], f"{p}.token_name", nonempty=True),
-        token_value_env=_str(raw["token_value_env"], f"{p}.token_value_env", nonempty=True),
+        token_value_env=_env_name(raw["token_value_env"], f"{p}.token_value_env"),
         verify_ssl=verify,
         backend=backend,
     )
@@ -282,10 +305,12 @@ def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:
 
 
 def _show(value: t.Any) -> str:
+    """A value in a message: JSON (one line, escapes shown), cut to SHOW_MAX characters."""
     try:
-        return json.dumps(value)
-    except TypeError:
-        return repr(value)
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= SHOW_MAX else f"{text[:SHOW_MAX]}... ({len(text)} characters)"
 
 
 def _only_keys(table: dict[str, t.Any], allowed: set[str], prefix: str) -> None:
@@ -312,18 +337,29 @@ def _int(value: t.Any, path: str, *, minimum: int | None = None, maximum: int | 
 
 
 def _number(value: t.Any, path: str, *, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(path, f"expected a number of seconds, got {_show(value)}")
     if minimum is not None and value < minimum:
         raise ConfigError(path, f"expected at least {minimum:g}, got {value}")
     return float(value)
 
 
+def _env_name(value: t.Any, path: str) -> str:
+    name = _str(value, path, nonempty=True)
+    if not _ENV_NAME.fullmatch(name):
+        raise ConfigError(path, f"not a valid environment variable name (letters, digits, '_'; not starting with a digit), got {_show(name)}")
+    return name
+
+
 def _argv(value: t.Any, path: str) -> tuple[str, ...]:
     """A command: a string split with shlex (``"sudo pct"``) or a list of strings."""
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if sum(len(v) for v in value) > MAX_COMMAND:
+            raise ConfigError(path, f"too long: {sum(len(v) for v in value)} characters (at most {MAX_COMMAND})")
         return tuple(value)
     if isinstance(value, str):
+        if len(value) > MAX_COMMAND:  # shlex.split is slow on huge strings: minutes for 10 MB
+            raise ConfigError(path, f"too long: {len(value)} characters (at most {MAX_COMMAND})")
         try:
             argv = shlex.split(value)
         except ValueError as e:
@@ -340,5 +376,38 @@ def _local_path(value: t.Any, path: str, base: Path) -> str:
     return os.path.normpath(p if p.is_absolute() else base / p)
 
 
-def _safe_name(value: str) -> bool:
-    return all(c.isalnum() or c in "-_" for c in value)
+# One rule for session and tmux socket names, wherever they come from (hosts.toml, --session): a
+# tmux target (no ':' or '.'), a folder name, an argv item (never starting with '-'), ASCII only.
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
+NAME_RULE = "letters, digits, '-', '_' only (ASCII, 1 to 64, not starting with '-')"
+
+
+def valid_name(value: str) -> bool:
+    return _NAME.fullmatch(value) is not None
+
+
+def check_name(value: str, path: str) -> str:
+    """``value`` when it is a valid session / socket name, else a ConfigError naming ``path``."""
+    if not valid_name(value):
+        raise ConfigError(path, f"use {NAME_RULE}, got {_show(value)}")
+    return value
+
+
+def _has_control(value: str) -> bool:
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+
+
+def _ssh_word(value: str, path: str) -> None:
+    """address and user end up as ssh's destination argument: never an option, never two words."""
+    if value.startswith("-"):
+        raise ConfigError(path, f"must not start with '-' (ssh would read it as an option), got {_show(value)}")
+    if _has_control(value) or any(c.isspace() for c in value):
+        raise ConfigError(path, f"must not contain spaces or control characters, got {_show(value)}")
+
+
+def _ssh_path(value: str, path: str) -> None:
+    """identity_file, known_hosts, ssh_config: also written into ssh options (``attach``)."""
+    if _has_control(value):
+        raise ConfigError(path, f"must not contain control characters, got {_show(value)}")
+    if "${" in value:
+        raise ConfigError(path, f"must not contain '${{' (ssh would expand it as an environment variable), got {_show(value)}")

@@ -27,8 +27,9 @@ from ops import tmux as tmux_mod
 
 STATES = ("running", "stalled", "succeeded", "crashed", "lost", "not-started", "stopped", "container-down", "unreachable")
 CAUSES = {
-    "crashed": ("cuda-oom", "host-oom", "nccl-timeout", "nccl-error", "python-exception", "signal", "nonzero-exit"),
-    "lost": ("container-restart", "tmux-server-killed", "session-killed", "unknown"),
+    "crashed": ("cuda-oom", "host-oom", "nccl-timeout", "nccl-error", "disk-full", "python-exception", "signal",
+                "nonzero-exit"),
+    "lost": ("container-restart", "disk-full", "tmux-server-killed", "session-killed", "unknown"),
     "container-down": ("stopped", "missing"),
     "unreachable": ("refused", "timeout", "dns", "auth", "host-key", "unknown"),
 }
@@ -88,6 +89,8 @@ class Status:
     fingerprint: str | None = None
     pid: int | None = None
     gpus: list[dict[str, t.Any]] | None = None
+    # per worker, from the last metrics.jsonl record (see ``workers_of``); None when unknown
+    workers: list[dict[str, t.Any]] | None = None
     # not part of the JSON: the last log lines, for incident reports
     tail: list[str] = dataclasses.field(default_factory=list)
 
@@ -134,6 +137,7 @@ class Status:
         out = [self.headline()]
         if self.detail and self.state in ("crashed", "lost") and self.detail not in out[0]:
             out.append(f"  detail:    {self.detail}")
+        out.extend(worker_table(self.workers))
         tm = self.tmux
         if tm.server is None and tm.evidence is None:
             out.append(f"  tmux:      unknown (socket {tm.socket})")
@@ -204,6 +208,8 @@ def _cause_text(s: Status) -> str:
     if c == "nonzero-exit":
         # The exit code is in the parentheses already: say what the command last said, if anything.
         return f"exited with an error: {_short(s.detail)}" if s.detail else "exited with an error"
+    if c == "disk-full":
+        return "the disk is full" + (f": {_short(s.detail)}" if s.detail else "")
     if c == "container-restart":
         return "the container restarted during the run"
     if c == "tmux-server-killed":
@@ -229,6 +235,7 @@ _NCCL_ERROR = re.compile(
     r"NCCL error|DistBackendError|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError"
     r"|ncclInvalidUsage|Some NCCL operations have failed"
 )
+_ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
 _STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
 _KTOK = re.compile(r"([0-9.]+) Ktok/s")
@@ -282,8 +289,10 @@ def _gpu_of(texts: t.Iterable[str]) -> int | None:
 
 
 def diagnose(lines: t.Sequence[str], *, exit_code: int | None, signal: int | None,
-             oom_before: int | None = None, oom_after: int | None = None) -> Diagnosis:
-    """Why a run ended non-zero: the log tail, the exit record and the cgroup's oom_kill count."""
+             oom_before: int | None = None, oom_after: int | None = None,
+             disk_free: int | None = None) -> Diagnosis:
+    """Why a run ended non-zero: the log tail, the exit record (``disk_free``: bytes left where the run
+    wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
     lines = _clean(lines)
     exc = last_exception(lines)
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
@@ -297,14 +306,23 @@ def diagnose(lines: t.Sequence[str], *, exit_code: int | None, signal: int | Non
         return Diagnosis("nccl-timeout", exc)
     if exc and _NCCL_ERROR.search(exc):
         return Diagnosis("nccl-error", exc)
+    if exc and _ENOSPC.search(exc):
+        return Diagnosis("disk-full", exc)
     for pattern, cause in ((_NCCL_TIMEOUT, "nccl-timeout"), (_CUDA_OOM, "cuda-oom"), (_NCCL_ERROR, "nccl-error")):
         hits = [x.strip() for x in lines if pattern.search(x)]
         if hits:
             gpu = _gpu_of(hits) if cause == "cuda-oom" else None
             return Diagnosis(cause, _short(hits[-1], 400), gpu=gpu, signal=signal,
                              evidence=[f"log: {_short(hits[-1], 200)}"])
+    hits = [x.strip() for x in lines if _ENOSPC.search(x)]
+    if hits:
+        return Diagnosis("disk-full", _short(hits[-1], 400), signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"])
     if signal:
         return Diagnosis("signal", f"ended by signal {signal} ({_signame(signal)})", signal=signal)
+    if disk_free is not None:
+        # torch.save says "file write failed", tools say nothing: the record of the disk decides
+        return Diagnosis("disk-full", exc or f"{disk_free} bytes were free where the run writes when the command ended",
+                         evidence=[f"exit.json: {disk_free} bytes free on the run's disk when the command ended"])
     if exc:
         return Diagnosis("python-exception", exc)
     sh = _from_shell(exit_code)
@@ -320,6 +338,53 @@ def _from_shell(exit_code: int | None) -> int | None:
     if exit_code is not None and 128 < exit_code <= 128 + 64:
         return exit_code - 128
     return None
+
+
+def workers_of(metrics: dict[str, t.Any] | None, gpus: list[dict[str, t.Any]] | None) -> list[dict[str, t.Any]] | None:
+    """The workers of the last metrics.jsonl record (fractions of its log interval), with the nvidia-smi
+    figures of the GPU a worker runs on (``cuda:N`` = nvidia-smi index N) when the agent sampled them."""
+    rec = (metrics or {}).get("last")
+    ws = rec.get("workers") if isinstance(rec, dict) else None
+    if not isinstance(ws, list) or not ws:
+        return None
+    by_index = {g.get("index"): g for g in gpus or [] if isinstance(g, dict)}
+    out = []
+    for w in ws:
+        if not isinstance(w, dict):
+            continue
+        device = w.get("device") if isinstance(w.get("device"), str) else None
+        gpu = by_index.get(_int(device.split(":", 1)[1])) if device and device.startswith("cuda:") else None
+        out.append({
+            "name": w.get("name"), "role": w.get("role"), "device": device, "busy": _float(w.get("busy")),
+            "wait": _float(w.get("wait")), "barrier": _float(w.get("barrier")), "batches_s": _float(w.get("batches_s")),
+            "dead": bool(w.get("dead")), "step": _int(rec.get("step")) if isinstance(rec, dict) else None,
+            "gpu_util_pct": _float(gpu.get("utilization_pct")) if gpu else None,
+            "gpu_memory_used_mib": _float(gpu.get("memory_used_mib")) if gpu else None,
+            "gpu_memory_total_mib": _float(gpu.get("memory_total_mib")) if gpu else None,
+        })
+    return out or None
+
+
+def worker_table(workers: list[dict[str, t.Any]] | None) -> list[str]:
+    """The status lines of ``workers``: busy, and waiting on the queue (a drafter starved, a target blocked)."""
+    if not workers:
+        return []
+    def pct(v: float | None) -> str:
+        return f"{round(100 * v):3d}%" if v is not None else "   ?"
+    step = workers[0].get("step")
+    out = [f"  workers:   at step {step}" if step is not None else "  workers:",
+           f"    {'worker':<11} {'device':<8} {'busy':>4}  {'waiting':<12} {'batch/s':>7}  gpu"]
+    for w in workers:
+        waits = "starved" if w.get("role") == "drafter" else "blocked"
+        gpu = ""
+        if w.get("gpu_util_pct") is not None or w.get("gpu_memory_used_mib") is not None:
+            gpu = (f"{pct((w['gpu_util_pct'] or 0) / 100).strip()} util, "
+                   f"{w.get('gpu_memory_used_mib') or 0:.0f}/{w.get('gpu_memory_total_mib') or 0:.0f} MiB")
+        bs = w.get("batches_s")
+        row = (f"    {w.get('name') or '?':<11} {w.get('device') or '?':<8} {pct(w.get('busy'))}  "
+               f"{pct(w.get('wait'))} {waits:<7} {bs if bs is not None else 0:7.1f}  {gpu}").rstrip()
+        out.append(row + ("  (dead)" if w.get("dead") else ""))
+    return out
 
 
 def progress_of(metrics: dict[str, t.Any] | None, log: dict[str, t.Any] | None) -> Progress | None:
@@ -451,6 +516,7 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     s.log = log.get("path") or (f"{af['dir']}/train.log" if af.get("dir") else None)
     s.tail = list((log.get("tail") or [])[-TAIL_KEEP:])
     s.progress = progress_of(af.get("metrics"), log)
+    s.workers = workers_of(af.get("metrics"), s.gpus)
     for err in af.get("errors") or []:
         s.evidence.append(f"unreadable record: {err}")
     child, runner = af.get("child") or {}, af.get("runner") or {}
@@ -469,24 +535,36 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
         else:
             s.state = "crashed"
             d = diagnose(log.get("tail") or [], exit_code=s.exit_code, signal=s.signal,
-                         oom_before=run.get("oom_kill"), oom_after=exit_rec.get("oom_kill"))
+                         oom_before=run.get("oom_kill"), oom_after=exit_rec.get("oom_kill"),
+                         disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None)
             s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
             if d.signal and s.signal is None:
                 s.signal = d.signal
             s.evidence.extend(d.evidence)
+        if exit_rec.get("disk_full") and s.cause != "disk-full":
+            s.evidence.append(f"the run's disk was full when it ended ({exit_rec.get('disk_free')} bytes free)")
         _tmux_context(s)
+        _disk_context(s, agent)
         return
 
-    alive = child if child.get("alive") else runner if runner.get("alive") else None
+    keeper = af.get("keeper") or {}
+    alive = next((p for p in (child, keeper, runner) if p.get("alive")), None)
     if alive:
         s.pid = alive["pid"]
-        who = "the command" if alive is child else "the runner (the command's pid is gone)"
+        who = ("the command" if alive is child else "the runner's keeper (the command's pid is gone)"
+               if alive is keeper else "the runner (the command's pid is gone)")
+        if alive is child and runner and not runner.get("alive"):
+            gone = f"the runner (pid {runner.get('pid')}) is gone, the command goes on"
+            if keeper.get("alive"):
+                gone += f": its keeper (pid {keeper.get('pid')}) will record its end"
+            s.evidence.append(gone)
         s.evidence.append(f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)")
         if alive.get("state") == "T":
             s.evidence.append(f"pid {alive['pid']} is stopped (state T: SIGSTOP or a debugger)")
         if stop:
             s.evidence.append(f"stop.json: a stop was requested at {stop.get('requested_at')} but the process still runs")
         _tmux_context(s, alive=True)
+        _disk_context(s, agent)
         started = run.get("started_ts")
         marks = [m for m in ((log or {}).get("mtime"), ((af.get("metrics") or {}).get("mtime")), started) if m]
         last = max(marks) if marks else None
@@ -520,10 +598,17 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     else:
         restarted = (boot_now is not None and boot_then is not None and boot_now > boot_then + BOOT_SLACK) or (
             boot_now is not None and started is not None and boot_now > started + BOOT_SLACK)
+    disk = agent.get("disk") or {}
     if restarted:
         s.cause = "container-restart"
         s.detail = f"the container restarted at {iso(boot_now)}, after the run started at {s.started_at}"
         s.evidence.append(f"PID 1 started at {iso(boot_now)}; run.json recorded the container boot at {iso(boot_then)}")
+    elif disk.get("full"):
+        s.cause = "disk-full"
+        s.detail = (f"no exit record and no live process, and the disk holding {disk.get('path')} is full "
+                    f"({disk.get('free')} bytes free): the run's end could not be recorded")
+        if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_status"):
+            s.detail += f"; tmux saw the runner exit with status {pane['pane_dead_status']} (the command's code)"
     elif s.tmux.server == "dead":
         s.cause = "tmux-server-killed"
         s.detail = "no exit record and no live process, and the tmux server is dead: the run was killed together with it"
@@ -539,6 +624,13 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     if oom is not None and run.get("oom_kill") is not None and oom > run["oom_kill"] and not restarted:
         s.evidence.append(f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer")
     _tmux_context(s)
+
+
+def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:
+    disk = agent.get("disk") or {}
+    if disk.get("full"):
+        s.evidence.append(f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
+                          "the log, metrics and checkpoints cannot grow")
 
 
 def _tmux_context(s: Status, *, alive: bool = False) -> None:

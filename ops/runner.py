@@ -1,12 +1,22 @@
 """The runner: the wrapper tmux runs around the training command (DESIGN.md section 5). stdlib only.
 
-    python -m ops.runner --attempt-dir DIR --session S --attempt N [--python P] [--release ID]
-                         [--env K=V ...] -- COMMAND ARGS...
+    python -m ops.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
+                         [--release ID] [--env-file FILE] -- COMMAND ARGS...
 
-It survives what kills panes (SIGHUP from a dying tmux server or a killed session is ignored, a dead
-pane never stops the log), tees every byte the command prints to ``train.log`` and to the pane, and
-leaves two records the probe trusts before any tmux text: ``run.json`` at start and ``exit.json``
-(written then renamed) at the end. SIGTERM/SIGINT are forwarded to the command.
+Three processes, so that no single kill takes the evidence or the training down:
+
+- the runner (this process, the pane's process): shows the log in the pane and forwards SIGINT/SIGTERM;
+- the keeper (forked, in its own session): starts the command, waits for it and writes ``run.json``
+  and ``exit.json``; a SIGKILLed runner (or pane, or tmux server) leaves it and the command running;
+- the command: its stdout and stderr ARE ``train.log`` (opened O_APPEND), so its output never depends
+  on a pipe to another process staying alive.
+
+``exit.json`` is written into a record pre-allocated at start (``.exit.reserved``, overwritten in place,
+then renamed), so a disk that filled up during the run cannot take the command's real end with it.
+SIGHUP is ignored (a dying tmux server or a killed session must not end training). The run's
+environment comes in a 0600 file (``--env-file``) that is read and unlinked at once: nothing secret
+is ever in an argv (``ps``, tmux's pane start command). ``--cwd`` is entered here rather than by tmux,
+which would expand ``#(...)`` formats in a path.
 """
 
 from __future__ import annotations
@@ -27,8 +37,13 @@ STOP_JSON = "stop.json"
 LOG = "train.log"
 METRICS = "metrics.jsonl"
 
-# After the command exits, grandchildren may still hold the pipe open: drain for this long at most.
-DRAIN_AFTER_EXIT = 2.0
+ENV_FILE = ".env.json"  # the run's environment: 0600, read and unlinked by the runner at once
+RUN_RESERVED = ".run.reserved"  # pre-allocated records, filled in place then renamed (a full disk
+EXIT_RESERVED = ".exit.reserved"  # cannot stop them): -> run.json, -> exit.json
+RESERVE_BYTES = 16384  # room for a run record with a long command line
+# Less free space than this where the run writes is a full disk: `start` refuses, exit.json says so.
+DISK_FULL_BYTES = 1 << 20
+POLL = 0.1  # how often the pane is refreshed from the log while the command is quiet
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,66 +128,141 @@ def oom_kill_count() -> int | None:
     return None
 
 
-def write_json_atomic(path: str | os.PathLike[str], data: dict[str, t.Any]) -> None:
-    """Write then rename, so a reader never sees half a record."""
+def write_json_atomic(path: str | os.PathLike[str], data: dict[str, t.Any], *, mode: int | None = None) -> None:
+    """Write then rename, so a reader never sees half a record; a failed write (a full disk)
+    leaves no ``<path>.tmp<pid>`` behind. ``mode``: the new file's permissions (e.g. 0o600)."""
     tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with open(fd, "w") as f:
+            if mode is not None:
+                os.fchmod(fd, mode)  # an older tmp file keeps its mode through O_CREAT
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def reserve(path: str, size: int = RESERVE_BYTES) -> None:
+    """Pre-allocate a record: ``size`` real bytes on disk, so filling it in later needs no free space."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b" " * size)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+
+
+def write_record(attempt_dir: str, name: str, reserved: str, data: dict[str, t.Any]) -> str | None:
+    """``<attempt_dir>/<name>`` from ``data``: into the pre-allocated ``reserved`` file (overwritten in
+    place, fsynced, renamed), else written then renamed. Returns None, or why neither worked."""
+    path, res = os.path.join(attempt_dir, name), os.path.join(attempt_dir, reserved)
+    body = (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+    try:
+        fd = os.open(res, os.O_WRONLY)  # never O_CREAT: only the blocks allocated at start
+        try:
+            size = os.fstat(fd).st_size
+            if len(body) <= size:
+                os.pwrite(fd, body + b" " * (size - len(body)), 0)  # JSON allows trailing blanks
+                os.fsync(fd)
+            else:
+                size = -1
+        finally:
+            os.close(fd)
+        if size >= 0:
+            os.replace(res, path)
+            return None
+    except OSError:
+        pass
+    try:
+        write_json_atomic(path, data)
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror or e}"
+    try:
+        os.unlink(res)
+    except OSError:
+        pass
+    return None
+
+
+def disk_free(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """The run's environment ({"K": "V"}), from the 0600 file the agent wrote; the file is unlinked
+    first, so the secret lives on disk only for the moment between `start` and here."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    os.unlink(path)
+    data = json.loads(raw.decode("utf-8"))
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError("expected a JSON object of strings")
+    return data
 
 
 # --------------------------------------------------------------------------------------------
-# The tee
+# The pane: what the log says, shown best effort
 
 
-class Tee:
-    """Every byte to the log (unbuffered: on disk as soon as read) and, best effort, to the pane.
+class Pane:
+    """The runner's view of its pane: non-blocking and forgiving. A stopped or dead tmux server must
+    never stop the runner, so EAGAIN drops pane output and EIO/EPIPE turn the pane off for good
+    (the log, written by the command itself, is not affected either way)."""
 
-    The pane side is non-blocking and forgiving: a stopped or dead tmux server must never stop the
-    log or the command, so EAGAIN drops pane output and EIO/EPIPE turn the pane side off for good."""
-
-    def __init__(self, log_path: str, pane_fd: int = 1) -> None:
-        self.log = open(log_path, "ab", buffering=0)
-        self.pane_fd: int | None = pane_fd
-        self.pane_dropped = 0
-        self.log_error: str | None = None
+    def __init__(self, fd: int = 1) -> None:
+        self.fd: int | None = fd
+        self.dropped = 0
         try:
-            flags = fcntl.fcntl(pane_fd, fcntl.F_GETFL)
-            fcntl.fcntl(pane_fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         except OSError:
-            self.pane_fd = None
+            self.fd = None
 
     def write(self, data: bytes) -> None:
-        try:
-            self.log.write(data)
-        except OSError as e:  # disk full: keep the command alive, say it once on the pane
-            if self.log_error is None:
-                self.log_error = e.strerror or str(e)
-                self._pane(f"\n[dflash runner] cannot write {self.log.name}: {self.log_error}\n".encode())
-        self._pane(data)
-
-    def _pane(self, data: bytes) -> None:
-        if self.pane_fd is None:
+        if self.fd is None:
             return
         try:
-            n = os.write(self.pane_fd, data)
-            self.pane_dropped += len(data) - n
+            n = os.write(self.fd, data)
+            self.dropped += len(data) - n
         except BlockingIOError:
-            self.pane_dropped += len(data)
+            self.dropped += len(data)
         except OSError as e:
             if e.errno in (errno.EIO, errno.EPIPE, errno.EBADF, errno.ENXIO):
-                self.pane_fd = None  # the pane is gone; the log goes on
+                self.fd = None  # the pane is gone; the log goes on
             else:
-                self.pane_dropped += len(data)
+                self.dropped += len(data)
 
-    def note(self, text: str) -> None:
-        self.write(f"[dflash runner] {text}\n".encode())
 
-    def close(self) -> None:
-        self.log.close()
+def note(log_fd: int | None, pane: Pane | None, text: str) -> None:
+    """A line of the runner's own: in the log (the pane shows the log), else straight on the pane."""
+    line = f"[dflash runner] {text}\n".encode()
+    if log_fd is not None:
+        try:
+            os.write(log_fd, line)
+            return
+        except OSError:
+            pass
+    if pane is not None:
+        pane.write(line)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,31 +275,27 @@ def parse_args(argv: t.Sequence[str]) -> t.Any:
     p.add_argument("--attempt-dir", required=True)
     p.add_argument("--session", required=True)
     p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--cwd", default=None, help="the command's working directory (entered by the runner)")
     p.add_argument("--python", default=None, help="the configured interpreter; its folder goes first on PATH")
     p.add_argument("--release", default=None)
-    p.add_argument("--env", action="append", default=[], metavar="K=V")
+    p.add_argument("--env-file", default=None, help="a JSON object of environment variables; read, then unlinked")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(list(argv))
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if not args.command:
         p.error("no command after --")
-    for item in args.env:
-        if "=" not in item:
-            p.error(f"--env expects K=V, got {item!r}")
     return args
 
 
-def child_env(args: t.Any) -> dict[str, str]:
+def child_env(args: t.Any, extra: t.Mapping[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("TMUX", None)  # the command is not a tmux client
     env.pop("TMUX_PANE", None)
     if args.python and "/" in args.python:
         # so `command = "python -m dflash ..."` runs the configured interpreter
         env["PATH"] = os.path.dirname(os.path.abspath(args.python)) + os.pathsep + env.get("PATH", os.defpath)
-    for item in args.env:
-        key, _, value = item.partition("=")
-        env[key] = value
+    env.update(extra)
     env["DFLASH_RUN_DIR"] = os.path.abspath(args.attempt_dir)
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -217,15 +303,35 @@ def child_env(args: t.Any) -> dict[str, str]:
 
 def main(argv: t.Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    pane = Pane()
+    extra: dict[str, str] = {}
+    env_error = None
+    if args.env_file:
+        try:
+            extra = read_env_file(args.env_file)  # first of all: the secret leaves the disk
+        except (OSError, ValueError) as e:
+            env_error = f"cannot read the environment file {args.env_file}: {e}"
     # A dying tmux server or a killed session hangs up the pty: that must not end training.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    # Ctrl-Z in an attached pane would stop the tee, and a stopped tee stalls training on a full pipe.
+    # Ctrl-Z in an attached pane would stop the runner (and, before, the training behind a full pipe).
     for sig in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
         signal.signal(sig, signal.SIG_IGN)
     attempt_dir = os.path.abspath(args.attempt_dir)
     os.makedirs(attempt_dir, exist_ok=True)
-    tee = Tee(os.path.join(attempt_dir, LOG))
+    log_path = os.path.join(attempt_dir, LOG)
+    log_fd: int | None = None
+    try:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as e:
+        pane.write(f"[dflash runner] cannot open {log_path}: {e.strerror}\n".encode())
+    for name, reserved in ((RUN_JSON, RUN_RESERVED), (EXIT_JSON, EXIT_RESERVED)):
+        path = os.path.join(attempt_dir, reserved)
+        if not os.path.exists(path):  # the agent reserves them; the runner alone does it here
+            try:
+                reserve(path)
+            except OSError as e:
+                note(log_fd, pane, f"cannot reserve room for {name}: {e.strerror}")
     me = proc_stat(os.getpid())
     boot = pid1_start()
     record: dict[str, t.Any] = {
@@ -235,10 +341,12 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "pid_start": me[1] if me else None,
         "child_pid": None,
         "child_start": None,
+        "keeper_pid": None,
+        "keeper_start": None,
         "started_at": iso(time.time()),
         "started_ts": round(time.time(), 3),
         "command": list(args.command),
-        "cwd": os.getcwd(),
+        "cwd": None,
         "release": args.release,
         "container_boot": boot[0],
         "container_boot_ticks": boot[1],
@@ -246,92 +354,190 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "hostname": os.uname().nodename,
         "python": args.python or sys.executable,
     }
-    env = child_env(args)
-    # A stop signal that lands before the child exists is held, then passed on: it must neither kill
-    # the runner (no exit.json, an orphaned command) nor be lost.
+    failure = env_error or (None if log_fd is not None else f"cannot open {log_path}")
+    if failure is None and args.cwd:
+        try:
+            os.chdir(args.cwd)
+        except OSError as e:
+            failure = f"cannot enter {args.cwd}: {e.strerror}"
+    try:
+        record["cwd"] = os.getcwd()
+    except OSError:
+        pass
+    if failure is not None:
+        note(log_fd, pane, failure)
+        return _end_without_command(attempt_dir, record, 126, log_fd, pane)
+    assert log_fd is not None
+    env = child_env(args, extra)
+
+    # A stop signal that lands before the command exists is held, then passed on: it must neither
+    # kill the runner nor be lost.
     held: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
     signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        # Its own session: no controlling tty, so a pty hangup cannot reach it even if it resets
-        # SIGHUP; stdin from /dev/null (nobody types into a training run).
-        child = subprocess.Popen(
-            args.command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    except OSError as e:
-        code = 127 if e.errno == errno.ENOENT else 126
-        tee.note(f"cannot run {args.command[0]}: {e.strerror}")
-        write_json_atomic(os.path.join(attempt_dir, RUN_JSON), record)
-        _write_exit(attempt_dir, code, None, record)
-        tee.close()
-        return code
+    ready_r, ready_w = os.pipe()
+    keeper = os.fork()
+    if keeper == 0:  # the keeper: never returns
+        os.close(ready_r)
+        code = 70  # EX_SOFTWARE: the keeper itself failed
+        try:
+            code = _keep(args.command, env, attempt_dir, record, log_fd, ready_w, pane)
+        except BaseException:
+            import traceback
 
-    cst = proc_stat(child.pid)
-    record["child_pid"] = child.pid
-    record["child_start"] = cst[1] if cst else None
-    write_json_atomic(os.path.join(attempt_dir, RUN_JSON), record)
+            note(log_fd, pane, "the keeper failed: " + traceback.format_exc().replace("\n", "\n[dflash runner] "))
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    child_pid = _read_ready(ready_r)
 
     def forward(signum: int, _frame: t.Any) -> None:
-        try:
-            os.kill(child.pid, signum)
-        except ProcessLookupError:
-            pass
+        if child_pid is not None:
+            try:
+                os.kill(child_pid, signum)
+            except ProcessLookupError:
+                pass
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     for signum in held:
         forward(signum, None)
+    status = _show_until_exit(keeper, ready_r, log_path, pane)
+    os.close(ready_r)
+    os.close(log_fd)
+    # The keeper exits with the command's code (128+N for a signal): so does the runner, and tmux's
+    # pane_dead_status carries the command's end even where no record could be written.
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    return 128 + os.WTERMSIG(status)
 
-    assert child.stdout is not None
-    _pump(child, child.stdout.fileno(), tee)
-    rc = child.wait()
+
+def _read_ready(fd: int) -> int | None:
+    """The command's pid, as the keeper reports it once it runs (None: it could not start)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            chunk = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    try:
+        pid = int(data.strip() or b"0")
+    except ValueError:
+        return None
+    return pid or None
+
+
+def _keep(command: list[str], env: dict[str, str], attempt_dir: str, record: dict[str, t.Any], log_fd: int,
+          ready_w: int, pane: Pane) -> int:
+    """The keeper: start the command with the log as its stdout and stderr, record it, wait for it,
+    record its end. Its own session: no tty, no signal meant for the pane or the runner reaches it."""
+    os.setsid()
+    held: list[int] = []
+    child: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: t.Any) -> None:  # a TERM meant for the run, sent to the keeper
+        if child:
+            try:
+                child[0].send_signal(signum)
+            except ProcessLookupError:
+                pass
+        else:
+            held.append(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    kst = proc_stat(os.getpid())
+    record["keeper_pid"], record["keeper_start"] = os.getpid(), kst[1] if kst else None
+    try:
+        # stdin from /dev/null: nobody types into a training run.
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
+    except OSError as e:
+        code = 127 if e.errno == errno.ENOENT else 126
+        note(log_fd, pane, f"cannot run {command[0]}: {e.strerror}")
+        _record(attempt_dir, RUN_JSON, RUN_RESERVED, record, log_fd, pane)
+        os.write(ready_w, b"0\n")
+        _write_exit(attempt_dir, code, None, record, log_fd, pane)
+        return code
+    child.append(proc)
+    cst = proc_stat(proc.pid)
+    record["child_pid"] = proc.pid
+    record["child_start"] = cst[1] if cst else None
+    _record(attempt_dir, RUN_JSON, RUN_RESERVED, record, log_fd, pane)
+    try:
+        # ready_w stays open until the keeper exits: its EOF tells the runner at once
+        os.write(ready_w, f"{proc.pid}\n".encode())
+    except OSError:
+        pass  # the runner is gone already: the keeper goes on alone
+    for signum in held:
+        forward(signum, None)
+    rc = proc.wait()
     signum = -rc if rc < 0 else None
-    _write_exit(attempt_dir, None if signum else rc, signum, record)
-    tee.close()
+    _write_exit(attempt_dir, None if signum else rc, signum, record, log_fd, pane)
     return 128 + signum if signum else rc
 
 
-def _pump(child: subprocess.Popen[bytes], fd: int, tee: Tee) -> None:
-    """Copy the command's output until EOF, or until it has exited and the pipe stays quiet."""
+def _record(attempt_dir: str, name: str, reserved: str, data: dict[str, t.Any], log_fd: int | None, pane: Pane | None) -> bool:
+    err = write_record(attempt_dir, name, reserved, data)
+    if err:
+        note(log_fd, pane, err)
+    return err is None
+
+
+def _show_until_exit(keeper: int, ready_r: int, log_path: str, pane: Pane) -> int:
+    """Copy the log into the pane until the keeper has exited (its end of ``ready_r`` closes then);
+    returns the keeper's wait status."""
     import selectors
 
     sel = selectors.DefaultSelector()
-    sel.register(fd, selectors.EVENT_READ)
-    deadline: float | None = None
+    sel.register(ready_r, selectors.EVENT_READ)
+    status: int | None = None
     try:
-        while True:
-            if deadline is None and child.poll() is not None:
-                deadline = time.monotonic() + DRAIN_AFTER_EXIT
-            timeout = 0.5 if deadline is None else max(0.0, deadline - time.monotonic())
-            if not sel.select(timeout):
-                if deadline is not None:
-                    return  # exited, and a grandchild keeps the pipe open: do not wait for it
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return
-            tee.write(chunk)
+        with open(log_path, "rb", buffering=0) as log:
+            while True:
+                while chunk := log.read(1 << 16):
+                    pane.write(chunk)
+                if status is not None:
+                    return status  # the keeper is gone and the log is shown to its end
+                pid, st = os.waitpid(keeper, os.WNOHANG)
+                if pid == keeper:
+                    status = st
+                    continue  # one more pass: what the command printed last
+                if sel.select(POLL) and not os.read(ready_r, 64):
+                    sel.unregister(ready_r)  # EOF: the keeper exited; waitpid says how next round
+    except OSError:
+        pass
     finally:
         sel.close()
+    return status if status is not None else os.waitpid(keeper, 0)[1]
 
 
-def _write_exit(attempt_dir: str, exit_code: int | None, signum: int | None, record: dict[str, t.Any]) -> None:
-    write_json_atomic(
-        os.path.join(attempt_dir, EXIT_JSON),
-        {
-            "exit_code": exit_code,
-            "signal": signum,
-            "ended_at": iso(time.time()),
-            "ended_ts": round(time.time(), 3),
-            "oom_kill": oom_kill_count(),
-            "oom_kill_before": record.get("oom_kill"),
-        },
-    )
+def _end_without_command(attempt_dir: str, record: dict[str, t.Any], code: int, log_fd: int | None, pane: Pane) -> int:
+    _record(attempt_dir, RUN_JSON, RUN_RESERVED, record, log_fd, pane)
+    _write_exit(attempt_dir, code, None, record, log_fd, pane)
+    if log_fd is not None:
+        os.close(log_fd)
+    return code
+
+
+def _write_exit(attempt_dir: str, exit_code: int | None, signum: int | None, record: dict[str, t.Any],
+                log_fd: int | None, pane: Pane | None) -> None:
+    free = disk_free(attempt_dir)
+    rec = {
+        "exit_code": exit_code,
+        "signal": signum,
+        "ended_at": iso(time.time()),
+        "ended_ts": round(time.time(), 3),
+        "oom_kill": oom_kill_count(),
+        "oom_kill_before": record.get("oom_kill"),
+        "disk_free": free,
+        "disk_full": free is not None and free < DISK_FULL_BYTES,
+    }
+    if not _record(attempt_dir, EXIT_JSON, EXIT_RESERVED, rec, log_fd, pane):
+        how = f"signal {signum}" if signum else f"exit {exit_code}"
+        note(None, pane, f"the command ended ({how}) but no exit record could be written")
 
 
 if __name__ == "__main__":

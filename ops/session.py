@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import time
 import typing as t
 
 from ops import errors, tmux
-from ops.hosts import Host
+from ops.hosts import Host, check_name
 from ops.probe import Status, classify
 
 if t.TYPE_CHECKING:
@@ -31,9 +30,7 @@ def session_name(host: Host, session: str | None) -> str:
     """``--session`` or the host's; it becomes a tmux target and a folder name, so it is checked."""
     if session is None:
         return host.session
-    if not session or not all(c.isalnum() or c in "-_" for c in session):
-        raise errors.ConfigError("--session", f"use letters, digits, '-', '_' only, got {session!r}")
-    return session
+    return check_name(session, "--session")
 
 
 def request(host: Host, session: str | None = None) -> dict[str, t.Any]:
@@ -226,6 +223,34 @@ def follow(remote: Remote, first: TailChunk, session: str | None = None, *, inte
 
 
 # --------------------------------------------------------------------------------------------
+# read (`dflashctl plot`: the run's records and metrics.jsonl, from given offsets)
+
+READ_TIMEOUT = 60.0
+
+
+def read(remote: Remote, session: str | None, attempts: t.Mapping[str, t.Mapping[str, t.Any]], *,
+         tail: bool | str = "crashed", cap: int | None = None) -> dict[str, t.Any]:
+    """One ``read`` call: ``attempts`` = {"<n>": {"offset", "run", "tail"}} of what the caller has;
+    ``tail``: the log tails wanted of the other attempts (``ops.agent.read``)."""
+    host = remote.host
+    req = request(host, session)
+    req.update(attempts={k: dict(v) for k, v in attempts.items()}, tail=tail)
+    if cap is not None:
+        req["cap"] = cap  # bytes per call (the agent's READ_CAP at most)
+    try:
+        a = call(remote, "read", req, timeout=READ_TIMEOUT)
+    except AgentUnavailable as e:
+        if e.not_deployed:
+            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
+        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+    if not a.get("ok"):
+        if a.get("error") == "usage":  # an agent older than this verb
+            raise errors.AgentError(f"{host.label}: the deployed agent cannot read metrics: run `dflashctl deploy`")
+        raise errors.OpsError(f"{host.label}: read: {a.get('message')}")
+    return a
+
+
+# --------------------------------------------------------------------------------------------
 # attach
 
 
@@ -237,16 +262,23 @@ def attach_argv(host: Host, session: str | None = None) -> list[str]:
         return ["env", "-u", "TMUX", *inner]
     if host.container is not None:
         inner = [*host.pct, "exec", str(host.container), "--", *inner]
+    from ops.transport import remote_command, ssh_config_word
+
     ssh = ["ssh", "-t", "-o", "StrictHostKeyChecking=yes"]
     if host.port:
         ssh += ["-p", str(host.port)]
     if host.identity_file:
-        ssh += ["-i", os.path.expanduser(host.identity_file)]
+        key = os.path.expanduser(host.identity_file)
+        # ssh expands %-tokens in key file names, but `-i` checks the file before it expands them:
+        # a name with % goes as an ssh_config line, with %% for each %.
+        ssh += ["-i", key] if "%" not in key else ["-o", f"IdentityFile={ssh_config_word(key)}"]
     if host.known_hosts:
-        ssh += ["-o", f"UserKnownHostsFile={os.path.expanduser(host.known_hosts)} ~/.ssh/known_hosts"]
+        # One ssh_config line: a path with spaces or quotes must be quoted the ssh_config way.
+        ssh += ["-o", f"UserKnownHostsFile={ssh_config_word(os.path.expanduser(host.known_hosts))} ~/.ssh/known_hosts"]
     target = f"{host.user}@{host.address}" if host.user else str(host.address)
-    # ssh hands the remote shell ONE string: quote the remote argv once.
-    return [*ssh, target, shlex.join(inner)]
+    # `--`: the destination is never read as an option. ssh hands the remote login shell (sh, fish,
+    # csh...) ONE string: remote_command quotes the remote argv once, for any of them.
+    return [*ssh, "--", target, remote_command(inner)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -452,6 +452,16 @@ def default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "dflashctl"
 
 
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only we can read (0700): incidents hold log tails, the lock the
+    --on-event command line. An existing folder of ours that is open to others is closed."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = path.stat()
+    if st.st_uid == os.getuid() and st.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
@@ -466,8 +476,8 @@ class Lock:
         self.fd: int | None = None
 
     def acquire(self) -> Lock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        private_dir(self.path.parent)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -481,6 +491,7 @@ class Lock:
                 f"{' since ' + holder['since'] if holder.get('since') else ''} holds {self.path}; "
                 "stop that one first (Ctrl-C or kill <pid>)") from None
         info = {"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+        os.fchmod(fd, 0o600)  # a lock file left by an older dflashctl was 0644
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self.fd = fd
@@ -523,8 +534,8 @@ class IncidentLog:
         return self.dir / name
 
     def write(self, path: Path, incident: dict[str, t.Any]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, incident)
+        private_dir(self.dir)
+        write_json_atomic(path, incident, mode=0o600)
 
 
 def incident_for(st: Status, d: Decision, now: float, *, restarts: int, opts: Options) -> dict[str, t.Any]:
@@ -561,9 +572,11 @@ def incident_for(st: Status, d: Decision, now: float, *, restarts: int, opts: Op
     }
 
 
-def run_hook(argv: t.Sequence[str], incident: dict[str, t.Any], path: Path | None) -> dict[str, t.Any]:
-    """``--on-event``: the incident as JSON on stdin, its gist in DFLASHCTL_* variables. Through
-    LocalTransport (its own session: a Ctrl-C meant for us does not reach it); never raises."""
+def run_hook(argv: t.Sequence[str], incident: dict[str, t.Any], path: Path | None,
+             hide_env: t.Sequence[str] = ()) -> dict[str, t.Any]:
+    """``--on-event``: the incident as JSON on stdin, its gist in DFLASHCTL_* variables, without the
+    secret variables named in ``hide_env`` (the inventory's API tokens). Through LocalTransport
+    (its own session: a Ctrl-C meant for us does not reach it); never raises."""
     from ops.transport import LocalTransport
 
     env = {
@@ -576,7 +589,8 @@ def run_hook(argv: t.Sequence[str], incident: dict[str, t.Any], path: Path | Non
         "DFLASHCTL_INCIDENT": str(path) if path else "",
     }
     # `env NAME=VALUE... cmd`: the variables travel as argv items, no shell, nothing to quote.
-    full = ["env", "--", *(f"{k}={v}" for k, v in env.items()), *argv]
+    unset = [a for name in hide_env for a in ("-u", name)]
+    full = ["env", *unset, "--", *(f"{k}={v}" for k, v in env.items()), *argv]
     try:
         res = LocalTransport().run(full, stdin=json.dumps(incident).encode(), timeout=HOOK_TIMEOUT)
     except OSError as e:
@@ -669,6 +683,7 @@ class Supervisor:
         connect: t.Callable[[Host], Remote] | None = None,
         clock: t.Callable[[], float] = time.time,
         rng: random.Random | None = None,
+        hide_env: t.Sequence[str] = (),
     ) -> None:
         from ops import session as run
 
@@ -677,6 +692,8 @@ class Supervisor:
         self.opts = opts
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
         self.on_event = list(on_event) if on_event else None
+        # Secrets the hook must not inherit: this host's API token variable, and any the caller names.
+        self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
         self._emit = emit
         if connect is None:
             from ops.remote import connect as connect_remote
@@ -749,9 +766,9 @@ class Supervisor:
 
     def _save_memory(self) -> None:
         try:
-            self.memory_path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.memory_path.parent)
             write_json_atomic(self.memory_path, {**self.policy.memory(), "host": self.host.name, "session": self.session,
-                                                  "updated_at": iso(self.clock())})
+                                                  "updated_at": iso(self.clock())}, mode=0o600)
         except OSError as e:
             self.emit(f"warning: cannot save the supervisor memory {self.memory_path}: {e}")
 
@@ -766,7 +783,7 @@ class Supervisor:
         self._record(path, incident)
         if self.on_event is None:
             return
-        result = run_hook(self.on_event, incident, path)
+        result = run_hook(self.on_event, incident, path, hide_env=self.hide_env)
         incident["hook"] = result
         self._record(path, incident)
         if not result["ok"]:
@@ -775,7 +792,10 @@ class Supervisor:
     # ---------------------------------------------------------------- run
 
     def run(self) -> Outcome:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.state_dir == default_state_dir():
+            private_dir(self.state_dir)  # ours by name; a --state-dir given by the user keeps its mode
+        else:
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         with self.lock:
             self._load_memory()
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

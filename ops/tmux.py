@@ -43,17 +43,24 @@ def pane_target(session: str) -> str:
     return f"={session}:"
 
 
-def start_argv(socket: str, session: str, cwd: str, command: t.Sequence[str], tmux: str = "tmux") -> list[str]:
+SAFE_CWD = "/"  # tmux expands formats (#(cmd), #{...}) in -c: it only ever gets this constant
+SHELL = "/bin/sh"  # tmux runs the command with default-shell -c: never the user's fish or csh
+
+
+def start_argv(socket: str, session: str, command: t.Sequence[str], tmux: str = "tmux") -> list[str]:
     """ONE invocation: options are set before the command can exit (a fast failure would otherwise take
-    the session and the server down before remain-on-exit applies). tmux's shell parses the command
-    string, so it is built with shlex.join exactly once; ``exec`` makes the runner the pane's process."""
+    the session and the server down before remain-on-exit applies). tmux's shell (``default-shell``,
+    set to /bin/sh here, whatever $SHELL says) parses the command string, so it is built with
+    shlex.join exactly once; ``exec`` makes the runner the pane's process. No user value goes where
+    tmux expands formats: the start directory is fixed, the runner enters the real one (--cwd)."""
     return [
         *base(socket, tmux),
         "start-server", ";",
         "set-option", "-g", "exit-empty", "off", ";",
         "set-option", "-g", "remain-on-exit", "on", ";",
         "set-option", "-g", "history-limit", str(HISTORY_LIMIT), ";",
-        "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), "-c", cwd,
+        "set-option", "-g", "default-shell", SHELL, ";",
+        "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), "-c", SAFE_CWD,
         shlex.join(["exec", *command]),
     ]
 

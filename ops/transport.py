@@ -2,19 +2,22 @@
 
 ``Transport.run(argv, *, stdin=None, timeout) -> CommandResult``. ``LocalTransport`` runs on this
 machine with subprocess; ``SSHTransport`` runs on a host over one paramiko connection.
-argv is always a list; where a shell has to parse it (ssh), it is joined with ``shlex.join`` once.
+argv is always a list; where a shell has to parse it (ssh), it is quoted once (``remote_command``).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import dataclasses
 import functools
 import getpass
 import hashlib
+import hmac
 import logging
 import os
+import re
 import secrets
 import select
 import shlex
@@ -66,6 +69,7 @@ import paramiko  # noqa: E402  (after the invoke stand-in above)
 
 
 if t.TYPE_CHECKING:
+    from ops.errors import HostKeyRevoked
     from ops.hosts import Host
 
 logger = logging.getLogger(__name__)
@@ -312,11 +316,13 @@ def resolve_target(host: Host) -> SSHTarget:
     proxy_command = None
     if cfg.get("proxyjump") and cfg["proxyjump"].lower() != "none":
         jump = _jump_target(host, cfg["proxyjump"], key_files, known_hosts)
-    elif cfg.get("proxycommand") and cfg["proxycommand"].lower() != "none":
-        proxy_command = cfg["proxycommand"]
+    hostname = cfg.get("hostname", host.address)
+    if jump is None and cfg.get("proxycommand") and cfg["proxycommand"].lower() != "none":
+        # The raw value (see _SSHConfig): %p and %r must be OUR port and user, hosts.toml's included.
+        proxy_command = expand_proxy_command(cfg["proxycommand"], host=host, hostname=hostname, port=port, user=user)
     return SSHTarget(
         label=host.name,
-        hostname=cfg.get("hostname", host.address),
+        hostname=hostname,
         port=port,
         user=user,
         key_files=key_files,
@@ -327,12 +333,57 @@ def resolve_target(host: Host) -> SSHTarget:
     )
 
 
+class _SSHConfig(paramiko.SSHConfig):
+    """paramiko's ssh_config, except that ProxyCommand keeps its %-tokens: paramiko would expand %p
+    and %r with the config's own Port/User (or 22 and the local user), before hosts.toml's values
+    are known. ``expand_proxy_command`` expands them once with the final ones."""
+
+    def _allowed_tokens(self, key: str) -> list[str]:
+        return [] if key == "proxycommand" else super()._allowed_tokens(key)
+
+
+def expand_proxy_command(raw: str, *, host: Host, hostname: str, port: int, user: str) -> str:
+    """OpenSSH's ProxyCommand tokens (``%%``, ``%h``, ``%p``, ``%r``, ``%n``, ``%u``, ``%d``, ``%i``,
+    ``%L``, ``%l``, ``%C``) with the final host, port and user; ``~`` at the start of a word is HOME
+    (ssh hands the line to a shell; paramiko does not, so we do what that shell would)."""
+    from ops.errors import ConfigError
+
+    local = socket.gethostname()
+    values = {
+        "%": "%",
+        "h": hostname,
+        "p": str(port),
+        "r": user,
+        "n": str(host.address),
+        "u": getpass.getuser(),
+        "d": os.path.expanduser("~"),
+        "i": str(os.getuid()),
+        "L": local.split(".")[0],
+        "l": local,
+    }
+    values["C"] = hashlib.sha1(f"{values['l']}{hostname}{port}{user}".encode()).hexdigest()
+
+    def token(m: re.Match[str]) -> str:
+        if m.group(0) == "~":
+            return values["d"]
+        if m.group(1) not in values:
+            raise ConfigError(f"{host.ssh_config} ProxyCommand", f"unknown token %{m.group(1)} in {raw!r}")
+        return values[m.group(1)]
+
+    # One pass, so a value put in by a token is never expanded again.
+    return re.sub(r"%(.?)|(?<!\S)~(?=/|\s|$)", token, raw, flags=re.DOTALL)
+
+
 def _ssh_config(path: str) -> paramiko.SSHConfig:
     full = os.path.expanduser(path)
     if not os.path.isfile(full):
-        return paramiko.SSHConfig()
+        return _SSHConfig()
     try:
-        return paramiko.SSHConfig.from_path(full)
+        return _SSHConfig.from_path(full)
+    except UnicodeDecodeError as e:
+        from ops.errors import ConfigError
+
+        raise ConfigError(full, f"cannot read ssh config: not UTF-8 text (byte {e.start})") from e
     except (OSError, paramiko.ConfigParseError) as e:
         from ops.errors import ConfigError
 
@@ -369,40 +420,151 @@ def _jump_target(host: Host, spec: str, key_files: tuple[str, ...], known_hosts:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownHostsEntry:
+    """One readable known_hosts line. ``marker`` is None (a host key), "revoked" or "cert-authority"."""
+
+    file: str
+    line: int
+    hosts: str  # the first field as written: a pattern list, or one hashed name ``|1|salt|hash``
+    key: paramiko.PKey
+    marker: str | None = None
+
+    def matches(self, name: str) -> bool:
+        """OpenSSH's rule: a hashed name matches exactly; else the comma-separated patterns (``*``,
+        ``?``, ``!negation``) are matched against the lowercase name, and any negated match wins."""
+        name = name.lower()
+        if self.hosts.startswith("|"):
+            return _hashed_matches(self.hosts, name)
+        positive = False
+        for pattern in self.hosts.split(","):
+            negated = pattern.startswith("!")
+            if _pattern_matches(pattern[1:] if negated else pattern, name):
+                if negated:
+                    return False
+                positive = True
+        return positive
+
+
+def _pattern_matches(pattern: str, name: str) -> bool:
+    """OpenSSH ``match_pattern``: ``*`` any run, ``?`` one character, all else literal (so ``[host]:*``
+    works; ``[`` is not a character class as in fnmatch)."""
+    rx = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return re.fullmatch(rx, name, re.DOTALL) is not None
+
+
+def _hashed_matches(field: str, name: str) -> bool:
+    parts = field.split("|")
+    if len(parts) != 4 or parts[1] != "1":
+        return False
+    try:
+        return hmac.compare_digest(paramiko.HostKeys.hash_host(name, parts[2]), field)
+    except (binascii.Error, ValueError, AssertionError):
+        return False  # a salt we cannot decode never matches (the line was already counted as readable)
+
+
+MARKERS = {"@revoked": "revoked", "@cert-authority": "cert-authority"}
+
+
+def parse_known_hosts_line(text: str, *, file: str = "", line: int = 0) -> KnownHostsEntry | None:
+    """One known_hosts line like OpenSSH reads it: None for a blank line or a comment; ValueError
+    (with the reason) for a line we cannot use: unknown marker, missing fields, bad base64, a key
+    type paramiko does not know."""
+    fields = text.split()
+    if not fields or fields[0].startswith("#"):
+        return None
+    marker = None
+    if fields[0].startswith("@"):
+        if fields[0] not in MARKERS:
+            raise ValueError(f"unknown marker {fields[0]}")
+        marker = MARKERS[fields[0]]
+        fields = fields[1:]
+    if len(fields) < 3:
+        raise ValueError("expected: hosts key-type base64-key")
+    hosts, key_type, blob = fields[:3]
+    if hosts.startswith("|") and (len(hosts.split("|")) != 4 or hosts.split("|")[1] != "1"):
+        raise ValueError("unknown hashed host name format")
+    try:
+        raw = base64.b64decode(blob, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"bad base64 key ({e})") from e
+    try:
+        key = paramiko.PKey.from_type_string(key_type, raw)
+    except paramiko.UnknownKeyType as e:
+        raise ValueError(f"key type {key_type} is not supported") from e
+    except Exception as e:  # noqa: BLE001 - any malformed key blob is "cannot read", whatever paramiko raises
+        raise ValueError(f"unreadable {key_type} key ({type(e).__name__})") from e
+    if key.get_name() != key_type and key_type not in key.identifiers():
+        raise ValueError(f"the key is a {key.get_name()}, the line says {key_type}")
+    return KnownHostsEntry(file, line, hosts, key, marker)
+
+
 class KnownHosts:
     """Every known_hosts file we read, checked the way ssh does: a key that matches an entry in
-    any file is accepted; entries for the name with no match mean the key CHANGED."""
+    any file is accepted; entries for the name with no match mean the key CHANGED; a key under a
+    matching ``@revoked`` line is refused whatever else says. Lines we cannot read are skipped
+    and counted (like OpenSSH), never fatal; ``@cert-authority`` keys are not host keys."""
 
     def __init__(self, files: t.Sequence[str]) -> None:
         self.files = tuple(files)
-        self._loaded: list[tuple[str, paramiko.HostKeys]] = []
+        self._entries: list[KnownHostsEntry] = []
+        self.skipped: list[tuple[str, int, str]] = []  # (file, line number, why)
         for f in self.files:
-            keys = paramiko.HostKeys()
-            if os.path.isfile(f):
+            try:
+                # surrogateescape: one stray byte must not hide the file's other lines
+                text = Path(f).read_text(encoding="utf-8", errors="surrogateescape")
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                logger.warning("cannot read known_hosts %s: %s", f, e)
+                self.skipped.append((f, 0, f"cannot read the file: {e}"))
+                continue
+            for n, line in enumerate(text.splitlines(), 1):
                 try:
-                    keys.load(f)
-                except (OSError, paramiko.SSHException) as e:
-                    logger.warning("cannot read known_hosts %s: %s", f, e)
-            self._loaded.append((f, keys))
+                    entry = parse_known_hosts_line(line, file=f, line=n)
+                except ValueError as e:
+                    logger.info("known_hosts %s:%d skipped: %s", f, n, e)
+                    self.skipped.append((f, n, str(e)))
+                    continue
+                if entry is not None:
+                    self._entries.append(entry)
+
+    def matching(self, name: str, marker: str | None = None) -> list[KnownHostsEntry]:
+        return [e for e in self._entries if e.marker == marker and e.matches(name)]
 
     def entries(self, name: str) -> list[tuple[str, paramiko.PKey]]:
-        """``(file, key)`` for every key recorded for ``name``."""
-        found = []
-        for f, keys in self._loaded:
-            sub = keys.lookup(name)
-            if sub is not None:
-                found += [(f, k) for k in sub.values()]
-        return found
+        """``(file, key)`` for every host key recorded for ``name`` (plain, hashed or by pattern)."""
+        return [(e.file, e.key) for e in self.matching(name)]
 
     def check(self, name: str, key: paramiko.PKey) -> tuple[str, list[tuple[str, paramiko.PKey]]]:
-        """``("known" | "unknown" | "changed", the recorded entries)``."""
+        """``("known" | "unknown" | "changed" | "revoked", the recorded entries)``."""
         entries = self.entries(name)
+        if any(e.key == key for e in self.matching(name, "revoked")):
+            return "revoked", entries
         if any(k == key for _, k in entries):
             return "known", entries
         return ("changed" if entries else "unknown"), entries
 
+    def revoked_at(self, name: str, key: paramiko.PKey) -> list[str]:
+        """``file:line`` of each ``@revoked`` line that revokes ``key`` for ``name``."""
+        return [f"{e.file}:{e.line}" for e in self.matching(name, "revoked") if e.key == key]
+
+    def has_cert_authority(self, name: str) -> bool:
+        return bool(self.matching(name, "cert-authority"))
+
     def key_types(self, name: str) -> list[str]:
         return list(dict.fromkeys(k.get_name() for _, k in self.entries(name)))
+
+    def note(self, name: str) -> str:
+        """What a host-key message should add: skipped lines, a CA we do not use."""
+        parts = []
+        if self.skipped:
+            where = ", ".join(f"{f}:{n}" if n else f for f, n, _ in self.skipped[:3])
+            more = f" and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
+            parts.append(f"{len(self.skipped)} unreadable known_hosts line(s) skipped ({where}{more})")
+        if self.has_cert_authority(name):
+            parts.append("a @cert-authority line matches this host, but host certificates are not supported: pin the host key itself")
+        return "; ".join(parts)
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -427,6 +589,10 @@ class _HostKeyCheck(paramiko.MissingHostKeyPolicy):
             return
         fp = fingerprint(key)
         tgt = self.target
+        note = self.known.note(tgt.known_name)
+        note = f" ({note})" if note else ""
+        if verdict == "revoked":
+            raise revoked_error(tgt, key, self.known.revoked_at(tgt.known_name, key))
         if verdict == "changed":
             same_type = [k for _, k in entries if k.get_name() == key.get_name()] or [k for _, k in entries]
             old = fingerprint(same_type[0])
@@ -443,11 +609,25 @@ class _HostKeyCheck(paramiko.MissingHostKeyPolicy):
             )
         raise HostKeyRejected(
             tgt.label,
-            f"host key for {tgt.known_name} is not known ({key.get_name()} {fp}; looked in {', '.join(tgt.known_hosts)}). "
+            f"host key for {tgt.known_name} is not known ({key.get_name()} {fp}; looked in {', '.join(tgt.known_hosts)}{note}). "
             f"Nothing was run. Check the fingerprint, then run: dflashctl --host {tgt.label} trust-host",
             fingerprint=fp,
             key_type=key.get_name(),
         )
+
+
+def revoked_error(target: SSHTarget, key: paramiko.PKey, where: t.Sequence[str]) -> HostKeyRevoked:
+    """The one refusal for a revoked key (connect, doctor and trust-host say the same)."""
+    from ops.errors import HostKeyRevoked
+
+    fp = fingerprint(key)
+    return HostKeyRevoked(
+        target.label,
+        f"host key for {target.known_name} is REVOKED ({key.get_name()} {fp}, @revoked in {', '.join(where)}). "
+        f"Nothing was run. The server offers a key you marked as never to be trusted; trust-host will not record it.",
+        fingerprint=fp,
+        key_type=key.get_name(),
+    )
 
 
 def _exit_signal_aware(chan: paramiko.Channel, m: paramiko.Message) -> None:
@@ -530,8 +710,7 @@ def _open_socket(target: SSHTarget, jump_client: paramiko.SSHClient | None) -> t
         assert jt is not None
         return jt.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0), timeout=target.timeout)
     if target.proxy_command:
-        cmd = target.proxy_command.replace("%h", target.hostname).replace("%p", str(target.port)).replace("%r", target.user)
-        return paramiko.ProxyCommand(cmd)
+        return paramiko.ProxyCommand(target.proxy_command)  # tokens expanded once, in resolve_target
     return socket.create_connection((target.hostname, target.port), timeout=target.timeout)
 
 
@@ -617,9 +796,9 @@ class SSHTransport(Transport):
 
     def run(self, argv: t.Sequence[str], *, stdin: Stdin = None, timeout: float = DEFAULT_TIMEOUT) -> CommandResult:
         argv = tuple(str(a) for a in argv)
-        # Joined once; the remote `timeout` kills the command even when our side stops waiting.
-        command = shlex.join(["timeout", "-k", str(KILL_AFTER), _seconds(timeout), *argv])
-        logger.debug("ssh %s: %s", self.target.label, command)
+        # Quoted once; the remote `timeout` kills the command even when our side stops waiting.
+        command = remote_command(["timeout", "-k", str(KILL_AFTER), _seconds(timeout), *argv])
+        logger.debug("ssh %s: %s", self.target.label, shlex.join(argv))
         started = time.monotonic()
         try:
             chan = self._transport().open_session(timeout=self.target.timeout)
@@ -688,6 +867,67 @@ class SSHTransport(Transport):
         self._sftp = None
         self._client = None
         self._jump = None
+
+
+# Characters that every login shell we may meet (sh, bash, zsh, fish, csh/tcsh) keeps literally
+# inside "double quotes": printable ASCII less ' \\ ! " $ `. Inside 'single quotes' they also keep
+# " $ ` (_QUOTED); fish still reads \\\\ and \\' there, csh still expands ! and refuses a newline.
+_PLAIN = frozenset(chr(c) for c in range(0x20, 0x7F)) - set("'\\!\"$`")
+_QUOTED = _PLAIN | set('"$`')
+# csh refuses a word longer than about 8 KiB ("Word too long."): no word we send is longer than this.
+_WORD_MAX = 4000
+# A constant sh program that rebuilds the argv from its positional parameters: "+chunk" words
+# are concatenated; "." ends an argument as it is, "," ends one that is a printf format (octal
+# escapes for the bytes no shell keeps literally). Then it execs that argv.
+_REBUILD = (
+    'f=; for w do shift; case $w in .) set -- "$@" "$f"; f=;; ,) a=$(printf "${f}x"); set -- "$@" "${a%x}"; f=;; '
+    '*) f=$f${w#+};; esac; done; exec "$@"'
+)
+
+
+def remote_command(argv: t.Sequence[str]) -> str:
+    """The exec string for ``argv``, the same for every login shell.
+
+    sshd hands it to ``$SHELL -c`` of the remote user, and fish or csh parse quotes differently
+    from sh. When every word is plain (the usual case), it is ``exec "w1" "w2" ...``, which all of
+    them read alike. Else it is ``exec /bin/sh -c '<_REBUILD>' sh '+chunk' . ...``: the program is a
+    constant, every other word is single-quoted and holds only characters each of those shells
+    keeps literally there (a backslash only as ``\\ooo``, which no shell rewrites), and no word is
+    longer than csh allows.
+    """
+    if all(len(a) <= _WORD_MAX and all(c in _PLAIN for c in a) for a in argv):
+        return "exec " + " ".join(f'"{a}"' for a in argv)
+    words: list[str] = []
+    for arg in argv:
+        if all(c in _QUOTED for c in arg):
+            tokens, end = list(arg), "."
+        else:
+            # printf's format: plain characters as they are (less %), every other byte as \ooo;
+            # a leading '-' too, or printf would read the format as an option.
+            data = arg.encode("utf-8", "surrogateescape")
+            tokens = [chr(b) if chr(b) in _QUOTED and b != 0x25 and not (j == 0 and b == 0x2D) else f"\\{b:03o}"
+                      for j, b in enumerate(data)]
+            end = ","
+        chunk = ""
+        for tok in tokens:  # an escape is never cut in two: no word ends with a backslash
+            if len(chunk) + len(tok) > _WORD_MAX:
+                words.append(f"'+{chunk}'")
+                chunk = ""
+            chunk += tok
+        if chunk:
+            words.append(f"'+{chunk}'")
+        words.append(end)
+    return f"exec /bin/sh -c '{_REBUILD}' sh " + " ".join(words)
+
+
+def ssh_config_word(value: str) -> str:
+    """``value`` as one word of an ssh_config line (``ssh -o``): double-quoted with ``\\`` and ``\"``
+    escapes when it has spaces or quotes (OpenSSH's argv_split), ``%`` doubled (ssh expands
+    %-tokens in file names whether quoted or not)."""
+    value = value.replace("%", "%%")
+    if value and not any(c.isspace() or c in "\"'\\#" for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _lost(target: SSHTarget, exc: BaseException) -> Exception:
@@ -773,8 +1013,11 @@ def _sftp_makedirs(sftp: paramiko.SFTPClient, path: str) -> None:
 class HostKeyScan:
     target: SSHTarget
     key: paramiko.PKey
-    verdict: str  # "known" | "unknown" | "changed"
+    verdict: str  # "known" | "unknown" | "changed" | "revoked"
     recorded: tuple[tuple[str, str, str], ...]  # (file, key type, fingerprint) already on record
+    note: str = ""  # skipped unreadable lines, a @cert-authority we do not use (KnownHosts.note)
+    revoked_at: tuple[str, ...] = ()  # file:line of the @revoked lines that name this key
+    patterns: tuple[str, ...] = ()  # file:line of pattern entries (not this exact name) on record
 
     @property
     def key_type(self) -> str:
@@ -813,9 +1056,11 @@ def scan_host_key(host: Host) -> HostKeyScan:
             tr.close()
         if jump is not None:
             jump.close()
-    verdict, entries = known.check(target.known_name, key)
+    name = target.known_name
+    verdict, entries = known.check(name, key)
     recorded = tuple((f, k.get_name(), fingerprint(k)) for f, k in entries)
-    return HostKeyScan(target, key, verdict, recorded)
+    patterns = tuple(f"{e.file}:{e.line} ({e.hosts})" for e in known.matching(name) if not _line_names(e.hosts, name))
+    return HostKeyScan(target, key, verdict, recorded, known.note(name), tuple(known.revoked_at(name, key)), patterns)
 
 
 def record_host_key(scan: HostKeyScan, *, replace: bool = False) -> str:
@@ -826,27 +1071,37 @@ def record_host_key(scan: HostKeyScan, *, replace: bool = False) -> str:
     name = scan.target.known_name
     lines: list[str] = []
     if path.exists():
-        lines = path.read_text().splitlines()
+        # surrogateescape: bytes we cannot decode are written back as they were
+        lines = path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
     if replace:
-        lines = [ln for ln in lines if not _line_names(ln, name)]
+        lines = [kept for ln in lines if (kept := _without_name(ln, name)) is not None]
     lines.append(f"{name} {scan.key.get_name()} {scan.key.get_base64()}")
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.write_text("\n".join(lines) + "\n")
+    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8", errors="surrogateescape")
     tmp.chmod(0o600 if not path.exists() else path.stat().st_mode & 0o777)
     tmp.replace(path)
     return str(path)
 
 
-def _line_names(line: str, name: str) -> bool:
-    """True when a known_hosts line is about ``name`` (plain or hashed)."""
-    fields = line.split()
-    if not fields or line.lstrip().startswith("#"):
-        return False
-    for h in fields[0].split(","):
-        if h == name:
+def _line_names(hosts: str, name: str) -> bool:
+    """True when a known_hosts host field names ``name`` itself (plain or hashed), not by pattern."""
+    name = name.lower()
+    for h in hosts.split(","):
+        if h.lower() == name:
             return True
-        if h.startswith("|1|"):
-            salt = h.split("|")[2]
-            if paramiko.HostKeys.hash_host(name, salt) == h:
-                return True
+        if h.startswith("|") and _hashed_matches(h, name):
+            return True
     return False
+
+
+def _without_name(line: str, name: str) -> str | None:
+    """``line`` with ``name`` taken out of its host list (None: nothing is left of it). Marker lines
+    (``@revoked``, ``@cert-authority``), comments, pattern and unreadable lines stay as they are:
+    --replace drops the old key of this host, never a revocation or another host's entry."""
+    fields = line.split()
+    if not fields or fields[0].startswith(("#", "@")) or not _line_names(fields[0], name):
+        return line
+    rest = [h for h in fields[0].split(",") if not _line_names(h, name)]
+    if not [h for h in rest if not h.startswith("!")]:
+        return None
+    return line.replace(fields[0], ",".join(rest), 1)

@@ -65,7 +65,7 @@ _NS_OK: bool | None = None
 
 
 def missing_requirement(what: str) -> str | None:
-    """Why the harness part ``what`` ("sshd", "tmux", "namespaces") cannot run here, or None."""
+    """Why the harness part ``what`` ("sshd", "tmux", "namespaces", "fish", "csh") cannot run here, or None."""
     global _NS_OK
     if what == "sshd":
         if not os.access("/usr/sbin/sshd", os.X_OK):
@@ -75,6 +75,8 @@ def missing_requirement(what: str) -> str | None:
         return None
     if what == "tmux":
         return None if shutil.which("tmux") else "tmux is not installed (apt-get install tmux)"
+    if what in ("fish", "csh"):  # login shells that are not sh (quoting tests)
+        return None if shutil.which(what) else f"{what} is not installed (apt-get install {what})"
     if what == "namespaces":
         for tool in ("unshare", "nsenter", "mount"):
             if shutil.which(tool) is None:

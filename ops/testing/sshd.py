@@ -29,7 +29,7 @@ class Sshd:
     ``rotate_host_key()`` gives the server a new host key (the "changed host key" case).
     """
 
-    def __init__(self, root: Path, *, port: int | None = None, user: str = "root") -> None:
+    def __init__(self, root: Path, *, port: int | None = None, user: str = "root", login_shell: str | None = None) -> None:
         from ops.testing import free_port
 
         self.root = Path(root)
@@ -37,6 +37,13 @@ class Sshd:
         os.chmod(self.root, 0o700)
         self.port = port or free_port()
         self.user = user
+        # Another login shell for ``user`` (e.g. /usr/bin/fish): sshd then runs in its own mount
+        # namespace over a copy of /etc/passwd that says so (HOME there: root/home). The real
+        # /etc/passwd and the real user's home are never touched.
+        self.login_shell = login_shell
+        self.passwd = self.root / "passwd"
+        if login_shell is not None:
+            self._write_passwd(login_shell)
         self.host_key = self.root / "ssh_host_ed25519_key"
         self.client_key = self.root / "id_ed25519"
         self.authorized_keys = self.root / "authorized_keys"
@@ -48,6 +55,18 @@ class Sshd:
         keygen(self.client_key, "dflash-test-client")
         self.authorized_keys.write_text(Path(f"{self.client_key}.pub").read_text())
         self.pin()
+
+    def _write_passwd(self, shell: str) -> None:
+        home = self.root / "home"
+        home.mkdir(exist_ok=True)
+        lines = []
+        for line in Path("/etc/passwd").read_text().splitlines():
+            f = line.split(":")
+            if len(f) == 7 and f[0] == self.user:
+                f[5], f[6] = str(home), shell
+                line = ":".join(f)
+            lines.append(line)
+        self.passwd.write_text("\n".join(lines) + "\n")
 
     @property
     def host_key_pub(self) -> str:
@@ -85,6 +104,10 @@ class Sshd:
         argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
         for key, value in opts.items():
             argv += ["-o", f"{key}={value}"]
+        if self.login_shell is not None:
+            # unshare and sh both exec: the pid we hold is sshd's.
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/passwd && exec "$@"', str(self.passwd), *argv]
         return argv
 
     def start(self, timeout: float = 15.0) -> Sshd:

@@ -4,6 +4,10 @@ Inductor needs minutes to compile even these tiny layers on this 2-core box (mea
 gradients within 7.5e-8), so the test compiles with ``aot_eager``: dynamo tracing plus AOTAutograd's joint
 forward/backward graph, which is where compile and checkpointing used to clash ("a different number of
 tensors was saved during the original forward and recomputation").
+
+The checkpoint must be INSIDE the compiled layer, whatever the transformers version: the drafter layer
+checkpoints its own forward (not transformers' GradientCheckpointingLayer, whose ``__call__`` put the
+checkpoint around the compiled call in 5.x), so dynamo's graph holds the ``tag_activation_checkpoint`` op.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ import copy
 import io
 from pathlib import Path
 
+import typing as t
+
 import pytest
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dflash.config import load_config
 from dflash.drafter import DFlashDraftModel, draft_config_for
@@ -40,11 +47,19 @@ def parts() -> dict[str, object]:
     return {"drafter": drafter, "head": target.head(), "ids": ids, "mask": mask, "feats": target.features(ids)}
 
 
-def loss_and_grads(parts: dict[str, object], *, checkpointing: bool, compile: bool) -> tuple[float, list[torch.Tensor], int]:
+def loss_and_grads(parts: dict[str, object], *, checkpointing: bool, compile: bool,
+                   graphs: list[torch.fx.GraphModule] | None = None) -> tuple[float, list[torch.Tensor], int]:
     model = copy.deepcopy(parts["drafter"])
     assert isinstance(model, DFlashDraftModel)
     model.train()
-    prepare_drafter(model, activation_checkpointing=checkpointing, compile=compile, backend="aot_eager", dynamic=False)
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list[t.Any]) -> t.Any:
+        if graphs is not None:
+            graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    prepare_drafter(model, activation_checkpointing=checkpointing, compile=compile, backend=recording, dynamic=False)
     calls = [0]
     if not compile:  # count MLP calls: checkpointing runs each layer again in the backward
         # (a pre-hook: early-stopping recomputation ends inside the MLP, before a forward hook would run)
@@ -55,15 +70,38 @@ def loss_and_grads(parts: dict[str, object], *, checkpointing: bool, compile: bo
     return float(out.loss.detach()), [p.grad.clone() for p in model.parameters()], calls[0]
 
 
+def checkpoints_in(graphs: list[torch.fx.GraphModule]) -> int:
+    return sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for g in graphs for n in g.graph.nodes)
+
+
 def test_compile_with_checkpointing_matches_neither(parts: dict[str, object]) -> None:
+    torch._dynamo.reset()
     plain, plain_grads, plain_calls = loss_and_grads(parts, checkpointing=False, compile=False)
     ac, ac_grads, ac_calls = loss_and_grads(parts, checkpointing=True, compile=False)
-    both, both_grads, _ = loss_and_grads(parts, checkpointing=True, compile=True)
+    compiled_graphs: list[torch.fx.GraphModule] = []
+    compiled, compiled_grads, _ = loss_and_grads(parts, checkpointing=False, compile=True, graphs=compiled_graphs)
+    torch._dynamo.reset()  # the same layer code again, with checkpointing: compile it afresh
+    both_graphs: list[torch.fx.GraphModule] = []
+    both, both_grads, _ = loss_and_grads(parts, checkpointing=True, compile=True, graphs=both_graphs)
     assert (plain_calls, ac_calls) == (1, 2), "checkpointing recomputes the layer in the backward"
-    assert ac == plain and both == pytest.approx(plain, abs=1e-6)
-    for a, b, c in zip(plain_grads, ac_grads, both_grads):
-        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6)
+    # the checkpoint is in the compiled layer's graph (one per graph), and only when asked for
+    assert both_graphs and checkpoints_in(both_graphs) == len(both_graphs)
+    assert compiled_graphs and checkpoints_in(compiled_graphs) == 0
+    assert ac == plain
+    assert compiled == pytest.approx(plain, abs=1e-6) and both == pytest.approx(plain, abs=1e-6)
+    for a, b, c, d in zip(plain_grads, ac_grads, compiled_grads, both_grads):
+        assert torch.allclose(a, b, atol=1e-6) and torch.allclose(a, c, atol=1e-6) and torch.allclose(a, d, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in both_grads)
+
+
+def test_checkpointing_does_not_come_from_transformers(parts: dict[str, object]) -> None:
+    model = copy.deepcopy(parts["drafter"])
+    assert isinstance(model, DFlashDraftModel)
+    prepare_drafter(model, activation_checkpointing=True, compile=False)
+    assert all(not isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
+               for layer in model.layers)
+    prepare_drafter(model, activation_checkpointing=False, compile=False)
+    assert not any(layer.gradient_checkpointing for layer in model.layers)
 
 
 def test_compiled_drafters_train_in_threads(tmp_path: Path) -> None:

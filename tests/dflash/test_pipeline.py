@@ -354,13 +354,19 @@ def test_cuda_oom_text_names_the_gpu() -> None:
 
 
 LINE = re.compile(r"^step \d+ \| loss \d+\.\d{3} \| acc \d\.\d{2} \| tau_tf \d+\.\d \| \d+\.\d Ktok/s \| "
-                  r"queue \d+/\d+ \| drafters \d+/\d+$")
+                  r"queue \d+/\d+ \| drafters \d+/\d+ \| busy T( (\d+|-))+ \| D( (\d+|-))+$")
 
 
 def test_step_line_has_exactly_the_grepped_form() -> None:
     line = format_step_line(step=120, loss=2.3141, acc=0.612, tau_tf=3.21, ktok_s=19.43, queue_depth=37,
                             queue_capacity=64, drafters_live=3, drafters_total=3)
     assert line == "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
+    workers = [{"role": "drafter", "index": 1, "busy": 0.544}, {"role": "target", "index": 0, "busy": 0.971},
+               {"role": "drafter", "index": 0, "busy": 0.99}, {"role": "drafter", "index": 2, "busy": 0.0, "dead": True}]
+    with_busy = format_step_line(step=120, loss=2.3141, acc=0.612, tau_tf=3.21, ktok_s=19.43, queue_depth=37,
+                                 queue_capacity=64, drafters_live=2, drafters_total=3, workers=workers)
+    assert with_busy == ("step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 2/3"
+                         " | busy T 97 | D 99 54 -")
 
 
 def test_metrics_lines_and_records_from_a_run(tmp_path: Path) -> None:
@@ -384,7 +390,10 @@ def test_metrics_lines_and_records_from_a_run(tmp_path: Path) -> None:
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", r["at"])
     names = {w["name"] for w in r["workers"]}
     assert names == {"target-0", "target-1", "drafter-0", "drafter-1"}
-    assert all(0.0 <= w["busy"] <= 1.0 and w["wait_s"] >= 0 for w in r["workers"])
+    for w in r["workers"]:
+        parts = [w["busy"], w["wait"], w["barrier"], w["other"]]
+        assert all(0.0 <= x <= 1.0 for x in parts) and sum(parts) == pytest.approx(1.0, abs=0.01), w
+    assert sum(w["batches"] for w in r["workers"] if w["role"] == "drafter") == 5  # the interval's steps
     # Ktok/s counts the target tokens of the batches trained in the interval
     trained = [i for d in drafters for i in d.trained]
     assert sum(x["tokens"] for x in recs) == sum(10 + g % 3 for g in trained)

@@ -140,3 +140,33 @@ def test_from_pretrained_reads_a_local_checkpoint(tmp_path, target: TargetModel)
     ids = torch.randint(0, 500, (1, 7))
     assert torch.allclose(loaded.features(ids), target.features(ids), atol=1e-6)
     assert not any(p.requires_grad for p in loaded.model.parameters())
+
+
+def test_from_pretrained_off_the_cpu_never_holds_the_weights_in_host_memory(tmp_path) -> None:
+    """Loading for another device reads each tensor into place: host memory never holds the model.
+
+    ``meta`` stands in for a GPU (the same ``device_map`` path, and nothing is allocated anywhere). A bf16
+    checkpoint loaded as fp32 makes every tensor a new host tensor on the old path (load, then
+    ``.to(device)``): the peak RSS grew by 53 MB there, by nothing now.
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    cfg = tiny_target_config(vocab_size=100_000, hidden_size=256, num_hidden_layers=2, intermediate_size=256)
+    TargetModel.from_config(cfg, seed=0, layer_ids=[0], dtype=torch.bfloat16).model.save_pretrained(tmp_path)
+    fp32 = 2 * sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert fp32 > 200e6
+    code = textwrap.dedent(f"""
+        import resource, torch
+        from dflash.target import TargetModel
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t = TargetModel.from_pretrained({str(tmp_path)!r}, dtype=torch.float32, device="meta", layer_ids=[0])
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(after - before, sorted({{p.device.type for p in t.model.parameters()}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown, devices = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert devices == "['meta']"
+    assert int(grown) < fp32 / 16, f"peak host memory grew by {int(grown) / 1e6:.0f} MB loading {fp32 / 1e6:.0f} MB"

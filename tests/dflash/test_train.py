@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_two_by_two_trains_loss_falls_and_replicas_end_averaged(tmp_path: Path) 
     assert len(trained) == len(set(trained)) == 40
     lines = out.getvalue().splitlines()
     assert [ln.split(" |")[0] for ln in lines] == [f"step {n}" for n in range(5, 41, 5)]
-    assert lines[-1].endswith("| drafters 2/2")
+    assert re.search(r"\| drafters 2/2 \| busy T \d+ \d+ \| D \d+ \d+$", lines[-1]), lines[-1]
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(5, 41, 5)) and all(r["ktok_s"] > 0 for r in recs)
     assert ckpt.latest_complete(tmp_path / "ckpt").name == "step-40"

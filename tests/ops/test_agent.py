@@ -26,7 +26,10 @@ def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) 
         "python": sys.executable, "session": "dflash", "command": command, "tmux_socket": socket,
         "hang_after": 600, "startup_grace": 0, **extra,
     }
-    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in table.items())
+    def toml(v: object) -> str:  # JSON is TOML for strings, numbers and lists; tables are inline
+        return "{%s}" % ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) if isinstance(v, dict) else json.dumps(v)
+
+    body = "\n".join(f"{k} = {toml(v)}" for k, v in table.items())
     (tmp_path / "hosts.toml").write_text(f"[hosts.local]\n{body}\n")  # for the real CLI (`dflashctl`)
     return parse_inventory(f"[hosts.local]\n{body}\n", path=None, base=tmp_path).get("local")
 
@@ -230,8 +233,9 @@ def test_tmux_text_helpers() -> None:
     assert tmux.collapse_cr("windows line\r") == "windows line"
     assert tmux.decode_lines(b"a\xffb\nc\r\nd") == ["a\ufffdb", "c", "d"]
     assert tmux.last_lines(["1", "2", "", "3", "", " ", ""], 2) == ["", "3"]
-    argv = tmux.start_argv("sock", "dflash", "/w/current", ["py", "-m", "ops.runner", "--", "a b", "it's"])
-    assert argv[:3] == ["tmux", "-L", "sock"] and argv.count(";") == 4
+    argv = tmux.start_argv("sock", "dflash", ["py", "-m", "ops.runner", "--", "a b", "it's"])
+    assert argv[:3] == ["tmux", "-L", "sock"] and argv.count(";") == 5
+    assert argv[argv.index("-c") + 1] == "/" and argv[argv.index("default-shell") + 1] == "/bin/sh"
     assert argv[-1] == "exec py -m ops.runner -- 'a b' 'it'\"'\"'s'"
     assert "=dflash" in tmux.panes_argv("sock", "dflash") and "=dflash:" in tmux.capture_argv("sock", "dflash", 5)
 

@@ -413,7 +413,7 @@ def local(tmp_path: Path) -> t.Iterator[Target]:
 
 
 def write_run(target: Target, pid: int, *, started_at: datetime.datetime | None = None, ended: bool = False,
-              pid_start: int | None = None) -> None:
+              pid_start: int | None = None, **extra: int | None) -> None:
     """A run record as ops.runner writes it (the keys deploy reads)."""
     attempt = target.run_dir / target.host.session / "attempt-1"
     attempt.mkdir(parents=True)
@@ -422,6 +422,7 @@ def write_run(target: Target, pid: int, *, started_at: datetime.datetime | None 
     record = {"pid": pid, "attempt": 1, "started_at": started.strftime("%Y-%m-%dT%H:%M:%SZ")}
     if pid_start is not None:
         record["pid_start"] = pid_start
+    record.update(extra)
     (attempt / "run.json").write_text(json.dumps(record))
     if ended:
         (attempt / "exit.json").write_text(json.dumps({"exit_code": 0}))
@@ -489,7 +490,7 @@ def test_missing_modules_are_named_and_install_is_offered(tmp_path: Path, src: P
     with pytest.raises(MissingDependencies) as err:
         deploy(remote, host, source=str(src), echo=lambda s: None)
     assert err.value.modules == ("torch", "transformers", "safetensors", "click")
-    assert "cannot import torch, transformers, safetensors, click (needed by training)" in str(err.value)
+    assert "cannot import torch, transformers, safetensors, accelerate, numpy, click (needed by training)" in str(err.value)
     assert "dflashctl deploy --install" in str(err.value)
     assert not Path(host.workdir, "current").exists()
     out, echo = lines()
@@ -672,9 +673,21 @@ def test_cli_names_missing_modules_and_a_missing_python_in_the_container(pve_hos
     pve_hosts.write(python=str(bare))
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 1
-    assert "pve (ct 200): " in r.stderr and "cannot import torch, transformers, safetensors, click" in r.stderr
+    assert "pve (ct 200): " in r.stderr and "cannot import torch, transformers, safetensors, accelerate, numpy, click" in r.stderr
     assert "dflashctl deploy --install" in r.stderr
     pve_hosts.write(python="/nonexistent/python3")
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 1 and "pve (ct 200): cannot run '/nonexistent/python3' there" in r.stderr, r.stderr
     assert not (pve_hosts.workdir / "current").exists()
+
+
+def test_a_command_that_outlived_its_runner_still_blocks(local: Target, src: Path, live_process: subprocess.Popen[bytes]) -> None:
+    # The runner was SIGKILLed (its pid is gone) but its keeper and the training command go on: still a live run.
+    from ops.runner import proc_stat
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ticks = proc_stat(live_process.pid)[1]
+    write_run(local, gone.pid, keeper_pid=gone.pid, child_pid=live_process.pid, child_start=ticks)
+    with pytest.raises(RunActive, match="a run is live"):
+        deploy(local.remote, local.host, source=str(src), echo=lambda s: None)

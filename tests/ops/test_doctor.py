@@ -37,7 +37,7 @@ def test_everything_passes_on_both_hosts(pve_hosts: PveHosts) -> None:
     }
     c = checks(r)
     assert c["tmux"]["detail"].startswith("tmux 3.")
-    assert c["packages"]["detail"] == "imports transformers, safetensors, click" and c["torch"]["detail"].startswith("torch 2.")
+    assert c["packages"]["detail"] == "imports transformers, safetensors, accelerate, numpy, click" and c["torch"]["detail"].startswith("torch 2.")
     assert "GiB free" in c["disk"]["detail"] and "ct 200 running since" in c["container"]["detail"]
     assert "SHA256:" in c["host-key"]["detail"]
     local = statuses(r, "local")

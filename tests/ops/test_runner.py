@@ -21,8 +21,13 @@ def runner_argv(adir: Path, *command: str, env: tuple[str, ...] = (), python: st
             "--release", "r1"]
     if python:
         argv += ["--python", python]
-    for e in env:
-        argv += ["--env", e]
+    if env:
+        # as the agent hands it over: a 0600 file the runner reads and unlinks
+        env_file = adir.parent / f".{adir.name}.env.json"
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(dict(e.split("=", 1) for e in env), f)
+        argv += ["--env-file", str(env_file)]
     return [*argv, "--", *command]
 
 
@@ -148,9 +153,15 @@ def test_usage_errors(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", str(tmp_path), "--session", "s",
                         "--attempt", "1", "--"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "no command after --" in p.stderr
-    p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", str(tmp_path), "--session", "s",
-                        "--attempt", "1", "--env", "NOEQUALS", "--", "true"], capture_output=True, text=True, timeout=30)
-    assert p.returncode == 2 and "--env expects K=V, got 'NOEQUALS'" in p.stderr
+    bad = tmp_path / "env.json"
+    bad.write_text('["not", "an", "object"]')
+    adir = tmp_path / "a"
+    p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", str(adir), "--session", "s",
+                        "--attempt", "1", "--env-file", str(bad), "--", "true"], capture_output=True, text=True, timeout=30)
+    # a run that cannot be set up is an ended run with a record, not a runner traceback
+    assert p.returncode == 126 and "Traceback" not in p.stdout + p.stderr
+    assert f"cannot read the environment file {bad}: expected a JSON object of strings" in (adir / "train.log").read_text()
+    assert read(adir, "exit.json")["exit_code"] == 126 and not bad.exists()
 
 
 def test_proc_stat_reads_a_comm_with_spaces_and_parentheses(tmp_path: Path) -> None:

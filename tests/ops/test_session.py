@@ -50,11 +50,11 @@ def test_attach_argv() -> None:
     h = hosts()
     assert session.attach_argv(h["pve"], "run2") == [
         "ssh", "-t", "-o", "StrictHostKeyChecking=yes", "-p", "2222", "-i", "/keys/id ed25519",
-        "-o", "UserKnownHostsFile=/keys/known_hosts ~/.ssh/known_hosts", "root@127.0.0.1",
-        "sudo pct exec 200 -- tmux -L dflash attach-session -t =run2",
+        "-o", "UserKnownHostsFile=/keys/known_hosts ~/.ssh/known_hosts", "--", "root@127.0.0.1",
+        'exec "sudo" "pct" "exec" "200" "--" "tmux" "-L" "dflash" "attach-session" "-t" "=run2"',
     ]
-    assert session.attach_argv(h["box"]) == ["ssh", "-t", "-o", "StrictHostKeyChecking=yes", "127.0.0.1",
-                                             "tmux -L dflash attach-session -t =dflash"]
+    assert session.attach_argv(h["box"]) == ["ssh", "-t", "-o", "StrictHostKeyChecking=yes", "--", "127.0.0.1",
+                                             'exec "tmux" "-L" "dflash" "attach-session" "-t" "=dflash"']
     assert session.attach_argv(h["here"]) == ["env", "-u", "TMUX", "tmux", "-L", "dflash", "attach-session", "-t", "=train"]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import typing as t
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ops.testing import CliResult, PveHosts, retry_until
+from ops.transport import remote_command
 from runkit import fake_release, train_command
 
 VMID = 200
@@ -344,4 +346,5 @@ def test_attach_prints_the_ssh_pct_tmux_command(box: Box) -> None:
     h = box.hosts.pve_table
     assert r.exit_code == 0
     assert r.stdout.startswith(f"ssh -t -o StrictHostKeyChecking=yes -p {h['port']} -i {h['identity_file']}")
-    assert r.stdout.rstrip().endswith(f"root@127.0.0.1 '{h['pct']} exec 200 -- tmux -L {box.socket} attach-session -t =dflash'")
+    tail = shlex.quote(remote_command([h["pct"], "exec", "200", "--", "tmux", "-L", box.socket, "attach-session", "-t", "=dflash"]))
+    assert r.stdout.rstrip().endswith(f"-- root@127.0.0.1 {tail}")

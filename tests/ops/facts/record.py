@@ -262,7 +262,8 @@ def _(p: Player) -> dict[str, t.Any]:
     p.start()
     retry_until(lambda: p.steps() >= 1, 20)
     run = p.run_json()
-    p.inside("kill", "-KILL", str(run["child_pid"]), str(run["pid"]))
+    # the keeper too: it would otherwise record the command's end (signal 9, `crashed`)
+    p.inside("kill", "-KILL", str(run["child_pid"]), str(run["keeper_pid"]), str(run["pid"]))
     return p.wait_state("lost")
 
 
@@ -398,6 +399,23 @@ def _(f: dict[str, t.Any]) -> None:
     tail = f["agent"]["attempt"]["log"]["tail"]
     tail[-1] = ("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
                 "unhandled system error, NCCL version 2.21.5")
+
+
+@edit("crashed-disk-full", "crashed-nonzero-exit", "the run filled its disk: exit.json and the probe say 0 bytes free "
+      "(as the runner records it; played for real in tests/ops/test_hostile_far.py with a 1 MiB tmpfs)",
+      state="crashed", cause="disk-full", exit_code=3,
+      detail="0 bytes were free where the run writes when the command ended")
+def _(f: dict[str, t.Any]) -> None:
+    att = f["agent"]["attempt"]
+    att["exit"].update(disk_free=0, disk_full=True)
+    f["agent"]["disk"] = {"path": os.path.dirname(os.path.dirname(att["dir"])), "free": 0, "full": True}
+
+
+@edit("lost-disk-full", "lost-unknown", "no exit record, no live process, and the run's disk is full",
+      state="lost", cause="disk-full")
+def _(f: dict[str, t.Any]) -> None:
+    att = f["agent"]["attempt"]
+    f["agent"]["disk"] = {"path": os.path.dirname(os.path.dirname(att["dir"])), "free": 0, "full": True}
 
 
 @edit("unreachable-dns", "unreachable-refused", "socket.gaierror as the transport reports it", state="unreachable", cause="dns")

@@ -1,0 +1,614 @@
+"""GPU smoke test: the real training pipeline on every visible GPU, its figures, and a real CUDA OOM classified.
+
+    .venv/bin/python bench/gpu_smoke.py [--steps 60] [--json] [--keep] ...
+    .venv/bin/python bench/gpu_smoke.py --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
+
+On a CUDA machine (at most ~5 minutes):
+
+1. builds a Qwen3-shaped target of a few hundred million parameters (default: Qwen3-0.6B's width with 16
+   layers, untied head: ~0.56B) from a config written in code, random init, bf16, nothing downloaded, and
+   saves it to a temp dir, so the real ``Run`` loads it as it would a user's checkpoint; writes random
+   pre-tokenized data;
+2. trains it through the real pipeline (``dflash.train.Run`` from a ``RunConfig``): the visible GPUs split
+   into targets (first half) and drafters (the rest, at least one each; one GPU is shared), with
+   ``compile = true`` (inductor), activation checkpointing and the compiled flex_attention BlockMask;
+3. prints: Ktok/s, drafter step time, the drafter step's MFU, peak memory per GPU, compile time (train()
+   start to the pipeline start: the warm-up), recompiles after warm-up (must be 0), the count of
+   "flex_attention called without torch.compile" warnings (must be 0), and an averaging round of the
+   drafter replicas (two on one drafter GPU: a copy is made) against the copy bound (bytes moved /
+   measured D2H + H2D bandwidth), with the replicas checked bit-identical and equal to a CPU mean;
+4. forces a real CUDA OOM on one GPU (the last drafter GPU; its allocator is capped with
+   ``torch.cuda.set_per_process_memory_fraction`` before ``dflash train`` runs) inside a real
+   ``dflash train`` subprocess under the real runner (``python -m ops.runner``) in a temp run dir, then
+   reads the run the way ``dflashctl status`` does (the agent's probe facts -> ``ops.probe.classify``) and
+   checks it says ``crashed`` / ``cuda-oom`` with that GPU's index.
+
+MFU of the drafter step: model FLOPs of one step / step time / (peak bf16 FLOP/s x drafter GPUs in
+parallel; ``--peak-tflops`` or a table of known GPUs). Per row of a batch (S context positions, A anchors,
+block size B, so Q = A*B query tokens; drafter: L layers, width H, heads h, kv heads g, head dim d, MLP
+width I; n target layers read; vocabulary V)::
+
+    forward = 2*S*(n*H)*H                                 fc over the context features
+            + L*2*S*(2*H*g*d)                             k/v projections of the context, every layer
+            + L*2*Q*(H*h*d + 2*H*g*d + h*d*H + 3*H*I)     q/k/v/o + MLP of the block tokens
+            + L*4*h*d*sum_over_queries(visible keys)      QK^T and PV, only what the mask lets a query see
+            + 2*Q*H*V                                     the frozen lm_head over the block tokens
+    step    = 3 * (forward - lm_head) + 2 * lm_head       backward: 2x, no weight gradient for the frozen head
+
+with anchors spread evenly over the row (visible keys of a block at anchor a: a context + B block keys).
+Activation-checkpointing recompute is not counted (model FLOPs, not hardware FLOPs).
+
+Without CUDA it prints "no CUDA device: nothing to measure" and exits 0, unless ``--cpu``: then the same
+path runs tiny on the CPU (compile off, two drafter threads so a real averaging round happens) and the OOM
+step uses the injected OOM (``DFLASH_FAULT=oom-at-step:1``, the allocator's text) under the same runner and
+probe, so the argument handling, the plumbing and the printing are tested here.
+
+Exit code: 0 when every check passed, 1 when one failed (the table says which), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import typing as t
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FLEX_WARNING = "flex_attention called without torch.compile"
+# Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).
+PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("B200", 2250e12),
+             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A6000", 155e12),
+             ("4090", 165e12), ("3090", 71e12))
+# `dflash train` with one GPU's allocator capped first: the OOM is the real allocator's, on that GPU.
+OOM_SHIM = ("import sys, torch; g, cap = int(sys.argv[1]), float(sys.argv[2]); "
+            "torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(g).total_memory, g); "
+            "from dflash.__main__ import main; sys.exit(main(sys.argv[3:]))")
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench/gpu_smoke.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="no GPU: run the same path tiny on the CPU (compile off)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the figures and checks) on stdout")
+    ap.add_argument("--steps", type=int, default=None, help="global training steps (default 60; --cpu 6)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; --cpu 64)")
+    ap.add_argument("--batch", type=int, default=None, help="samples per batch (default 4; --cpu 2)")
+    ap.add_argument("--target-layers", type=int, default=None, help="target layers (default 16; --cpu 4)")
+    ap.add_argument("--hidden", type=int, default=None, help="target width (default 1024; --cpu 64)")
+    ap.add_argument("--drafter-layers", type=int, default=None, help="drafter layers (default 3; --cpu 2)")
+    ap.add_argument("--anchors", type=int, default=None, help="anchors per sample (default 256; --cpu 8)")
+    ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default 16; --cpu 8)")
+    ap.add_argument("--targets", type=int, default=None,
+                    help="GPUs for targets (default: half of the visible ones, at least 1; the rest draft)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="dense bf16 peak per GPU in TFLOP/s for MFU (default: known GPUs by name)")
+    ap.add_argument("--oom-cap-gib", type=float, default=1.0,
+                    help="the OOM step caps the last drafter GPU's allocator at this many GiB (default 1)")
+    ap.add_argument("--no-oom", action="store_true", help="skip the forced OOM")
+    ap.add_argument("--oom-timeout", type=float, default=180.0, help="seconds the OOM run may take (default 180)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (target, data, runs) and print it")
+    args = ap.parse_args(argv)
+    small = args.cpu
+    defaults = {"steps": (60, 6), "seq_len": (2048, 64), "batch": (4, 2), "target_layers": (16, 4),
+                "hidden": (1024, 64), "drafter_layers": (3, 2), "anchors": (256, 8), "block_size": (16, 8)}
+    for name, (gpu, cpu) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if small else gpu)
+        elif getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.hidden % 64:
+        ap.error(f"--hidden must be a multiple of 64 (the head width), got {args.hidden}")
+    if args.seq_len < 2 * args.block_size:
+        ap.error(f"--seq-len must be at least twice --block-size ({2 * args.block_size}), got {args.seq_len}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        ap.error(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# What the run is made of
+
+
+def target_shape(args: argparse.Namespace) -> dict[str, int]:
+    """Qwen3-0.6B's proportions (head dim 128, 2x the width in query heads, 2 queries per kv head, MLP 3x)
+    at --hidden / --target-layers."""
+    head_dim = 128 if args.hidden >= 512 else 16
+    heads = max(2, 2 * args.hidden // head_dim)
+    return {"vocab_size": 512 if args.cpu else 151936, "hidden_size": args.hidden,
+            "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.target_layers,
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": head_dim}
+
+
+def build_target(path: Path, shape: dict[str, int], *, cuda: bool) -> int:
+    """A random-init Qwen3 saved like a downloaded checkpoint; returns its parameter count."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from dflash.target import tiny_target_config
+
+    config = tiny_target_config(max_position_embeddings=32768, **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda:0" if cuda else "cpu"):  # random init on the GPU: seconds, not a minute
+        model = Qwen3ForCausalLM(config)
+    model.to(torch.bfloat16 if cuda else torch.float32)
+    count = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return count
+
+
+def write_data(path: Path, *, rows: int, seq_len: int, vocab: int) -> None:
+    rng = random.Random(0)
+    prompt = min(16, seq_len // 4)
+    with path.open("w") as f:
+        for _ in range(rows):
+            ids = [rng.randrange(vocab - 1) for _ in range(seq_len)]  # never the last row: the MASK
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (seq_len - prompt)}) + "\n")
+
+
+def split_devices(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    import torch
+
+    if args.cpu:
+        return ["cpu"], ["cpu", "cpu"]
+    n = torch.cuda.device_count()
+    if n == 1:
+        return ["cuda:0"], ["cuda:0"]
+    k = args.targets if args.targets is not None else max(1, n // 2)
+    if not 1 <= k < n:
+        raise SystemExit(f"gpu_smoke: --targets must be between 1 and {n - 1} with {n} GPUs, got {k}")
+    return [f"cuda:{i}" for i in range(k)], [f"cuda:{i}" for i in range(k, n)]
+
+
+def raw_config(args: argparse.Namespace, tmp: Path, targets: list[str], drafters: list[str]) -> dict[str, t.Any]:
+    dtype = "float32" if args.cpu else "bfloat16"
+    return {
+        "max_steps": args.steps, "log_every": max(1, args.steps // 8), "average_every": max(2, args.steps // 3),
+        "seed": 0, "output_dir": str(tmp / "out"), "compile": not args.cpu, "compile_backend": "inductor",
+        "activation_checkpointing": True,
+        "target": {"path": str(tmp / "target"), "dtype": dtype},
+        "drafter": {"layers": args.drafter_layers, "block_size": args.block_size, "num_anchors": args.anchors,
+                    "dtype": dtype},
+        "data": {"path": str(tmp / "data.jsonl"), "format": "tokens", "max_length": args.seq_len,
+                 "batch_size": args.batch},
+        "devices": {"targets": targets, "drafters": drafters},
+        "checkpoint": {"interval": 0, "dir": str(tmp / "ckpt"), "keep": 1, "resume": "never", "optimizer": False},
+    }
+
+
+def to_toml(raw: t.Mapping[str, t.Any]) -> str:
+    """Enough TOML for raw_config: scalars, lists of scalars, one level of tables."""
+    def value(v: t.Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(f"no TOML for {v!r}")
+
+    top = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {value(vv)}" for kk, vv in v.items())
+              for k, v in raw.items() if isinstance(v, dict)]
+    return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Watching the run: compile time, recompiles, flex warnings
+
+
+class Watch(logging.Handler):
+    """Counts dynamo's "Recompiling function" records and notes when the pipeline starts (after warm-up)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.recompiles: list[str] = []  # after warm-up: each one is a failure
+        self.warmup_recompiles: list[str] = []  # during warm-up: expected (shapes marked dynamic there)
+        self.started_at: float | None = None
+        self.frames_at_start: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "Recompiling function" in msg:
+            (self.recompiles if self.started_at is not None else self.warmup_recompiles).append(msg.splitlines()[0])
+        elif record.name.startswith("dflash") and msg.startswith("training:") and self.started_at is None:
+            self.started_at = time.perf_counter()
+            self.frames_at_start = dynamo_frames()
+
+
+def dynamo_frames() -> int:
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["frames"]["total"])
+    except Exception:  # a torch without these counters: recompiles come from the log records alone
+        return 0
+
+
+def count_eager_flex() -> tuple[list[int], t.Callable[[], None]]:
+    """Count every eager (unfused) flex_attention call: torch warns only once per process, so the count
+    comes from its warn-once helper, wrapped for the run (behaviour unchanged)."""
+    import torch
+
+    count = [0]
+    try:
+        import torch.nn.attention.flex_attention as fa
+
+        orig = fa._warn_once
+        fa._WARNINGS_SHOWN.discard("flex_attention_performance")
+    except (ImportError, AttributeError):  # another torch: the warnings caught are the count
+        return count, lambda: None
+
+    def counting(warning_id: str, message: str, category: type[Warning] = UserWarning) -> None:
+        if warning_id == "flex_attention_performance" and not torch.compiler.is_dynamo_compiling():
+            count[0] += 1
+        orig(warning_id, message, category)
+
+    fa._warn_once = counting
+
+    def undo() -> None:
+        fa._warn_once = orig
+
+    return count, undo
+
+
+def watch_logs() -> tuple[Watch, t.Callable[[], None]]:
+    import torch
+
+    watch = Watch()
+    loggers = [logging.getLogger("dflash"), logging.getLogger("torch._dynamo")]
+    old_levels = [lg.level for lg in loggers]
+    try:
+        torch._logging.set_logs(recompiles=True)
+    except Exception:  # pragma: no cover - older torch
+        pass
+    for lg in loggers:
+        lg.addHandler(watch)
+        if lg.level == logging.NOTSET or lg.level > logging.INFO:
+            lg.setLevel(logging.INFO)
+    # The artifact logger propagates to torch._dynamo's handlers only through torch's own setup.
+    artifact = logging.getLogger("torch._dynamo.guards.__recompiles")
+    artifact.addHandler(watch)
+
+    def undo() -> None:
+        for lg, lvl in zip(loggers, old_levels):
+            lg.removeHandler(watch)
+            lg.setLevel(lvl)
+        artifact.removeHandler(watch)
+
+    return watch, undo
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+
+
+def drafter_step_flops(args: argparse.Namespace, shape: dict[str, int], draft: t.Any, n_target_layers: int) -> float:
+    """Model FLOPs of one drafter step on one batch (the formula in the module docstring)."""
+    S, B = args.seq_len, args.block_size
+    A = min(args.anchors, S - B)
+    H, V = int(draft.hidden_size), shape["vocab_size"]
+    h, g, d, inter = int(draft.num_attention_heads), int(draft.num_key_value_heads), int(draft.head_dim), int(draft.intermediate_size)
+    L = int(draft.num_hidden_layers)
+    Q = A * B
+    anchors = [int((i + 0.5) * (S - B) / A) for i in range(A)]
+    visible = sum((a + B) * B for a in anchors)
+    fwd_train = (2 * S * (n_target_layers * H) * H + L * 2 * S * (2 * H * g * d)
+                 + L * 2 * Q * (H * h * d + 2 * H * g * d + h * d * H + 3 * H * inter) + L * 4 * h * d * visible)
+    head = 2 * Q * H * V
+    return args.batch * (3 * fwd_train + 2 * head)
+
+
+def peak_flops(args: argparse.Namespace) -> tuple[float | None, str]:
+    import torch
+
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    if not torch.cuda.is_available() or args.cpu:
+        return None, "cpu"
+    name = torch.cuda.get_device_name(0)
+    for key, value in PEAK_BF16:
+        if key in name:
+            return value, name
+    return None, name
+
+
+def interval_figures(records: list[dict[str, t.Any]]) -> dict[str, t.Any]:
+    """Ktok/s and drafter step time from the run's own metrics records, the first interval (warm) left out."""
+    steady = records[1:] or records
+    if not steady:
+        return {"ktok_s": None, "drafter_step_s": None}
+    ktok = sum(r["ktok_s"] for r in steady) / len(steady)
+    busy = items = 0.0
+    prev: dict[str, int] = {w["name"]: w["items"] for w in (records[0]["workers"] if len(records) > 1 else [])}
+    for r in steady:
+        for w in r["workers"]:
+            if w["role"] != "drafter":
+                continue
+            busy += w["busy"] * r["interval_s"]
+            items += w["items"] - prev.get(w["name"], 0)
+            prev[w["name"]] = w["items"]
+    return {"ktok_s": ktok, "drafter_step_s": busy / items if items else None}
+
+
+def averaging_round(run: t.Any) -> dict[str, t.Any]:
+    """One averaging round of the trained replicas through the run's engine, vs the copy bound.
+
+    With one drafter a second replica is made (a perturbed copy on the same device) so a round happens.
+    The result is checked: replicas bit-identical, and equal to the mean computed on the CPU."""
+    import torch
+
+    from dflash.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
+
+    reps = [r.trainable() for r in run.drafters]
+    made = False
+    if len(reps) < 2:
+        with torch.no_grad():
+            reps.append([p.detach().clone().add_(1e-3) for p in reps[0]])
+        made = True
+    k = max(range(len(reps[0])), key=lambda i: reps[0][i].numel())  # the largest tensor, for the check
+    want = torch.stack([rep[k].detach().float().cpu() for rep in reps]).mean(0)
+    avg = run.averager if not made else Averager.for_replicas(reps)
+    avg.average(reps)  # first round: allocates the pinned buffers
+    first = avg.last_round
+    avg.average(reps)
+    warm = avg.last_round
+    bw = {d: measure_copy_bandwidth(d) for d in sorted({p.device for rep in reps for p in rep}, key=str)}
+    bound = copy_bound_seconds(reps, bw)
+    identical = all(torch.equal(reps[0][i].cpu(), rep[i].cpu()) for rep in reps[1:] for i in range(len(reps[0])))
+    close = torch.allclose(reps[0][k].float().cpu(), want, rtol=1e-5, atol=1e-6)
+    if made:
+        avg.close()
+    return {"replicas": len(reps), "copied_replica": made, "mb_per_replica": sum(p.numel() * p.element_size() for p in reps[0]) / 2**20,
+            "first_round_s": first.seconds if first else None, "round_s": warm.seconds if warm else None,
+            "bytes_moved": warm.bytes_moved if warm else None, "copy_bound_s": bound,
+            "ratio": (warm.seconds / bound) if warm and bound else None,
+            "bandwidth_gb_s": {str(d): [round(b.out / 1e9, 2), round(b.back / 1e9, 2)] for d, b in bw.items()},
+            "bit_identical": identical, "equals_cpu_mean": close}
+
+
+def gpu_memory() -> list[dict[str, t.Any]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [{"gpu": i, "peak_allocated_gib": round(torch.cuda.max_memory_allocated(i) / 2**30, 2),
+             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(i) / 2**30, 2),
+             "total_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            for i in range(torch.cuda.device_count())]
+
+
+# --------------------------------------------------------------------------------------------
+# The forced OOM, read back the way `dflashctl status` reads a run
+
+
+def end_leftovers(record: Path) -> None:
+    """SIGKILL the command and keeper a timed-out OOM run left (the pids it recorded, same start time)."""
+    import signal
+
+    from ops.runner import proc_stat
+
+    try:
+        run = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    for key in ("child", "keeper"):
+        pid, start = run.get(f"{key}_pid"), run.get(f"{key}_start")
+        st = proc_stat(pid) if isinstance(pid, int) else None
+        if st is not None and st[1] == start:
+            os.kill(pid, signal.SIGKILL)
+
+
+def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], drafters: list[str]) -> dict[str, t.Any]:
+    from ops import agent, probe
+
+    cfg = copy.deepcopy(raw)
+    cfg["max_steps"] = 4
+    cfg["compile"] = False  # the OOM comes before compiling would pay off; keep the run short
+    cfg["checkpoint"] = {**cfg["checkpoint"], "dir": str(tmp / "oom-ckpt")}
+    # Only the capped GPU drafts: with drafters left elsewhere the run would go on without it (by design).
+    cfg["devices"] = {**cfg["devices"], "drafters": [drafters[-1]]}
+    cfg_path = tmp / "oom.toml"
+    cfg_path.write_text(to_toml(cfg))
+    env = dict(os.environ)
+    if args.cpu:
+        gpu = 0  # the injected message names GPU 0 for a CPU device
+        command = [sys.executable, "-m", "dflash", "train", "--config", str(cfg_path)]
+        env["DFLASH_FAULT"] = "oom-at-step:1"
+        how = "injected (DFLASH_FAULT=oom-at-step:1: the allocator's text, raised in the drafter step)"
+    else:
+        gpu = int(drafters[-1].split(":")[1])
+        command = [sys.executable, "-c", OOM_SHIM, str(gpu), str(args.oom_cap_gib * 2**30),
+                   "train", "--config", str(cfg_path)]
+        how = f"real: GPU {gpu}'s allocator capped at {args.oom_cap_gib:g} GiB"
+    session = "smoke"
+    run_dir = tmp / "runs"
+    attempt = run_dir / session / "attempt-1"
+    runner = [sys.executable, "-m", "ops.runner", "--attempt-dir", str(attempt), "--session", session,
+              "--attempt", "1", "--cwd", str(ROOT), "--python", sys.executable, "--", *command]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(runner, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=args.oom_timeout)
+        runner_rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:  # the runner is killed; its keeper and the command live on by design
+        runner_rc = None
+        end_leftovers(attempt / "run.json")
+    req = {"session": session, "socket": f"dflash-smoke-{os.getpid()}", "run_dir": str(run_dir),
+           "workdir": str(tmp), "python": sys.executable}
+    facts = {"host": "local", "session": session, "socket": req["socket"], "container_id": None,
+             "hang_after": 600, "startup_grace": 0, "checked_at": time.time(), "mode": "agent",
+             "agent": {"ok": True, "protocol": agent.PROTOCOL, "verb": "probe", **agent.probe(req)}}
+    st = probe.classify(facts)
+    return {"how": how, "gpu_expected": gpu, "runner_exit": runner_rc, "seconds": time.perf_counter() - t0,
+            "state": st.state, "cause": st.cause, "gpu": st.gpu, "detail": (st.detail or "")[:300],
+            "log": str(attempt / "train.log")}
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv: t.Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    t_start = time.perf_counter()
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(msg: str) -> None:
+        print(f"[gpu_smoke {time.perf_counter() - t_start:6.1f}s] {msg}", file=out, flush=True)
+
+    from dflash.config import parse_config
+    from dflash.train import Run
+
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-smoke-"))
+    try:
+        shape = target_shape(args)
+        t0 = time.perf_counter()
+        n_params = build_target(tmp / "target", shape, cuda=not args.cpu)
+        build_s = time.perf_counter() - t0
+        say(f"target: Qwen3 {shape['num_hidden_layers']} layers x {shape['hidden_size']}, vocab {shape['vocab_size']}: "
+            f"{n_params / 1e6:.0f}M params, built and saved in {build_s:.1f}s")
+        write_data(tmp / "data.jsonl", rows=max(8, args.steps * args.batch * 2), seq_len=args.seq_len,
+                   vocab=shape["vocab_size"])
+        targets, drafters = split_devices(args)
+        raw = raw_config(args, tmp, targets, drafters)
+        cfg = parse_config(raw, base=tmp)
+        say(f"devices: targets {targets}, drafters {drafters}; compile {cfg.compile} ({cfg.compile_backend}), "
+            f"activation checkpointing {cfg.activation_checkpointing}; {args.steps} steps of {args.batch} x {args.seq_len} tokens")
+        if torch.cuda.is_available() and not args.cpu:
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+        watch, undo = watch_logs()
+        eager_flex, undo_flex = count_eager_flex()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # every flex warning, not the first per call site
+            try:
+                run = Run(cfg, environ={**os.environ, "DFLASH_RUN_DIR": str(tmp / "run")}, stream=out)
+                t_train = time.perf_counter()
+                rc = run.train()
+                train_s = time.perf_counter() - t_train
+            finally:
+                undo()
+                undo_flex()
+        flex = max(eager_flex[0], sum(FLEX_WARNING in str(w.message) for w in caught))
+        compile_s = (watch.started_at - t_train) if watch.started_at is not None else None
+        frames_after = dynamo_frames() - watch.frames_at_start if watch.frames_at_start is not None else None
+        records = list(run.metrics.records) if run.metrics is not None else []
+        figures = interval_figures(records)
+        flops = drafter_step_flops(args, shape, run.draft_config, len(run.targets[0].model.layer_ids))
+        peak, peak_from = peak_flops(args)
+        step_s = figures["drafter_step_s"]
+        mfu = flops / step_s / peak if (peak and step_s) else None
+        memory = gpu_memory()
+        say(f"trained: exit {rc} in {train_s:.1f}s; averaging round next")
+        avg = averaging_round(run)
+        oom = None
+        if not args.no_oom:
+            say("forcing an OOM under the runner")
+            oom = forced_oom(args, tmp, raw, drafters)
+        result = {
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+            "gpus": 0 if args.cpu else torch.cuda.device_count(),
+            "targets": targets, "drafters": drafters, "target_params_m": round(n_params / 1e6, 1),
+            "target_build_s": round(build_s, 2), "train_exit": rc, "train_s": round(train_s, 2),
+            "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
+            "ktok_s": figures["ktok_s"], "drafter_step_s": step_s, "drafter_step_tflop": flops / 1e12,
+            "mfu": mfu, "peak_tflops": peak / 1e12 if peak else None, "peak_from": peak_from,
+            "compile_s": compile_s, "recompiles_after_warmup": len(watch.recompiles),
+            "recompiles_in_warmup": len(watch.warmup_recompiles),
+            "recompile_messages": watch.recompiles[:5], "dynamo_frames_after_warmup": frames_after,
+            "flex_eager_warnings": flex, "memory": memory, "averaging": avg, "oom": oom,
+            "total_s": round(time.perf_counter() - t_start, 1),
+        }
+        result["checks"] = checks(args, result)
+        if args.keep:
+            result["temp_dir"] = str(tmp)
+        if args.json:
+            print(json.dumps(result, default=str))
+        else:
+            print_report(result)
+        return 0 if all(c["ok"] for c in result["checks"]) else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def checks(args: argparse.Namespace, r: dict[str, t.Any]) -> list[dict[str, t.Any]]:
+    out = [{"name": "training exited 0", "ok": r["train_exit"] == 0},
+           {"name": "no (re)compile after warm-up", "ok": r["recompiles_after_warmup"] == 0
+            and not r["dynamo_frames_after_warmup"]},
+           {"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]},
+           {"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]}]
+    if not args.cpu:  # eager flex is the CPU path; on CUDA it is the OOM the issue is about
+        out.append({"name": "no eager flex_attention warning", "ok": r["flex_eager_warnings"] == 0})
+    if r["oom"] is not None:
+        o = r["oom"]
+        out.append({"name": f"status: crashed / cuda-oom on GPU {o['gpu_expected']}",
+                    "ok": (o["state"], o["cause"], o["gpu"]) == ("crashed", "cuda-oom", o["gpu_expected"])})
+    return out
+
+
+def _fmt(v: t.Any, spec: str = ".2f", none: str = "n/a") -> str:
+    return none if v is None else format(v, spec)
+
+
+def print_report(r: dict[str, t.Any]) -> None:
+    a = r["averaging"]
+    lines = [
+        f"device              {r['device']} x {r['gpus']}   targets {r['targets']}  drafters {r['drafters']}",
+        f"target              {r['target_params_m']}M params (built + saved {r['target_build_s']}s)",
+        f"throughput          {_fmt(r['ktok_s'], '.1f')} Ktok/s (steady intervals)",
+        f"drafter step        {_fmt(r['drafter_step_s'], '.4f')} s, {r['drafter_step_tflop']:.2f} TFLOP/step "
+        f"-> MFU {_fmt(r['mfu'] * 100 if r['mfu'] is not None else None, '.1f') + '%' if r['mfu'] is not None else 'n/a'} "
+        f"(peak {_fmt(r['peak_tflops'], '.0f')} TFLOP/s, {r['peak_from']})",
+        f"compile (warm-up)   {_fmt(r['compile_s'], '.1f')} s",
+        f"recompiles          {r['recompiles_after_warmup']} after warm-up (dynamo frames compiled after: "
+        f"{r['dynamo_frames_after_warmup']}; {r['recompiles_in_warmup']} during warm-up)",
+        f"eager flex calls    {r['flex_eager_warnings']} (\"flex_attention called without torch.compile\")",
+    ]
+    for m in r["memory"]:
+        lines.append(f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "
+                     f"{m['peak_reserved_gib']} GiB reserved of {m['total_gib']} GiB")
+    lines.append(f"averaging           {a['replicas']} replicas x {a['mb_per_replica']:.0f} MB"
+                 f"{' (one a copy)' if a['copied_replica'] else ''}: round {_fmt(a['round_s'], '.3f')} s "
+                 f"(first {_fmt(a['first_round_s'], '.3f')} s), copy bound {a['copy_bound_s']:.3f} s, "
+                 f"ratio {_fmt(a['ratio'], '.2f')}; bandwidth GB/s out/back {a['bandwidth_gb_s']}")
+    if r["oom"] is not None:
+        o = r["oom"]
+        lines.append(f"forced OOM          {o['how']}: status {o['state']} / {o['cause']} / gpu {o['gpu']} "
+                     f"(runner exit {o['runner_exit']}, {o['seconds']:.1f}s)")
+        lines.append(f"                    {o['detail'][:160]}")
+    lines.append(f"total               {r['total_s']} s")
+    for c in r["checks"]:
+        lines.append(f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
