@@ -489,13 +489,13 @@ def test_missing_modules_are_named_and_install_is_offered(tmp_path: Path, src: P
     remote = connect(host)
     with pytest.raises(MissingDependencies) as err:
         deploy(remote, host, source=str(src), echo=lambda s: None)
-    assert err.value.modules == ("torch", "transformers", "safetensors", "click")
+    assert err.value.modules == ("torch", "transformers", "safetensors", "accelerate", "numpy", "click")
     assert "cannot import torch, transformers, safetensors, accelerate, numpy, click (needed by training)" in str(err.value)
     assert "dflashctl deploy --install" in str(err.value)
     assert not Path(host.workdir, "current").exists()
     out, echo = lines()
     deploy(remote, host, source=str(src), dry_run=True, install=True, echo=echo)
-    assert out[0].startswith("would pip-install into ") and out[0].endswith("torch transformers>=5.0,<6 safetensors>=0.4 click>=8.1")
+    assert out[0].startswith("would pip-install into ") and out[0].endswith("torch transformers>=5.24,<6 safetensors>=0.4 accelerate>=1.1 numpy>=1.24 click>=8.1")
 
 
 def test_a_python_that_is_not_there_or_too_old_is_a_clear_error(tmp_path: Path, src: Path) -> None:
