@@ -191,6 +191,7 @@ def raw_config(args: argparse.Namespace, tmp: Path, targets: list[str], drafters
         "data": {"path": str(tmp / "data.jsonl"), "format": "tokens", "max_length": args.seq_len,
                  "batch_size": args.batch},
         "devices": {"targets": targets, "drafters": drafters},
+        "optim": {"sequences_per_update": args.batch},  # one batch per update: the step time is a batch's
         "checkpoint": {"interval": 0, "dir": str(tmp / "ckpt"), "keep": 1, "resume": "never", "optimizer": False},
     }
 
