@@ -2,6 +2,8 @@
 
     dflash train --config configs/tiny-cpu.toml [--set drafter.block_size=8 ...]
     dflash make-tiny --out .dflash/tiny [--seed 0]
+    dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
+    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--plot eval.png [--compare eval-before.json]]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
@@ -88,6 +90,79 @@ def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, sa
                f"MASK id {m.get('mask_token_id')}")
 
 
+@cli.command("prepare-data")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="Run config: its target's tokenizer (or data.tokenizer), data.chat_template_kwargs and data.max_length.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(), help="A tokenizer folder, instead of --config.")
+@click.option("--template-kwargs", "template_kwargs", default=None, metavar="JSON",
+              help='With --tokenizer: chat template kwargs, e.g. \'{"enable_thinking": false}\'.')
+@click.option("--in", "src", required=True, type=click.Path(dir_okay=False), help="JSONL (or a JSON array): messages, conversations or input_ids.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="The store folder to write.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1), help="Worker processes.")
+@click.option("--strict", is_flag=True, help="Any dropped record is an error (exit 2).")
+@click.option("--max-len", type=click.IntRange(2), default=None, help="Cut sequences to L tokens (default: data.max_length, else 3072).")
+@click.option("--shard-lines", default=10_000, show_default=True, type=click.IntRange(1), help="Lines per resumable shard.")
+def prepare_data_cmd(config_path: str | None, tokenizer_path: str | None, template_kwargs: str | None, src: str,
+                     out: str, workers: int, strict: bool, max_len: int | None, shard_lines: int) -> None:
+    """Render a chat corpus with the target's chat template into a memory-mapped token store."""
+    import json
+
+    from dflash.data import DataError, load_tokenizer
+    from dflash.store import PrepareSpec, StoreError, prepare
+
+    def fail(msg: str) -> t.NoReturn:
+        click.echo(msg, err=True)
+        raise SystemExit(EXIT_CONFIG)
+
+    if (config_path is None) == (tokenizer_path is None):
+        fail("prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH")
+    kwargs: dict[str, t.Any] = {}
+    if config_path is not None:
+        if template_kwargs is not None:
+            fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
+        from dflash.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(config_path, ())
+        except ConfigError as e:
+            fail(f"prepare-data: {e}")
+        kwargs = dict(cfg.data.chat_template_kwargs)
+        max_len = max_len or cfg.data.max_length
+        tokenizer_path = cfg.data.tokenizer or cfg.target.path
+        if tokenizer_path is not None and cfg.data.tokenizer is None:
+            try:  # a target folder without a tokenizer still prepares pre-tokenized data
+                load_tokenizer(tokenizer_path)
+            except DataError:
+                tokenizer_path = None
+    elif template_kwargs is not None:
+        try:
+            kwargs = json.loads(template_kwargs)
+        except json.JSONDecodeError as e:
+            fail(f"prepare-data: --template-kwargs: not valid JSON: {e}")
+        if not isinstance(kwargs, dict):
+            fail("prepare-data: --template-kwargs: expected a JSON object")
+    spec = PrepareSpec(src=src, out=out, tokenizer_path=tokenizer_path, kwargs=kwargs, max_len=max_len or 3072,
+                       workers=workers, strict=strict, shard_lines=shard_lines)
+    try:
+        meta = prepare(spec, log=lambda m: click.echo(m, err=True))
+    except (StoreError, DataError) as e:
+        fail(str(e))
+    c = meta["counts"]
+    secs = meta["seconds"]
+    sup = 100.0 * c["supervised"] / max(c["tokens"], 1)
+    click.echo(f"prepare-data: {c['records']} records -> {c['sequences']} sequences, {c['tokens']} tokens "
+               f"({sup:.0f}% supervised) in {secs:.1f}s ({c['records'] / max(secs, 1e-9):.0f} records/s, "
+               f"{workers} worker{'s' if workers > 1 else ''}); wrote {out}")
+    if c["cut"]:
+        click.echo(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
+    if c["dropped_turns"]:
+        click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
+    for reason, d in meta["drops"].items():
+        more = " ..." if d["count"] > len(d["lines"]) else ""
+        click.echo(f"prepare-data: dropped {d['count']} {reason}: {d['message']} (line "
+                   f"{', '.join(map(str, d['lines'][:10]))}{more})")
+
+
 @cli.command("eval")
 @click.option("--drafter", "drafter_path", type=click.Path(), help="A checkpoint dir, or a folder of step-* checkpoints (the latest).")
 @click.option("--untrained", is_flag=True, help="Measure the drafter the run started from (step 0: same config and seed).")
@@ -144,6 +219,22 @@ def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None,
         click.echo(f"plot: {plot_path}")
     if strict and not report.all_equal:
         raise SystemExit(EXIT_FAILED)
+
+
+@cli.command("export")
+@click.argument("source", metavar="CKPT", type=click.Path())
+@click.argument("out", metavar="OUT", type=click.Path())
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
+              help="Weights dtype of the exported model.")
+@click.option("--eval", "eval_path", type=click.Path(dir_okay=False), metavar="REPORT.json",
+              help="A `dflash eval --json` report: its tau goes into the model card.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def export_cmd(source: str, out: str, dtype: str, eval_path: str | None, force: bool) -> None:
+    """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
+    from dflash.export import export
+
+    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force)
+    click.echo(f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))")
 
 
 @cli.group()
@@ -222,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.data import DataError
     from dflash.eval_plot import PlotError
     from dflash.evaluate import EvalError
+    from dflash.export import ExportError
     from dflash.tiny import TinyError
 
     try:
@@ -234,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (ConfigError, DataError, EvalError, TinyError, CheckpointError) as e:  # bad input; the message names it
+    except (ConfigError, DataError, EvalError, TinyError, CheckpointError, ExportError) as e:  # bad input; the message names it
         click.echo(f"dflash: {e}", err=True)
         return EXIT_CONFIG
     except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw

@@ -9,6 +9,7 @@ Layout of one checkpoint, ``<root>/step-<n>/``:
 - ``trainer_state.pt``  {"step", "trainer_state", "optimizer"}: whatever the trainer needs to resume
                         (data position, RNG, pipeline config); loaded with ``weights_only=True``, so
                         it may hold tensors, numbers, strings, lists, tuples and dicts
+- ``dflash.py``         the drafter as HF remote code (``dflash.hf_remote``): config.json's auto_map loads it
 - ``checkpoint.json``   the manifest, written last: step, the run id, the size and sha256 of every file above
 
 Everything is written into ``<root>/.tmp-step-<n>-<pid>``, fsynced, and renamed to ``step-<n>``, so a
@@ -48,6 +49,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash import hf_remote
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 
 __all__ = [
@@ -256,9 +258,10 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
         dtype = next(iter(weights.values())).dtype if weights else None
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(config_json(snap.config, dtype=dtype))
+        hf_remote.write(tmp)  # AutoModel.from_pretrained(..., trust_remote_code=True) without this package
         torch.save({"step": step, "trainer_state": snap.trainer_state, "optimizer": snap.optimizer_state},
                    tmp / STATE_FILE)
-        names = (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE)
+        names = (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE, hf_remote.FILE_NAME)
         manifest = {
             "format": FORMAT,
             "step": step,
@@ -430,7 +433,8 @@ def _manifest_problem(path: Path) -> str | None:
     if manifest.get("step") != _step_of(path):
         return f"{MANIFEST_FILE}: step {manifest.get('step')!r} does not match the directory name"
     files = manifest.get("files")
-    if not isinstance(files, dict) or set(files) != {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}:
+    required = {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}  # dflash.py: in newer checkpoints only
+    if not isinstance(files, dict) or not required <= set(files) <= required | {hf_remote.FILE_NAME}:
         return f"{MANIFEST_FILE}: file list is wrong"
     for name, size in files.items():
         try:

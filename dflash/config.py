@@ -75,7 +75,10 @@ class DrafterConfig:
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8 (the paper's table), else 7*B/16
     num_anchors: int = 512
     target_layer_ids: tuple[int, ...] | None = None  # None: build_target_layer_ids(L, layers)
-    mask_token_id: int | None = None  # None: the last row of the target vocabulary
+    # None: the id published drafters use for the target's family (Qwen3: 151669), else the last row of
+    # the target vocabulary; with init_from, the published drafter's own id
+    mask_token_id: int | None = None
+    init_from: str | None = None  # a drafter folder (config.json + model.safetensors, z-lab names) to start from
     dtype: str = "bfloat16"
     loss_chunk: int = 128  # blocks per lm_head + cross-entropy chunk
 
@@ -91,6 +94,8 @@ class DataConfig:
     path: str
     format: str = "auto"  # "tokens" ({"input_ids", "loss_mask"}), "chat" ({"messages"}), or "auto" per line
     tokenizer: str | None = None  # needed for chat records; default: target.path
+    # passed to the chat template as serving passes them, e.g. {enable_thinking = false} for Qwen3
+    chat_template_kwargs: dict[str, t.Any] = dataclasses.field(default_factory=dict)
     max_length: int = 3072  # longer samples are cut
     batch_size: int = 1  # sequences per batch at most
     max_batch_tokens: int | None = None  # padded tokens per batch at most (None: batch_size * max_length)
@@ -127,6 +132,10 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0: no clipping
     oom_retry: bool = True  # a drafter step that runs out of memory is retried once as two half-batches
+    # Sequences per optimizer update of ONE drafter replica (gradient accumulation over
+    # ceil(sequences_per_update / data.batch_size) batches, one weight sum over all of them).
+    # None: ceil(32 / drafters), so drafters x sequences ~ 32 (the Qwen3-8B recipe: 4 per GPU x 8 GPUs).
+    sequences_per_update: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +166,10 @@ class RunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
-    max_steps: int = 1000  # global steps: batches trained by all drafters together
+    # global steps: optimizer updates by all drafters together (each update is optim.sequences_per_update
+    # sequences of one drafter). None: derived from `epochs` and the corpus size.
+    max_steps: int | None = None
+    epochs: float = 6.0  # passes over the corpus when max_steps is not set
     log_every: int = 10
     average_every: int = 50  # global steps between replica averagings
     barrier_timeout: float = 600.0  # seconds drafters wait for each other at an averaging/checkpoint barrier
@@ -357,6 +369,13 @@ def _value(tp: t.Any, v: t.Any, path: str) -> t.Any:
         if not isinstance(v, str):
             raise ConfigError(path, f"expected a string, got {_show(v)}")
         return v
+    if t.get_origin(tp) is dict:  # a TOML table of plain values (chat template kwargs)
+        if not isinstance(v, t.Mapping):
+            raise ConfigError(path, f"expected a table, got {_show(v)}")
+        for k, x in v.items():
+            if isinstance(x, (dict, list)) or x is None:
+                raise ConfigError(f"{path}.{k}", f"expected a string, number or true/false, got {_show(x)}")
+        return dict(v)
     if t.get_origin(tp) is tuple:
         args = t.get_args(tp)
         if not isinstance(v, list):
@@ -473,7 +492,12 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError("seed", f"must be in [0, {SEED_MAX}], got {cfg.seed}")
     if tg.tiny is not None and not 0 <= tg.tiny.seed <= SEED_MAX:
         raise ConfigError("target.tiny.seed", f"must be in [0, {SEED_MAX}], got {tg.tiny.seed}")
-    positive("max_steps", cfg.max_steps)
+    if cfg.max_steps is not None:
+        positive("max_steps", cfg.max_steps)
+    if not cfg.epochs > 0:
+        raise ConfigError("epochs", f"must be > 0, got {cfg.epochs:g}")
+    if o.sequences_per_update is not None:
+        positive("optim.sequences_per_update", o.sequences_per_update)
     positive("log_every", cfg.log_every)
     positive("average_every", cfg.average_every)
     positive("barrier_timeout", cfg.barrier_timeout)

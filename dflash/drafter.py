@@ -52,6 +52,7 @@ __all__ = [
     "DFlashDraftModel",
     "DraftCache",
     "draft_config_for",
+    "published_mask_token_id",
 ]
 
 FULL_ATTENTION = "full_attention"
@@ -62,6 +63,17 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 AttentionMask = t.Union[torch.Tensor, "BlockMask", None]
+
+# The MASK id published drafters use per target family, keyed by (model_type, embedding rows): the first
+# row past the tokenizer's tokens (SpecForge configs/qwen3-8b-dflash.json, z-lab's Qwen3 drafters).
+# A warm start from a published drafter needs the same id: its weights learnt that row's embedding as MASK.
+PUBLISHED_MASK_IDS: dict[tuple[str, int], int] = {("qwen3", 151936): 151669}
+
+
+def published_mask_token_id(target_config: t.Any) -> int | None:
+    """The MASK id published drafters of this target family use, or None for a family without one."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return PUBLISHED_MASK_IDS.get((str(getattr(text, "model_type", "")), int(getattr(text, "vocab_size", 0) or 0)))
 
 
 @strict
@@ -420,6 +432,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     _can_record_outputs: t.ClassVar[dict[str, t.Any]] = {}
 
     def __init__(self, config: DFlashDraftConfig) -> None:
+        if not isinstance(config, DFlashDraftConfig):
+            # AutoModel (trust_remote_code) reads config.json as a plain Qwen3Config (model_type qwen3)
+            config = DFlashDraftConfig.from_dict(config.to_dict())
         super().__init__(config)
         target_layer_ids = config.target_layer_ids
         if target_layer_ids is None:

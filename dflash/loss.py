@@ -307,8 +307,9 @@ def training_masks(drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int,
 class LossTerms:
     """The weighted loss and the counts behind the metrics (all over scored slots, weight > 0)."""
 
-    loss: torch.Tensor  # scalar, with grad
+    loss: torch.Tensor  # scalar, with grad: loss_sum / weight_sum
     weight_sum: torch.Tensor  # scalar
+    loss_sum: torch.Tensor  # scalar, with grad: the weighted CE sum (gradient accumulation normalises it once)
     correct_per_slot: torch.Tensor  # [B] argmax == label
     scored_per_slot: torch.Tensor  # [B]
     accepted_sum: torch.Tensor  # scalar: sum over blocks of the matched prefix length (slots 1..)
@@ -368,7 +369,7 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
     assert sums is not None
     loss_sum, correct, scored, accepted, blocks = sums
     weight_sum = weights.sum()
-    return LossTerms(loss=loss_sum / weight_sum, weight_sum=weight_sum, correct_per_slot=correct,
+    return LossTerms(loss=loss_sum / weight_sum, weight_sum=weight_sum, loss_sum=loss_sum, correct_per_slot=correct,
                      scored_per_slot=scored, accepted_sum=accepted, blocks=blocks)
 
 
@@ -377,6 +378,8 @@ class StepOutput:
     """One drafter step. ``loss`` has grad; the metrics stay on the device (read them once per log interval)."""
 
     loss: torch.Tensor
+    loss_sum: torch.Tensor  # the weighted CE sum (with grad) and the weight sum behind ``loss``: accumulating
+    weight_sum: torch.Tensor  # micro-batches divides the sum of sums by ONE weight sum, as SpecForge does
     acc_per_slot: torch.Tensor  # [B-1] float32: accuracy of slots 1..B-1 (0 where nothing was scored)
     acc: torch.Tensor  # 0-dim float64: accuracy over all scored slots
     tau_tf: torch.Tensor  # 0-dim float64: teacher-forced accept length, mean over blocks of 1 + matched prefix
@@ -447,6 +450,8 @@ def drafter_loss(
     blocks = terms.blocks.double()
     return StepOutput(
         loss=terms.loss,
+        loss_sum=terms.loss_sum,
+        weight_sum=terms.weight_sum.detach(),
         acc_per_slot=acc_per_slot.float(),
         acc=torch.where(n_scored > 0, correct.sum() / n_scored.clamp(min=1), torch.zeros_like(n_scored)),
         tau_tf=torch.where(blocks > 0, 1.0 + terms.accepted_sum.double() / blocks.clamp(min=1),

@@ -24,7 +24,7 @@ Rules that keep it from hanging:
 - a fatal error (an injected ``raise``, a failing averaging or checkpoint) stops everything and is
   re-raised by ``run()`` with its own traceback.
 
-Steps are GLOBAL: one step is one batch trained by any drafter; the counter, the learning-rate schedule,
+Steps are GLOBAL: one step is one optimizer update by any drafter (``accumulate`` batches); the counter, the learning-rate schedule,
 ``max_steps``, averaging and checkpoint intervals all count them. Every ``average_every`` (and every
 checkpoint) steps the drafters meet at a barrier: each finishes its step in flight, the last to arrive
 runs ``on_sync`` (averaging, checkpoint) while no step is in flight, then all go on; the event carries
@@ -133,6 +133,9 @@ class PipelineOptions:
     checkpoint_every: int = 0  # 0: only the final checkpoint
     barrier_timeout: float = 600.0
     oom_retry: bool = True
+    # queue items one drafter step takes (gradient accumulation): the step gets them as a list when > 1,
+    # and one global step is one optimizer update. A source that runs dry mid-update trains what it got.
+    accumulate: int = 1
     poll: float = 0.05  # seconds any blocking wait lasts before it looks at the stop state again
     accounting: bool = True  # per-worker busy/wait time (off only to measure what it costs: the bench)
     join_timeout: float = 8.0  # after the stop, how long all threads together get to exit
@@ -849,25 +852,31 @@ class Pipeline:
                     break
                 if acct:
                     ws.enter("wait", time.monotonic())
-                item = self._get(k)
+                items: list[Item] = []
+                while len(items) < self.options.accumulate:
+                    got = self._get(k)
+                    if got is None:
+                        break
+                    self.coord.took(got)
+                    items.append(got)
                 if acct:  # on CUDA the host's part of the step is "other": the events say how busy the GPU was
                     ws.enter("busy" if timer is None else "", time.monotonic())
-                if item is None:
+                if not items:
                     self.coord.unclaim()
                     step = None
                     break
-                self.coord.took(item)
                 start = timer.mark() if timer is not None else None
-                stats = self._train(j, work, item, step)
+                payload = items[0].payload if self.options.accumulate == 1 else [it.payload for it in items]
+                stats = self._train(j, work, payload, step)
                 if timer is not None and start is not None:
                     timer.done(start)
                 if acct:
                     ws.enter("", time.monotonic())
-                ws.items += 1
+                ws.items += len(items)
                 n = self.coord.complete()
                 step = None
                 if self.on_step is not None:
-                    self.on_step(n, stats, item.tokens)
+                    self.on_step(n, stats, sum(it.tokens for it in items))
         except BaseException as e:
             if step is not None:
                 self.coord.unclaim()
@@ -877,12 +886,12 @@ class Pipeline:
                 ws.enter("", time.monotonic())
             self._retire("drafter", j)
 
-    def _train(self, j: int, work: DrafterWork, item: Item, step: int) -> StepStats:
+    def _train(self, j: int, work: DrafterWork, payload: t.Any, step: int) -> StepStats:
         attempts = 2 if self.options.oom_retry else 1
         for attempt in range(attempts):
             try:
                 self._inject("drafter", j, step, work.device)
-                return work.step(item.payload, step=step, micro_batches=2 if attempt else 1)
+                return work.step(payload, step=step, micro_batches=2 if attempt else 1)
             except torch.OutOfMemoryError as e:
                 if attempt + 1 >= attempts or id(e) in self._fatal_ids:
                     raise

@@ -8,6 +8,12 @@ device with its own AdamW over fp32 master weights (the model itself in ``drafte
 masters are the parameters), the target's frozen embedding + lm_head on every drafter device, the data
 shards, and the pipeline (``dflash.pipeline``) that runs them.
 
+Updates: one global step is one optimizer update of one drafter replica over ``optim.sequences_per_update``
+sequences (gradient accumulation over ``ceil(sequences_per_update / data.batch_size)`` queue items, the
+weighted loss normalised by ONE weight sum over all of them; default ``ceil(32 / drafters)``, the published
+Qwen3-8B recipe's 32 sequences per update). ``max_steps`` unset: ``epochs`` x batches per epoch / batches
+per update. Both are printed at start.
+
 Learning rate: linear warmup over ``optim.warmup_ratio * max_steps`` global steps, then cosine (or
 linear) decay to ``min_lr_ratio * lr`` at ``max_steps``; every drafter reads it at the global step it
 trains. Gradients are clipped to ``optim.grad_clip`` (global norm, per replica, on the fp32 masters).
@@ -54,7 +60,7 @@ from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
-from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
 from dflash.loss import drafter_loss
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
 from dflash.pipeline import (
@@ -65,6 +71,10 @@ from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_t
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
+
+# Sequences per update summed over the drafters when optim.sequences_per_update is not set: the published
+# Qwen3-8B DFlash recipe (4 sequences per GPU x 8 GPUs).
+UPDATE_SEQUENCES = 32
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -251,58 +261,87 @@ class DrafterReplica:
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, payload: FeatureBatch, *, step: int, micro_batches: int = 1) -> StepStats:
+    def step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int = 1) -> StepStats:
+        """One optimizer update on one batch, or on several (gradient accumulation: the pipeline hands
+        ``optim.sequences_per_update`` sequences' worth of batches at once)."""
         dev = torch.device(self.device)
         with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
             return self._step(payload, step=step, micro_batches=micro_batches)
 
-    def _step(self, payload: FeatureBatch, *, step: int, micro_batches: int) -> StepStats:
+    def accumulate(self, payloads: t.Sequence[FeatureBatch], *, micro_batches: int = 1) -> dict[str, t.Any]:
+        """Backward over every batch, then the masters' grads divided by ONE weight sum over all of them.
+
+        Each micro-batch backpropagates its weighted CE SUM; the sum of the weight sums divides the
+        gradients once at the end (a device tensor: no host sync), so k accumulated batches give the
+        gradient of the concatenated batch's loss, not a mean of per-batch means. The sums go backward
+        divided by the FIRST micro-batch's weight sum (its own loss for the first: one batch is exactly the
+        plain mean loss), which keeps fp16/bf16 grads at the size of a mean loss's.
+        Returns the step's figures (device tensors).
+        """
         d = self.cfg.drafter
-        lr = self.schedule(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.model.train()
         self.model.zero_grad(set_to_none=True)
-        feats = payload.take(torch.device(self.device))
-        rows = payload.input_ids.shape[0]
-        anchors = d.num_anchors
-        if micro_batches > 1 and rows >= 2:
-            cuts = [(a * rows // micro_batches, (a + 1) * rows // micro_batches) for a in range(micro_batches)]
-        else:
-            cuts = [(0, rows)]
-            if micro_batches > 1:  # one sequence: halve the anchors instead
-                anchors = max(1, anchors // micro_batches)
-        # The step's figures stay on the device (float64): no host sync here; the metrics read them.
+        rows_total = sum(p.input_ids.shape[0] for p in payloads)
         loss_sum: torch.Tensor | None = None
+        weight_sum: torch.Tensor | None = None
         acc_sum: torch.Tensor | None = None
         tau_sum: torch.Tensor | None = None
         slots: torch.Tensor | None = None
         blocks = 0
-        for a, b in cuts:
-            out = drafter_loss(
-                self.model, self.head, payload.input_ids[a:b], payload.loss_mask[a:b], feats[a:b],
-                num_anchors=anchors, gamma=d.loss_gamma, generator=self.generator, chunk_size=d.loss_chunk,
-            )
-            share = (b - a) / rows
-            (out.loss * share).backward()
-            loss_sum = _add(loss_sum, out.loss.detach().double() * share)
-            acc_sum = _add(acc_sum, out.acc * share)
-            if out.n_blocks:  # tau_tf is NaN only without blocks
-                tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
-                blocks += out.n_blocks
-            slots = _add(slots, out.acc_per_slot * share)
-        assert loss_sum is not None and acc_sum is not None
+        scale: torch.Tensor | None = None
+        for payload in payloads:
+            feats = payload.take(torch.device(self.device))
+            rows = payload.input_ids.shape[0]
+            anchors = d.num_anchors
+            if micro_batches > 1 and rows >= 2:
+                cuts = [(a * rows // micro_batches, (a + 1) * rows // micro_batches) for a in range(micro_batches)]
+            else:
+                cuts = [(0, rows)]
+                if micro_batches > 1:  # one sequence: halve the anchors instead
+                    anchors = max(1, anchors // micro_batches)
+            # The step's figures stay on the device (float64): no host sync here; the metrics read them.
+            for a, b in cuts:
+                out = drafter_loss(
+                    self.model, self.head, payload.input_ids[a:b], payload.loss_mask[a:b], feats[a:b],
+                    num_anchors=anchors, gamma=d.loss_gamma, generator=self.generator, chunk_size=d.loss_chunk,
+                )
+                if scale is None:
+                    scale = out.weight_sum.detach()
+                    out.loss.backward()
+                else:
+                    (out.loss_sum / scale).backward()
+                share = (b - a) / rows_total
+                loss_sum = _add(loss_sum, out.loss_sum.detach().double())
+                weight_sum = _add(weight_sum, out.weight_sum.double())
+                acc_sum = _add(acc_sum, out.acc * share)
+                if out.n_blocks:  # tau_tf is NaN only without blocks
+                    tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
+                    blocks += out.n_blocks
+                slots = _add(slots, out.acc_per_slot * share)
+        assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
         if self.separate_masters:
             self._grads_to_masters()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if grads:  # in fp32 on the masters: the one normalisation
+            torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
+        return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
+
+    def _step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int) -> StepStats:
+        payloads = [payload] if isinstance(payload, FeatureBatch) else list(payload)
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        fig = self.accumulate(payloads, micro_batches=micro_batches)
         if self.cfg.optim.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.sync_from_masters()
-        self.trained.append(payload.index)
+        self.trained.extend(p.index for p in payloads)
+        tau_sum, blocks, slots = fig["tau_sum"], fig["blocks"], fig["slots"]
         return StepStats(
-            loss=loss_sum, acc=acc_sum, tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
+            loss=fig["loss"], acc=fig["acc"], tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
             blocks=blocks, lr=lr, acc_per_slot=slots if slots is not None else (),
         )
 
@@ -501,21 +540,37 @@ class Run:
         t0 = self.targets[0].model
         self.vocab_size = t0.vocab_size
         tokenizer = self._tokenizer()
+        self.init_drafter = self._init_drafter(t0) if cfg.drafter.init_from else None
         mask_id = cfg.drafter.mask_token_id
-        if mask_id is None:
-            mask_id = default_mask_token_id(t0.vocab_size, len(tokenizer) if tokenizer is not None else None)
+        if self.init_drafter is not None:
+            init_mask = self.init_drafter.mask_token_id
+            if mask_id is not None and mask_id != init_mask:
+                raise ConfigError("drafter.mask_token_id", f"{mask_id} differs from {init_mask}, the id the drafter in "
+                                  f"drafter.init_from was trained with; leave it out")
+            mask_id = init_mask
+        elif mask_id is None:
+            published = published_mask_token_id(t0.model.config)
+            if published is not None and (tokenizer is None or len(tokenizer) <= published):
+                mask_id = published  # what published drafters of this family use: warm starts and comparisons agree
+            else:
+                mask_id = default_mask_token_id(t0.vocab_size, len(tokenizer) if tokenizer is not None else None)
         elif mask_id >= t0.vocab_size:
             raise ConfigError("drafter.mask_token_id", f"{mask_id} is outside the target vocabulary ({t0.vocab_size})")
         self.mask_token_id = mask_id
-        self.draft_config = draft_config_for(
-            t0.model.config, num_layers=cfg.drafter.layers, block_size=cfg.drafter.block_size,
-            mask_token_id=mask_id, target_layer_ids=t0.layer_ids,
-        )
+        if self.init_drafter is not None:
+            self.draft_config = self.init_drafter.config
+        else:
+            self.draft_config = draft_config_for(
+                t0.model.config, num_layers=cfg.drafter.layers, block_size=cfg.drafter.block_size,
+                mask_token_id=mask_id, target_layer_ids=t0.layer_ids,
+            )
         self.dataset = JsonlDataset(cfg.data.path, format=cfg.data.format, tokenizer=tokenizer,
-                                    max_length=cfg.data.max_length, vocab_size=t0.vocab_size, mask_token_id=mask_id)
+                                    max_length=cfg.data.max_length, vocab_size=t0.vocab_size, mask_token_id=mask_id,
+                                    chat_template_kwargs=cfg.data.chat_template_kwargs)
         self.plan = BatchPlan(self.dataset.lengths, batch_size=cfg.data.batch_size,
                               max_batch_tokens=cfg.data.max_batch_tokens, bucket_window=cfg.data.bucket_window,
                               shuffle=cfg.data.shuffle, seed=cfg.seed)
+        cfg = self._derive_steps(cfg)
         self.schedule = LRSchedule(lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_ratio=cfg.optim.warmup_ratio,
                                    schedule=cfg.optim.schedule, min_lr_ratio=cfg.optim.min_lr_ratio)
         self.drafters = self._build_drafters()
@@ -525,6 +580,54 @@ class Run:
         starts = shard_starts(len(self.targets), self.position)
         self.shard_starts = starts
         self.sources = [Shard(self.dataset, self.plan, start=s, stride=len(self.targets)) for s in starts]
+
+    def _init_drafter(self, t0: TargetModel) -> DFlashDraftModel:
+        """The drafter of ``drafter.init_from`` (ours or a published z-lab folder), checked against this run."""
+        d = self.cfg.drafter
+        key = "drafter.init_from"
+        try:
+            model = ckpt.load_drafter(Path(t.cast(str, d.init_from)).expanduser())
+        except ckpt.CheckpointError as e:
+            raise ConfigError(key, str(e)) from None
+        c = model.config
+        text = t0.model.config.get_text_config() if hasattr(t0.model.config, "get_text_config") else t0.model.config
+        checks = [
+            ("vocab_size", c.vocab_size, t0.vocab_size, "the target's vocabulary"),
+            ("hidden_size", c.hidden_size, int(text.hidden_size), "the target's hidden size"),
+            ("num_target_layers", c.num_target_layers, int(text.num_hidden_layers), "the target's layers"),
+            ("target_layer_ids", list(model.target_layer_ids), list(t0.layer_ids), "the target layers this run reads"),
+            ("num_hidden_layers", c.num_hidden_layers, d.layers, "drafter.layers"),
+            ("block_size", model.block_size, d.block_size, "drafter.block_size"),
+        ]
+        for name, theirs, ours, what in checks:
+            if theirs != ours:
+                raise ConfigError(key, f"{d.init_from}: {name} is {theirs}, but {what} is {ours}")
+        logger.info("drafter: warm start from %s (MASK id %d)", d.init_from, model.mask_token_id)
+        return model
+
+    def _derive_steps(self, cfg: RunConfig) -> RunConfig:
+        """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
+        drafters = len(cfg.devices.drafters)
+        spu = cfg.optim.sequences_per_update or math.ceil(UPDATE_SEQUENCES / drafters)
+        self.accumulate = math.ceil(spu / cfg.data.batch_size)
+        per_update = self.accumulate * cfg.data.batch_size
+        batches = len(self.plan.epoch(0))
+        if cfg.max_steps is None:
+            max_steps = max(1, math.ceil(cfg.epochs * batches / self.accumulate))
+            how = f"{cfg.epochs:g} epoch(s) x {batches} batches / {self.accumulate} per update"
+        else:
+            max_steps = cfg.max_steps
+            how = f"max_steps set ({max_steps * self.accumulate / batches:.2f} epochs)"
+        warmup = math.ceil(cfg.optim.warmup_ratio * max_steps)
+        logger.info(
+            "updates: %d sequences per update per drafter (%d batch(es) of <= %d), %d drafter(s): ~%d sequences per "
+            "round; %d samples; max_steps %d (%s); warmup %d steps",
+            per_update, self.accumulate, cfg.data.batch_size, drafters, per_update * drafters, len(self.dataset.lengths),
+            max_steps, how, warmup,
+        )
+        cfg = dataclasses.replace(cfg, max_steps=max_steps, optim=dataclasses.replace(cfg.optim, sequences_per_update=spu))
+        self.cfg = cfg
+        return cfg
 
     def _find_resume(self) -> ckpt.Checkpoint | None:
         """The checkpoint to continue (loaded and verified), and this run's id (``self.run_id``)."""
@@ -630,6 +733,8 @@ class Run:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             base = DFlashDraftModel(self.draft_config)
+        if self.init_drafter is not None:
+            base.load_state_dict(self.init_drafter.state_dict(), strict=True)
         heads: dict[str, TargetHead] = {}
         out = []
         for j, dev in enumerate(cfg.devices.drafters):
@@ -771,7 +876,7 @@ class Run:
                 max_bytes=cfg.queue.max_bytes,
                 average_every=cfg.average_every if len(self.drafters) > 1 else 0,
                 checkpoint_every=cfg.checkpoint.interval, barrier_timeout=cfg.barrier_timeout,
-                oom_retry=cfg.optim.oom_retry,
+                oom_retry=cfg.optim.oom_retry, accumulate=self.accumulate,
             ),
         )
         self.metrics = Metrics(log_every=cfg.log_every, path=self.run_dir / "metrics.jsonl", stream=self.stream,

@@ -64,7 +64,7 @@ def test_round_trip_gives_the_same_logits(tmp_path, target: TargetModel) -> None
 
 def test_files_config_keys_and_parameter_names_are_zlab(tmp_path) -> None:
     path = save_checkpoint(tmp_path, step=1, drafter=new_drafter(), trainer_state={})
-    assert sorted(os.listdir(path)) == ["checkpoint.json", "config.json", "model.safetensors", "trainer_state.pt"]
+    assert sorted(os.listdir(path)) == ["checkpoint.json", "config.json", "dflash.py", "model.safetensors", "trainer_state.pt"]
     assert sorted(load_file(path / "model.safetensors")) == ZLAB_NAMES
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]

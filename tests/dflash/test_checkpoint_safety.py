@@ -160,7 +160,7 @@ def test_a_flipped_weight_byte_is_caught_by_load_checkpoint_load_drafter_and_eva
     run = train(tmp_path, "max_steps=2")
     path = tmp_path / "ckpt" / "step-2"
     manifest = json.loads((path / "checkpoint.json").read_text())
-    assert set(manifest["sha256"]) == {"config.json", "model.safetensors", "trainer_state.pt"}
+    assert set(manifest["sha256"]) == {"config.json", "dflash.py", "model.safetensors", "trainer_state.pt"}
     assert manifest["run_id"] == run.run_id
     flip_a_byte(path / "model.safetensors", (path / "model.safetensors").stat().st_size - 3)  # a weight, not the header
     with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):

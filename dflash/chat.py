@@ -1,0 +1,183 @@
+"""Chat records -> token sequences with loss masks, rendered as the serving engine renders them.
+
+Accepted records (one JSON object per line, or a JSON array of them):
+
+- OpenAI ``{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}``
+- ShareGPT ``{"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}]}``
+  (``user``/``assistant`` are accepted in ``from`` as well)
+- pre-tokenized ``{"input_ids": [...], "loss_mask": [...]}`` (``loss_mask`` optional: all ones)
+
+Rendering (``render_conversation``): for assistant turn k at message i, serving shows the model the text
+``prompt_k = template(messages[:i], add_generation_prompt=True, **kwargs)`` tokenized as a whole, and the
+model then generates the turn. So the training sequence for turn k is ``tok(prompt_k)`` (masked) followed
+by ``tok(answer_k)`` (supervised), where ``answer_k`` is what ``template(messages[:i+1])`` adds after
+``prompt_k``, cut after the last EOS text (the template's trailing newline is never generated). A turn
+whose ``prompt_k`` is not a text prefix of ``template(messages[:i+1])`` (e.g. a Qwen3 template with
+``enable_thinking = false`` and an answer that carries a ``<think>`` block) is dropped: serving never
+produces it.
+
+Several turns share one sequence when the sequence so far is a token prefix of the next turn's
+``tok(prompt_k)`` (Llama-3-like templates: one sequence per conversation); when it is not (templates that
+strip earlier turns' think blocks from the history), the next turn starts a new sequence, so each
+supervised token is preceded by exactly the context serving shows. No prefix property is assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing as t
+
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; ``reason`` is a short key for the drop counts."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sequence:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class Rendered:
+    sequences: list[Sequence]
+    dropped_turns: int = 0  # assistant turns serving never shows (template mismatch)
+
+
+def parse_record(raw: bytes) -> dict[str, t.Any]:
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRecord("bad-json", f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRecord("bad-json", "not valid JSON: nested too deeply") from None
+    if not isinstance(rec, dict):
+        raise BadRecord("not-an-object", "expected a JSON object")
+    return rec
+
+
+def messages_of(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
+    """OpenAI or ShareGPT turns as OpenAI messages; BadRecord when malformed or without an assistant turn."""
+    if "messages" in rec:
+        turns, rk, ck = rec["messages"], "role", "content"
+    elif "conversations" in rec:
+        turns, rk, ck = rec["conversations"], "from", "value"
+    else:
+        raise BadRecord("unknown-format", 'expected "messages", "conversations" or "input_ids"')
+    if not isinstance(turns, list) or not turns:
+        raise BadRecord("bad-turns", f"{'messages' if rk == 'role' else 'conversations'}: expected a non-empty list")
+    out = []
+    for j, m in enumerate(turns):
+        if not isinstance(m, dict) or not isinstance(m.get(rk), str) or not isinstance(m.get(ck), str):
+            raise BadRecord("bad-turns", f"turn {j}: expected an object with string {rk!r} and {ck!r}")
+        role = ROLES.get(m[rk])
+        if role is None:
+            raise BadRecord("unknown-role", f"turn {j}: unknown role {m[rk]!r}")
+        out.append({"role": role, "content": m[ck]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRecord("no-assistant", "no assistant turn")
+    return out
+
+
+def pretokenized(rec: t.Mapping[str, t.Any]) -> Sequence:
+    ids = rec.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids):
+        raise BadRecord("bad-tokens", "input_ids: expected a non-empty list of token ids")
+    mask = rec.get("loss_mask")
+    if mask is None:
+        return Sequence(ids, [1] * len(ids))
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1) for m in mask):
+        raise BadRecord("bad-tokens", f"loss_mask: expected {len(ids)} values of 0 or 1")
+    return Sequence(ids, [int(m) for m in mask])
+
+
+class Renderer:
+    """The target's tokenizer and chat template, with the serving ``chat_template_kwargs``."""
+
+    def __init__(self, tokenizer: t.Any, kwargs: t.Mapping[str, t.Any] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.kwargs = dict(kwargs or {})
+        eos = getattr(tokenizer, "eos_token", None)
+        self.eos_text: str | None = eos if isinstance(eos, str) and eos else None
+
+    def _text(self, messages: list[dict[str, str]], gen: bool) -> str:
+        try:
+            out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
+                                                     **self.kwargs)
+        except Exception as e:  # a template may raise anything (jinja's raise_exception included)
+            raise BadRecord("template-error", f"the chat template failed: {e}") from None
+        return str(out)
+
+    def render(self, messages: list[dict[str, str]]) -> Rendered:
+        out = Rendered([])
+        texts: list[str] = []  # prompt_k, answer_k, ... of the turns serving shows
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self._text(messages[:i], True)
+            full = self._text(messages[: i + 1], False)
+            if not full.startswith(prompt):
+                out.dropped_turns += 1  # serving never shows this turn after that prompt
+                continue
+            answer = full[len(prompt):]
+            if self.eos_text and self.eos_text in answer:  # the template's tail after EOS is not generated
+                answer = answer[: answer.rindex(self.eos_text) + len(self.eos_text)]
+            texts += [prompt, answer]
+        if not texts:
+            return out
+        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # one call: less per-call overhead
+        ids: list[int] = []
+        mask: list[int] = []
+        for p_ids, a_ids in zip(enc[0::2], enc[1::2]):
+            p_ids, a_ids = list(p_ids), list(a_ids)
+            if not a_ids:
+                continue
+            if ids and p_ids[: len(ids)] == ids:  # the sequence so far is what serving shows: go on in it
+                mask += [0] * (len(p_ids) - len(ids))
+                ids = p_ids
+            else:
+                if ids:
+                    out.sequences.append(Sequence(ids, mask))
+                ids, mask = p_ids, [0] * len(p_ids)
+            ids = ids + a_ids
+            mask = mask + [1] * len(a_ids)
+        if ids:
+            out.sequences.append(Sequence(ids, mask))
+        return out
+
+
+def record_sequences(rec: t.Mapping[str, t.Any], renderer: Renderer | None) -> Rendered:
+    """Any accepted record -> its sequences (BadRecord when unusable)."""
+    if "input_ids" in rec:
+        return Rendered([pretokenized(rec)])
+    msgs = messages_of(rec)
+    if renderer is None:
+        raise BadRecord("no-tokenizer", "a chat record needs the target's tokenizer (--config or --tokenizer)")
+    rendered = renderer.render(msgs)
+    if not rendered.sequences:
+        raise BadRecord("template-mismatch", "no assistant turn renders as serving shows it")
+    return rendered
+
+
+def tokenizer_hash(tokenizer: t.Any) -> str:
+    """sha256 of the tokenizer's full definition (vocabulary, merges, normalizer, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def template_hash(tokenizer: t.Any) -> str:
+    return hashlib.sha256(str(getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()
+
+
+__all__ = ["BadRecord", "Rendered", "Renderer", "Sequence", "messages_of", "parse_record", "pretokenized",
+           "record_sequences", "template_hash", "tokenizer_hash"]

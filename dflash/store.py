@@ -1,0 +1,486 @@
+"""The token store (``dflash prepare-data``): a chat corpus rendered once, memory-mapped by ``dflash train``.
+
+Layout of a store folder (written as ``OUT.partial/``, renamed to ``OUT`` when complete)::
+
+    tokens.bin        uint32, every sequence's tokens back to back
+    loss_mask.bin     uint8, one per token (1: supervised)
+    offsets.bin       int64, n + 1 (sequence i is tokens[offsets[i]:offsets[i+1]])
+    first_anchor.bin  int32, per sequence: the first p with loss_mask[p] and loss_mask[p+1]
+    token_counts.bin  int64, per token id: how often it occurs (the MASK-id check without a scan)
+    meta.json         source sha256, tokenizer + template hash, kwargs, counts, lengths histogram, drops
+
+Preparing is parallel and resumable: the input is cut into shards of ``shard_lines`` lines; a worker
+process writes shard s to ``parts/part-s.tmp`` and renames it to ``parts/part-s`` when complete, so a
+killed prepare run again skips the shards already done (when the input, tokenizer, template, kwargs and
+max length are the same: ``plan.json``); the parts are then concatenated.
+
+Opening a store reads meta.json and maps the arrays: O(1) in the corpus size, except the lengths (8 bytes
+per sequence, what the batch plan needs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import time
+import typing as t
+from pathlib import Path
+
+import numpy as np
+
+from dflash.chat import BadRecord, Renderer, parse_record, record_sequences, template_hash, tokenizer_hash
+
+STORE_FORMAT = "dflash-token-store/1"
+MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
+DROP_LINES_KEPT = 100  # line numbers kept per drop reason in meta.json
+DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL this process after N shards
+
+
+class StoreError(ValueError):
+    """A store that cannot be made or used; one line for the user."""
+
+
+def has_anchor_at(mask: np.ndarray) -> int:
+    both = np.flatnonzero(mask[:-1] & mask[1:])
+    return int(both[0]) if both.size else -1
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+class TokenStore:
+    """A store folder, memory-mapped. ``read(i)`` -> (input_ids, loss_mask) numpy views."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self.meta = json.loads((self.path / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise StoreError(f"data.path: {self.path} is not a token store (meta.json: {e})") from None
+        if self.meta.get("format") != STORE_FORMAT:
+            raise StoreError(f"data.path: {self.path}: unknown store format {self.meta.get('format')!r}")
+        n = int(self.meta["counts"]["sequences"])
+        self.offsets = self._map("offsets.bin", np.int64, n + 1)
+        total = int(self.offsets[-1]) if n else 0
+        self.tokens = self._map("tokens.bin", np.uint32, total)
+        self.loss_mask = self._map("loss_mask.bin", np.uint8, total)
+        self.first_anchor = self._map("first_anchor.bin", np.int32, n)
+
+    def _map(self, name: str, dtype: t.Any, count: int) -> np.ndarray:
+        p = self.path / name
+        want = count * np.dtype(dtype).itemsize
+        size = p.stat().st_size if p.is_file() else -1
+        if size != want:
+            raise StoreError(f"data.path: {p}: expected {want} bytes, found {'none' if size < 0 else size} "
+                             "(an incomplete store; run dflash prepare-data again)")
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(p, dtype=dtype, mode="r", shape=(count,))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def read(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.loss_mask[a:b]
+
+    def token_count(self, token_id: int) -> int:
+        p = self.path / "token_counts.bin"
+        size = p.stat().st_size // 8
+        if token_id >= size:
+            return 0
+        return int(np.memmap(p, dtype=np.int64, mode="r", shape=(size,))[token_id])
+
+    def check_target(self, tokenizer: t.Any, kwargs: t.Mapping[str, t.Any] | None, *, vocab_size: int | None,
+                     mask_token_id: int | None) -> None:
+        """Refuse (one line) a store made for another tokenizer, template or vocabulary."""
+        made = self.meta.get("tokenizer") or {}
+        name = self.path.name
+        if tokenizer is not None and made.get("sha256"):
+            mine = tokenizer_hash(tokenizer)
+            if mine != made["sha256"]:
+                raise StoreError(f"data.path: the token store {name} was made for another tokenizer "
+                                 f"({made.get('name')}, sha256 {made['sha256'][:12]}; the target's is {mine[:12]}): "
+                                 "run dflash prepare-data again for this target")
+            if made.get("template_sha256") and template_hash(tokenizer) != made["template_sha256"]:
+                raise StoreError(f"data.path: the token store {name} was rendered with another chat template "
+                                 "than the target's: run dflash prepare-data again for this target")
+            if kwargs is not None and made.get("template_sha256") and dict(kwargs) != self.meta.get("chat_template_kwargs", {}):
+                raise StoreError(f"data.path: the token store {name} was rendered with chat_template_kwargs "
+                                 f"{json.dumps(self.meta.get('chat_template_kwargs', {}))}, the run asks for "
+                                 f"{json.dumps(dict(kwargs))}: run dflash prepare-data again")
+        top = int(self.meta["counts"].get("max_token_id", -1))
+        if vocab_size is not None and top >= vocab_size:
+            raise StoreError(f"data.path: the token store {name} has token id {top}, outside the target "
+                             f"vocabulary ({vocab_size}): it was made for another target")
+        if mask_token_id is not None and self.token_count(mask_token_id):
+            raise StoreError(f"data.path: the token store {name} uses token {mask_token_id}, the MASK id "
+                             "(drafter.mask_token_id); MASK must be an unused row of the target vocabulary")
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(self.path.name.encode())
+        for k in ("source", "tokenizer", "counts", "max_len"):
+            h.update(json.dumps(self.meta.get(k), sort_keys=True).encode())
+        return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Preparing
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrepareSpec:
+    src: str
+    out: str
+    tokenizer_path: str | None
+    kwargs: dict[str, t.Any]
+    max_len: int
+    workers: int = 1
+    strict: bool = False
+    shard_lines: int = 10_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardJob:
+    index: int
+    src: str
+    start: int  # byte offsets
+    end: int
+    first_line: int  # 1-based line number of the first line
+    part: str  # final part folder
+
+
+_RENDERER: Renderer | None = None
+
+
+def _init_worker(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
+    global _RENDERER
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    try:  # Linux: die with the parent, so a killed prepare leaves no worker behind (and no pipe held open)
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if tokenizer_path is not None:
+        from dflash.data import load_tokenizer
+
+        _RENDERER = Renderer(load_tokenizer(tokenizer_path), kwargs)
+    else:
+        _RENDERER = None
+
+
+def run_shard(job: ShardJob, max_len: int) -> None:
+    """Render one shard's lines into ``job.part`` (written as ``.tmp``, renamed when complete)."""
+    tmp = Path(job.part + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    drops: dict[str, list[int]] = {}
+    messages: dict[str, str] = {"line-too-long": f"a line longer than {MAX_LINE_BYTES >> 20} MiB"}
+    counts = {"records": 0, "sequences": 0, "tokens": 0, "supervised": 0, "cut": 0, "dropped_turns": 0,
+              "max_token_id": -1}
+    lengths: list[int] = []
+    anchors: list[int] = []
+    token_counts = np.zeros(0, dtype=np.int64)
+    with open(job.src, "rb") as f, open(tmp / "tokens.bin", "wb") as tf, open(tmp / "loss_mask.bin", "wb") as mf:
+        f.seek(job.start)
+        lineno = job.first_line - 1
+        while f.tell() < job.end:
+            lineno += 1
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line unread
+                    raw = f.readline(MAX_LINE_BYTES)
+                counts["records"] += 1
+                drops.setdefault("line-too-long", []).append(lineno)
+                continue
+            if not raw.strip():
+                continue
+            counts["records"] += 1
+            try:
+                rendered = record_sequences(parse_record(raw), _RENDERER)
+            except BadRecord as e:
+                drops.setdefault(e.reason, []).append(lineno)
+                messages.setdefault(e.reason, str(e))
+                continue
+            counts["dropped_turns"] += rendered.dropped_turns
+            kept = 0
+            for seq in rendered.sequences:
+                ids = np.asarray(seq.input_ids, dtype=np.uint32)
+                mask = np.asarray(seq.loss_mask, dtype=np.uint8)
+                if len(ids) > max_len:
+                    ids, mask = ids[:max_len], mask[:max_len]
+                    counts["cut"] += 1
+                first = has_anchor_at(mask)
+                if first < 0:
+                    continue
+                kept += 1
+                tf.write(ids.tobytes())
+                mf.write(mask.tobytes())
+                lengths.append(len(ids))
+                anchors.append(first)
+                counts["tokens"] += len(ids)
+                counts["supervised"] += int(mask.sum())
+                top = int(ids.max())
+                counts["max_token_id"] = max(counts["max_token_id"], top)
+                if top >= len(token_counts):
+                    token_counts = np.concatenate([token_counts, np.zeros(top + 1 - len(token_counts), np.int64)])
+                token_counts[: top + 1] += np.bincount(ids, minlength=top + 1)
+            if kept:
+                counts["sequences"] += kept
+            else:
+                drops.setdefault("no-anchor", []).append(lineno)
+                messages.setdefault("no-anchor", "no two consecutive supervised tokens (nothing to learn)")
+    np.asarray(lengths, dtype=np.int64).tofile(tmp / "lengths.bin")
+    np.asarray(anchors, dtype=np.int32).tofile(tmp / "first_anchor.bin")
+    token_counts.tofile(tmp / "token_counts.bin")
+    (tmp / "part.json").write_text(json.dumps({"counts": counts, "drops": drops,
+                                               "messages": messages}))
+    os.replace(tmp, job.part)
+
+
+
+def _pass_over(src: Path, shard_lines: int) -> tuple[str, int, list[tuple[int, int, int]]]:
+    """sha256, line count and shard byte ranges ``(start, end, first_line)`` of the input, in one read."""
+    h = hashlib.sha256()
+    ranges: list[tuple[int, int, int]] = []
+    offset = start = 0
+    lines = 0
+    with open(src, "rb") as f:
+        for raw in iter(lambda: f.readline(1 << 20), b""):
+            h.update(raw)
+            offset += len(raw)
+            if raw.endswith(b"\n") or len(raw) < (1 << 20):
+                lines += 1
+                if lines % shard_lines == 0:
+                    ranges.append((start, offset, lines - shard_lines + 1))
+                    start = offset
+    if offset > start:
+        ranges.append((start, offset, (lines // shard_lines) * shard_lines + 1))
+    return h.hexdigest(), lines, ranges
+
+
+def _json_array_to_jsonl(src: Path, dest: Path) -> None:
+    try:
+        data = json.loads(src.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"prepare-data: {src} is not valid JSON: {e}") from None
+    if not isinstance(data, list):
+        raise StoreError(f"prepare-data: {src}: expected a JSON array of records or JSON lines")
+    with open(dest, "w") as f:
+        for rec in data:  # record k of the array becomes line k
+            f.write(json.dumps(rec) + "\n")
+
+
+def _histogram(lengths: np.ndarray) -> dict[str, int]:
+    out: dict[str, int] = {}
+    lo = 0
+    hi = 64
+    while lo <= (int(lengths.max()) if lengths.size else 0):
+        c = int(((lengths > lo) & (lengths <= hi)).sum())
+        if c:
+            out[f"{lo + 1}-{hi}"] = c
+        lo, hi = hi, hi * 2
+    return out
+
+
+def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[str, t.Any]:
+    """Render ``spec.src`` into the store ``spec.out``; returns meta.json's content. StoreError: one line."""
+    t0 = time.monotonic()
+    src, out = Path(spec.src), Path(spec.out)
+    if not src.is_file():
+        raise StoreError(f"prepare-data: --in {src}: no such file")
+    if (out / "meta.json").is_file():
+        raise StoreError(f"prepare-data: --out {out} is already a token store; remove it or choose another folder")
+    work = Path(str(out) + ".partial")
+    work.mkdir(parents=True, exist_ok=True)
+    lines_src = src
+    head = src.open("rb").read(4096).lstrip()
+    if not head:
+        raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
+    if head.startswith(b"["):
+        lines_src = work / "input.jsonl"
+        if not lines_src.is_file():
+            _json_array_to_jsonl(src, work / "input.jsonl.tmp")
+            os.replace(work / "input.jsonl.tmp", lines_src)
+    sha, nlines, ranges = _pass_over(lines_src, spec.shard_lines)
+    tok_info: dict[str, t.Any] = {}
+    if spec.tokenizer_path is not None:
+        from dflash.data import load_tokenizer
+
+        tok = load_tokenizer(spec.tokenizer_path)
+        tok_info = {"name": spec.tokenizer_path, "sha256": tokenizer_hash(tok), "template_sha256": template_hash(tok),
+                    "vocab_size": len(tok), "eos_token": getattr(tok, "eos_token", None)}
+    plan = {"source_sha256": sha, "tokenizer": tok_info, "chat_template_kwargs": spec.kwargs,
+            "max_len": spec.max_len, "shard_lines": spec.shard_lines, "format": STORE_FORMAT}
+    plan_path = work / "plan.json"
+    parts = work / "parts"
+    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
+        log(f"prepare-data: {work} holds parts of another input or setting: starting over")
+        shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir(exist_ok=True)
+    plan_path.write_text(json.dumps(plan, indent=1))
+    jobs = [ShardJob(i, str(lines_src), a, b, first, str(parts / f"part-{i:06d}")) for i, (a, b, first) in enumerate(ranges)]
+    todo = [j for j in jobs if not Path(j.part).is_dir()]
+    if len(todo) < len(jobs):
+        log(f"prepare-data: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
+    die_after = int(os.environ.get(DIE_AFTER_ENV, "0") or 0)
+    done = 0
+
+    def finished() -> None:
+        nonlocal done
+        done += 1
+        if die_after and done >= die_after:  # the test hook: a real kill, mid-run
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if spec.workers <= 1 or len(todo) <= 1:
+        _init_worker(spec.tokenizer_path, spec.kwargs)
+        for j in todo:
+            run_shard(j, spec.max_len)
+            finished()
+    else:
+        ctx = mp.get_context("spawn")  # no fork of a process that holds torch and tokenizer threads
+        with cf.ProcessPoolExecutor(spec.workers, mp_context=ctx, initializer=_init_worker,
+                                    initargs=(spec.tokenizer_path, spec.kwargs)) as pool:
+            futures = [pool.submit(run_shard, j, spec.max_len) for j in todo]
+            for fut in cf.as_completed(futures):
+                fut.result()
+                finished()
+    meta = _concatenate(work, jobs, spec, plan, src, nlines)
+    if not meta["counts"]["sequences"]:
+        reasons = ", ".join(f"{d['count']} {r}" for r, d in meta["drops"].items()) or "no records"
+        raise StoreError(f"prepare-data: no usable sequences in {src} ({reasons})")
+    if spec.strict and meta["counts"]["dropped"]:
+        first = min((lines[0], reason) for reason, d in meta["drops"].items() for lines in [d["lines"]])
+        msg = meta["drops"][first[1]].get("message", first[1])
+        raise StoreError(f"prepare-data: line {first[0]}: {msg} ({first[1]}; --strict; "
+                         f"{meta['counts']['dropped']} records dropped in all)")
+    shutil.rmtree(parts)
+    (work / "plan.json").unlink()
+    if lines_src != src:
+        lines_src.unlink()
+    (work / "meta.json").write_text(json.dumps(meta, indent=1))  # last: a store with meta.json is complete
+    os.replace(work, out)
+    meta["seconds"] = time.monotonic() - t0
+    return meta
+
+
+def _concatenate(work: Path, jobs: list[ShardJob], spec: PrepareSpec, plan: dict[str, t.Any], src: Path,
+                 nlines: int) -> dict[str, t.Any]:
+    counts = {"records": 0, "sequences": 0, "tokens": 0, "supervised": 0, "cut": 0, "dropped_turns": 0,
+              "max_token_id": -1}
+    drops: dict[str, dict[str, t.Any]] = {}
+    token_counts = np.zeros(0, dtype=np.int64)
+    lengths_all = []
+    with open(work / "tokens.bin", "wb") as tf, open(work / "loss_mask.bin", "wb") as mf, \
+            open(work / "first_anchor.bin", "wb") as af:
+        for j in jobs:
+            p = Path(j.part)
+            info = json.loads((p / "part.json").read_text())
+            for k, v in info["counts"].items():
+                counts[k] = max(counts[k], v) if k == "max_token_id" else counts[k] + v
+            for reason, lines in info["drops"].items():
+                d = drops.setdefault(reason, {"count": 0, "lines": [], "message": info["messages"].get(reason, "")})
+                d["count"] += len(lines)
+                d["lines"] = (d["lines"] + lines)[:DROP_LINES_KEPT]
+            for name, fh in (("tokens.bin", tf), ("loss_mask.bin", mf), ("first_anchor.bin", af)):
+                with open(p / name, "rb") as f:
+                    shutil.copyfileobj(f, fh, 1 << 22)
+            lengths_all.append(np.fromfile(p / "lengths.bin", dtype=np.int64))
+            tc = np.fromfile(p / "token_counts.bin", dtype=np.int64)
+            if len(tc) > len(token_counts):
+                token_counts = np.concatenate([token_counts, np.zeros(len(tc) - len(token_counts), np.int64)])
+            token_counts[: len(tc)] += tc
+    lengths = np.concatenate(lengths_all) if lengths_all else np.zeros(0, np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    offsets.tofile(work / "offsets.bin")
+    token_counts.tofile(work / "token_counts.bin")
+    counts["dropped"] = sum(d["count"] for d in drops.values())
+    counts["lines"] = nlines
+    return {
+        "format": STORE_FORMAT,
+        "source": {"path": str(src.resolve()), "sha256": plan["source_sha256"], "bytes": src.stat().st_size},
+        "tokenizer": plan["tokenizer"], "chat_template_kwargs": spec.kwargs, "max_len": spec.max_len,
+        "counts": counts, "lengths_histogram": _histogram(lengths),
+        "max_length": int(lengths.max()) if lengths.size else 0,
+        "drops": dict(sorted(drops.items())),
+    }
+
+
+def store_lengths(store: TokenStore, max_length: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per usable sequence its length cut to ``max_length``, and the store indices (None: all of them)."""
+    lengths = np.diff(store.offsets)
+    index = None
+    if len(lengths) and int(lengths.max()) > max_length:
+        keep = store.first_anchor + 2 <= max_length  # a cut sequence keeps an anchor
+        if not keep.all():
+            index = np.flatnonzero(keep)
+            lengths = lengths[index]
+        lengths = np.minimum(lengths, max_length)
+    return np.ascontiguousarray(lengths, dtype=np.int64), index
+
+
+class NpEpoch:
+    """One epoch's batches as index arrays: batch j is ``order[starts[j]:ends[j]]`` (see BatchPlan)."""
+
+    def __init__(self, order: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.order, self.starts, self.ends = order, starts, ends
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, j: int) -> list[int]:
+        return self.order[self.starts[j]: self.ends[j]].tolist()
+
+    def __iter__(self) -> t.Iterator[list[int]]:
+        return (self[j] for j in range(len(self)))
+
+    @classmethod
+    def build(cls, lengths: np.ndarray, e: int, *, batch_size: int, max_batch_tokens: int, window: int,
+              shuffle: bool, seed: int) -> NpEpoch:
+        L = np.asarray(lengths, dtype=np.int64)
+        n = len(L)
+        rng = np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, e])
+        order = rng.permutation(n) if shuffle else np.arange(n)
+        pos = np.arange(n)
+        order = order[np.lexsort((L[order], pos // window))]  # each window sorted by length, stably
+        lens = L[order]
+        wend = np.minimum((pos // window + 1) * window, n)
+        k = np.ones(n, dtype=np.int64)  # the greedy batch that starts at p takes k[p] samples
+        for j in range(2, batch_size + 1):
+            last = np.minimum(pos + j - 1, n - 1)
+            grow = (k == j - 1) & (pos + j - 1 < wend) & (j * lens[last] <= max_batch_tokens)
+            if not grow.any():
+                break
+            k[grow] = j
+        nxt = pos + k
+        cur = np.arange(0, n, window)
+        cend = np.minimum(cur + window, n)
+        found = []
+        while cur.size:  # follow every window's chain of batches at once
+            found.append(cur)
+            cur = nxt[cur]
+            keep = cur < cend
+            cur, cend = cur[keep], cend[keep]
+        starts = np.concatenate(found) if found else np.zeros(0, np.int64)
+        key = rng.random(len(starts)) if shuffle else starts
+        idx = np.lexsort((key, starts // window))  # by window; inside it shuffled (or in order)
+        starts = starts[idx]
+        return cls(order, starts, nxt[starts])
+
+
+def is_store(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / "meta.json").is_file()
+
+
+__all__ = ["PrepareSpec", "StoreError", "TokenStore", "is_store", "prepare", "store_lengths"]

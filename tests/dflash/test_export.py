@@ -1,0 +1,229 @@
+"""Issue 13 section 4: checkpoints any Hugging Face user can load (dflash.py remote code, export, MASK id)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash import hf_remote
+from dflash.checkpoint import latest_complete, load_drafter, save_checkpoint
+from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.target import TargetModel, build_target_layer_ids, tiny_target_config
+
+REPO = Path(__file__).resolve().parents[2]
+MASK = 511
+
+pytestmark = pytest.mark.timeout(240)
+
+# Runs in a fresh interpreter: the repo is off sys.path and any import of the `dflash` package fails,
+# so only transformers + torch + the folder's own dflash.py can build the model.
+LOAD = textwrap.dedent("""
+    import importlib.abc, sys
+    repo = sys.argv[1]
+    venv = repo + "/.venv/"  # the interpreter's own site-packages may live under the checkout
+    sys.path[:] = [p for p in sys.path if p and not (p == repo or (p.startswith(repo + "/") and not p.startswith(venv)))]
+
+    class NoDflash(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "dflash" or name.startswith("dflash."):
+                raise ImportError("the dflash package must not be needed: " + name)
+            return None
+
+    sys.meta_path.insert(0, NoDflash())
+    import torch
+    from transformers import AutoModel
+    folder, inputs, out = sys.argv[2], sys.argv[3], sys.argv[4]
+    model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    x = torch.load(inputs)
+    with torch.no_grad():
+        hidden = model(position_ids=x["position_ids"], noise_embedding=x["noise_embedding"],
+                       target_hidden=x["target_hidden"])
+    torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype)}, out)
+""")
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_target_config(), seed=0, num_draft_layers=2)
+
+
+def new_drafter(**kw: object) -> DFlashDraftModel:
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=4, mask_token_id=MASK, **kw)
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg)
+
+
+def inputs(target: TargetModel) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
+    block = torch.tensor([[int(ids[0, -1]), MASK, MASK, MASK]])
+    with torch.no_grad():
+        return {"position_ids": torch.arange(13)[None], "noise_embedding": target.head().embed(block),
+                "target_hidden": target.features(ids)}
+
+
+def load_in_fresh_interpreter(folder: Path, x: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, object]:
+    torch.save(x, tmp_path / "inputs.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"),
+                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
+        tmp_path: Path, target: TargetModel, sliding: bool) -> None:
+    kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
+    drafter = new_drafter(**kw).eval()
+    path = save_checkpoint(tmp_path / "ckpt", step=3, drafter=drafter, trainer_state={})
+    assert latest_complete(tmp_path / "ckpt") == path, "dflash.py is part of a complete checkpoint"
+    config = json.loads((path / "config.json").read_text())
+    assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert (path / "dflash.py").read_text() == hf_remote.source()
+    x = inputs(target)
+    got = load_in_fresh_interpreter(path, x, tmp_path)
+    assert str(got["module"]).startswith("transformers_modules.") and str(got["module"]).endswith(".dflash")
+    with torch.no_grad():
+        ours = drafter(**x)
+    assert torch.equal(got["hidden"], ours)  # type: ignore[arg-type]
+    logits = target.head().lm_head
+    assert torch.equal(logits(got["hidden"]).argmax(-1), logits(ours).argmax(-1))  # type: ignore[arg-type]
+
+
+def test_the_remote_module_is_generated_from_the_drafter_and_inlines_its_one_import(tmp_path: Path) -> None:
+    import importlib.util
+
+    text = hf_remote.source()
+    assert "from dflash" not in text and "import dflash" not in text
+    spec = importlib.util.spec_from_file_location("remote_check", hf_remote.write(tmp_path))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["remote_check"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["remote_check"]
+    assert module.build_target_layer_ids(36, 5) == build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+
+
+def test_published_mask_id_for_qwen3_and_none_for_other_families() -> None:
+    qwen3 = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert published_mask_token_id(qwen3) == 151669
+    assert published_mask_token_id(tiny_target_config()) is None  # the tiny target: vocabulary 512
+
+
+# ---- warm start from a published drafter ---------------------------------------------------
+
+
+def run_config(tmp_path: Path, name: str, *overrides: str):
+    from dflash.config import load_config
+
+    return load_config(REPO / "configs" / "tiny-random.toml", [
+        f"output_dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ckpt'}", "checkpoint.interval=0",
+        "checkpoint.resume=never", "devices.drafters=cpu", "devices.targets=cpu", *overrides,
+    ])
+
+
+def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
+    import zlab_reference
+
+    from dflash.config import ConfigError
+    from dflash.train import Run
+
+    first = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
+    assert first.train() == 0
+    ours = latest_complete(tmp_path / "a" / "ckpt")
+    assert ours is not None
+    # a published-drafter folder: written by z-lab's class (config.json + model.safetensors only)
+    zlab_reference.DFlashDraftModel.from_pretrained(ours).save_pretrained(tmp_path / "published")
+    published = load_drafter(tmp_path / "published")
+
+    warm = Run(run_config(tmp_path, "b", "max_steps=1", f"drafter.init_from={tmp_path / 'published'}"), environ={})
+    assert warm.mask_token_id == published.mask_token_id == MASK
+    for (name, a), b in zip(warm.drafters[0].model.state_dict().items(), published.state_dict().values()):
+        assert torch.equal(a, b), name
+    cold = Run(run_config(tmp_path, "c", "max_steps=1"), environ={})
+    assert not torch.equal(cold.drafters[0].model.fc.weight, published.fc.weight)
+
+    with pytest.raises(ConfigError, match=r"^drafter\.init_from: .*published: block_size is 8, but drafter\.block_size is 4$"):
+        Run(run_config(tmp_path, "d", "max_steps=1", "drafter.block_size=4", f"drafter.init_from={tmp_path / 'published'}"),
+            environ={})
+    with pytest.raises(ConfigError, match=r"^drafter\.mask_token_id: 7 differs from 511, the id the drafter in "):
+        Run(run_config(tmp_path, "e", "max_steps=1", "drafter.mask_token_id=7", f"drafter.init_from={tmp_path / 'published'}"),
+            environ={})
+    with pytest.raises(ConfigError, match=r"^drafter\.init_from: .*nowhere: no config\.json$"):
+        Run(run_config(tmp_path, "f", "max_steps=1", f"drafter.init_from={tmp_path / 'nowhere'}"), environ={})
+
+
+# ---- dflash export --------------------------------------------------------------------------
+
+
+def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(tmp_path: Path, target: TargetModel,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    from dflash.__main__ import main
+    from dflash.train import Run
+
+    run = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
+    assert run.train() == 0
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"tau": 6.41, "num_prompts": 32, "prompts": "eval.jsonl", "max_new_tokens": 64,
+                                  "target": "tiny", "all_equal": True}))
+    out = tmp_path / "served"
+    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--eval", str(report)]) == 0
+    assert f"exported bf16 drafter to {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "dflash.py", "model.safetensors"]
+    weights = load_file(str(out / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    trained = run.drafters[0].model.state_dict()
+    assert weights.keys() == trained.keys()
+    assert all(torch.equal(weights[k], trained[k].to(torch.bfloat16)) for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    card = (out / "README.md").read_text()
+    assert "tau 6.41" in card and "tiny-data.jsonl" in card and "(step 2)" in card
+    assert "a tiny random Qwen3-shaped target" in card and "MASK id 511" in card
+
+    x = {k: v for k, v in inputs(target).items()}
+    got = load_in_fresh_interpreter(out, x, tmp_path)
+    assert got["dtype"] == "torch.bfloat16"
+    ours = load_drafter(out)
+    with torch.no_grad():  # bf16: RoPE tables may be kept in another precision by from_pretrained (fp32 is exact above)
+        torch.testing.assert_close(got["hidden"], ours(**x), atol=5e-2, rtol=2e-2)  # type: ignore[arg-type]
+
+    # bad input: one line, exit 2, OUT untouched
+    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out)]) == 2
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 2
+    assert main(["export", str(tmp_path / "a" / "ckpt"), str(tmp_path / "o3"), "--eval", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"dflash: {out}: exists and is not empty (use --force to replace it)",
+                   f"dflash: {tmp_path / 'nowhere'}: no such checkpoint",
+                   f"dflash: --eval: {tmp_path / 'x.json'} does not exist"]
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--dtype", "fp16", "--force"]) == 0
+    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
+
+
+def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_json(tmp_path: Path) -> None:
+    from dflash.train import Run
+
+    run = Run(run_config(tmp_path, "q", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4"),
+              environ={})
+    assert run.mask_token_id == 151669 and run.drafters[0].model.mask_token_id == 151669
+    path = save_checkpoint(tmp_path / "ck", step=1, drafter=run.drafters[0].model, trainer_state={})
+    assert json.loads((path / "config.json").read_text())["dflash_config"]["mask_token_id"] == 151669
+    # an explicit id wins over the family's
+    assert Run(run_config(tmp_path, "r", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4",
+                          "drafter.mask_token_id=151935"), environ={}).mask_token_id == 151935
