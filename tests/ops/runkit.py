@@ -54,3 +54,26 @@ def reap_runs(run_dir: Path) -> list[int]:
                 except ProcessLookupError:
                     pass
     return killed
+
+
+# A ProxyCommand: relays stdin/stdout to HOST PORT (argv 1, 2); with argv 4, first writes argv 1..3 there
+# (what %h %p %r expanded to).
+RELAY = """
+import os, socket, sys, threading
+if len(sys.argv) > 4:
+    open(sys.argv[4], "w").write(" ".join(sys.argv[1:4]))
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+def up():
+    while True:
+        d = os.read(0, 65536)
+        if not d:
+            s.shutdown(socket.SHUT_WR)
+            return
+        s.sendall(d)
+threading.Thread(target=up, daemon=True).start()
+while True:
+    d = s.recv(65536)
+    if not d:
+        break
+    os.write(1, d)
+"""

@@ -24,6 +24,7 @@ from ops.testing import PveHosts, Sshd
 from ops.testing.hostsfile import dump_hosts
 from ops.testing.plugin import require
 from ops.transport import SSHTransport, scan_host_key
+from runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -393,26 +394,6 @@ def test_attach_remote_command_survives_a_fish_login_shell(tmp_path: Path, ssh_h
 
 
 # --- item 16: ProxyCommand %p/%r get hosts.toml's port and user ------------------------------------
-
-RELAY = """
-import os, socket, sys, threading
-open(sys.argv[4], "w").write(" ".join(sys.argv[1:4]))
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-def up():
-    while True:
-        d = os.read(0, 65536)
-        if not d:
-            s.shutdown(socket.SHUT_WR)
-            return
-        s.sendall(d)
-threading.Thread(target=up, daemon=True).start()
-while True:
-    d = s.recv(65536)
-    if not d:
-        break
-    os.write(1, d)
-"""
-
 
 def test_proxy_command_tokens_use_the_port_and_user_of_hosts_toml(sshd: Sshd, ssh_home: Path, tmp_path: Path) -> None:
     relay = tmp_path / "relay.py"

@@ -21,6 +21,7 @@ from ops.hosts import Host, parse_inventory
 from ops.testing import PveHosts, Sshd, pid_alive, retry_until
 from ops.testing.hostsfile import dump_hosts
 from ops.transport import LocalTransport, SSHTransport, _unreachable, resolve_target
+from runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -264,25 +265,6 @@ def test_proxy_jump_with_more_than_one_hop_is_a_config_error(sshd: Sshd, ssh_hom
     (ssh_home / ".ssh" / "config").write_text("Host inner\n  ProxyJump a,b\n")
     with pytest.raises(errors.ConfigError, match="only one hop"):
         SSHTransport.connect(make_host(sshd, address="inner"))
-
-
-RELAY = """
-import os, socket, sys, threading
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-def up():
-    while True:
-        d = os.read(0, 65536)
-        if not d:
-            s.shutdown(socket.SHUT_WR)
-            return
-        s.sendall(d)
-threading.Thread(target=up, daemon=True).start()
-while True:
-    d = s.recv(65536)
-    if not d:
-        break
-    os.write(1, d)
-"""
 
 
 def test_proxy_command(sshd: Sshd, ssh_home: Path, tmp_path: Path) -> None:
