@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 import typing as t
 
 import torch
@@ -259,7 +258,7 @@ def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
                         sliding_window: int | None = None) -> BlockMask:
     """flex_attention ``BlockMask`` with the semantics of ``training_mask`` (the GPU path).
 
-    Built from the anchors directly (``BlockMask.from_kv_blocks``): the same tiles, full tiles and order
+    Built from the anchors directly: the same tiles, full tiles and order
     that ``create_block_mask(mask_mod(...))`` finds, without evaluating the mask on every (query, key).
     """
     if BlockMask is None:  # pragma: no cover
@@ -272,17 +271,17 @@ def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
     partial = (counts > 0) & ~full
     kv_num, kv_idx = _ordered(partial)
     full_num, full_idx = _ordered(full)
-    with _BLOCK_MASK_LOCK:
-        return BlockMask.from_kv_blocks(
-            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_FLEX_TILE,
-            mask_mod=mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
-            seq_lengths=(q_len, kv_len),
-        )
-
-
-# torch builds the query-side tiles under torch.fx.traceback.annotate, which edits a module-global dict:
-# two drafter threads building masks at once can die with KeyError: 'custom'. The build is a few ms.
-_BLOCK_MASK_LOCK = threading.Lock()
+    # The query-side tiles (backward) from the same tile sets, transposed. Not through
+    # BlockMask.from_kv_blocks: torch derives them under torch.fx.traceback.annotate, which edits a
+    # module-global dict that compiled calls in the other drafter threads edit too (KeyError: 'custom').
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    return BlockMask(
+        seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx, BLOCK_SIZE=(_FLEX_TILE, _FLEX_TILE),
+        mask_mod=mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
+    )
 
 
 def training_masks(drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int,
