@@ -290,7 +290,7 @@ def test_watch_and_follow_end_cleanly_on_ctrl_c(local: Remote, tmp_path: Path) -
         for p in procs.values():
             p.send_signal(signal.SIGINT)
     for k, p in procs.items():
-        assert p.wait(timeout=20) == 0, (k, p.stderr.read())
+        assert p.wait(timeout=60) == 0, (k, p.stderr.read())
     for r in readers:
         r.join(timeout=10)
     watch_err, follow_err = procs["watch"].stderr.read(), procs["follow"].stderr.read()
