@@ -162,7 +162,7 @@ _RENDERER: Renderer | None = None
 
 
 def _init_worker(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
-    global _RENDERER
+    """A pool worker: Ctrl-C is the parent's to handle, and the worker dies with its parent."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     try:  # Linux: die with the parent, so a killed prepare leaves no worker behind (and no pipe held open)
@@ -171,6 +171,11 @@ def _init_worker(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    _init_renderer(tokenizer_path, kwargs)
+
+
+def _init_renderer(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
+    global _RENDERER
     if tokenizer_path is not None:
         from dflash.data import load_tokenizer
 
@@ -343,7 +348,8 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
             os.kill(os.getpid(), signal.SIGKILL)
 
     if spec.workers <= 1 or len(todo) <= 1:
-        _init_worker(spec.tokenizer_path, spec.kwargs)
+        # in this process: never _init_worker, whose SIG_IGN for Ctrl-C every later child would inherit
+        _init_renderer(spec.tokenizer_path, spec.kwargs)
         for j in todo:
             run_shard(j, spec.max_len)
             finished()

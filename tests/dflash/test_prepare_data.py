@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import typing as t
@@ -255,9 +256,13 @@ def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any)
 
 def test_a_store_for_another_tokenizer_or_kwargs_is_refused(tmp_path: Path, qwen3: t.Any, llama3: t.Any) -> None:
     qwen3.save_pretrained(tmp_path / "q")
+    before = signal.getsignal(signal.SIGINT)
     prepare(PrepareSpec(src=str(write_lines(tmp_path / "raw.jsonl", chats(4))), out=str(tmp_path / "s"),
                         tokenizer_path=str(tmp_path / "q"), kwargs={"enable_thinking": False}, max_len=256),
             log=lambda m: None)
+    # an in-process prepare (one worker) leaves Ctrl-C alone: a SIG_IGN here would be inherited by every
+    # later child process (it made `dflashctl status --watch` deaf to Ctrl-C later in the suite)
+    assert signal.getsignal(signal.SIGINT) is before
     ds = JsonlDataset(tmp_path / "s", tokenizer=qwen3, chat_template_kwargs={"enable_thinking": False})
     assert len(ds) == 8 and ds.read(0).input_ids == TokenStore(tmp_path / "s").read(0)[0].tolist()
     with pytest.raises(DataError, match=r"^data.path: the token store s was made for another tokenizer"):
