@@ -32,7 +32,6 @@ from ops import errors
 if t.TYPE_CHECKING:
     from ops.remote import Remote
 
-EXTRA = "pip install 'dflash[plot]'"
 FORMATS = (".png", ".svg", ".html")
 MAX_ROUNDS = 10_000  # read calls per plot: 40 GB of metrics at 4 MiB a call
 
@@ -42,15 +41,14 @@ class PlotError(errors.OpsError):
 
 
 def require_matplotlib() -> t.Any:
-    """``matplotlib.pyplot`` on the Agg backend, or one line naming the extra."""
-    try:
-        import matplotlib
+    """``matplotlib.pyplot`` on the Agg backend, or one line naming the extra (dflash.eval_plot's check:
+    stdlib-only, no torch on the operator side)."""
+    from dflash import eval_plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotError(f"drawing needs matplotlib, which is not installed: {EXTRA}") from None
-    return plt
+    try:
+        return eval_plot.require_matplotlib()
+    except eval_plot.PlotError as e:
+        raise PlotError(str(e)) from None
 
 
 def check_out(out: str) -> str:
