@@ -105,8 +105,10 @@ class Checkpoint:
 
 
 def new_run_id() -> str:
-    """A fresh run's identity: its start time (UTC, so ids sort by start) and random hex."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
+    """A fresh run's identity: its start time (UTC, so ids sort by start) and random hex. Microseconds,
+    because a run forked from an older checkpoint often starts within the second of the run it forks
+    from, and must still sort after it (resume picks the newest run first)."""
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(4)
 
 
 # ---- writing --------------------------------------------------------------------------------

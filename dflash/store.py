@@ -39,7 +39,7 @@ from dflash.chat import BadRecord, Renderer, parse_record, record_sequences, tem
 STORE_FORMAT = "dflash-token-store/1"
 MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
 DROP_LINES_KEPT = 100  # line numbers kept per drop reason in meta.json
-DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL this process after N shards
+DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL prepare once N shards are done
 
 
 class StoreError(ValueError):
@@ -182,6 +182,20 @@ def _init_renderer(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None
         _RENDERER = Renderer(load_tokenizer(tokenizer_path), kwargs)
     else:
         _RENDERER = None
+
+
+def _die_after(done: int) -> None:
+    """The test hook: a real SIGKILL of the prepare process once ``done`` shards reach DIE_AFTER_ENV."""
+    n = int(os.environ.get(DIE_AFTER_ENV, "0") or 0)
+    if n and done >= n:
+        os.kill(os.getpid() if mp.parent_process() is None else os.getppid(), signal.SIGKILL)
+
+
+def _pool_shard(job: ShardJob, max_len: int) -> None:
+    """``run_shard`` in a pool worker. The test hook fires here, right after the rename: from the parent it
+    fired only once the parent had seen the result, by when the other workers had often done every shard."""
+    run_shard(job, max_len)
+    _die_after(sum(1 for p in Path(job.part).parent.iterdir() if not p.name.endswith(".tmp")))
 
 
 def run_shard(job: ShardJob, max_len: int) -> None:
@@ -338,29 +352,19 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
     todo = [j for j in jobs if not Path(j.part).is_dir()]
     if len(todo) < len(jobs):
         log(f"prepare-data: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
-    die_after = int(os.environ.get(DIE_AFTER_ENV, "0") or 0)
-    done = 0
-
-    def finished() -> None:
-        nonlocal done
-        done += 1
-        if die_after and done >= die_after:  # the test hook: a real kill, mid-run
-            os.kill(os.getpid(), signal.SIGKILL)
-
     if spec.workers <= 1 or len(todo) <= 1:
         # in this process: never _init_worker, whose SIG_IGN for Ctrl-C every later child would inherit
         _init_renderer(spec.tokenizer_path, spec.kwargs)
-        for j in todo:
+        for done, j in enumerate(todo, 1):
             run_shard(j, spec.max_len)
-            finished()
+            _die_after(done)
     else:
         ctx = mp.get_context("spawn")  # no fork of a process that holds torch and tokenizer threads
         with cf.ProcessPoolExecutor(spec.workers, mp_context=ctx, initializer=_init_worker,
                                     initargs=(spec.tokenizer_path, spec.kwargs)) as pool:
-            futures = [pool.submit(run_shard, j, spec.max_len) for j in todo]
+            futures = [pool.submit(_pool_shard, j, spec.max_len) for j in todo]
             for fut in cf.as_completed(futures):
                 fut.result()
-                finished()
     meta = _concatenate(work, jobs, spec, plan, src, nlines)
     if not meta["counts"]["sequences"]:
         reasons = ", ".join(f"{d['count']} {r}" for r, d in meta["drops"].items()) or "no records"

@@ -138,6 +138,13 @@ def test_resuming_an_older_checkpoint_of_a_run_forks_a_new_run_that_leaves_the_l
 # 11.7: sha256 in the manifest, verified on load
 
 
+def test_run_ids_made_within_one_second_sort_in_the_order_they_were_made() -> None:
+    # A fork started within the second of the run it forks from must sort after it (CI saw the older run
+    # win on its random hex, and resume took the wrong run's checkpoint).
+    ids = [ckpt.new_run_id() for _ in range(50)]
+    assert sorted(ids) == ids and len(set(ids)) == 50
+
+
 def test_resume_auto_skips_a_corrupted_checkpoint_for_the_previous_one(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     first = train(tmp_path, "max_steps=6", "checkpoint.interval=3")

@@ -232,11 +232,12 @@ def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any)
     qwen3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(30))
     args = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--template-kwargs", '{"enable_thinking": false}',
-            "--in", str(src), "--shard-lines", "10"]
+            "--in", str(src), "--shard-lines", "5"]
     killed = dflash(*args, "--out", str(tmp_path / "a"), "--workers", "2", env={DIE_AFTER_ENV: "1"})
     assert killed.returncode == -9, killed.stderr  # really killed (SIGKILL) after its first shard
     done = sorted(p.name for p in (tmp_path / "a.partial" / "parts").iterdir())
-    assert 1 <= sum(not n.endswith(".tmp") for n in done) < 3 and not (tmp_path / "a").exists()
+    # the other worker may finish the shard it was on: 1 or 2 of the 6 shards, never all (CI once saw 3 of 3)
+    assert 1 <= sum(not n.endswith(".tmp") for n in done) <= 2 and not (tmp_path / "a").exists()
     again = dflash(*args, "--out", str(tmp_path / "a"), "--workers", "2")
     assert again.returncode == 0, again.stderr
     assert "resuming:" in again.stderr and "shards already done" in again.stderr
