@@ -66,8 +66,11 @@ def child(method: str, a: argparse.Namespace) -> dict[str, t.Any]:
     models = []
     for r in range(a.replicas):
         torch.manual_seed(r)  # diverged replicas
-        models.append(torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width, bias=False)
-                                            for _ in range(a.layers)]).to(devices[r]))
+        models.append(
+            torch.nn.Sequential(*[torch.nn.Linear(a.width, a.width, bias=False) for _ in range(a.layers)]).to(
+                devices[r]
+            )
+        )
     params = [list(m.parameters()) for m in models]
     model_bytes = sum(p.numel() * p.element_size() for p in params[0])
     bw = {d: measure_copy_bandwidth(d) for d in set(devices)}
@@ -99,11 +102,23 @@ def child(method: str, a: argparse.Namespace) -> dict[str, t.Any]:
     first = [p.detach() for p in models[0].parameters()]
     assert all(torch.equal(x, y.detach().to(x.device)) for m in models[1:] for x, y in zip(first, m.parameters()))
     best = min(times[1:]) if len(times) > 1 else times[0]
-    return {"method": method, "replicas": a.replicas, "device": a.device, "threads": a.threads,
-            "model_mb": model_bytes / 2**20, "rss_before_mb": before / 1024, "peak_mb": peak / 1024,
-            "extra_mb": (peak - before) / 1024, "buffers_mb": buffers / 2**20, "first_s": times[0], "seconds": best,
-            "s_per_gb": best / (model_bytes / 1e9), "bound_s": bound, "ratio": best / bound,
-            "bandwidth_gb_s": {str(d): [round(b.out / 1e9, 2), round(b.back / 1e9, 2)] for d, b in bw.items()}}
+    return {
+        "method": method,
+        "replicas": a.replicas,
+        "device": a.device,
+        "threads": a.threads,
+        "model_mb": model_bytes / 2**20,
+        "rss_before_mb": before / 1024,
+        "peak_mb": peak / 1024,
+        "extra_mb": (peak - before) / 1024,
+        "buffers_mb": buffers / 2**20,
+        "first_s": times[0],
+        "seconds": best,
+        "s_per_gb": best / (model_bytes / 1e9),
+        "bound_s": bound,
+        "ratio": best / bound,
+        "bandwidth_gb_s": {str(d): [round(b.out / 1e9, 2), round(b.back / 1e9, 2)] for d, b in bw.items()},
+    }
 
 
 def main() -> int:
@@ -112,8 +127,12 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--chunk", type=int, default=1 << 22, help="averager slice, elements (default 4M = 16 MiB)")
-    ap.add_argument("--threads", type=int, default=min(8, os.cpu_count() or 1),
-                    help="torch threads and averager host threads (default: min(8, cores))")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="torch threads and averager host threads (default: min(8, cores))",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds per method; the best after the first is reported")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the replicas live")
     ap.add_argument("--engine", default=None, help="another dflash/averaging.py to compare (e.g. the one before)")
@@ -132,9 +151,26 @@ def main() -> int:
     methods = ["averager"] + (["engine"] if args.engine else []) + ["naive"]
     rows = []
     for method in methods:
-        argv = [sys.executable, __file__, "--child", method, "--replicas", str(args.replicas), "--width",
-                str(args.width), "--layers", str(args.layers), "--chunk", str(args.chunk), "--threads",
-                str(args.threads), "--rounds", str(args.rounds), "--device", args.device]
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            method,
+            "--replicas",
+            str(args.replicas),
+            "--width",
+            str(args.width),
+            "--layers",
+            str(args.layers),
+            "--chunk",
+            str(args.chunk),
+            "--threads",
+            str(args.threads),
+            "--rounds",
+            str(args.rounds),
+            "--device",
+            args.device,
+        ]
         if args.engine:
             argv += ["--engine", str(Path(args.engine).resolve())]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -145,20 +181,30 @@ def main() -> int:
             print(json.dumps(r))
         return 0
     r0 = rows[0]
-    print(f"{args.replicas} replicas x {r0['model_mb']:.0f} MB fp32 on {args.device} "
-          f"({args.replicas * r0['model_mb']:.0f} MB of replicas), RSS before averaging ~{r0['rss_before_mb']:.0f} MB, "
-          f"{args.threads} threads, chunk {args.chunk} elements")
-    print("copy bandwidth GB/s (out, back): " + ", ".join(f"{d} {v[0]:.1f}/{v[1]:.1f}"
-                                                         for d, v in r0["bandwidth_gb_s"].items()))
-    print(f"{'method':<10} {'peak RSS MB':>12} {'extra MB':>9} {'buffers MB':>11} {'1st s':>7} {'round s':>8} "
-          f"{'s/GB':>6} {'bound s':>8} {'ratio':>6}")
+    print(
+        f"{args.replicas} replicas x {r0['model_mb']:.0f} MB fp32 on {args.device} "
+        f"({args.replicas * r0['model_mb']:.0f} MB of replicas), RSS before averaging ~{r0['rss_before_mb']:.0f} MB, "
+        f"{args.threads} threads, chunk {args.chunk} elements"
+    )
+    print(
+        "copy bandwidth GB/s (out, back): "
+        + ", ".join(f"{d} {v[0]:.1f}/{v[1]:.1f}" for d, v in r0["bandwidth_gb_s"].items())
+    )
+    print(
+        f"{'method':<10} {'peak RSS MB':>12} {'extra MB':>9} {'buffers MB':>11} {'1st s':>7} {'round s':>8} "
+        f"{'s/GB':>6} {'bound s':>8} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['method']:<10} {r['peak_mb']:12.1f} {r['extra_mb']:9.1f} {r['buffers_mb']:11.1f} {r['first_s']:7.3f} "
-              f"{r['seconds']:8.3f} {r['s_per_gb']:6.2f} {r['bound_s']:8.3f} {r['ratio']:6.2f}")
+        print(
+            f"{r['method']:<10} {r['peak_mb']:12.1f} {r['extra_mb']:9.1f} {r['buffers_mb']:11.1f} {r['first_s']:7.3f} "
+            f"{r['seconds']:8.3f} {r['s_per_gb']:6.2f} {r['bound_s']:8.3f} {r['ratio']:6.2f}"
+        )
     a, n = rows[0], rows[-1]
-    print(f"extra memory: averager {a['extra_mb']:.1f} MB = {a['extra_mb'] / a['model_mb']:.2f} x one replica; "
-          f"naive {n['extra_mb']:.1f} MB = {n['extra_mb'] / n['model_mb']:.2f} x one replica "
-          f"(ratio naive/averager {n['extra_mb'] / max(a['extra_mb'], 1e-9):.1f})")
+    print(
+        f"extra memory: averager {a['extra_mb']:.1f} MB = {a['extra_mb'] / a['model_mb']:.2f} x one replica; "
+        f"naive {n['extra_mb']:.1f} MB = {n['extra_mb'] / n['model_mb']:.2f} x one replica "
+        f"(ratio naive/averager {n['extra_mb'] / max(a['extra_mb'], 1e-9):.1f})"
+    )
     print(f"averager round {a['seconds']:.3f} s = {a['ratio']:.2f} x the copy bound ({a['bound_s']:.3f} s; goal <= 2x)")
     return 0
 

@@ -59,8 +59,15 @@ def main() -> None:
     args = ap.parse_args()
 
     h = args.hidden
-    tc = tiny_target_config(vocab_size=1024, hidden_size=h, intermediate_size=3 * h, num_hidden_layers=8,
-                            num_attention_heads=max(1, h // 128), num_key_value_heads=max(1, h // 512), head_dim=128)
+    tc = tiny_target_config(
+        vocab_size=1024,
+        hidden_size=h,
+        intermediate_size=3 * h,
+        num_hidden_layers=8,
+        num_attention_heads=max(1, h // 128),
+        num_key_value_heads=max(1, h // 512),
+        head_dim=128,
+    )
     torch.manual_seed(0)
     model = DFlashDraftModel(draft_config_for(tc, num_layers=args.layers, block_size=16, mask_token_id=1023))
     model.to(device=args.device, dtype=DTYPES[args.dtype])
@@ -81,20 +88,27 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     try:
-        print(f"drafter: {n_params / 1e6:.1f}M params ({args.dtype}) on {args.device}; {args.replicas} replicas; "
-              f"writing to {root}")
+        print(
+            f"drafter: {n_params / 1e6:.1f}M params ({args.dtype}) on {args.device}; {args.replicas} replicas; "
+            f"writing to {root}"
+        )
         # before: everything at the barrier
         sync()
         t0 = time.perf_counter()
-        before_opt = {"replicas": [o.state_dict() for o in opts],
-                      "masters": [x.detach().cpu() for x in masters[0]] if separate else None}
-        path = ckpt.save_checkpoint(root / "before", step=1, drafter=model, trainer_state=state,
-                                    optimizer_state=before_opt, keep=None)
+        before_opt = {
+            "replicas": [o.state_dict() for o in opts],
+            "masters": [x.detach().cpu() for x in masters[0]] if separate else None,
+        }
+        path = ckpt.save_checkpoint(
+            root / "before", step=1, drafter=model, trainer_state=state, optimizer_state=before_opt, keep=None
+        )
         t_before = time.perf_counter() - t0
         size_before = sum(f.stat().st_size for f in path.iterdir())
         # after: the barrier takes a snapshot of one replica; the writer thread writes it
-        print(f"before: barrier {t_before:7.3f} s  ({size_before / 1e9:.3f} GB written and fsynced at the barrier, "
-              f"{size_before / 1e9 / t_before:.2f} GB/s)")
+        print(
+            f"before: barrier {t_before:7.3f} s  ({size_before / 1e9:.3f} GB written and fsynced at the barrier, "
+            f"{size_before / 1e9 / t_before:.2f} GB/s)"
+        )
         # after: the barrier takes a snapshot of one replica; the writer thread writes it. The first
         # checkpoint of a run allocates the snapshot; later ones write over the previous (written) one.
         writer = ckpt.CheckpointWriter(root / "after", keep=None)
@@ -105,8 +119,14 @@ def main() -> None:
             spare = writer.spare()
             sync()
             t0 = time.perf_counter()
-            snap = ckpt.snapshot(model, step=step, trainer_state=state, run_id=run_id, reuse=spare, optimizer_state={
-                "replicas": [opts[0].state_dict()], "masters": list(masters[0]) if separate else None})
+            snap = ckpt.snapshot(
+                model,
+                step=step,
+                trainer_state=state,
+                run_id=run_id,
+                reuse=spare,
+                optimizer_state={"replicas": [opts[0].state_dict()], "masters": list(masters[0]) if separate else None},
+            )
             sync()
             t_barrier = time.perf_counter() - t0
             barriers.append(t_barrier)
@@ -117,11 +137,15 @@ def main() -> None:
             assert out is not None
             size_after = sum(f.stat().st_size for f in out.iterdir())
             snap_bytes = nbytes(snap.weights) + nbytes(snap.optimizer_state)
-            print(f"after:  barrier {t_barrier:7.3f} s  ({label} checkpoint: snapshot {snap_bytes / 1e9:.3f} GB to CPU, "
-                  f"{snap_bytes / 1e9 / max(t_barrier, 1e-9):.2f} GB/s); background write {t_write:.3f} s "
-                  f"({size_after / 1e9:.3f} GB)")
-        print(f"barrier: {t_before / max(barriers[0], 1e-9):.1f}x shorter (first checkpoint), "
-              f"{t_before / max(barriers[1], 1e-9):.1f}x (later ones)")
+            print(
+                f"after:  barrier {t_barrier:7.3f} s  ({label} checkpoint: snapshot {snap_bytes / 1e9:.3f} GB to CPU, "
+                f"{snap_bytes / 1e9 / max(t_barrier, 1e-9):.2f} GB/s); background write {t_write:.3f} s "
+                f"({size_after / 1e9:.3f} GB)"
+            )
+        print(
+            f"barrier: {t_before / max(barriers[0], 1e-9):.1f}x shorter (first checkpoint), "
+            f"{t_before / max(barriers[1], 1e-9):.1f}x (later ones)"
+        )
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -39,12 +39,19 @@ def run_variant(args: argparse.Namespace, chunk: int | None) -> dict[str, float]
 
     torch.set_num_threads(1)
     heads = max(1, args.hidden // 16)
-    tcfg = tiny_target_config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=8,
-                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=16,
-                              intermediate_size=2 * args.hidden)
+    tcfg = tiny_target_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=8,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=16,
+        intermediate_size=2 * args.hidden,
+    )
     target = TargetModel.from_config(tcfg, seed=0, num_draft_layers=args.layers)
-    drafter = DFlashDraftModel(draft_config_for(tcfg, num_layers=args.layers, block_size=args.block,
-                                                mask_token_id=args.vocab - 1))
+    drafter = DFlashDraftModel(
+        draft_config_for(tcfg, num_layers=args.layers, block_size=args.block, mask_token_id=args.vocab - 1)
+    )
     head = target.head()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab - 1, (1, args.seq), generator=gen)
@@ -53,8 +60,9 @@ def run_variant(args: argparse.Namespace, chunk: int | None) -> dict[str, float]
     opt = torch.optim.SGD(drafter.parameters(), lr=1e-3)
 
     def step() -> float:
-        out = drafter_loss(drafter, head, ids, loss_mask, feats, num_anchors=args.anchors, generator=gen,
-                           chunk_size=chunk)
+        out = drafter_loss(
+            drafter, head, ids, loss_mask, feats, num_anchors=args.anchors, generator=gen, chunk_size=chunk
+        )
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         opt.step()
@@ -104,11 +112,15 @@ def main() -> None:
 
     slots = args.anchors * args.block
     logits_mb = slots * args.vocab * 4 / 2**20
-    print(f"shape: {args.anchors} anchors x {args.block} slots x vocab {args.vocab}, hidden {args.hidden}, "
-          f"seq {args.seq}, {args.layers} drafter layers; fp32 logits of one step = {logits_mb:.0f} MB")
+    print(
+        f"shape: {args.anchors} anchors x {args.block} slots x vocab {args.vocab}, hidden {args.hidden}, "
+        f"seq {args.seq}, {args.layers} drafter layers; fp32 logits of one step = {logits_mb:.0f} MB"
+    )
     for variant in ("unchunked", "chunked"):
         r = results[variant]
-        label = variant if variant == "unchunked" else f"chunked ({args.chunk} blocks = {args.chunk * args.block} slots)"
+        label = (
+            variant if variant == "unchunked" else f"chunked ({args.chunk} blocks = {args.chunk * args.block} slots)"
+        )
         print(f"{label:34s} step {r['step_s'] * 1000:8.1f} ms   peak added {r['peak_added_mb']:8.1f} MB")
     u, c = results["unchunked"], results["chunked"]
     print(f"time ratio chunked/unchunked: {c['step_s'] / u['step_s']:.2f}")

@@ -6,8 +6,9 @@ namespace), as in the tests. Prints figures and ratios; asserts nothing about ti
     .venv/bin/python bench/deploy.py [--runs 5] [--files 400] [--file-kb 20]
 
 Figures:
-- full deploy (fresh workdir: connect, bundle+hash, inspect, upload, verify, switch) vs the plain pipe, median
-  of --runs, for this checkout and for a synthetic checkout of --files files of --file-kb KB;
+- full deploy (fresh workdir and a fresh operator cache, as a first deploy: connect, bundle+hash, one
+  install call that looks first, then uploads, verifies and switches) vs the plain pipe, median of --runs,
+  for this checkout and for a synthetic checkout of --files files of --file-kb KB;
 - the same through the real CLI (adds the interpreter start and imports of dflashctl);
 - bytes uploaded by a no-change redeploy and by a one-file-change redeploy.
 """
@@ -32,7 +33,6 @@ from ops import deploy as deploy_mod  # noqa: E402
 from ops.bundle import Bundle, build_bundle, source_root  # noqa: E402
 from ops.remote import connect  # noqa: E402
 from ops.testing import FakePve, PveHosts, Sshd, missing_requirement  # noqa: E402
-from ops.testing.hostsfile import dflashctl_argv  # noqa: E402
 
 
 def synthetic_checkout(root: Path, files: int, file_kb: int) -> Path:
@@ -66,10 +66,25 @@ def plain_pipe(sshd: Sshd, pve: FakePve, bundle: Bundle, dest: Path) -> float:
     """tar -c <files> | ssh ... 'pct exec 200 -- tar -x -C dest' (OpenSSH client, the same key and pin)."""
     dest.mkdir(parents=True)
     remote = shlex.join([str(pve.pct), "exec", "200", "--", "tar", "-x", "-C", str(dest)])
-    ssh = ["ssh", "-p", str(sshd.port), "-i", str(sshd.client_key), "-o", f"UserKnownHostsFile={sshd.known_hosts}",
-           "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", f"{sshd.user}@127.0.0.1", remote]
+    ssh = [
+        "ssh",
+        "-p",
+        str(sshd.port),
+        "-i",
+        str(sshd.client_key),
+        "-o",
+        f"UserKnownHostsFile={sshd.known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "BatchMode=yes",
+        f"{sshd.user}@127.0.0.1",
+        remote,
+    ]
     started = time.perf_counter()
-    tar = subprocess.Popen(["tar", "-C", str(bundle.root), "-cf", "-", *[f.path for f in bundle.files]], stdout=subprocess.PIPE)
+    tar = subprocess.Popen(
+        ["tar", "-C", str(bundle.root), "-cf", "-", *[f.path for f in bundle.files]], stdout=subprocess.PIPE
+    )
     proc = subprocess.run(ssh, stdin=tar.stdout, capture_output=True, timeout=300)
     tar.wait()
     took = time.perf_counter() - started
@@ -79,6 +94,7 @@ def plain_pipe(sshd: Sshd, pve: FakePve, bundle: Bundle, dest: Path) -> float:
 
 
 PHASES: dict[str, list[float]] = {}
+CALLS: list[int] = []  # far-side calls per API deploy
 
 
 def api_deploy(hosts: PveHosts, source: Path) -> tuple[float, deploy_mod.Outcome]:
@@ -94,8 +110,10 @@ def api_deploy(hosts: PveHosts, source: Path) -> tuple[float, deploy_mod.Outcome
         finally:
             verb = next((a for a in argv if a in ("inspect", "install")), "other")
             PHASES.setdefault(verb, []).append(time.perf_counter() - t0)
+            CALLS[-1] += 1
 
     remote.run = timed  # type: ignore[method-assign]
+    CALLS.append(0)
     try:
         outcome = deploy_mod.deploy(remote, host, source=str(source), echo=lambda s: None)
     finally:
@@ -141,6 +159,8 @@ def main() -> None:
     (home / ".ssh").mkdir(parents=True)
     os.environ["HOME"] = str(home)
     os.environ.pop("SSH_AUTH_SOCK", None)
+    state = tmp / "state"  # dflashctl's deploy cache: wiped with the workdir, so each full deploy is a first one
+    os.environ["XDG_STATE_HOME"] = str(state)
     sshd = Sshd(tmp / "sshd").start()
     pve = FakePve()
     try:
@@ -148,31 +168,49 @@ def main() -> None:
         hosts = PveHosts(tmp / "inventory", sshd=sshd, pve=pve, home=home)
         workdir = hosts.workdir
         checkout = snapshot(tmp / "checkout")
-        payloads = [("this checkout", checkout), (f"synthetic {args.files} x {args.file_kb} KB", synthetic_checkout(tmp / "synth", args.files, args.file_kb))]
+        payloads = [
+            ("this checkout", checkout),
+            (
+                f"synthetic {args.files} x {args.file_kb} KB",
+                synthetic_checkout(tmp / "synth", args.files, args.file_kb),
+            ),
+        ]
         print(f"deploy benchmark: sshd 127.0.0.1:{sshd.port}, fake pve ct 200, {args.runs} runs each, medians")
         for label, source in payloads:
             bundle = build_bundle(source)
             ours, plain, cli = [], [], []
             PHASES.clear()
+            CALLS.clear()
             for i in range(args.runs):
-                shutil.rmtree(workdir, ignore_errors=True)
+                for fresh in (workdir, state):
+                    shutil.rmtree(fresh, ignore_errors=True)
                 took, outcome = api_deploy(hosts, source)
                 ours.append(took)
                 sent = outcome.bytes_sent
-                shutil.rmtree(workdir, ignore_errors=True)
+                for fresh in (workdir, state):
+                    shutil.rmtree(fresh, ignore_errors=True)
                 cli.append(cli_deploy(hosts, source))
                 dest = pve.fs / "plain" / str(i)
                 plain.append(plain_pipe(sshd, pve, bundle, dest))
                 shutil.rmtree(dest, ignore_errors=True)
             m_ours, m_plain, m_cli = statistics.median(ours), statistics.median(plain), statistics.median(cli)
-            print(f"\n[{label}] {len(bundle.files)} files, {bundle.size / 1e6:.2f} MB; first deploy sent {sent / 1e6:.2f} MB")
-            print(f"  full deploy (API: connect+bundle+inspect+upload+verify+switch): {m_ours * 1000:7.0f} ms")
-            print(f"  full deploy (real CLI process):                              {m_cli * 1000:7.0f} ms")
-            print(f"  plain tar | ssh 'pct exec 200 -- tar -x':                    {m_plain * 1000:7.0f} ms")
+            print(
+                f"\n[{label}] {len(bundle.files)} files, {bundle.size / 1e6:.2f} MB; first deploy sent {sent / 1e6:.2f} MB"
+            )
+            print(f"  full deploy (API: connect+bundle+one install call): {m_ours * 1000:7.0f} ms")
+            print(f"  full deploy (real CLI process):                     {m_cli * 1000:7.0f} ms")
+            print(f"  plain tar | ssh 'pct exec 200 -- tar -x':           {m_plain * 1000:7.0f} ms")
             print(f"  ratio deploy/plain: API {m_ours / m_plain:.2f}x, CLI {m_cli / m_plain:.2f}x (goal <= 1.3x)")
-            print(f"  of the API deploy: inspect call {statistics.median(PHASES['inspect']) * 1000:.0f} ms, install call "
-                  f"{statistics.median(PHASES['install']) * 1000:.0f} ms; one bare `pct exec 200 -- true` round trip "
-                  f"{round_trip(hosts) * 1000:.0f} ms")
+            calls = ", ".join(
+                f"{verb} {len(ts)}x {statistics.median(ts) * 1000:.0f} ms" for verb, ts in sorted(PHASES.items())
+            )
+            print(
+                f"  of the API deploy: far-side calls per deploy {statistics.median(CALLS):.0f} ({calls}); "
+                f"one bare `pct exec 200 -- true` round trip {round_trip(hosts) * 1000:.0f} ms"
+            )
+            print(
+                f"  all runs (ms): API {' '.join(f'{x * 1000:.0f}' for x in ours)}; plain {' '.join(f'{x * 1000:.0f}' for x in plain)}"
+            )
 
             # Redeploys onto the release that the last CLI run left in place.
             _, same = api_deploy(hosts, source)
@@ -184,9 +222,11 @@ def main() -> None:
                 took, one = api_deploy(hosts, source)
             finally:
                 path.write_bytes(original)
-            print(f"  no-change redeploy: {same.bytes_sent} B sent ({same.action})")
-            print(f"  one-file-change redeploy: {one.bytes_sent} B sent for {target.path} ({path.stat().st_size} B) "
-                  f"+ manifest; {one.bytes_sent / max(bundle.size, 1) * 100:.2f}% of the bundle, {took * 1000:.0f} ms")
+            print(f"  no-change redeploy: {same.bytes_sent} B sent ({same.action}), {CALLS[-2]} far-side call(s)")
+            print(
+                f"  one-file-change redeploy: {one.bytes_sent} B sent for {target.path} ({path.stat().st_size} B) "
+                f"+ manifest; {one.bytes_sent / max(bundle.size, 1) * 100:.2f}% of the bundle, {took * 1000:.0f} ms"
+            )
     finally:
         pve.close()
         sshd.stop()

@@ -69,13 +69,26 @@ if str(ROOT) not in sys.path:
 
 FLEX_WARNING = "flex_attention called without torch.compile"
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).
-PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12), ("B200", 2250e12),
-             ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("A6000", 155e12),
-             ("4090", 165e12), ("3090", 71e12))
+PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A6000", 155e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+)
 # `dflash train` with one GPU's allocator capped first: the OOM is the real allocator's, on that GPU.
-OOM_SHIM = ("import sys, torch; g, cap = int(sys.argv[1]), float(sys.argv[2]); "
-            "torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(g).total_memory, g); "
-            "from dflash.__main__ import main; sys.exit(main(sys.argv[3:]))")
+OOM_SHIM = (
+    "import sys, torch; g, cap = int(sys.argv[1]), float(sys.argv[2]); "
+    "torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(g).total_memory, g); "
+    "from dflash.__main__ import main; sys.exit(main(sys.argv[3:]))"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,8 +96,9 @@ OOM_SHIM = ("import sys, torch; g, cap = int(sys.argv[1]), float(sys.argv[2]); "
 
 
 def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="bench/gpu_smoke.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench/gpu_smoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cpu", action="store_true", help="no GPU: run the same path tiny on the CPU (compile off)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (the figures and checks) on stdout")
     ap.add_argument("--steps", type=int, default=None, help="global training steps (default 60; --cpu 6)")
@@ -95,19 +109,39 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--drafter-layers", type=int, default=None, help="drafter layers (default 3; --cpu 2)")
     ap.add_argument("--anchors", type=int, default=None, help="anchors per sample (default 256; --cpu 8)")
     ap.add_argument("--block-size", type=int, default=None, help="drafter block size (default 16; --cpu 8)")
-    ap.add_argument("--targets", type=int, default=None,
-                    help="GPUs for targets (default: half of the visible ones, at least 1; the rest draft)")
-    ap.add_argument("--peak-tflops", type=float, default=None,
-                    help="dense bf16 peak per GPU in TFLOP/s for MFU (default: known GPUs by name)")
-    ap.add_argument("--oom-cap-gib", type=float, default=1.0,
-                    help="the OOM step caps the last drafter GPU's allocator at this many GiB (default 1)")
+    ap.add_argument(
+        "--targets",
+        type=int,
+        default=None,
+        help="GPUs for targets (default: half of the visible ones, at least 1; the rest draft)",
+    )
+    ap.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak per GPU in TFLOP/s for MFU (default: known GPUs by name)",
+    )
+    ap.add_argument(
+        "--oom-cap-gib",
+        type=float,
+        default=1.0,
+        help="the OOM step caps the last drafter GPU's allocator at this many GiB (default 1)",
+    )
     ap.add_argument("--no-oom", action="store_true", help="skip the forced OOM")
     ap.add_argument("--oom-timeout", type=float, default=180.0, help="seconds the OOM run may take (default 180)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (target, data, runs) and print it")
     args = ap.parse_args(argv)
     small = args.cpu
-    defaults = {"steps": (60, 6), "seq_len": (2048, 64), "batch": (4, 2), "target_layers": (16, 4),
-                "hidden": (1024, 64), "drafter_layers": (3, 2), "anchors": (256, 8), "block_size": (16, 8)}
+    defaults = {
+        "steps": (60, 6),
+        "seq_len": (2048, 64),
+        "batch": (4, 2),
+        "target_layers": (16, 4),
+        "hidden": (1024, 64),
+        "drafter_layers": (3, 2),
+        "anchors": (256, 8),
+        "block_size": (16, 8),
+    }
     for name, (gpu, cpu) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, cpu if small else gpu)
@@ -131,9 +165,15 @@ def target_shape(args: argparse.Namespace) -> dict[str, int]:
     at --hidden / --target-layers."""
     head_dim = 128 if args.hidden >= 512 else 16
     heads = max(2, 2 * args.hidden // head_dim)
-    return {"vocab_size": 512 if args.cpu else 151936, "hidden_size": args.hidden,
-            "intermediate_size": 3 * args.hidden, "num_hidden_layers": args.target_layers,
-            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": head_dim}
+    return {
+        "vocab_size": 512 if args.cpu else 151936,
+        "hidden_size": args.hidden,
+        "intermediate_size": 3 * args.hidden,
+        "num_hidden_layers": args.target_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": head_dim,
+    }
 
 
 def build_target(path: Path, shape: dict[str, int], *, cuda: bool) -> int:
@@ -182,14 +222,27 @@ def split_devices(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 def raw_config(args: argparse.Namespace, tmp: Path, targets: list[str], drafters: list[str]) -> dict[str, t.Any]:
     dtype = "float32" if args.cpu else "bfloat16"
     return {
-        "max_steps": args.steps, "log_every": max(1, args.steps // 8), "average_every": max(2, args.steps // 3),
-        "seed": 0, "output_dir": str(tmp / "out"), "compile": not args.cpu, "compile_backend": "inductor",
+        "max_steps": args.steps,
+        "log_every": max(1, args.steps // 8),
+        "average_every": max(2, args.steps // 3),
+        "seed": 0,
+        "output_dir": str(tmp / "out"),
+        "compile": not args.cpu,
+        "compile_backend": "inductor",
         "activation_checkpointing": True,
         "target": {"path": str(tmp / "target"), "dtype": dtype},
-        "drafter": {"layers": args.drafter_layers, "block_size": args.block_size, "num_anchors": args.anchors,
-                    "dtype": dtype},
-        "data": {"path": str(tmp / "data.jsonl"), "format": "tokens", "max_length": args.seq_len,
-                 "batch_size": args.batch},
+        "drafter": {
+            "layers": args.drafter_layers,
+            "block_size": args.block_size,
+            "num_anchors": args.anchors,
+            "dtype": dtype,
+        },
+        "data": {
+            "path": str(tmp / "data.jsonl"),
+            "format": "tokens",
+            "max_length": args.seq_len,
+            "batch_size": args.batch,
+        },
         "devices": {"targets": targets, "drafters": drafters},
         "optim": {"sequences_per_update": args.batch},  # one batch per update: the step time is a batch's
         "checkpoint": {"interval": 0, "dir": str(tmp / "ckpt"), "keep": 1, "resume": "never", "optimizer": False},
@@ -198,6 +251,7 @@ def raw_config(args: argparse.Namespace, tmp: Path, targets: list[str], drafters
 
 def to_toml(raw: t.Mapping[str, t.Any]) -> str:
     """Enough TOML for raw_config: scalars, lists of scalars, one level of tables."""
+
     def value(v: t.Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -210,8 +264,11 @@ def to_toml(raw: t.Mapping[str, t.Any]) -> str:
         raise TypeError(f"no TOML for {v!r}")
 
     top = [f"{k} = {value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
-    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {value(vv)}" for kk, vv in v.items())
-              for k, v in raw.items() if isinstance(v, dict)]
+    tables = [
+        f"\n[{k}]\n" + "\n".join(f"{kk} = {value(vv)}" for kk, vv in v.items())
+        for k, v in raw.items()
+        if isinstance(v, dict)
+    ]
     return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
 
 
@@ -310,13 +367,22 @@ def drafter_step_flops(args: argparse.Namespace, shape: dict[str, int], draft: t
     S, B = args.seq_len, args.block_size
     A = min(args.anchors, S - B)
     H, V = int(draft.hidden_size), shape["vocab_size"]
-    h, g, d, inter = int(draft.num_attention_heads), int(draft.num_key_value_heads), int(draft.head_dim), int(draft.intermediate_size)
+    h, g, d, inter = (
+        int(draft.num_attention_heads),
+        int(draft.num_key_value_heads),
+        int(draft.head_dim),
+        int(draft.intermediate_size),
+    )
     L = int(draft.num_hidden_layers)
     Q = A * B
     anchors = [int((i + 0.5) * (S - B) / A) for i in range(A)]
     visible = sum((a + B) * B for a in anchors)
-    fwd_train = (2 * S * (n_target_layers * H) * H + L * 2 * S * (2 * H * g * d)
-                 + L * 2 * Q * (H * h * d + 2 * H * g * d + h * d * H + 3 * H * inter) + L * 4 * h * d * visible)
+    fwd_train = (
+        2 * S * (n_target_layers * H) * H
+        + L * 2 * S * (2 * H * g * d)
+        + L * 2 * Q * (H * h * d + 2 * H * g * d + h * d * H + 3 * H * inter)
+        + L * 4 * h * d * visible
+    )
     head = 2 * Q * H * V
     return args.batch * (3 * fwd_train + 2 * head)
 
@@ -381,12 +447,19 @@ def averaging_round(run: t.Any) -> dict[str, t.Any]:
     close = torch.allclose(reps[0][k].float().cpu(), want, rtol=1e-5, atol=1e-6)
     if made:
         avg.close()
-    return {"replicas": len(reps), "copied_replica": made, "mb_per_replica": sum(p.numel() * p.element_size() for p in reps[0]) / 2**20,
-            "first_round_s": first.seconds if first else None, "round_s": warm.seconds if warm else None,
-            "bytes_moved": warm.bytes_moved if warm else None, "copy_bound_s": bound,
-            "ratio": (warm.seconds / bound) if warm and bound else None,
-            "bandwidth_gb_s": {str(d): [round(b.out / 1e9, 2), round(b.back / 1e9, 2)] for d, b in bw.items()},
-            "bit_identical": identical, "equals_cpu_mean": close}
+    return {
+        "replicas": len(reps),
+        "copied_replica": made,
+        "mb_per_replica": sum(p.numel() * p.element_size() for p in reps[0]) / 2**20,
+        "first_round_s": first.seconds if first else None,
+        "round_s": warm.seconds if warm else None,
+        "bytes_moved": warm.bytes_moved if warm else None,
+        "copy_bound_s": bound,
+        "ratio": (warm.seconds / bound) if warm and bound else None,
+        "bandwidth_gb_s": {str(d): [round(b.out / 1e9, 2), round(b.back / 1e9, 2)] for d, b in bw.items()},
+        "bit_identical": identical,
+        "equals_cpu_mean": close,
+    }
 
 
 def gpu_memory() -> list[dict[str, t.Any]]:
@@ -394,10 +467,15 @@ def gpu_memory() -> list[dict[str, t.Any]]:
 
     if not torch.cuda.is_available():
         return []
-    return [{"gpu": i, "peak_allocated_gib": round(torch.cuda.max_memory_allocated(i) / 2**30, 2),
-             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(i) / 2**30, 2),
-             "total_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
-            for i in range(torch.cuda.device_count())]
+    return [
+        {
+            "gpu": i,
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(i) / 2**30, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(i) / 2**30, 2),
+            "total_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1),
+        }
+        for i in range(torch.cuda.device_count())
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -440,31 +518,83 @@ def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], draft
         how = "injected (DFLASH_FAULT=oom-at-step:1: the allocator's text, raised in the drafter step)"
     else:
         gpu = int(drafters[-1].split(":")[1])
-        command = [sys.executable, "-c", OOM_SHIM, str(gpu), str(args.oom_cap_gib * 2**30),
-                   "train", "--config", str(cfg_path)]
+        command = [
+            sys.executable,
+            "-c",
+            OOM_SHIM,
+            str(gpu),
+            str(args.oom_cap_gib * 2**30),
+            "train",
+            "--config",
+            str(cfg_path),
+        ]
         how = f"real: GPU {gpu}'s allocator capped at {args.oom_cap_gib:g} GiB"
     session = "smoke"
     run_dir = tmp / "runs"
     attempt = run_dir / session / "attempt-1"
-    runner = [sys.executable, "-m", "ops.runner", "--attempt-dir", str(attempt), "--session", session,
-              "--attempt", "1", "--cwd", str(ROOT), "--python", sys.executable, "--", *command]
+    runner = [
+        sys.executable,
+        "-m",
+        "ops.runner",
+        "--attempt-dir",
+        str(attempt),
+        "--session",
+        session,
+        "--attempt",
+        "1",
+        "--cwd",
+        str(ROOT),
+        "--python",
+        sys.executable,
+        "--",
+        *command,
+    ]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(runner, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True, timeout=args.oom_timeout)
+        proc = subprocess.run(
+            runner,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=args.oom_timeout,
+        )
         runner_rc: int | None = proc.returncode
     except subprocess.TimeoutExpired:  # the runner is killed; its keeper and the command live on by design
         runner_rc = None
         end_leftovers(attempt / "run.json")
-    req = {"session": session, "socket": f"dflash-smoke-{os.getpid()}", "run_dir": str(run_dir),
-           "workdir": str(tmp), "python": sys.executable}
-    facts = {"host": "local", "session": session, "socket": req["socket"], "container_id": None,
-             "hang_after": 600, "startup_grace": 0, "checked_at": time.time(), "mode": "agent",
-             "agent": {"ok": True, "protocol": agent.PROTOCOL, "verb": "probe", **agent.probe(req)}}
+    req = {
+        "session": session,
+        "socket": f"dflash-smoke-{os.getpid()}",
+        "run_dir": str(run_dir),
+        "workdir": str(tmp),
+        "python": sys.executable,
+    }
+    facts = {
+        "host": "local",
+        "session": session,
+        "socket": req["socket"],
+        "container_id": None,
+        "hang_after": 600,
+        "startup_grace": 0,
+        "checked_at": time.time(),
+        "mode": "agent",
+        "agent": {"ok": True, "protocol": agent.PROTOCOL, "verb": "probe", **agent.probe(req)},
+    }
     st = probe.classify(facts)
-    return {"how": how, "gpu_expected": gpu, "runner_exit": runner_rc, "seconds": time.perf_counter() - t0,
-            "state": st.state, "cause": st.cause, "gpu": st.gpu, "detail": (st.detail or "")[:300],
-            "log": str(attempt / "train.log")}
+    return {
+        "how": how,
+        "gpu_expected": gpu,
+        "runner_exit": runner_rc,
+        "seconds": time.perf_counter() - t0,
+        "state": st.state,
+        "cause": st.cause,
+        "gpu": st.gpu,
+        "detail": (st.detail or "")[:300],
+        "log": str(attempt / "train.log"),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,15 +623,23 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         n_params = build_target(tmp / "target", shape, cuda=not args.cpu)
         build_s = time.perf_counter() - t0
-        say(f"target: Qwen3 {shape['num_hidden_layers']} layers x {shape['hidden_size']}, vocab {shape['vocab_size']}: "
-            f"{n_params / 1e6:.0f}M params, built and saved in {build_s:.1f}s")
-        write_data(tmp / "data.jsonl", rows=max(8, args.steps * args.batch * 2), seq_len=args.seq_len,
-                   vocab=shape["vocab_size"])
+        say(
+            f"target: Qwen3 {shape['num_hidden_layers']} layers x {shape['hidden_size']}, vocab {shape['vocab_size']}: "
+            f"{n_params / 1e6:.0f}M params, built and saved in {build_s:.1f}s"
+        )
+        write_data(
+            tmp / "data.jsonl",
+            rows=max(8, args.steps * args.batch * 2),
+            seq_len=args.seq_len,
+            vocab=shape["vocab_size"],
+        )
         targets, drafters = split_devices(args)
         raw = raw_config(args, tmp, targets, drafters)
         cfg = parse_config(raw, base=tmp)
-        say(f"devices: targets {targets}, drafters {drafters}; compile {cfg.compile} ({cfg.compile_backend}), "
-            f"activation checkpointing {cfg.activation_checkpointing}; {args.steps} steps of {args.batch} x {args.seq_len} tokens")
+        say(
+            f"devices: targets {targets}, drafters {drafters}; compile {cfg.compile} ({cfg.compile_backend}), "
+            f"activation checkpointing {cfg.activation_checkpointing}; {args.steps} steps of {args.batch} x {args.seq_len} tokens"
+        )
         if torch.cuda.is_available() and not args.cpu:
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
@@ -536,15 +674,30 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         result = {
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
             "gpus": 0 if args.cpu else torch.cuda.device_count(),
-            "targets": targets, "drafters": drafters, "target_params_m": round(n_params / 1e6, 1),
-            "target_build_s": round(build_s, 2), "train_exit": rc, "train_s": round(train_s, 2),
-            "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
-            "ktok_s": figures["ktok_s"], "drafter_step_s": step_s, "drafter_step_tflop": flops / 1e12,
-            "mfu": mfu, "peak_tflops": peak / 1e12 if peak else None, "peak_from": peak_from,
-            "compile_s": compile_s, "recompiles_after_warmup": len(watch.recompiles),
+            "targets": targets,
+            "drafters": drafters,
+            "target_params_m": round(n_params / 1e6, 1),
+            "target_build_s": round(build_s, 2),
+            "train_exit": rc,
+            "train_s": round(train_s, 2),
+            "steps": args.steps,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "ktok_s": figures["ktok_s"],
+            "drafter_step_s": step_s,
+            "drafter_step_tflop": flops / 1e12,
+            "mfu": mfu,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "peak_from": peak_from,
+            "compile_s": compile_s,
+            "recompiles_after_warmup": len(watch.recompiles),
             "recompiles_in_warmup": len(watch.warmup_recompiles),
-            "recompile_messages": watch.recompiles[:5], "dynamo_frames_after_warmup": frames_after,
-            "flex_eager_warnings": flex, "memory": memory, "averaging": avg, "oom": oom,
+            "recompile_messages": watch.recompiles[:5],
+            "dynamo_frames_after_warmup": frames_after,
+            "flex_eager_warnings": flex,
+            "memory": memory,
+            "averaging": avg,
+            "oom": oom,
             "total_s": round(time.perf_counter() - t_start, 1),
         }
         result["checks"] = checks(args, result)
@@ -561,17 +714,25 @@ def main(argv: t.Sequence[str] | None = None) -> int:
 
 
 def checks(args: argparse.Namespace, r: dict[str, t.Any]) -> list[dict[str, t.Any]]:
-    out = [{"name": "training exited 0", "ok": r["train_exit"] == 0},
-           {"name": "no (re)compile after warm-up", "ok": r["recompiles_after_warmup"] == 0
-            and not r["dynamo_frames_after_warmup"]},
-           {"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]},
-           {"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]}]
+    out = [
+        {"name": "training exited 0", "ok": r["train_exit"] == 0},
+        {
+            "name": "no (re)compile after warm-up",
+            "ok": r["recompiles_after_warmup"] == 0 and not r["dynamo_frames_after_warmup"],
+        },
+        {"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]},
+        {"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]},
+    ]
     if not args.cpu:  # eager flex is the CPU path; on CUDA it is the OOM the issue is about
         out.append({"name": "no eager flex_attention warning", "ok": r["flex_eager_warnings"] == 0})
     if r["oom"] is not None:
         o = r["oom"]
-        out.append({"name": f"status: crashed / cuda-oom on GPU {o['gpu_expected']}",
-                    "ok": (o["state"], o["cause"], o["gpu"]) == ("crashed", "cuda-oom", o["gpu_expected"])})
+        out.append(
+            {
+                "name": f"status: crashed / cuda-oom on GPU {o['gpu_expected']}",
+                "ok": (o["state"], o["cause"], o["gpu"]) == ("crashed", "cuda-oom", o["gpu_expected"]),
+            }
+        )
     return out
 
 
@@ -591,19 +752,25 @@ def print_report(r: dict[str, t.Any]) -> None:
         f"compile (warm-up)   {_fmt(r['compile_s'], '.1f')} s",
         f"recompiles          {r['recompiles_after_warmup']} after warm-up (dynamo frames compiled after: "
         f"{r['dynamo_frames_after_warmup']}; {r['recompiles_in_warmup']} during warm-up)",
-        f"eager flex calls    {r['flex_eager_warnings']} (\"flex_attention called without torch.compile\")",
+        f'eager flex calls    {r["flex_eager_warnings"]} ("flex_attention called without torch.compile")',
     ]
     for m in r["memory"]:
-        lines.append(f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "
-                     f"{m['peak_reserved_gib']} GiB reserved of {m['total_gib']} GiB")
-    lines.append(f"averaging           {a['replicas']} replicas x {a['mb_per_replica']:.0f} MB"
-                 f"{' (one a copy)' if a['copied_replica'] else ''}: round {_fmt(a['round_s'], '.3f')} s "
-                 f"(first {_fmt(a['first_round_s'], '.3f')} s), copy bound {a['copy_bound_s']:.3f} s, "
-                 f"ratio {_fmt(a['ratio'], '.2f')}; bandwidth GB/s out/back {a['bandwidth_gb_s']}")
+        lines.append(
+            f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "
+            f"{m['peak_reserved_gib']} GiB reserved of {m['total_gib']} GiB"
+        )
+    lines.append(
+        f"averaging           {a['replicas']} replicas x {a['mb_per_replica']:.0f} MB"
+        f"{' (one a copy)' if a['copied_replica'] else ''}: round {_fmt(a['round_s'], '.3f')} s "
+        f"(first {_fmt(a['first_round_s'], '.3f')} s), copy bound {a['copy_bound_s']:.3f} s, "
+        f"ratio {_fmt(a['ratio'], '.2f')}; bandwidth GB/s out/back {a['bandwidth_gb_s']}"
+    )
     if r["oom"] is not None:
         o = r["oom"]
-        lines.append(f"forced OOM          {o['how']}: status {o['state']} / {o['cause']} / gpu {o['gpu']} "
-                     f"(runner exit {o['runner_exit']}, {o['seconds']:.1f}s)")
+        lines.append(
+            f"forced OOM          {o['how']}: status {o['state']} / {o['cause']} / gpu {o['gpu']} "
+            f"(runner exit {o['runner_exit']}, {o['seconds']:.1f}s)"
+        )
         lines.append(f"                    {o['detail'][:160]}")
     lines.append(f"total               {r['total_s']} s")
     for c in r["checks"]:

@@ -36,17 +36,31 @@ def main() -> int:
     args = ap.parse_args()
     logging.getLogger("dflash.pipeline").setLevel(logging.CRITICAL)  # the injected kill is expected
 
-    base = dict(targets=5, drafters=3, target_ms=args.target_ms, drafter_ms=args.drafter_ms, steps=args.steps,
-                payload_mb=args.payload_mb)
+    base = dict(
+        targets=5,
+        drafters=3,
+        target_ms=args.target_ms,
+        drafter_ms=args.drafter_ms,
+        steps=args.steps,
+        payload_mb=args.payload_mb,
+    )
     cases = [
         ("shared", BenchSpec(**base, mode="shared")),
         ("per-drafter", BenchSpec(**base, mode="per-drafter")),
-        ("shared, drafter killed midway", BenchSpec(**base, mode="shared", kill_drafter_at=args.steps // 2, kill_drafter=0)),
-        ("per-drafter, drafter killed midway", BenchSpec(**base, mode="per-drafter", kill_drafter_at=args.steps // 2, kill_drafter=0)),
+        (
+            "shared, drafter killed midway",
+            BenchSpec(**base, mode="shared", kill_drafter_at=args.steps // 2, kill_drafter=0),
+        ),
+        (
+            "per-drafter, drafter killed midway",
+            BenchSpec(**base, mode="per-drafter", kill_drafter_at=args.steps // 2, kill_drafter=0),
+        ),
         ("shared, drafter-0 x1.5", BenchSpec(**base, mode="shared", slowdowns={0: 1.5})),
         ("per-drafter, drafter-0 x1.5", BenchSpec(**base, mode="per-drafter", slowdowns={0: 1.5})),
-        ("shared, drafter-0 x1.5, averaging every 50", BenchSpec(**base, mode="shared", slowdowns={0: 1.5},
-                                                                  average_every=50, average_ms=20.0)),
+        (
+            "shared, drafter-0 x1.5, averaging every 50",
+            BenchSpec(**base, mode="shared", slowdowns={0: 1.5}, average_every=50, average_ms=20.0),
+        ),
     ]
     results: list[tuple[str, BenchResult]] = []
     print(f"{'case':<44} {'window':<12} {'Ktok/s':>8} {'bound':>8} {'ratio':>6}  {'items per drafter':<18} note")
@@ -54,10 +68,16 @@ def main() -> int:
         res = run_bench(spec)
         results.append((name, res))
         for wname, w in res.windows.items():
-            note = f"round-robin best {w.round_robin_bound:.1f} ({w.round_robin_bound / w.bound:.3f} of bound)" \
-                if spec.mode == "per-drafter" else ""
-            print(f"{name:<44} {wname:<12} {w.ktok_s:8.1f} {w.bound:8.1f} {w.ratio:6.3f}  "
-                  f"{str(res.per_drafter_items):<18} {note}", flush=True)
+            note = (
+                f"round-robin best {w.round_robin_bound:.1f} ({w.round_robin_bound / w.bound:.3f} of bound)"
+                if spec.mode == "per-drafter"
+                else ""
+            )
+            print(
+                f"{name:<44} {wname:<12} {w.ktok_s:8.1f} {w.bound:8.1f} {w.ratio:6.3f}  "
+                f"{str(res.per_drafter_items):<18} {note}",
+                flush=True,
+            )
         if args.verbose:
             print(format_result(res), flush=True)
     if args.json:

@@ -37,10 +37,19 @@ def main() -> int:
         os.environ.pop("SSH_AUTH_SOCK", None)
         with Sshd(Path(tmp) / "sshd") as sshd:
             host = parse_inventory(
-                dump_hosts(None, {"bench": {
-                    "address": "127.0.0.1", "port": sshd.port, "user": "root", "identity_file": str(sshd.client_key),
-                    "known_hosts": str(sshd.known_hosts), "command": "true",
-                }}),
+                dump_hosts(
+                    None,
+                    {
+                        "bench": {
+                            "address": "127.0.0.1",
+                            "port": sshd.port,
+                            "user": "root",
+                            "identity_file": str(sshd.client_key),
+                            "known_hosts": str(sshd.known_hosts),
+                            "command": "true",
+                        }
+                    },
+                ),
                 path=None,
                 base=Path(tmp),
             ).get()
@@ -65,9 +74,13 @@ def main() -> int:
     reused_total = connect_s + sum(reused)
     fresh_total = sum(fresh)
     print(f"N = {args.n} remote `true` calls to sshd on 127.0.0.1")
-    print(f"reused SSHTransport : total {reused_total:.3f} s (connect {connect_s:.3f} s + calls), median per call {statistics.median(reused) * 1000:.1f} ms")
+    print(
+        f"reused SSHTransport : total {reused_total:.3f} s (connect {connect_s:.3f} s + calls), median per call {statistics.median(reused) * 1000:.1f} ms"
+    )
     print(f"fresh ssh processes : total {fresh_total:.3f} s, median per call {statistics.median(fresh) * 1000:.1f} ms")
-    print(f"ratio fresh/reused  : {fresh_total / reused_total:.2f}x total, {statistics.median(fresh) / statistics.median(reused):.2f}x per-call median")
+    print(
+        f"ratio fresh/reused  : {fresh_total / reused_total:.2f}x total, {statistics.median(fresh) / statistics.median(reused):.2f}x per-call median"
+    )
     return 0
 
 

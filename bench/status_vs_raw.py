@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
 from runkit import fake_release, train_command  # noqa: E402
+
+from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, subprocess.CompletedProcess[bytes]]:
@@ -53,15 +54,35 @@ def main() -> int:
         hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket="dflash-bench")
         finish = hosts.workdir.parent / "finish"
         finish.parent.mkdir(parents=True, exist_ok=True)
-        hosts.write(command=train_command("--steps", "1", "--interval", "0.5", "--until", str(finish)),
-                    hang_after=600, startup_grace=0)
+        hosts.write(
+            command=train_command("--steps", "1", "--interval", "0.5", "--until", str(finish)),
+            hang_after=600,
+            startup_grace=0,
+        )
         fake_release(hosts.workdir)
         r = hosts.cli("start")
         assert r.exit_code == 0, r.output
         retry_until(lambda: json.loads(hosts.cli("status", "--json").stdout)["state"] == "running", 30)
 
-        raw = sshd.ssh_argv(shlex.join([str(pve.pct), "exec", "200", "--", "tmux", "-L", "dflash-bench",
-                                        "capture-pane", "-t", "=dflash:", "-p", "-S", "-30"]))
+        raw = sshd.ssh_argv(
+            shlex.join(
+                [
+                    str(pve.pct),
+                    "exec",
+                    "200",
+                    "--",
+                    "tmux",
+                    "-L",
+                    "dflash-bench",
+                    "capture-pane",
+                    "-t",
+                    "=dflash:",
+                    "-p",
+                    "-S",
+                    "-30",
+                ]
+            )
+        )
         from ops.testing.hostsfile import dflashctl_argv
 
         status = [*dflashctl_argv(), "--hosts", str(hosts.path), "status", "--json"]
@@ -86,8 +107,12 @@ def main() -> int:
 
     m_raw, m_status = statistics.median(t_raw), statistics.median(t_status)
     print(f"rounds: {args.rounds} (interleaved)")
-    print(f"raw ssh+pct+capture-pane : median {m_raw * 1000:7.1f} ms  (min {min(t_raw) * 1000:.1f}, max {max(t_raw) * 1000:.1f})")
-    print(f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})")
+    print(
+        f"raw ssh+pct+capture-pane : median {m_raw * 1000:7.1f} ms  (min {min(t_raw) * 1000:.1f}, max {max(t_raw) * 1000:.1f})"
+    )
+    print(
+        f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})"
+    )
     print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.5x)")
     return 0
 

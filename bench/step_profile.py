@@ -40,9 +40,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 # ops that read a device value on the host (a sync on CUDA)
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "repeat_interleave", "nonzero_static", "argwhere", "is_nonzero",
-            "_assert_async"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "repeat_interleave",
+    "nonzero_static",
+    "argwhere",
+    "is_nonzero",
+    "_assert_async",
+}
 
 
 def _crosses_to_host_or_blocks(name: str, args: t.Any, kwargs: dict[str, t.Any]) -> bool:
@@ -75,7 +86,7 @@ class OpCounter(TorchDispatchMode):
         elif name in ("_to_copy", "copy_") and _crosses_to_host_or_blocks(name, args, kwargs):
             self.syncs[f"{name} (blocking copy)"] += 1
         out = func(*args, **kwargs)
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+        for o in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(o, torch.Tensor):
                 self.bytes += o.numel() * o.element_size()
         return out
@@ -89,28 +100,49 @@ def build(args: argparse.Namespace) -> tuple[t.Any, t.Any, t.Any, t.Any]:
     from dflash.train import DrafterReplica, LRSchedule, TargetReplica
 
     heads = max(1, args.hidden // 32)
-    tcfg = tiny_target_config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=8,
-                              num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
-                              intermediate_size=3 * args.hidden)
+    tcfg = tiny_target_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=8,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=32,
+        intermediate_size=3 * args.hidden,
+    )
     target = TargetModel.from_config(tcfg, seed=0, device=args.device, num_draft_layers=args.layers)
-    cfg = load_config(REPO / "configs" / "tiny-random.toml", [
-        f"drafter.layers={args.layers}", f"drafter.block_size={args.block}", f"drafter.num_anchors={args.anchors}",
-        f"optim.lr=1e-4", "max_steps=1000000",
-    ])
-    draft = DFlashDraftModel(draft_config_for(tcfg, num_layers=args.layers, block_size=args.block,
-                                              mask_token_id=args.vocab - 1, target_layer_ids=target.layer_ids))
+    cfg = load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"drafter.layers={args.layers}",
+            f"drafter.block_size={args.block}",
+            f"drafter.num_anchors={args.anchors}",
+            "optim.lr=1e-4",
+            "max_steps=1000000",
+        ],
+    )
+    draft = DFlashDraftModel(
+        draft_config_for(
+            tcfg,
+            num_layers=args.layers,
+            block_size=args.block,
+            mask_token_id=args.vocab - 1,
+            target_layer_ids=target.layer_ids,
+        )
+    )
     draft.to(args.device)
     schedule = LRSchedule(lr=1e-4, total_steps=1_000_000, warmup_ratio=0.0, schedule="constant", min_lr_ratio=0.0)
-    replica = DrafterReplica(draft, target.head().to(args.device), device=args.device, cfg=cfg, schedule=schedule,
-                             seed=0, index=0)
+    replica = DrafterReplica(
+        draft, target.head().to(args.device), device=args.device, cfg=cfg, schedule=schedule, seed=0, index=0
+    )
     producer = TargetReplica(target, args.device, args.device)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab - 1, (args.batch, args.seq), generator=gen)
     att = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids)
     loss_mask[:, : args.seq // 4] = 0  # a prompt
-    batch = types.SimpleNamespace(input_ids=ids, attention_mask=att, loss_mask=loss_mask, index=0,
-                                  n_tokens=int(att.sum()))
+    batch = types.SimpleNamespace(
+        input_ids=ids, attention_mask=att, loss_mask=loss_mask, index=0, n_tokens=int(att.sum())
+    )
     metrics = Metrics(log_every=args.log_every, stream=io.StringIO())
     return producer, replica, batch, metrics
 
@@ -165,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         metrics.record(step_no[0], stats, int(batch.n_tokens))
 
     lm = torch.ones(args.mask_batch, args.mask_seq, dtype=torch.long, device=args.device)
-    anchors = sample_anchors(lm, num_anchors=args.mask_anchors, block_size=args.block,
-                             generator=torch.Generator(device=args.device).manual_seed(0))
+    anchors = sample_anchors(
+        lm,
+        num_anchors=args.mask_anchors,
+        block_size=args.block,
+        generator=torch.Generator(device=args.device).manual_seed(0),
+    )
 
     def block_mask() -> None:
         training_block_mask(anchors, seq_len=args.mask_seq, block_size=args.block)
@@ -176,13 +212,29 @@ def main(argv: list[str] | None = None) -> int:
         ("drafter step", *timed(drafter_step, args.steps, 2)),
         ("block mask", *timed(block_mask, max(3, args.steps // 2), 1)),
     ]
-    shape = (f"hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x {args.seq}, anchors {args.anchors} x "
-             f"block {args.block}; mask {args.mask_batch} x {args.mask_seq} with {args.mask_anchors} blocks; "
-             f"device {args.device}, torch {torch.__version__}")
+    shape = (
+        f"hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x {args.seq}, anchors {args.anchors} x "
+        f"block {args.block}; mask {args.mask_batch} x {args.mask_seq} with {args.mask_anchors} blocks; "
+        f"device {args.device}, torch {torch.__version__}"
+    )
     if args.json:
-        print(json.dumps({"shape": shape, "rows": [
-            {"what": w, "ms": round(ms, 3), "syncs": round(sum(s.values()), 2), "sync_ops": s, "op_mb": round(mb, 2)}
-            for w, ms, s, mb in rows]}))
+        print(
+            json.dumps(
+                {
+                    "shape": shape,
+                    "rows": [
+                        {
+                            "what": w,
+                            "ms": round(ms, 3),
+                            "syncs": round(sum(s.values()), 2),
+                            "sync_ops": s,
+                            "op_mb": round(mb, 2),
+                        }
+                        for w, ms, s, mb in rows
+                    ],
+                }
+            )
+        )
         return 0
     print(shape)
     print(f"{'':14} {'ms/call':>9} {'syncs/call':>11} {'op MB/call':>11}  sync ops")

@@ -3,8 +3,10 @@
     dflash train --config configs/tiny-cpu.toml [--set drafter.block_size=8 ...]
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
+    dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
     dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
+                [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
 
@@ -24,7 +26,15 @@ import click
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_CONFIG = 2
+EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
+
+
+class BadInput(Exception):
+    """A command refuses its config, arguments or input: ``main`` prints the message as it is, exit 2."""
+
+
+class Failed(Exception):
+    """A command's work failed: ``main`` prints the message (if any) as it is, exit 1."""
 
 
 def init_logging(verbosity: int = 0) -> None:
@@ -47,26 +57,38 @@ def cli(verbose: int, quiet: int) -> None:
 
 @cli.command()
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run config (TOML).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a config value, e.g. --set drafter.block_size=8 (repeatable).")
-def train(config_path: str, overrides: tuple[str, ...]) -> None:
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config value, e.g. --set drafter.block_size=8 (repeatable).",
+)
+def train(config_path: str, overrides: tuple[str, ...]) -> int:
     """Train a drafter: target threads -> one shared queue -> drafter threads."""
     from dflash.config import load_config
     from dflash.train import run_training
 
     cfg = load_config(config_path, overrides)
-    raise SystemExit(run_training(cfg))
+    return run_training(cfg)  # the run's own exit status: 0, 1, or 128 + the signal that stopped it
 
 
 @cli.command("make-tiny")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (the demo uses <workdir>/tiny).")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="Output folder (the demo uses <workdir>/tiny)."
+)
 @click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same bytes.")
 @click.option("--force", is_flag=True, help="Build again even when a complete output of the same spec is there.")
-@click.option("--target-steps", type=click.IntRange(0), default=None, help="Training steps of the tiny target (default 150).")
-@click.option("--samples", type=click.IntRange(1), default=None, help="Training samples the target writes (default 1024).")
+@click.option(
+    "--target-steps", type=click.IntRange(0), default=None, help="Training steps of the tiny target (default 150)."
+)
+@click.option(
+    "--samples", type=click.IntRange(1), default=None, help="Training samples the target writes (default 1024)."
+)
 @click.option("--eval-prompts", type=click.IntRange(1), default=None, help="Held-out prompts (default 32).")
-def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, samples: int | None,
-                  eval_prompts: int | None) -> None:
+def make_tiny_cmd(
+    out: str, seed: int, force: bool, target_steps: int | None, samples: int | None, eval_prompts: int | None
+) -> None:
     """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
     import dataclasses
     import time
@@ -74,8 +96,11 @@ def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, sa
     from dflash.tiny import TinySpec, make_tiny
 
     spec = TinySpec(seed=seed)
-    changes = {k: v for k, v in (("target_steps", target_steps), ("train_samples", samples),
-                                 ("eval_prompts", eval_prompts)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (("target_steps", target_steps), ("train_samples", samples), ("eval_prompts", eval_prompts))
+        if v is not None
+    }
     spec = dataclasses.replace(spec, **changes)
     t0 = time.monotonic()
     path, built = make_tiny(out, spec, force=force, log=lambda m: click.echo(f"make-tiny: {m}"))
@@ -85,25 +110,58 @@ def make_tiny_cmd(out: str, seed: int, force: bool, target_steps: int | None, sa
     from dflash.tiny import load_manifest
 
     m = load_manifest(path) or {}
-    click.echo(f"make-tiny: wrote {path} in {time.monotonic() - t0:.0f}s: target/ (loss {m.get('target_loss')}), "
-               f"train.jsonl ({m.get('train_samples')} answers), eval.jsonl ({m.get('eval_prompts')} held-out prompts); "
-               f"MASK id {m.get('mask_token_id')}")
+    click.echo(
+        f"make-tiny: wrote {path} in {time.monotonic() - t0:.0f}s: target/ (loss {m.get('target_loss')}), "
+        f"train.jsonl ({m.get('train_samples')} answers), eval.jsonl ({m.get('eval_prompts')} held-out prompts); "
+        f"MASK id {m.get('mask_token_id')}"
+    )
 
 
 @cli.command("prepare-data")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="Run config: its target's tokenizer (or data.tokenizer), data.chat_template_kwargs and data.max_length.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Run config: its target's tokenizer (or data.tokenizer), data.chat_template_kwargs and data.max_length.",
+)
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(), help="A tokenizer folder, instead of --config.")
-@click.option("--template-kwargs", "template_kwargs", default=None, metavar="JSON",
-              help='With --tokenizer: chat template kwargs, e.g. \'{"enable_thinking": false}\'.')
-@click.option("--in", "src", required=True, type=click.Path(dir_okay=False), help="JSONL (or a JSON array): messages, conversations or input_ids.")
+@click.option(
+    "--template-kwargs",
+    "template_kwargs",
+    default=None,
+    metavar="JSON",
+    help="With --tokenizer: chat template kwargs, e.g. '{\"enable_thinking\": false}'.",
+)
+@click.option(
+    "--in",
+    "src",
+    required=True,
+    type=click.Path(),
+    help="JSONL, a JSON array, parquet or a datasets save_to_disk folder: messages, conversations or input_ids.",
+)
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="The store folder to write.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1), help="Worker processes.")
 @click.option("--strict", is_flag=True, help="Any dropped record is an error (exit 2).")
-@click.option("--max-len", type=click.IntRange(2), default=None, help="Cut sequences to L tokens (default: data.max_length, else 3072).")
-@click.option("--shard-lines", default=10_000, show_default=True, type=click.IntRange(1), help="Lines per resumable shard.")
-def prepare_data_cmd(config_path: str | None, tokenizer_path: str | None, template_kwargs: str | None, src: str,
-                     out: str, workers: int, strict: bool, max_len: int | None, shard_lines: int) -> None:
+@click.option(
+    "--max-len",
+    type=click.IntRange(2),
+    default=None,
+    help="Cut sequences to L tokens (default: data.max_length, else 3072).",
+)
+@click.option(
+    "--shard-lines", default=10_000, show_default=True, type=click.IntRange(1), help="Lines per resumable shard."
+)
+def prepare_data_cmd(
+    config_path: str | None,
+    tokenizer_path: str | None,
+    template_kwargs: str | None,
+    src: str,
+    out: str,
+    workers: int,
+    strict: bool,
+    max_len: int | None,
+    shard_lines: int,
+) -> None:
     """Render a chat corpus with the target's chat template into a memory-mapped token store."""
     import json
 
@@ -111,8 +169,7 @@ def prepare_data_cmd(config_path: str | None, tokenizer_path: str | None, templa
     from dflash.store import PrepareSpec, StoreError, prepare
 
     def fail(msg: str) -> t.NoReturn:
-        click.echo(msg, err=True)
-        raise SystemExit(EXIT_CONFIG)
+        raise BadInput(msg)
 
     if (config_path is None) == (tokenizer_path is None):
         fail("prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH")
@@ -141,8 +198,16 @@ def prepare_data_cmd(config_path: str | None, tokenizer_path: str | None, templa
             fail(f"prepare-data: --template-kwargs: not valid JSON: {e}")
         if not isinstance(kwargs, dict):
             fail("prepare-data: --template-kwargs: expected a JSON object")
-    spec = PrepareSpec(src=src, out=out, tokenizer_path=tokenizer_path, kwargs=kwargs, max_len=max_len or 3072,
-                       workers=workers, strict=strict, shard_lines=shard_lines)
+    spec = PrepareSpec(
+        src=src,
+        out=out,
+        tokenizer_path=tokenizer_path,
+        kwargs=kwargs,
+        max_len=max_len or 3072,
+        workers=workers,
+        strict=strict,
+        shard_lines=shard_lines,
+    )
     try:
         meta = prepare(spec, log=lambda m: click.echo(m, err=True))
     except (StoreError, DataError) as e:
@@ -150,41 +215,285 @@ def prepare_data_cmd(config_path: str | None, tokenizer_path: str | None, templa
     c = meta["counts"]
     secs = meta["seconds"]
     sup = 100.0 * c["supervised"] / max(c["tokens"], 1)
-    click.echo(f"prepare-data: {c['records']} records -> {c['sequences']} sequences, {c['tokens']} tokens "
-               f"({sup:.0f}% supervised) in {secs:.1f}s ({c['records'] / max(secs, 1e-9):.0f} records/s, "
-               f"{workers} worker{'s' if workers > 1 else ''}); wrote {out}")
+    click.echo(
+        f"prepare-data: {c['records']} records -> {c['sequences']} sequences, {c['tokens']} tokens "
+        f"({sup:.0f}% supervised) in {secs:.1f}s ({c['records'] / max(secs, 1e-9):.0f} records/s, "
+        f"{workers} worker{'s' if workers > 1 else ''}); wrote {out}"
+    )
     if c["cut"]:
         click.echo(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
     if c["dropped_turns"]:
         click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
     for reason, d in meta["drops"].items():
-        more = " ..." if d["count"] > len(d["lines"]) else ""
-        click.echo(f"prepare-data: dropped {d['count']} {reason}: {d['message']} (line "
-                   f"{', '.join(map(str, d['lines'][:10]))}{more})")
+        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
+        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
+        click.echo(
+            f"prepare-data: dropped {d['count']} {reason}: {d['message']} ({unit} "
+            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
+        )
+
+
+@cli.command("regen")
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Run config: its target, data.chat_template_kwargs, data.max_length, devices.targets.",
+)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
+@click.option(
+    "--in",
+    "src",
+    required=True,
+    type=click.Path(),
+    help="JSONL, a JSON array, parquet or a datasets save_to_disk folder: messages or conversations.",
+)
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False), help="The JSONL to write (OpenAI messages)."
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["hf", "openai"]),
+    default="hf",
+    show_default=True,
+    help="hf: the target in this process; openai: an OpenAI-compatible server (--server).",
+)
+@click.option(
+    "--server", default=None, metavar="URL", help="openai: the server, e.g. http://127.0.0.1:8000 (/v1 optional)."
+)
+@click.option("--model", default=None, help="openai: the served model name (default: the one the server lists).")
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(1), help="openai: requests in flight.")
+@click.option(
+    "--timeout",
+    default=600.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="openai: seconds per request.",
+)
+@click.option(
+    "--retries",
+    default=6,
+    show_default=True,
+    type=click.IntRange(0),
+    help="openai: retries of a 5xx/timeout (backoff 1, 2, 4 .. 30 s).",
+)
+@click.option(
+    "--batch-size", default=8, show_default=True, type=click.IntRange(1), help="hf: prompts per generate call."
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="Tokens per answer at most (default: data.max_length; also at most max_length minus the prompt).",
+)
+@click.option(
+    "--shard-lines", default=1000, show_default=True, type=click.IntRange(1), help="Lines per resumable shard."
+)
+@click.option(
+    "--log-every",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Not a TTY: a progress line every N conversations.",
+)
+def regen_cmd(
+    config_path: str,
+    overrides: tuple[str, ...],
+    src: str,
+    out: str,
+    backend: str,
+    server: str | None,
+    model: str | None,
+    concurrency: int,
+    timeout: float,
+    retries: int,
+    batch_size: int,
+    max_new_tokens: int | None,
+    shard_lines: int,
+    log_every: int,
+) -> None:
+    """The target rewrites every assistant turn (temperature 0, the serving chat template and kwargs)."""
+    from dflash.chat import Renderer
+    from dflash.config import load_config
+    from dflash.data import DataError, load_tokenizer
+    from dflash.regen import RegenError, RegenSpec, ServerError, check_io, regen
+
+    def fail(msg: str) -> t.NoReturn:
+        raise BadInput(msg)
+
+    if backend == "openai" and not server:
+        fail("regen: --backend openai needs --server URL")
+    if backend == "hf" and server:
+        fail("regen: --server goes with --backend openai")
+    cfg = load_config(config_path, overrides)
+    kwargs = dict(cfg.data.chat_template_kwargs)
+    tok_path = cfg.data.tokenizer or cfg.target.path
+    renderer = None
+    try:
+        if tok_path is None:
+            raise DataError("no data.tokenizer and no target.path")
+        tok = load_tokenizer(tok_path)
+        if not getattr(tok, "chat_template", None):
+            raise DataError(f"the tokenizer in {tok_path} has no chat template")
+        renderer = Renderer(tok, kwargs)
+    except DataError as e:
+        if backend == "hf":
+            fail(f"regen: the hf backend renders prompts with the target's tokenizer and chat template: {e}")
+        click.echo(f"regen: no local tokenizer ({e}): answers bounded by --max-new-tokens only", err=True)
+    spec = RegenSpec(
+        src=src,
+        out=out,
+        kwargs=kwargs,
+        max_new_tokens=max_new_tokens or cfg.data.max_length,
+        max_len=cfg.data.max_length if renderer is not None else None,
+        shard_lines=shard_lines,
+        log_every=log_every,
+    )
+    gens: list[t.Any] = []
+    try:
+        check_io(spec)
+        if backend == "hf":
+            from transformers.utils import logging as hf_logging
+
+            from dflash.regen import load_hf
+
+            hf_logging.disable_progress_bar()
+            assert renderer is not None
+            gens = list(load_hf(cfg, renderer.tokenizer, batch_size=batch_size))
+        else:
+            from dflash.regen import OpenAIGenerator
+
+            assert server is not None
+            gens = [
+                OpenAIGenerator(
+                    server, model=model, kwargs=kwargs, concurrency=concurrency, timeout=timeout, retries=retries
+                )
+            ]
+        summary = regen(spec, gens, renderer, log=lambda m: click.echo(m, err=True))
+    except RegenError as e:
+        fail(str(e))
+    except ServerError as e:
+        raise Failed(f"{e} (finished shards are kept: run again to go on)") from None
+    finally:
+        for g in gens:
+            if hasattr(g, "close"):
+                g.close()
+    c = summary["counts"]
+    secs = summary["seconds"]
+    click.echo(
+        f"regen: {c['records']} records -> {c['written']} written, {c['turns']} assistant turns "
+        f"regenerated in {secs:.1f}s ({summary['done_now'] / max(secs, 1e-9):.2f} conv/s, {backend}); wrote {out}"
+    )
+    if c["cut_answers"]:
+        click.echo(
+            f"regen: {c['cut_answers']} answers stopped at the token limit ({spec.max_new_tokens}, or "
+            f"max_length {spec.max_len} minus the prompt)"
+        )
+    if c["cut_conversations"]:
+        click.echo(
+            f"regen: {c['cut_conversations']} conversations end before a turn whose prompt fills "
+            f"max_length ({spec.max_len} tokens)"
+        )
+    for reason, d in summary["drops"].items():
+        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
+        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
+        click.echo(
+            f"regen: dropped {d['count']} {reason}: {d['message']} ({unit} "
+            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
+        )
 
 
 @cli.command("eval")
-@click.option("--drafter", "drafter_path", type=click.Path(), help="A checkpoint dir, or a folder of step-* checkpoints (the latest).")
-@click.option("--untrained", is_flag=True, help="Measure the drafter the run started from (step 0: same config and seed).")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Run config (with --untrained and no --drafter).")
-@click.option("--target", "target_path", type=click.Path(), help="Target checkpoint (default: the one the run trained against).")
-@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False), help="JSONL prompts (default: eval.jsonl next to the training data).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--drafter",
+    "drafter_path",
+    type=click.Path(),
+    help="A checkpoint dir, or a folder of step-* checkpoints (the latest).",
+)
+@click.option(
+    "--untrained", is_flag=True, help="Measure the drafter the run started from (step 0: same config and seed)."
+)
+@click.option(
+    "--config", "config_path", type=click.Path(dir_okay=False), help="Run config (with --untrained and no --drafter)."
+)
+@click.option(
+    "--target", "target_path", type=click.Path(), help="Target checkpoint (default: the one the run trained against)."
+)
+@click.option(
+    "--prompts",
+    "prompts_path",
+    type=click.Path(dir_okay=False),
+    help="JSONL or JSON: input_ids, or chat records (messages / conversations; with --chat) whose turns "
+    "before the first assistant turn are the prompt (default: eval.jsonl next to the training data).",
+)
+@click.option("--chat", is_flag=True, help="Render chat prompts with the target's chat template, as serving does.")
+@click.option(
+    "--template-kwargs",
+    "template_kwargs",
+    default=None,
+    metavar="JSON",
+    help="With --chat: chat template kwargs (default: data.chat_template_kwargs), e.g. '{\"enable_thinking\": false}'.",
+)
+@click.option(
+    "--max-new-tokens",
+    "--max-new",
+    "max_new_tokens",
+    default=64,
+    show_default=True,
+    type=int,
+    help="New tokens per prompt at most (1..2048); decoding stops at EOS before.",
+)
+@click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new tokens, past EOS.")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N prompts.")
-@click.option("--ddtree-budget", default=32, show_default=True, type=click.IntRange(0), help="Nodes of the offline DDTree tree (0: skip).")
+@click.option(
+    "--ddtree-budget",
+    default=32,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Nodes of the offline DDTree tree (0: skip).",
+)
 @click.option("--device", default="cpu", show_default=True, help='"cpu" or "cuda:<index>".')
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 when an output differs from plain greedy decoding.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Draw acceptance by position and the accepted-drafts histogram (.png or .svg; needs dflash[plot]).")
-@click.option("--compare", "compare_path", type=click.Path(dir_okay=False), metavar="REPORT.json",
-              help="With --plot: an earlier report (--json) drawn side by side, as before / after.")
-def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None, target_path: str | None,
-             prompts_path: str | None, max_new_tokens: int, limit: int | None, ddtree_budget: int, device: str,
-             json_path: str | None, strict: bool, plot_path: str | None, compare_path: str | None) -> None:
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Draw acceptance by position and the accepted-drafts histogram (.png or .svg; needs dflash[plot]).",
+)
+@click.option(
+    "--compare",
+    "compare_path",
+    type=click.Path(dir_okay=False),
+    metavar="REPORT.json",
+    help="With --plot: an earlier report (--json) drawn side by side, as before / after.",
+)
+def eval_cmd(
+    drafter_path: str | None,
+    untrained: bool,
+    config_path: str | None,
+    target_path: str | None,
+    prompts_path: str | None,
+    chat: bool,
+    template_kwargs: str | None,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    limit: int | None,
+    ddtree_budget: int,
+    device: str,
+    json_path: str | None,
+    strict: bool,
+    plot_path: str | None,
+    compare_path: str | None,
+) -> None:
     """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
     import json
 
+    from dflash.evaluate import check_max_new
+
+    check_max_new(max_new_tokens)  # said before loading anything
     before = None
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")
@@ -204,11 +513,37 @@ def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None,
 
     if device != "cpu" and not torch.cuda.is_available():
         raise click.BadParameter(f"{device} asked for, but this torch has no CUDA device", param_hint="--device")
-    s = load_setup(drafter=drafter_path, untrained=untrained, config=config_path, target=target_path,
-                   prompts=prompts_path, device=device, limit=limit)
-    report = evaluate(s.target, s.drafter, s.prompts, max_new_tokens=max_new_tokens, drafter_name=s.drafter_name,
-                      untrained=s.untrained, step=s.step, target_name=s.target_name, prompts_name=s.prompts_name,
-                      ddtree_budget=ddtree_budget or None)
+    s = load_setup(
+        drafter=drafter_path,
+        untrained=untrained,
+        config=config_path,
+        target=target_path,
+        prompts=prompts_path,
+        device=device,
+        limit=limit,
+        chat=chat,
+        template_kwargs=template_kwargs,
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+    )
+    if before is not None:  # said before the (long) eval, not after it
+        warning = eval_plot.protocol_warning(before, s.protocol(max_new_tokens), compare_path or "")
+        if warning:
+            click.echo(warning, err=True)
+    report = evaluate(
+        s.target,
+        s.drafter,
+        s.prompts,
+        max_new_tokens=max_new_tokens,
+        drafter_name=s.drafter_name,
+        untrained=s.untrained,
+        step=s.step,
+        target_name=s.target_name,
+        prompts_name=s.prompts_name,
+        ddtree_budget=ddtree_budget or None,
+        stop_token_ids=s.stop_token_ids,
+        protocol=s.prompt_protocol,
+    )
     for line in report.lines():
         click.echo(line)
     if json_path:
@@ -218,16 +553,26 @@ def eval_cmd(drafter_path: str | None, untrained: bool, config_path: str | None,
         eval_plot.draw(plot_path, [before, report.to_json()] if before else [report.to_json()])
         click.echo(f"plot: {plot_path}")
     if strict and not report.all_equal:
-        raise SystemExit(EXIT_FAILED)
+        raise Failed()  # the report above says which outputs differ
 
 
 @cli.command("export")
 @click.argument("source", metavar="CKPT", type=click.Path())
 @click.argument("out", metavar="OUT", type=click.Path())
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16", show_default=True,
-              help="Weights dtype of the exported model.")
-@click.option("--eval", "eval_path", type=click.Path(dir_okay=False), metavar="REPORT.json",
-              help="A `dflash eval --json` report: its tau goes into the model card.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="Weights dtype of the exported model.",
+)
+@click.option(
+    "--eval",
+    "eval_path",
+    type=click.Path(dir_okay=False),
+    metavar="REPORT.json",
+    help="A `dflash eval --json` report: its tau goes into the model card.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def export_cmd(source: str, out: str, dtype: str, eval_path: str | None, force: bool) -> None:
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
@@ -251,48 +596,120 @@ def _slowdowns(values: t.Sequence[str]) -> dict[int, float]:
             if not sep or out[int(idx)] <= 0:
                 raise ValueError
         except ValueError:
-            raise click.BadParameter(f'expected INDEX:FACTOR such as "2:1.5", got "{v}"', param_hint="--drafter-slowdown") from None
+            raise click.BadParameter(
+                f'expected INDEX:FACTOR such as "2:1.5", got "{v}"', param_hint="--drafter-slowdown"
+            ) from None
     return out
 
 
 @bench.command("pipeline")
 @click.option("--targets", default=5, show_default=True, type=click.IntRange(1), help="Target threads.")
 @click.option("--drafters", default=3, show_default=True, type=click.IntRange(1), help="Drafter threads.")
-@click.option("--target-ms", default=80.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Target cost per batch.")
-@click.option("--drafter-ms", default=60.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Drafter cost per batch.")
-@click.option("--drafter-slowdown", multiple=True, metavar="I:FACTOR", help="Make drafter I slower, e.g. 0:1.5 (repeatable).")
+@click.option(
+    "--target-ms",
+    default=80.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Target cost per batch.",
+)
+@click.option(
+    "--drafter-ms",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0, min_open=True),
+    help="Drafter cost per batch.",
+)
+@click.option(
+    "--drafter-slowdown", multiple=True, metavar="I:FACTOR", help="Make drafter I slower, e.g. 0:1.5 (repeatable)."
+)
 @click.option("--queue", "mode", default="shared", show_default=True, type=click.Choice(["shared", "per-drafter"]))
 @click.option("--capacity", default=64, show_default=True, type=click.IntRange(1), help="Queue capacity (batches).")
 @click.option("--steps", default=1500, show_default=True, type=click.IntRange(10), help="Global steps to run.")
 @click.option("--tokens-per-batch", default=4096, show_default=True, type=click.IntRange(1))
-@click.option("--payload-mb", default=1.0, show_default=True, type=click.FloatRange(0), help="Tensor bytes per queue item.")
-@click.option("--kill-drafter-at", default=None, type=click.IntRange(1), help="Kill a drafter (CUDA OOM, retried once) at this step.")
-@click.option("--kill-drafter", default=0, show_default=True, type=click.IntRange(0), help="Which drafter --kill-drafter-at kills.")
-@click.option("--average-every", default=0, show_default=True, type=click.IntRange(0), help="Barrier + averaging every N steps (0: off).")
-@click.option("--average-ms", default=0.0, show_default=True, type=click.FloatRange(0), help="Simulated averaging cost.")
+@click.option(
+    "--payload-mb", default=1.0, show_default=True, type=click.FloatRange(0), help="Tensor bytes per queue item."
+)
+@click.option(
+    "--kill-drafter-at",
+    default=None,
+    type=click.IntRange(1),
+    help="Kill a drafter (CUDA OOM, retried once) at this step.",
+)
+@click.option(
+    "--kill-drafter",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Which drafter --kill-drafter-at kills.",
+)
+@click.option(
+    "--average-every",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Barrier + averaging every N steps (0: off).",
+)
+@click.option(
+    "--average-ms", default=0.0, show_default=True, type=click.FloatRange(0), help="Simulated averaging cost."
+)
 @click.option("--no-accounting", is_flag=True, help="Leave per-worker time accounting out (to measure its cost).")
-@click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Also write the result as JSON.")
-def bench_pipeline(targets: int, drafters: int, target_ms: float, drafter_ms: float, drafter_slowdown: tuple[str, ...],
-                   mode: str, capacity: int, steps: int, tokens_per_batch: int, payload_mb: float,
-                   kill_drafter_at: int | None, kill_drafter: int, average_every: int, average_ms: float,
-                   no_accounting: bool, json_path: str | None) -> None:
+@click.option(
+    "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Also write the result as JSON."
+)
+def bench_pipeline(
+    targets: int,
+    drafters: int,
+    target_ms: float,
+    drafter_ms: float,
+    drafter_slowdown: tuple[str, ...],
+    mode: str,
+    capacity: int,
+    steps: int,
+    tokens_per_batch: int,
+    payload_mb: float,
+    kill_drafter_at: int | None,
+    kill_drafter: int,
+    average_every: int,
+    average_ms: float,
+    no_accounting: bool,
+    json_path: str | None,
+) -> None:
     """The real pipeline with simulated workers: Ktok/s against min(target supply, drafter demand)."""
     from dflash.simulate import BenchSpec, dump_json, format_result, run_bench
 
     slow = _slowdowns(drafter_slowdown)
     for j in slow:
         if j >= drafters:
-            raise click.BadParameter(f"drafter {j} does not exist (there are {drafters})", param_hint="--drafter-slowdown")
+            raise click.BadParameter(
+                f"drafter {j} does not exist (there are {drafters})", param_hint="--drafter-slowdown"
+            )
     if kill_drafter >= drafters:
-        raise click.BadParameter(f"drafter {kill_drafter} does not exist (there are {drafters})", param_hint="--kill-drafter")
+        raise click.BadParameter(
+            f"drafter {kill_drafter} does not exist (there are {drafters})", param_hint="--kill-drafter"
+        )
     if kill_drafter_at is not None and kill_drafter_at >= steps:
         raise click.BadParameter(f"must be below --steps ({steps})", param_hint="--kill-drafter-at")
     if mode == "per-drafter" and capacity < drafters:
-        raise click.BadParameter(f"per-drafter queues need at least one slot each ({drafters})", param_hint="--capacity")
-    spec = BenchSpec(targets=targets, drafters=drafters, target_ms=target_ms, drafter_ms=drafter_ms, slowdowns=slow,
-                     mode=mode, capacity=capacity, steps=steps, tokens_per_batch=tokens_per_batch,
-                     payload_mb=payload_mb, kill_drafter_at=kill_drafter_at, kill_drafter=kill_drafter,
-                     average_every=average_every, average_ms=average_ms, accounting=not no_accounting)
+        raise click.BadParameter(
+            f"per-drafter queues need at least one slot each ({drafters})", param_hint="--capacity"
+        )
+    spec = BenchSpec(
+        targets=targets,
+        drafters=drafters,
+        target_ms=target_ms,
+        drafter_ms=drafter_ms,
+        slowdowns=slow,
+        mode=mode,
+        capacity=capacity,
+        steps=steps,
+        tokens_per_batch=tokens_per_batch,
+        payload_mb=payload_mb,
+        kill_drafter_at=kill_drafter_at,
+        kill_drafter=kill_drafter,
+        average_every=average_every,
+        average_ms=average_ms,
+        accounting=not no_accounting,
+    )
     quiet = logging.getLogger("dflash.pipeline")  # the injected kill's traceback is expected
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
@@ -317,8 +734,16 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.tiny import TinyError
 
     try:
-        cli.main(args=argv, prog_name="dflash", standalone_mode=False)
-    except SystemExit as e:
+        # a command's return value, or the code of a click ``Exit`` (``--help``: 0)
+        rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
+    except BadInput as e:
+        click.echo(str(e), err=True)
+        return EXIT_CONFIG
+    except Failed as e:
+        if str(e):
+            click.echo(str(e), err=True)
+        return EXIT_FAILED
+    except SystemExit as e:  # sys.exit() deep in a library
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_FAILED
     except click.exceptions.Abort:
         click.echo("dflash: aborted", err=True)
@@ -326,13 +751,20 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (ConfigError, DataError, EvalError, TinyError, CheckpointError, ExportError) as e:  # bad input; the message names it
+    except (
+        ConfigError,
+        DataError,
+        EvalError,
+        TinyError,
+        CheckpointError,
+        ExportError,
+    ) as e:  # bad input; the message names it
         click.echo(f"dflash: {e}", err=True)
         return EXIT_CONFIG
     except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw
         click.echo(f"dflash: {e}", err=True)
         return EXIT_FAILED
-    return EXIT_OK
+    return rv if type(rv) is int else EXIT_OK
 
 
 if __name__ == "__main__":

@@ -75,8 +75,15 @@ class _Slot:
 class Averager:
     """Averages lists of same-shaped tensors (one list per replica) in place, through bounded host buffers."""
 
-    def __init__(self, max_numel: int, *, chunk_numel: int = DEFAULT_CHUNK, pin: bool | None = None,
-                 threads: int | None = None, cross_reduce: CrossReduce | None = None) -> None:
+    def __init__(
+        self,
+        max_numel: int,
+        *,
+        chunk_numel: int = DEFAULT_CHUNK,
+        pin: bool | None = None,
+        threads: int | None = None,
+        cross_reduce: CrossReduce | None = None,
+    ) -> None:
         self.chunk = max(1, min(max_numel, chunk_numel))
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.threads = max(1, threads if threads is not None else min(MAX_THREADS, torch.get_num_threads()))
@@ -110,13 +117,16 @@ class Averager:
     @torch.no_grad()
     def average(self, replicas: t.Sequence[t.Sequence[torch.Tensor]]) -> None:
         """``replicas[r][k]``: tensor k of replica r. Every tensor k ends up equal to the mean over r."""
-        if len(replicas) < 2:
+        if len(replicas) < 2 and self.cross_reduce is None:  # one replica on a node of a group still averages
             return
         t0 = time.perf_counter()
         groups = _check(replicas)
         flats = [[_flat(p.detach()) for p in rep] for rep in replicas]  # [replica][tensor]
-        plan = [(k, a, min(g[0].numel(), a + self._capacity(g[0].dtype)))
-                for k, g in enumerate(groups) for a in range(0, g[0].numel(), self._capacity(g[0].dtype))]
+        plan = [
+            (k, a, min(g[0].numel(), a + self._capacity(g[0].dtype)))
+            for k, g in enumerate(groups)
+            for a in range(0, g[0].numel(), self._capacity(g[0].dtype))
+        ]
         devices = sorted({p.device for g in groups for p in g if p.device.type == "cuda"}, key=str)
         self._ensure_slots(2 if devices or self._stage_host else 1, len(replicas), any_cuda=bool(devices))
         for dev in devices:  # the copies start after everything queued so far on the device
@@ -176,8 +186,7 @@ class Averager:
             self._streams[dev] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev))
         return self._streams[dev]
 
-    def _gather(self, flats: list[list[torch.Tensor]], piece: tuple[int, int, int],
-                slot: _Slot) -> list[torch.Tensor]:
+    def _gather(self, flats: list[list[torch.Tensor]], piece: tuple[int, int, int], slot: _Slot) -> list[torch.Tensor]:
         """Each replica's slice on the host: a view for CPU tensors, an async D2H copy for CUDA ones."""
         k, a, b = piece
         out: list[torch.Tensor] = []
@@ -202,8 +211,9 @@ class Averager:
             out.append(dst)
         return out
 
-    def _reduce(self, srcs: list[torch.Tensor], slot: _Slot, m: int,
-                fused: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    def _reduce(
+        self, srcs: list[torch.Tensor], slot: _Slot, m: int, fused: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, bool]:
         """The mean ``r0 + sum(r_i - r0) / n`` in the accumulator dtype, then the cross-node hook.
 
         Returns the mean in the replicas' dtype, and whether ``fused`` (CPU destinations) already holds it.
@@ -246,13 +256,21 @@ class Averager:
             self._pool = cf.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="dflash-avg")
         step = -(-m // threads)
         step = -(-step // BLOCK) * BLOCK  # whole blocks per thread
-        futures = [self._pool.submit(fn, lo, min(m, lo + step), self._scratch[i])
-                   for i, lo in enumerate(range(0, m, step))]
+        futures = [
+            self._pool.submit(fn, lo, min(m, lo + step), self._scratch[i]) for i, lo in enumerate(range(0, m, step))
+        ]
         for f in futures:
             f.result()
 
-    def _scatter(self, flats: list[list[torch.Tensor]], piece: tuple[int, int, int], mean: torch.Tensor,
-                 slot: _Slot, *, cpu_done: bool) -> None:
+    def _scatter(
+        self,
+        flats: list[list[torch.Tensor]],
+        piece: tuple[int, int, int],
+        mean: torch.Tensor,
+        slot: _Slot,
+        *,
+        cpu_done: bool,
+    ) -> None:
         k, a, b = piece
         for fl in flats:
             dst = fl[k][a:b]
@@ -268,14 +286,20 @@ class Averager:
             slot.h2d[dst.device] = ev
 
 
-def _mean_block(arrays: list[np.ndarray], acc: np.ndarray, lo: int, hi: int, scratch: np.ndarray,
-                outs: list[np.ndarray]) -> None:
+def _mean_block(
+    arrays: list[np.ndarray], acc: np.ndarray, lo: int, hi: int, scratch: np.ndarray, outs: list[np.ndarray]
+) -> None:
     """acc[lo:hi] = a0 + sum(a_i - a0) / n, then into every ``outs``; block by block so the passes stay in cache."""
     n = len(arrays)
     tmp_all = scratch.view(acc.dtype)
     for x in range(lo, hi, BLOCK):
         y = min(hi, x + BLOCK)
         base, out, tmp = arrays[0][x:y], acc[x:y], tmp_all[: y - x]
+        if n == 1:  # a node with one live replica: its weights are the local mean
+            out[...] = base
+            for dst in outs:
+                dst[x:y] = out
+            continue
         np.subtract(arrays[1][x:y], base, out=out)
         for arr in arrays[2:]:
             np.subtract(arr[x:y], base, out=tmp)
@@ -339,7 +363,7 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
 
-    def best(fn: t.Callable[[], None]) -> float:
+    def best(fn: t.Callable[[], object]) -> float:
         fn()  # first touch / warm-up
         times = []
         for _ in range(repeats):
@@ -357,8 +381,9 @@ def measure_copy_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, 
     return CopyBandwidth(out, back)
 
 
-def copy_bound_seconds(replicas: t.Sequence[t.Sequence[torch.Tensor]],
-                       bandwidth: t.Mapping[torch.device, CopyBandwidth]) -> float:
+def copy_bound_seconds(
+    replicas: t.Sequence[t.Sequence[torch.Tensor]], bandwidth: t.Mapping[torch.device, CopyBandwidth]
+) -> float:
     """Seconds to copy every replica's tensors out once and back once at the measured bandwidth.
 
     Per device: its bytes / ``out`` + its bytes / ``back`` (no overlap of the two directions assumed).
@@ -374,5 +399,13 @@ def copy_bound_seconds(replicas: t.Sequence[t.Sequence[torch.Tensor]],
     return max(cuda, default=0.0) + cpu
 
 
-__all__ = ["Averager", "CopyBandwidth", "CrossReduce", "DEFAULT_CHUNK", "Round", "average_modules",
-           "copy_bound_seconds", "measure_copy_bandwidth"]
+__all__ = [
+    "Averager",
+    "CopyBandwidth",
+    "CrossReduce",
+    "DEFAULT_CHUNK",
+    "Round",
+    "average_modules",
+    "copy_bound_seconds",
+    "measure_copy_bandwidth",
+]

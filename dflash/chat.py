@@ -64,8 +64,9 @@ def parse_record(raw: bytes) -> dict[str, t.Any]:
     return rec
 
 
-def messages_of(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
-    """OpenAI or ShareGPT turns as OpenAI messages; BadRecord when malformed or without an assistant turn."""
+def messages_of(rec: t.Mapping[str, t.Any], *, need_assistant: bool = True) -> list[dict[str, str]]:
+    """OpenAI or ShareGPT turns as OpenAI messages; BadRecord when malformed or (``need_assistant``, as
+    training needs) without an assistant turn. Eval prompts may be user turns only."""
     if "messages" in rec:
         turns, rk, ck = rec["messages"], "role", "content"
     elif "conversations" in rec:
@@ -82,15 +83,18 @@ def messages_of(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
         if role is None:
             raise BadRecord("unknown-role", f"turn {j}: unknown role {m[rk]!r}")
         out.append({"role": role, "content": m[ck]})
-    if not any(m["role"] == "assistant" for m in out):
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise BadRecord("no-assistant", "no assistant turn")
     return out
 
 
 def pretokenized(rec: t.Mapping[str, t.Any]) -> Sequence:
     ids = rec.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids):
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids)
+    ):
         raise BadRecord("bad-tokens", "input_ids: expected a non-empty list of token ids")
     mask = rec.get("loss_mask")
     if mask is None:
@@ -111,11 +115,15 @@ class Renderer:
 
     def _text(self, messages: list[dict[str, str]], gen: bool) -> str:
         try:
-            out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
-                                                     **self.kwargs)
+            out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen, **self.kwargs)
         except Exception as e:  # a template may raise anything (jinja's raise_exception included)
             raise BadRecord("template-error", f"the chat template failed: {e}") from None
         return str(out)
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """What serving feeds the model before it answers ``messages``: the template with the generation
+        prompt, tokenized as a whole (the template writes BOS itself, so no special tokens are added)."""
+        return list(self.tokenizer(self._text(messages, True), add_special_tokens=False)["input_ids"])
 
     def render(self, messages: list[dict[str, str]]) -> Rendered:
         out = Rendered([])
@@ -128,7 +136,7 @@ class Renderer:
             if not full.startswith(prompt):
                 out.dropped_turns += 1  # serving never shows this turn after that prompt
                 continue
-            answer = full[len(prompt):]
+            answer = full[len(prompt) :]
             if self.eos_text and self.eos_text in answer:  # the template's tail after EOS is not generated
                 answer = answer[: answer.rindex(self.eos_text) + len(self.eos_text)]
             texts += [prompt, answer]
@@ -179,5 +187,15 @@ def template_hash(tokenizer: t.Any) -> str:
     return hashlib.sha256(str(getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()
 
 
-__all__ = ["BadRecord", "Rendered", "Renderer", "Sequence", "messages_of", "parse_record", "pretokenized",
-           "record_sequences", "template_hash", "tokenizer_hash"]
+__all__ = [
+    "BadRecord",
+    "Rendered",
+    "Renderer",
+    "Sequence",
+    "messages_of",
+    "parse_record",
+    "pretokenized",
+    "record_sequences",
+    "template_hash",
+    "tokenizer_hash",
+]

@@ -108,7 +108,7 @@ def new_run_id() -> str:
     """A fresh run's identity: its start time (UTC, so ids sort by start) and random hex. Microseconds,
     because a run forked from an older checkpoint often starts within the second of the run it forks
     from, and must still sort after it (resume picks the newest run first)."""
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(4)
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(4)
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -134,8 +134,18 @@ def config_json(config: DFlashDraftConfig, *, dtype: torch.dtype | None = None) 
     """The config.json text: transformers' own serialisation plus the keys older readers need."""
     data = json.loads(config.to_json_string(use_diff=True))
     full = config.to_dict()
-    for key in ("architectures", "block_size", "num_target_layers", "dflash_config", "layer_types",
-                "sliding_window", "use_sliding_window", "model_type", "vocab_size", "hidden_size"):
+    for key in (
+        "architectures",
+        "block_size",
+        "num_target_layers",
+        "dflash_config",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+    ):
         data.setdefault(key, full.get(key))
     data["architectures"] = ["DFlashDraftModel"]
     rope = data.get("rope_parameters") or {}
@@ -185,23 +195,34 @@ def _cpu_copy(value: t.Any, into: t.Any = None) -> t.Any:
     """
     if isinstance(value, torch.Tensor):
         src = value.detach()
-        if (isinstance(into, torch.Tensor) and into.shape == src.shape and into.dtype == src.dtype
-                and into.device.type == "cpu" and into.is_contiguous()):
+        if (
+            isinstance(into, torch.Tensor)
+            and into.shape == src.shape
+            and into.dtype == src.dtype
+            and into.device.type == "cpu"
+            and into.is_contiguous()
+        ):
             return into.copy_(src)
         return src.to("cpu", copy=True).contiguous()
     if isinstance(value, dict):
         old = into if isinstance(into, dict) else {}
         return {k: _cpu_copy(v, old.get(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        old = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
-        return type(value)(_cpu_copy(v, o) for v, o in zip(value, old))
+        olds = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
+        return type(value)(_cpu_copy(v, o) for v, o in zip(value, olds))
     return value
 
 
 @torch.no_grad()
-def snapshot(drafter: DFlashDraftModel, *, step: int, trainer_state: dict[str, t.Any],
-             optimizer_state: dict[str, t.Any] | None = None, run_id: str | None = None,
-             reuse: Snapshot | None = None) -> Snapshot:
+def snapshot(
+    drafter: DFlashDraftModel,
+    *,
+    step: int,
+    trainer_state: dict[str, t.Any],
+    optimizer_state: dict[str, t.Any] | None = None,
+    run_id: str | None = None,
+    reuse: Snapshot | None = None,
+) -> Snapshot:
     """Copy a checkpoint's contents to CPU: call it while no thread changes the drafter (the barrier).
     ``reuse``: a written snapshot (``CheckpointWriter.spare``) whose buffers this one may overwrite."""
     if step < 0:
@@ -209,7 +230,9 @@ def snapshot(drafter: DFlashDraftModel, *, step: int, trainer_state: dict[str, t
     # A torch.compile wrapper adds "_orig_mod." to names; the file keeps z-lab's plain names.
     state = {name.replace("_orig_mod.", ""): tensor for name, tensor in drafter.state_dict().items()}
     return Snapshot(
-        step=step, run_id=run_id, config=drafter.config,
+        step=step,
+        run_id=run_id,
+        config=drafter.config,
         weights=_cpu_copy(state, reuse.weights if reuse else None),
         trainer_state=_cpu_copy(trainer_state, reuse.trainer_state if reuse else None),
         optimizer_state=_cpu_copy(optimizer_state, reuse.optimizer_state if reuse else None),
@@ -238,8 +261,11 @@ def save_checkpoint(
 
     Call it when no thread is changing the drafter (at the trainer's barrier). Returns the directory.
     """
-    return write_checkpoint(root, snapshot(drafter, step=step, trainer_state=trainer_state,
-                                           optimizer_state=optimizer_state, run_id=run_id), keep=keep)
+    return write_checkpoint(
+        root,
+        snapshot(drafter, step=step, trainer_state=trainer_state, optimizer_state=optimizer_state, run_id=run_id),
+        keep=keep,
+    )
 
 
 def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int | None = 3) -> Path:
@@ -261,14 +287,15 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(config_json(snap.config, dtype=dtype))
         hf_remote.write(tmp)  # AutoModel.from_pretrained(..., trust_remote_code=True) without this package
-        torch.save({"step": step, "trainer_state": snap.trainer_state, "optimizer": snap.optimizer_state},
-                   tmp / STATE_FILE)
+        torch.save(
+            {"step": step, "trainer_state": snap.trainer_state, "optimizer": snap.optimizer_state}, tmp / STATE_FILE
+        )
         names = (CONFIG_FILE, WEIGHTS_FILE, STATE_FILE, hf_remote.FILE_NAME)
         manifest = {
             "format": FORMAT,
             "step": step,
             "run_id": snap.run_id,
-            "saved_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "saved_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "files": {name: (tmp / name).stat().st_size for name in names},
             "sha256": {name: _sha256(tmp / name) for name in names},
         }
@@ -279,8 +306,13 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
         if final.exists():  # another run's (a fork's parent, a corrupted one): never deleted, moved aside
             aside = _archive_dir(root, _manifest_run(final))
             final.rename(aside / final.name)
-            logger.warning("%s was in the way of step %d of run %s: moved aside to %s", final, step,
-                           snap.run_id, aside / final.name)
+            logger.warning(
+                "%s was in the way of step %d of run %s: moved aside to %s",
+                final,
+                step,
+                snap.run_id,
+                aside / final.name,
+            )
         tmp.rename(final)
         _fsync_dir(root)
     except BaseException:
@@ -300,7 +332,7 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
 
 def _archive_dir(root: Path, run_id: str | None) -> Path:
     """A new ``<root>/old-<run id>-<time>/`` (not a ``step-*`` name, so never resumed or pruned by itself)."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
     base = f"old-{run_id or 'no-run-id'}-{stamp}"
     for n in range(1000):
         aside = root / (base if n == 0 else f"{base}-{n}")
@@ -520,8 +552,9 @@ def _load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
-                    verify: bool = True) -> Checkpoint:
+def load_checkpoint(
+    path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu", verify: bool = True
+) -> Checkpoint:
     """Read a complete checkpoint for resuming: config, drafter weights, trainer and optimizer state.
     ``verify`` checks every file against the manifest's sha256 first (manifests without sums: sizes only)."""
     path = Path(path)
@@ -537,13 +570,20 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: str | torch.d
         state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError subclasses and RuntimeErrors here
         raise CheckpointError(f"{path / STATE_FILE}: cannot be loaded with weights_only=True: {exc}") from exc
-    return Checkpoint(path=path, step=int(state["step"]), config=config, state_dict=state_dict,
-                      trainer_state=state["trainer_state"], optimizer_state=state.get("optimizer"),
-                      run_id=_manifest_run(path))
+    return Checkpoint(
+        path=path,
+        step=int(state["step"]),
+        config=config,
+        state_dict=state_dict,
+        trainer_state=state["trainer_state"],
+        optimizer_state=state.get("optimizer"),
+        run_id=_manifest_run(path),
+    )
 
 
-def load_drafter(path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> DFlashDraftModel:
+def load_drafter(
+    path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> DFlashDraftModel:
     """A drafter for serving or evaluation, in eval mode. Also reads z-lab's published drafter folders
     (``config.json`` + ``model.safetensors``, no trainer state, no manifest). Weights must match exactly;
     where there is a manifest, its sha256 sums are checked first."""
@@ -567,7 +607,7 @@ def load_drafter(path: str | os.PathLike[str], *, dtype: torch.dtype | None = No
         raise CheckpointError(f"{weights_path} does not match {path / CONFIG_FILE}: {detail}") from exc
     # Non-persistent buffers (RoPE frequencies) are not in the file: rebuild them for real.
     model.rotary_emb = type(model.rotary_emb)(config)
-    model.to(device=device, dtype=dtype if dtype is not None else next(iter(state_dict.values())).dtype)
+    model.to(device=device, dtype=dtype if dtype is not None else next(iter(state_dict.values())).dtype)  # type: ignore[call-arg]  # @wraps(Module.to) hides self
     model.requires_grad_(False)
     return model.eval()
 

@@ -157,6 +157,15 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedConfig:
+    """A run over several nodes (torchrun, one ``dflash train`` per node; see dflash.distributed)."""
+
+    # seconds any collective (a barrier's averaging or checkpoint) waits for the other nodes before the
+    # run exits: a dead or hung node ends the others after at most this long
+    timeout: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     target: TargetConfig
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
@@ -166,6 +175,7 @@ class RunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # global steps: optimizer updates by all drafters together (each update is optim.sequences_per_update
     # sequences of one drafter). None: derived from `epochs` and the corpus size.
     max_steps: int | None = None
@@ -407,14 +417,24 @@ def _check(cfg: RunConfig) -> None:
     choice("target.dtype", tg.dtype, DTYPES)
     if tg.tiny is not None:
         tiny = tg.tiny
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             positive(f"target.tiny.{name}", getattr(tiny, name))
         positive("target.tiny.initializer_range", tiny.initializer_range)
         if tiny.num_heads % tiny.num_kv_heads:
             raise ConfigError("target.tiny.num_kv_heads", f"must divide num_heads ({tiny.num_heads})")
         if tiny.num_layers < 4:
-            raise ConfigError("target.tiny.num_layers", f"must be >= 4 (features come from layers 1..L-3), got {tiny.num_layers}")
+            raise ConfigError(
+                "target.tiny.num_layers", f"must be >= 4 (features come from layers 1..L-3), got {tiny.num_layers}"
+            )
 
     d = cfg.drafter
     positive("drafter.layers", d.layers)
@@ -431,11 +451,16 @@ def _check(cfg: RunConfig) -> None:
         for i, lid in enumerate(d.target_layer_ids):
             positive(f"drafter.target_layer_ids[{i}]", lid, zero=True)
         if tg.tiny is not None and max(d.target_layer_ids) >= tg.tiny.num_layers:
-            raise ConfigError("drafter.target_layer_ids", f"layer {max(d.target_layer_ids)} is beyond the target's {tg.tiny.num_layers} layers")
+            raise ConfigError(
+                "drafter.target_layer_ids",
+                f"layer {max(d.target_layer_ids)} is beyond the target's {tg.tiny.num_layers} layers",
+            )
     if d.mask_token_id is not None:
         positive("drafter.mask_token_id", d.mask_token_id, zero=True)
         if tg.tiny is not None and d.mask_token_id >= tg.tiny.vocab_size:
-            raise ConfigError("drafter.mask_token_id", f"{d.mask_token_id} is outside the target vocabulary ({tg.tiny.vocab_size})")
+            raise ConfigError(
+                "drafter.mask_token_id", f"{d.mask_token_id} is outside the target vocabulary ({tg.tiny.vocab_size})"
+            )
 
     da = cfg.data
     if not da.path.strip():
@@ -446,7 +471,10 @@ def _check(cfg: RunConfig) -> None:
     positive("data.batch_size", da.batch_size)
     positive("data.bucket_window", da.bucket_window)
     if da.max_batch_tokens is not None and da.max_batch_tokens < da.max_length:
-        raise ConfigError("data.max_batch_tokens", f"must be >= data.max_length ({da.max_length}) so every sample fits, got {da.max_batch_tokens}")
+        raise ConfigError(
+            "data.max_batch_tokens",
+            f"must be >= data.max_length ({da.max_length}) so every sample fits, got {da.max_batch_tokens}",
+        )
 
     for role in ("targets", "drafters"):
         devices = getattr(cfg.devices, role)
@@ -464,7 +492,9 @@ def _check(cfg: RunConfig) -> None:
     positive("queue.max_bytes", cfg.queue.max_bytes)
     choice("queue.mode", cfg.queue.mode, ("shared", "per-drafter"))
     if cfg.queue.mode == "per-drafter" and cfg.queue.capacity < len(cfg.devices.drafters):
-        raise ConfigError("queue.capacity", f"per-drafter mode needs at least one slot per drafter ({len(cfg.devices.drafters)})")
+        raise ConfigError(
+            "queue.capacity", f"per-drafter mode needs at least one slot per drafter ({len(cfg.devices.drafters)})"
+        )
 
     o = cfg.optim
     positive("optim.lr", o.lr)
@@ -501,6 +531,7 @@ def _check(cfg: RunConfig) -> None:
     positive("log_every", cfg.log_every)
     positive("average_every", cfg.average_every)
     positive("barrier_timeout", cfg.barrier_timeout)
+    positive("distributed.timeout", cfg.distributed.timeout)
     choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
     if not cfg.output_dir.strip():
         raise ConfigError("output_dir", "must not be empty")
@@ -515,10 +546,16 @@ def check_devices(cfg: RunConfig) -> None:
             if dev == "cpu":
                 continue
             if not torch.cuda.is_available():
-                raise ConfigError(f"devices.{role}[{i}]", f"{dev} asked for, but this machine (or this torch build) has no CUDA device")
+                raise ConfigError(
+                    f"devices.{role}[{i}]",
+                    f"{dev} asked for, but this machine (or this torch build) has no CUDA device",
+                )
             index = int(dev.split(":")[1])
             if index >= torch.cuda.device_count():
-                raise ConfigError(f"devices.{role}[{i}]", f"{dev} asked for, but there are only {torch.cuda.device_count()} CUDA device(s)")
+                raise ConfigError(
+                    f"devices.{role}[{i}]",
+                    f"{dev} asked for, but there are only {torch.cuda.device_count()} CUDA device(s)",
+                )
 
 
 def _join(prefix: str, key: str) -> str:
@@ -543,7 +580,22 @@ def to_dict(cfg: RunConfig) -> dict[str, t.Any]:
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "DevicesConfig", "DrafterConfig", "MetricsConfig", "OptimConfig",
-    "QueueConfig", "RUN_DIR_ENV", "RunConfig", "TargetConfig", "TinyTargetConfig", "apply_override",
-    "check_devices", "load_config", "parse_config", "to_dict",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DevicesConfig",
+    "DistributedConfig",
+    "DrafterConfig",
+    "MetricsConfig",
+    "OptimConfig",
+    "QueueConfig",
+    "RUN_DIR_ENV",
+    "RunConfig",
+    "TargetConfig",
+    "TinyTargetConfig",
+    "apply_override",
+    "check_devices",
+    "load_config",
+    "parse_config",
+    "to_dict",
 ]

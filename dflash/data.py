@@ -9,7 +9,11 @@ or chat messages rendered with a tokenizer's chat template (assistant turns supe
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
 
 ``data.path`` may also be a token store folder written by ``dflash prepare-data`` (dflash/store.py):
-it is memory-mapped, not indexed, and refused when made for another tokenizer or chat template.
+it is memory-mapped, not indexed, and refused when made for another tokenizer or chat template. Its batch
+plan (``store.WindowPlan``) follows the same rules one window at a time, its shuffle a seeded permutation
+evaluated per window: start-up and memory are O(1) in the corpus size. With ``max_batch_tokens`` below
+``batch_size`` x the longest sequence, batches per epoch (for ``epochs``) are estimated from a sample of
+windows when there are many.
 
 The file is indexed once (byte offset and token length per line); samples are parsed again on demand
 in the target threads (``os.pread``, no shared file position), so memory stays small for big files.
@@ -43,6 +47,8 @@ import typing as t
 from pathlib import Path
 
 import torch
+
+from dflash.store import cut_window
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +168,7 @@ class JsonlDataset:
         self._offsets = array.array("q")  # byte offset of each usable line
         self._sizes = array.array("q")  # its length in bytes
         self._lines = array.array("q")  # its 1-based line number (for messages)
-        self.lengths = array.array("q")  # its token length after cutting to max_length
+        self.lengths: t.Any = array.array("q")  # its token length after cutting to max_length (a store: StoreLengths)
         self.skipped = 0
         self._index()
         if not self.lengths:
@@ -173,7 +179,9 @@ class JsonlDataset:
         if self.skipped:
             logger.warning(
                 "data: skipped %d of %d samples in %s without two consecutive supervised tokens",
-                self.skipped, self.skipped + len(self.lengths), self.path,
+                self.skipped,
+                self.skipped + len(self.lengths),
+                self.path,
             )
 
     def _open_store(self, tokenizer: t.Any, kwargs: t.Mapping[str, t.Any] | None) -> None:
@@ -187,7 +195,7 @@ class JsonlDataset:
             self._store.check_target(tokenizer, kwargs, vocab_size=self.vocab_size, mask_token_id=self.mask_token_id)
         except StoreError as e:
             raise DataError(str(e)) from None
-        self.lengths, self._store_index = store_lengths(self._store, self.max_length)
+        self.lengths = store_lengths(self._store, self.max_length)  # lazy: read from the offsets as needed
         self.skipped = len(self._store) - len(self.lengths)
         if not len(self.lengths):
             raise DataError(f"data.path: no usable samples in the token store {self.path}")
@@ -224,7 +232,7 @@ class JsonlDataset:
 
     def read(self, i: int) -> Sample:
         if self._store is not None:
-            j = int(self._store_index[i]) if self._store_index is not None else i
+            j = int(self.lengths.store_index(i))
             ids, mask = self._store.read(j)
             return Sample(ids[: self.max_length].tolist(), mask[: self.max_length].tolist())
         raw = os.pread(self._fd, self._sizes[i], self._offsets[i])
@@ -261,10 +269,14 @@ class JsonlDataset:
         if self.vocab_size is not None or self.mask_token_id is not None:
             for j, tok in enumerate(ids):
                 if self.vocab_size is not None and tok >= self.vocab_size:
-                    raise DataError(f"{where}: input_ids[{j}] = {tok} is outside the target vocabulary ({self.vocab_size})")
+                    raise DataError(
+                        f"{where}: input_ids[{j}] = {tok} is outside the target vocabulary ({self.vocab_size})"
+                    )
                 if tok == self.mask_token_id:
-                    raise DataError(f"{where}: input_ids[{j}] = {tok} is the MASK id (drafter.mask_token_id); "
-                                    "MASK must be an unused row of the target vocabulary")
+                    raise DataError(
+                        f"{where}: input_ids[{j}] = {tok} is the MASK id (drafter.mask_token_id); "
+                        "MASK must be an unused row of the target vocabulary"
+                    )
         return Sample(ids, mask)
 
     def _tokens(self, rec: dict[str, t.Any], where: str) -> Sample:
@@ -341,7 +353,7 @@ class BatchPlan:
             raise DataError("data: no samples to batch")
         self.lengths = lengths
         self.batch_size = batch_size
-        self._np = type(lengths).__module__ == "numpy"  # a token store's lengths: the vectorized plan
+        self._np = hasattr(lengths, "dtype")  # a token store's lengths (or an array): the lazy window plan
         longest = int(lengths.max()) if self._np else max(lengths)  # type: ignore[attr-defined]
         self.max_batch_tokens = max_batch_tokens if max_batch_tokens is not None else batch_size * longest
         self.window = bucket_window * batch_size
@@ -350,34 +362,49 @@ class BatchPlan:
         self._lock = threading.Lock()
         self._starts = [0]  # _starts[e] = global index of epoch e's first batch
         self._plans: dict[int, list[list[int]]] = {}
+        self._lazy: t.Any = None
+        if self._np:
+            from dflash.store import WindowPlan
+
+            self._lazy = WindowPlan(
+                lengths,
+                batch_size=batch_size,
+                max_batch_tokens=self.max_batch_tokens,
+                window=self.window,
+                shuffle=shuffle,
+                seed=seed,
+            )
 
     def fingerprint(self) -> str:
         key = f"{self.batch_size}:{self.max_batch_tokens}:{self.window}:{self.shuffle}:{self.seed}:{len(self.lengths)}"
         if self._np:  # another batch order than the list plan's
-            key += ":np"
+            key += ":windows"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    def epoch(self, e: int) -> list[list[int]]:
+    def epoch(self, e: int) -> t.Sequence[list[int]]:
+        if self._lazy is not None:  # a view: its len() counts every window, O(corpus)
+            from dflash.store import LazyEpoch
+
+            return t.cast(t.Sequence[list[int]], LazyEpoch(self._lazy, e, self._lock))
         with self._lock:
             return self._epoch(e)
+
+    def batches_per_epoch(self) -> tuple[int, bool]:
+        """(batches in epoch 0, exact?): a token store's plan estimates it from a sample of its windows when
+        there are many (counting them all is O(corpus)); the list plan counts."""
+        if self._lazy is not None:
+            with self._lock:
+                return t.cast(tuple[int, bool], self._lazy.estimate_epoch_len())
+        return len(self.epoch(0)), True
 
     def _epoch(self, e: int) -> list[list[int]]:
         plan = self._plans.get(e)
         if plan is None:
-            plan = self._build_np(e) if self._np else self._build(e)
+            plan = self._build(e)
             self._plans[e] = plan
             for old in [k for k in self._plans if k < e - 2]:  # threads stay within an epoch or two
                 del self._plans[old]
         return plan
-
-    def _build_np(self, e: int) -> t.Any:
-        """The same rules as ``_build`` (shuffle, sort windows by length, greedy cut, shuffle batches in
-        the window) in numpy, for token stores of millions of sequences: O(n) vectorized, no Python loop
-        per sample. Its own random stream, so the order differs from ``_build``'s."""
-        from dflash.store import NpEpoch
-
-        return NpEpoch.build(self.lengths, e, batch_size=self.batch_size, max_batch_tokens=self.max_batch_tokens,
-                             window=self.window, shuffle=self.shuffle, seed=self.seed)
 
     def _build(self, e: int) -> list[list[int]]:
         rng = random.Random(self.seed * 1_000_003 + e)
@@ -387,15 +414,12 @@ class BatchPlan:
         batches: list[list[int]] = []
         for w in range(0, len(order), self.window):
             chunk = sorted(order[w : w + self.window], key=lambda i: self.lengths[i])
-            window: list[list[int]] = []
-            cur: list[int] = []
-            for i in chunk:  # ascending: the new sample is the longest so far
-                if cur and (len(cur) >= self.batch_size or (len(cur) + 1) * self.lengths[i] > self.max_batch_tokens):
-                    window.append(cur)
-                    cur = []
-                cur.append(i)
-            if cur:
-                window.append(cur)
+            window = cut_window(
+                chunk,
+                [self.lengths[i] for i in chunk],
+                batch_size=self.batch_size,
+                max_batch_tokens=self.max_batch_tokens,
+            )
             if self.shuffle:
                 rng.shuffle(window)
             batches.extend(window)
@@ -406,6 +430,9 @@ class BatchPlan:
         if g < 0:
             raise IndexError(g)
         with self._lock:
+            if self._lazy is not None:
+                e, w, j = self._lazy.locate(g)
+                return e, t.cast(int, self._lazy.index_in_epoch(e, w, j))
             while g >= self._starts[-1]:
                 e = len(self._starts) - 1
                 self._starts.append(self._starts[-1] + len(self._epoch(e)))
@@ -419,6 +446,9 @@ class BatchPlan:
             return lo, g - self._starts[lo]
 
     def batch(self, g: int) -> list[int]:
+        if self._lazy is not None:
+            with self._lock:
+                return t.cast(list[int], self._lazy.batch(g))
         e, j = self.locate(g)
         return self.epoch(e)[j]
 
@@ -487,6 +517,16 @@ class Shard:
 
 
 __all__ = [
-    "Batch", "BatchPlan", "ChatRenderer", "DataError", "DataPosition", "JsonlDataset", "Sample", "Shard",
-    "collate", "has_anchor", "load_tokenizer", "shard_starts",
+    "Batch",
+    "BatchPlan",
+    "ChatRenderer",
+    "DataError",
+    "DataPosition",
+    "JsonlDataset",
+    "Sample",
+    "Shard",
+    "collate",
+    "has_anchor",
+    "load_tokenizer",
+    "shard_starts",
 ]

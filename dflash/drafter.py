@@ -30,7 +30,7 @@ from huggingface_hub.dataclasses import strict
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen3Config
+from transformers import PreTrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3PreTrainedModel,
@@ -113,17 +113,22 @@ class DFlashDraftConfig(Qwen3Config):
         if self.dflash_config is None:
             return
         mask_id = self.dflash_config.get("mask_token_id")
-        if mask_id is not None and (isinstance(mask_id, bool) or not isinstance(mask_id, int)
-                                    or not 0 <= mask_id < self.vocab_size):
+        if mask_id is not None and (
+            isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < self.vocab_size
+        ):
             raise ValueError(
                 f"dflash_config.mask_token_id: expected an integer in [0, {self.vocab_size}), got {mask_id!r}"
             )
         ids = self.dflash_config.get("target_layer_ids")
         if ids is not None:
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+            if (
+                not isinstance(ids, (list, tuple))
+                or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
             ):
-                raise ValueError(f"dflash_config.target_layer_ids: expected a non-empty list of layer indices, got {ids!r}")
+                raise ValueError(
+                    f"dflash_config.target_layer_ids: expected a non-empty list of layer indices, got {ids!r}"
+                )
             if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
                 raise ValueError(
                     f"dflash_config.target_layer_ids: {max(ids)} is out of range for num_target_layers="
@@ -143,7 +148,7 @@ class DFlashDraftConfig(Qwen3Config):
 
 
 def draft_config_for(
-    target_config: Qwen3Config,
+    target_config: PreTrainedConfig,
     *,
     num_layers: int,
     block_size: int,
@@ -161,7 +166,11 @@ def draft_config_for(
     num_target_layers = int(text.num_hidden_layers)
     if num_layers < 1:
         raise ValueError(f"num_layers: must be >= 1, got {num_layers}")
-    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(num_target_layers, num_layers)
+    ids = (
+        list(target_layer_ids)
+        if target_layer_ids is not None
+        else build_target_layer_ids(num_target_layers, num_layers)
+    )
     types = list(layer_types) if layer_types is not None else [FULL_ATTENTION] * num_layers
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     fields: dict[str, t.Any] = dict(
@@ -277,8 +286,9 @@ def compiled_flex() -> t.Callable[..., torch.Tensor]:
     global _compiled_flex
     with _flex_lock:
         if _compiled_flex is None:
-            _compiled_flex = t.cast(t.Callable[..., torch.Tensor],
-                                    torch.compile(flex_attention, dynamic=True, fullgraph=True))
+            _compiled_flex = t.cast(
+                t.Callable[..., torch.Tensor], torch.compile(flex_attention, dynamic=True, fullgraph=True)
+            )
         return _compiled_flex
 
 
@@ -314,8 +324,10 @@ def _miss_line(where: str, x: torch.Tensor, e: BaseException) -> str:
     """One line for a compile miss after warm-up: where, the shape, torch's first guard failure."""
     reasons = [ln.strip()[2:] for ln in str(e).splitlines() if ln.strip().startswith("- ")]
     why = f" ({reasons[0]})" if reasons else ""
-    return (f"{where}: no compiled code for a batch of shape {list(x.shape)} after warm-up{why}; "
-            "a recompile now would run unfused or stall every drafter, so the run stops")
+    return (
+        f"{where}: no compiled code for a batch of shape {list(x.shape)} after warm-up{why}; "
+        "a recompile now would run unfused or stall every drafter, so the run stops"
+    )
 
 
 class Qwen3DFlashAttention(nn.Module):
@@ -326,6 +338,8 @@ class Qwen3DFlashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = int(config.head_dim or config.hidden_size // config.num_attention_heads)
         self.num_heads = config.num_attention_heads
+        # Qwen3Config.__post_init__ fills both (num_key_value_heads from num_attention_heads)
+        assert config.num_key_value_heads is not None and config.layer_types is not None
         self.num_kv_heads = config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         bias = config.attention_bias
@@ -364,8 +378,13 @@ class Qwen3DFlashAttention(nn.Module):
             out = _flex(q, k, v, attention_mask, self.scaling)
         else:
             # A fully masked query row (a padding block) comes out as zeros from SDPA's safe softmax.
+            # Here the mask is a dense one or None (a BlockMask went to flex above).
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                q,
+                k,
+                v,
+                attn_mask=t.cast("torch.Tensor | None", attention_mask),
+                scale=self.scaling,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
@@ -401,9 +420,17 @@ class Qwen3DFlashDecoderLayer(nn.Module):
         cache: DraftCache | None = None,
     ) -> torch.Tensor:
         if self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled():
-            return t.cast(torch.Tensor, checkpoint(
-                self._forward, hidden_states, target_hidden, position_embeddings, attention_mask, use_reentrant=False,
-            ))
+            return t.cast(
+                torch.Tensor,
+                checkpoint(
+                    self._forward,
+                    hidden_states,
+                    target_hidden,
+                    position_embeddings,
+                    attention_mask,
+                    use_reentrant=False,
+                ),
+            )
         return self._forward(hidden_states, target_hidden, position_embeddings, attention_mask, cache)
 
     def _forward(
@@ -429,7 +456,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     config: DFlashDraftConfig
     base_model_prefix = ""
     _no_split_modules = ["Qwen3DFlashDecoderLayer"]
-    _can_record_outputs: t.ClassVar[dict[str, t.Any]] = {}
+    _can_record_outputs: dict[str, t.Any] = {}
 
     def __init__(self, config: DFlashDraftConfig) -> None:
         if not isinstance(config, DFlashDraftConfig):
@@ -455,18 +482,19 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     @property
     def layer_types(self) -> list[str]:
+        assert self.config.layer_types is not None  # Qwen3Config.__post_init__ fills it
         return list(self.config.layer_types)
 
     @property
     def sliding_window(self) -> int | None:
-        return self.config.sliding_window if SLIDING_ATTENTION in self.config.layer_types else None
+        return self.config.sliding_window if SLIDING_ATTENTION in self.layer_types else None
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Non-reentrant activation checkpointing per layer, done by the layers themselves."""
-        for layer in self.layers:
+        for layer in t.cast(t.Iterable[Qwen3DFlashDecoderLayer], self.layers):
             layer.gradient_checkpointing = enabled
 
     def forward(
@@ -502,11 +530,13 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         hidden_states = noise_embedding.to(self.fc.weight.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(t.cast(t.Iterable[Qwen3DFlashDecoderLayer], self.layers)):
             mask = attention_mask[layer.self_attn.layer_type] if isinstance(attention_mask, dict) else attention_mask
             try:
                 with _compiled_calls if layer._compiled_call_impl is not None else contextlib.nullcontext():
-                    hidden_states = layer(hidden_states, target_hidden, position_embeddings, mask, cache=past_key_values)
+                    hidden_states = layer(
+                        hidden_states, target_hidden, position_embeddings, mask, cache=past_key_values
+                    )
             except RuntimeError as e:  # a compiled layer refused to recompile after warm-up: say so in one line
                 if _RECOMPILE_MARK not in str(e):
                     raise

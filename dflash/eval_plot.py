@@ -2,7 +2,8 @@
 accepted drafts per verify step, for one report or two side by side (before / after).
 
 Reads the keys of ``EvalReport.to_json`` (dflash/evaluate.py): ``position_acceptance``,
-``accept_histogram``, ``tau``, ``step``, ``untrained``, ``drafter``. matplotlib is the ``[plot]`` extra.
+``accept_histogram``, ``tau``, ``step``, ``untrained``, ``drafter``, ``protocol`` (a one-line warning when
+the two reports were measured differently). matplotlib is the ``[plot]`` extra.
 """
 
 from __future__ import annotations
@@ -43,14 +44,65 @@ def load_report(path: str) -> dict[str, t.Any]:
     except (OSError, ValueError) as e:
         raise PlotError(f"--compare {path}: cannot read an eval report: {e}") from None
     if not isinstance(rep, dict) or not all(k in rep for k in ("position_acceptance", "accept_histogram", "tau")):
-        raise PlotError(f"--compare {path}: not a `dflash eval --json` report (no position_acceptance, "
-                        "accept_histogram, tau)")
+        raise PlotError(
+            f"--compare {path}: not a `dflash eval --json` report (no position_acceptance, accept_histogram, tau)"
+        )
     return rep
 
 
+# what makes two reports' figures comparable; the prompts by content, not by path
+PROTOCOL_KEYS = (
+    "prompt_format",
+    "chat_template_sha256",
+    "chat_template_kwargs",
+    "tokenizer_sha256",
+    "prompts_sha256",
+    "num_prompts",
+    "max_new_tokens",
+    "stop_at_eos",
+    "stop_token_ids",
+    "decoding",
+    "temperature",
+    "block_size",
+    "target_dtype",
+    "drafter_dtype",
+)
+
+
+def protocol_diff(before: t.Mapping[str, t.Any], after: t.Mapping[str, t.Any]) -> list[str]:
+    """``key a -> b`` for each protocol key whose values differ."""
+
+    def show(v: t.Any) -> str:
+        s = json.dumps(v, sort_keys=True)
+        return s[1:13] if isinstance(v, str) and len(v) == 64 else s  # a sha256: its first 12 digits
+
+    return [
+        f"{k} {show(before.get(k))} -> {show(after.get(k))}" for k in PROTOCOL_KEYS if before.get(k) != after.get(k)
+    ]
+
+
+def protocol_warning(before: t.Mapping[str, t.Any], after_protocol: t.Mapping[str, t.Any], path: str) -> str | None:
+    """One line when the earlier report (``--compare``) was not measured as this one is, else None."""
+    proto = before.get("protocol")
+    if not isinstance(proto, dict) or not proto:
+        return (
+            f"dflash: warning: --compare {path} records no protocol (an older dflash eval wrote it): "
+            "the two reports may not be comparable"
+        )
+    diff = protocol_diff(proto, after_protocol)
+    if not diff:
+        return None
+    return f"dflash: warning: --compare {path} was measured differently ({'; '.join(diff)}): tau is not comparable"
+
+
 def label(rep: t.Mapping[str, t.Any]) -> str:
-    who = "untrained" if rep.get("untrained") else f"step {rep['step']}" if rep.get("step") is not None else \
-        os.path.basename(str(rep.get("drafter") or "drafter"))
+    who = (
+        "untrained"
+        if rep.get("untrained")
+        else f"step {rep['step']}"
+        if rep.get("step") is not None
+        else os.path.basename(str(rep.get("drafter") or "drafter"))
+    )
     return f"{who}: tau {float(rep['tau']):.2f}"
 
 
@@ -76,8 +128,12 @@ def draw(out: str, reps: t.Sequence[t.Mapping[str, t.Any]]) -> None:
     for i, (name, acc, share) in enumerate(rows):
         left.plot(range(1, len(acc) + 1), acc, "o-", label=name)
         right.bar([k - 0.4 + width * (i + 0.5) for k in range(len(share))], share, width=width, label=name)
-    left.set(title="acceptance by position", xlabel="draft position k (1 = first drafted token)",
-             ylabel="P(accepted through k)", ylim=(0, 1.02))
+    left.set(
+        title="acceptance by position",
+        xlabel="draft position k (1 = first drafted token)",
+        ylabel="P(accepted through k)",
+        ylim=(0, 1.02),
+    )
     right.set(title="accepted drafts per verify step", xlabel="drafts accepted", ylabel="share of verify steps")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
@@ -89,4 +145,15 @@ def draw(out: str, reps: t.Sequence[t.Mapping[str, t.Any]]) -> None:
     plt.close(fig)
 
 
-__all__ = ["EXTRA", "PlotError", "check_out", "draw", "load_report", "require_matplotlib", "series"]
+__all__ = [
+    "EXTRA",
+    "PROTOCOL_KEYS",
+    "PlotError",
+    "check_out",
+    "draw",
+    "load_report",
+    "protocol_diff",
+    "protocol_warning",
+    "require_matplotlib",
+    "series",
+]

@@ -19,11 +19,25 @@ For every prompt the target decodes ``max_new_tokens`` tokens greedily WITH the 
 
 ``untrained_drafter`` builds the drafter a run starts from (same config and seed as step 0 of
 training), so "before" is measured the same way as "after".
+
+The protocol (``EvalReport.protocol``) says how the figures were made, so that two reports, or a report
+and a published number, are compared only when they were made the same way: raw token prompts or chat
+prompts rendered with the target's chat template (its sha256 and ``chat_template_kwargs``: thinking on or
+off changes acceptance a lot), the prompts file and its sha256, how many prompts, up to how many new tokens
+and whether decoding stops at EOS (both the reference and the speculative decode stop at the first stop
+token, which is kept), greedy (temperature 0), the block size and the dtypes.
+
+A chat prompt is the conversation up to (not including) its first assistant turn, rendered with the
+generation prompt as serving renders it: for a multi-turn record that is the system and first user turn,
+as SpecForge's and z-lab's benchmarks take the first user turn. A step that reaches a stop token counts the
+tokens it committed (up to and including the stop token), not drafts accepted beyond it: tau is new tokens
+per target forward (z-lab's ``dflash_generate`` counts the whole accepted block of that last step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
 import json
 import math
@@ -37,16 +51,34 @@ import torch
 from dflash.spec_decode import speculative_generate, target_greedy
 
 if t.TYPE_CHECKING:
+    from dflash.chat import Renderer
     from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
     from dflash.target import TargetHead, TargetModel
 
 __all__ = [
-    "EvalError", "EvalReport", "Setup", "ddtree_accept", "evaluate", "load_prompts", "load_setup", "resolve_checkpoint",
-    "teacher_forced_walk", "untrained_drafter",
+    "MAX_NEW_TOKENS",
+    "EvalError",
+    "EvalReport",
+    "Setup",
+    "check_max_new",
+    "ddtree_accept",
+    "evaluate",
+    "load_prompts",
+    "load_setup",
+    "prompt_messages",
+    "resolve_checkpoint",
+    "teacher_forced_walk",
+    "untrained_drafter",
 ]
 
 TOPK = (1, 2, 4, 8)
 DEFAULT_BUDGET = 32
+MAX_NEW_TOKENS = 2048  # the longest answers published DFlash figures decode
+
+
+def check_max_new(n: int) -> None:
+    if not 1 <= n <= MAX_NEW_TOKENS:
+        raise EvalError(f"--max-new: expected 1 to {MAX_NEW_TOKENS} new tokens, got {n}")
 
 
 class EvalError(ValueError):
@@ -57,31 +89,76 @@ class EvalError(ValueError):
 # Inputs
 
 
-def load_prompts(path: str | os.PathLike[str], *, limit: int | None = None, vocab_size: int | None = None) -> list[list[int]]:
-    """Prompts from JSONL: ``{"input_ids": [...]}`` is a whole prompt; a training record (with a
-    ``loss_mask``) contributes the tokens before its first supervised one."""
+def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
+    """A chat record's prompt: its turns before the first assistant turn (all of them when it has none);
+    it must hold a user turn. ``BadRecord`` when it is not usable."""
+    from dflash.chat import BadRecord, messages_of
+
+    msgs = messages_of(rec, need_assistant=False)
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
+    msgs = msgs[:first]
+    if not any(m["role"] == "user" for m in msgs):
+        raise BadRecord("no-user", "no user turn before the first assistant turn")
+    return msgs
+
+
+def _records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
+    """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both)."""
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise EvalError(f"--prompts {path}: not a JSON array of records ({e})") from None
+        for k, rec in enumerate(items):
+            yield f"{path} record {k}", rec
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path} line {lineno}", json.loads(line)
+        except ValueError as e:
+            raise EvalError(f"{path} line {lineno}: not JSON ({e})") from None
+
+
+def load_prompts(
+    path: str | os.PathLike[str],
+    *,
+    limit: int | None = None,
+    vocab_size: int | None = None,
+    renderer: Renderer | None = None,
+) -> list[list[int]]:
+    """Prompts from JSONL (or a JSON array), in prepare-data's formats: ``{"input_ids": [...]}`` is a
+    whole prompt, a training record (with a ``loss_mask``) contributes the tokens before its first
+    supervised one; a chat record (OpenAI ``messages`` or ShareGPT ``conversations``) contributes its turns
+    before the first assistant turn, rendered by ``renderer`` (``--chat``: the target's chat template)."""
+    from dflash.chat import BadRecord
+
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
         raise EvalError(f"--prompts: cannot read {path}: {e.strerror}") from e
+    except UnicodeDecodeError:
+        raise EvalError(f"--prompts: {path} is not UTF-8 text") from None
     prompts: list[list[int]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            raise EvalError(f"{where}: not JSON ({e})") from None
-        ids = rec.get("input_ids") if isinstance(rec, dict) else None
-        if not isinstance(ids, list) or not ids or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
-            raise EvalError(f"{where}: input_ids: expected a non-empty list of token ids")
-        mask = rec.get("loss_mask")
-        if isinstance(mask, list) and 1 in mask:
-            ids = ids[: mask.index(1)]
+    for where, rec in _records(text, path):
+        if isinstance(rec, dict) and ("messages" in rec or "conversations" in rec) and "input_ids" not in rec:
+            if renderer is None:
+                raise EvalError(f"{where}: a chat record: give --chat to render it with the target's chat template")
+            try:
+                ids = renderer.prompt_ids(prompt_messages(rec))
+            except BadRecord as e:
+                raise EvalError(f"{where}: {e}") from None
             if not ids:
-                raise EvalError(f"{where}: loss_mask: the first token is supervised, so there is no prompt")
+                raise EvalError(f"{where}: the chat template renders an empty prompt")
+        else:
+            if renderer is not None and isinstance(rec, dict) and "input_ids" in rec:
+                raise EvalError(
+                    f"{where}: pre-tokenized input_ids cannot be rendered with --chat "
+                    "(give chat records, or leave --chat out)"
+                )
+            ids = _token_prompt(rec, where)
         if vocab_size is not None and max(ids) >= vocab_size:
             raise EvalError(f"{where}: input_ids: token {max(ids)} is outside the target vocabulary ({vocab_size})")
         prompts.append(ids)
@@ -90,6 +167,22 @@ def load_prompts(path: str | os.PathLike[str], *, limit: int | None = None, voca
     if not prompts:
         raise EvalError(f"--prompts: no prompts in {path}")
     return prompts
+
+
+def _token_prompt(rec: t.Any, where: str) -> list[int]:
+    ids = rec.get("input_ids") if isinstance(rec, dict) else None
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
+    ):
+        raise EvalError(f"{where}: input_ids: expected a non-empty list of token ids")
+    mask = rec.get("loss_mask")
+    if isinstance(mask, list) and 1 in mask:
+        ids = ids[: mask.index(1)]
+        if not ids:
+            raise EvalError(f"{where}: loss_mask: the first token is supervised, so there is no prompt")
+    return list(ids)
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -106,18 +199,21 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
             return latest
     if not p.exists():
         raise EvalError(f"--drafter: {p} does not exist")
-    raise EvalError(f"--drafter: no drafter in {p} (expected a checkpoint dir with config.json, or a folder of step-* checkpoints)")
+    raise EvalError(
+        f"--drafter: no drafter in {p} (expected a checkpoint dir with config.json, or a folder of step-* checkpoints)"
+    )
 
 
-def untrained_drafter(config: DFlashDraftConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      device: str = "cpu") -> DFlashDraftModel:
+def untrained_drafter(
+    config: DFlashDraftConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> DFlashDraftModel:
     """The drafter a run with this config and seed starts from (``dflash.train`` builds it the same way)."""
     from dflash.drafter import DFlashDraftModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = DFlashDraftModel(config)
-    model.to(device=device, dtype=dtype)
+    model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(Module.to) hides self
     model.requires_grad_(False)
     return model.eval()
 
@@ -159,8 +255,15 @@ def ddtree_accept(log_probs: torch.Tensor, truth: t.Sequence[int], budget: int) 
 
 
 @torch.no_grad()
-def teacher_forced_walk(target: TargetModel, drafter: DFlashDraftModel, head: TargetHead, tokens: torch.Tensor,
-                        num_prompt: int, *, budget: int | None = None) -> list[int]:
+def teacher_forced_walk(
+    target: TargetModel,
+    drafter: DFlashDraftModel,
+    head: TargetHead,
+    tokens: torch.Tensor,
+    num_prompt: int,
+    *,
+    budget: int | None = None,
+) -> list[int]:
     """Accepted drafts per step when decoding ``tokens`` [1, P+T] (the target's greedy output) again:
     chain drafts (``budget`` None: exactly what speculative decoding accepts) or a DDTree tree."""
     feats = t.cast(torch.Tensor, target.features(tokens.to(target.device)))
@@ -172,14 +275,17 @@ def teacher_forced_walk(target: TargetModel, drafter: DFlashDraftModel, head: Ta
     while start + 1 < len(seq):
         verify = min(block, len(seq) - start - 1)
         drafted = verify - 1
-        truth = seq[start + 1: start + 1 + drafted]
+        truth = seq[start + 1 : start + 1 + drafted]
         if drafted == 0:
             accepted = 0
         else:
             block_ids = torch.full((1, verify), drafter.mask_token_id, dtype=torch.long, device=device)
             block_ids[0, 0] = seq[start]
-            hidden = drafter(position_ids=torch.arange(start + verify, device=device)[None],
-                             noise_embedding=head.embed(block_ids), target_hidden=feats[:, :start])
+            hidden = drafter(
+                position_ids=torch.arange(start + verify, device=device)[None],
+                noise_embedding=head.embed(block_ids),
+                target_hidden=feats[:, :start],
+            )
             logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))[0].float()
             if budget is None:
                 best = logits.argmax(dim=-1).tolist()
@@ -219,6 +325,7 @@ class EvalReport:
     per_prompt_tau: list[float]
     outputs: list[list[int]]  # per prompt, the new tokens speculative decoding produced
     seconds: float
+    protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # how it was measured (module doc)
 
     @property
     def all_equal(self) -> bool:
@@ -234,30 +341,97 @@ class EvalReport:
             name = f"untrained (step 0 of the run: the config and seed of {self.drafter})"
         else:
             name = self.drafter + (f" (step {self.step})" if self.step is not None else "")
+        p = self.protocol
+        each = (
+            f"up to {self.max_new_tokens} new tokens each (stop at EOS)"
+            if p.get("stop_at_eos")
+            else f"{self.max_new_tokens} new tokens each"
+        )
         out = [
             f"drafter: {name}",
             f"target:  {self.target}",
-            f"prompts: {self.num_prompts} from {self.prompts}, {self.max_new_tokens} new tokens each, block size {self.block_size}",
+            f"prompts: {self.num_prompts} from {self.prompts}, {each}, block size {self.block_size}",
             f"tau {self.tau:.2f}  (tokens per target forward; {self.new_tokens} tokens in {self.steps} verify steps)",
             "accepted drafts per step (0..B-1): " + " ".join(f"{k}:{n}" for k, n in enumerate(self.accept_histogram)),
             "acceptance by position (1..B-1):   " + " ".join(f"{a:.2f}" for a in self.position_acceptance),
         ]
+        if p.get("prompt_format") == "chat":
+            out.insert(
+                3,
+                f"chat template: sha256 {str(p.get('chat_template_sha256'))[:12]}, "
+                f"kwargs {json.dumps(p.get('chat_template_kwargs') or {}, sort_keys=True)}",
+            )
         for k, rec in self.topk_recall.items():
             out.append(f"top-{k} recall by slot:             " + " ".join(f"{r:.2f}" for r in rec))
         if self.ddtree:
             out.append(f"DDTree offline tau at {int(self.ddtree['budget'])} nodes: {self.ddtree['tau']:.2f}")
         verdict = "yes" if self.all_equal else f"NO for prompts {self.mismatched_prompts}"
-        out.append(f"output identical to plain greedy decoding: {verdict} ({self.target_equal}/{self.num_prompts} prompts)")
+        out.append(
+            f"output identical to plain greedy decoding: {verdict} ({self.target_equal}/{self.num_prompts} prompts)"
+        )
         return out
 
 
-def evaluate(target: TargetModel, drafter: DFlashDraftModel, prompts: t.Sequence[t.Sequence[int]], *,
-             max_new_tokens: int = 64, drafter_name: str = "", untrained: bool = False, step: int | None = None,
-             target_name: str = "", prompts_name: str = "", ddtree_budget: int | None = DEFAULT_BUDGET,
-             progress: t.Callable[[int, int], None] | None = None) -> EvalReport:
-    """Speculative decoding of every prompt, checked against plain greedy decoding."""
-    if max_new_tokens < 1:
-        raise EvalError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def protocol_of(
+    base: t.Mapping[str, t.Any] | None,
+    *,
+    target: TargetModel,
+    drafter: DFlashDraftModel,
+    num_prompts: int,
+    max_new_tokens: int,
+    stop_token_ids: t.Sequence[int],
+) -> dict[str, t.Any]:
+    """The full protocol: the prompts' part (``base``: format, template, source; Setup makes it) and
+    the decoding's."""
+    out: dict[str, t.Any] = {
+        "prompt_format": "raw",
+        "chat_template_sha256": None,
+        "chat_template_kwargs": None,
+        "tokenizer_sha256": None,
+        "prompts_source": None,
+        "prompts_sha256": None,
+    }
+    out.update(base or {})
+    out.update(
+        {
+            "num_prompts": num_prompts,
+            "max_new_tokens": max_new_tokens,
+            "stop_at_eos": bool(stop_token_ids),
+            "stop_token_ids": sorted(set(stop_token_ids)),
+            "decoding": "greedy",
+            "temperature": 0.0,
+            "block_size": drafter.block_size,
+            "target_dtype": _dtype_name(target.dtype),
+            "drafter_dtype": _dtype_name(next(drafter.parameters()).dtype),
+        }
+    )
+    return out
+
+
+def evaluate(
+    target: TargetModel,
+    drafter: DFlashDraftModel,
+    prompts: t.Sequence[t.Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    drafter_name: str = "",
+    untrained: bool = False,
+    step: int | None = None,
+    target_name: str = "",
+    prompts_name: str = "",
+    ddtree_budget: int | None = DEFAULT_BUDGET,
+    progress: t.Callable[[int, int], None] | None = None,
+    stop_token_ids: t.Sequence[int] = (),
+    protocol: t.Mapping[str, t.Any] | None = None,
+) -> EvalReport:
+    """Speculative decoding of every prompt, checked against plain greedy decoding; both stop after
+    the first of ``stop_token_ids`` (EOS)."""
+    check_max_new(max_new_tokens)
+    stops = list(stop_token_ids) or None
     t0 = time.monotonic()
     block = drafter.block_size
     head = target.head()
@@ -273,17 +447,21 @@ def evaluate(target: TargetModel, drafter: DFlashDraftModel, prompts: t.Sequence
     steps = new_tokens = 0
     for i, prompt in enumerate(prompts):
         ids = torch.tensor([list(prompt)], dtype=torch.long)
-        res = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, head=head, keep_draft_logits=True)
-        plain = target_greedy(target, ids, max_new_tokens=max_new_tokens)
+        res = speculative_generate(
+            target, drafter, ids, max_new_tokens=max_new_tokens, head=head, keep_draft_logits=True, stop_token_ids=stops
+        )
+        plain = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
         if not torch.equal(res.tokens.cpu(), plain.cpu()):
             mismatched.append(i)
         seq = res.tokens[0].tolist()
-        outputs.append(seq[res.num_prompt_tokens:])
-        taus.append(res.tau)
-        steps += len(res.accept_lengths)
+        outputs.append(seq[res.num_prompt_tokens :])
+        # a step that reached a stop token yields the tokens up to it: drafts accepted past it do not count
+        accepts = [min(acc, len(seq) - start - 2) for start, acc in zip(res.block_starts, res.accept_lengths)]
+        taus.append(sum(a + 1 for a in accepts) / len(accepts) if accepts else 0.0)
+        steps += len(accepts)
         new_tokens += len(seq) - res.num_prompt_tokens
         logits_iter = iter(res.draft_logits or [])
-        for start, acc in zip(res.block_starts, res.accept_lengths):
+        for start, acc in zip(res.block_starts, accepts):
             hist[acc] += 1
             drafted = min(block, len(seq) - start - 1) - 1 if start + 1 < len(seq) else 0
             drafted = max(drafted, acc)
@@ -302,22 +480,43 @@ def evaluate(target: TargetModel, drafter: DFlashDraftModel, prompts: t.Sequence
                 for K in TOPK:
                     recall_hits[K][k - 1] += int(truth in order[:K])
         if ddtree_budget:
-            tree_steps.extend(teacher_forced_walk(target, drafter, head, res.tokens, res.num_prompt_tokens,
-                                                  budget=ddtree_budget))
+            tree_steps.extend(
+                teacher_forced_walk(target, drafter, head, res.tokens, res.num_prompt_tokens, budget=ddtree_budget)
+            )
         if progress is not None:
             progress(i + 1, len(prompts))
     ddtree = None
     if ddtree_budget and tree_steps:
         ddtree = {"budget": float(ddtree_budget), "tau": sum(a + 1 for a in tree_steps) / len(tree_steps)}
     return EvalReport(
-        drafter=drafter_name, untrained=untrained, step=step, target=target_name, prompts=prompts_name,
-        num_prompts=len(prompts), max_new_tokens=max_new_tokens, block_size=block,
-        tau=sum(taus) / len(taus) if taus else math.nan, steps=steps, new_tokens=new_tokens,
+        drafter=drafter_name,
+        untrained=untrained,
+        step=step,
+        target=target_name,
+        prompts=prompts_name,
+        num_prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        block_size=block,
+        tau=sum(taus) / len(taus) if taus else math.nan,
+        steps=steps,
+        new_tokens=new_tokens,
         accept_histogram=hist,
         position_acceptance=[a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
-        target_equal=len(prompts) - len(mismatched), mismatched_prompts=mismatched,
+        target_equal=len(prompts) - len(mismatched),
+        mismatched_prompts=mismatched,
         topk_recall={str(K): [h / s if s else 0.0 for h, s in zip(recall_hits[K], recall_seen)] for K in TOPK},
-        ddtree=ddtree, per_prompt_tau=[round(x, 4) for x in taus], outputs=outputs, seconds=round(time.monotonic() - t0, 2),
+        ddtree=ddtree,
+        per_prompt_tau=[round(x, 4) for x in taus],
+        outputs=outputs,
+        seconds=round(time.monotonic() - t0, 2),
+        protocol=protocol_of(
+            protocol if protocol is not None else {"prompts_source": prompts_name or None},
+            target=target,
+            drafter=drafter,
+            num_prompts=len(prompts),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stops or [],
+        ),
     )
 
 
@@ -335,16 +534,68 @@ class Setup:
     prompts_name: str
     step: int | None
     untrained: bool
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # the prompts' part
+
+    def protocol(self, max_new_tokens: int) -> dict[str, t.Any]:
+        """The protocol the report of this setup will carry (known before decoding)."""
+        return protocol_of(
+            self.prompt_protocol,
+            target=self.target,
+            drafter=self.drafter,
+            num_prompts=len(self.prompts),
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+        )
+
+
+def _eos_ids(*sources: t.Any) -> list[int]:
+    """Stop tokens as serving stops: the tokenizer's EOS and the model's (generation) config eos_token_id
+    (an int or a list: Qwen3 names <|im_end|> and <|endoftext|>)."""
+    out: set[int] = set()
+    for src in sources:
+        ids = getattr(src, "eos_token_id", None)
+        for i in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+                out.add(i)
+    return sorted(out)
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_setup(*, drafter: str | None, untrained: bool = False, config: str | None = None, target: str | None = None,
-               prompts: str | None = None, device: str = "cpu", limit: int | None = None) -> Setup:
+def load_setup(
+    *,
+    drafter: str | None,
+    untrained: bool = False,
+    config: str | None = None,
+    target: str | None = None,
+    prompts: str | None = None,
+    device: str = "cpu",
+    limit: int | None = None,
+    chat: bool = False,
+    template_kwargs: str | None = None,
+    max_new_tokens: int | None = None,
+    ignore_eos: bool = False,
+) -> Setup:
     """Resolve the CLI's choices: the drafter (a checkpoint, or the untrained one of a run config), the
     target (``--target``, else the one the run trained against), the prompts (``--prompts``, else the
-    ``eval.jsonl`` that make-tiny wrote next to the training data)."""
+    ``eval.jsonl`` that make-tiny wrote next to the training data). With ``chat`` the prompts are
+    rendered with the chat template of the run's tokenizer (``data.tokenizer``, else the target's) and
+    ``template_kwargs`` (JSON; default: the run's ``data.chat_template_kwargs``). Decoding stops at EOS
+    unless ``ignore_eos``."""
+    if max_new_tokens is not None:
+        check_max_new(max_new_tokens)
+    if template_kwargs is not None and not chat:
+        raise EvalError("--template-kwargs goes with --chat")
     from dflash import checkpoint as ckpt
     from dflash.config import load_config, to_dict
     from dflash.drafter import DFlashDraftConfig, draft_config_for
@@ -377,27 +628,39 @@ def load_setup(*, drafter: str | None, untrained: bool = False, config: str | No
     # the target
     tcfg = (run or {}).get("target") or {}
     dtype = _DTYPES.get(str(tcfg.get("dtype")), torch.float32 if device == "cpu" else torch.bfloat16)
-    layer_ids = draft_cfg.target_layer_ids if draft_cfg is not None else (run or {}).get("drafter", {}).get("target_layer_ids")
+    layer_ids = (
+        draft_cfg.target_layer_ids if draft_cfg is not None else (run or {}).get("drafter", {}).get("target_layer_ids")
+    )
     n_layers = int((run or {}).get("drafter", {}).get("layers", 5))
+    path: str | None = None
     try:
         if target is not None or tcfg.get("path"):
             path = target or str(tcfg["path"])
             target_name = path
             if not Path(path).is_dir():
                 where = "--target" if target else "the run's target.path"
-                raise EvalError(f"{where}: {path} is not a folder (a local checkpoint: config.json + weights); "
-                                "give --target PATH")
-            tm = TargetModel.from_pretrained(path, dtype=dtype, device=device, layer_ids=layer_ids, num_draft_layers=n_layers)
+                raise EvalError(
+                    f"{where}: {path} is not a folder (a local checkpoint: config.json + weights); give --target PATH"
+                )
+            tm = TargetModel.from_pretrained(
+                path, dtype=dtype, device=device, layer_ids=layer_ids, num_draft_layers=n_layers
+            )
         elif tcfg.get("tiny"):
             tiny = tcfg["tiny"]
             tc = tiny_target_config(
-                vocab_size=tiny["vocab_size"], hidden_size=tiny["hidden_size"], num_hidden_layers=tiny["num_layers"],
-                num_attention_heads=tiny["num_heads"], num_key_value_heads=tiny["num_kv_heads"], head_dim=tiny["head_dim"],
-                intermediate_size=tiny["intermediate_size"], max_position_embeddings=tiny["max_position_embeddings"],
+                vocab_size=tiny["vocab_size"],
+                hidden_size=tiny["hidden_size"],
+                num_hidden_layers=tiny["num_layers"],
+                num_attention_heads=tiny["num_heads"],
+                num_key_value_heads=tiny["num_kv_heads"],
+                head_dim=tiny["head_dim"],
+                intermediate_size=tiny["intermediate_size"],
+                max_position_embeddings=tiny["max_position_embeddings"],
                 initializer_range=tiny["initializer_range"],
             )
-            tm = TargetModel.from_config(tc, dtype=dtype, device=device, seed=int(tiny["seed"]), layer_ids=layer_ids,
-                                         num_draft_layers=n_layers)
+            tm = TargetModel.from_config(
+                tc, dtype=dtype, device=device, seed=int(tiny["seed"]), layer_ids=layer_ids, num_draft_layers=n_layers
+            )
             target_name = f"tiny random-init Qwen3 (seed {tiny['seed']})"
         else:
             raise EvalError("no target: give --target PATH (the run config names none)")
@@ -413,8 +676,13 @@ def load_setup(*, drafter: str | None, untrained: bool = False, config: str | No
         mask = d.get("mask_token_id")
         if mask is None:
             mask = default_mask_token_id(tm.vocab_size)
-        draft_cfg = draft_config_for(tm.model.config, num_layers=int(d.get("layers", 5)), block_size=int(d.get("block_size", 16)),
-                                     mask_token_id=int(mask), target_layer_ids=tm.layer_ids)
+        draft_cfg = draft_config_for(
+            tm.model.config,
+            num_layers=int(d.get("layers", 5)),
+            block_size=int(d.get("block_size", 16)),
+            mask_token_id=int(mask),
+            target_layer_ids=tm.layer_ids,
+        )
     if untrained:
         ddtype = _DTYPES.get(str((run or {}).get("drafter", {}).get("dtype")), torch.float32)
         model = untrained_drafter(draft_cfg, seed=int((run or {}).get("seed", 0)), dtype=ddtype, device=device)
@@ -427,14 +695,18 @@ def load_setup(*, drafter: str | None, untrained: bool = False, config: str | No
             raise EvalError(f"--drafter: {e}") from e
         drafter_name = str(ckpt_dir)
     if list(model.target_layer_ids) != list(tm.layer_ids) or model.config.vocab_size != tm.vocab_size:
-        raise EvalError(f"--drafter: it reads target layers {model.target_layer_ids} of a {model.config.vocab_size}-token "
-                        f"vocabulary; this target has layers {tm.layer_ids} and {tm.vocab_size} tokens")
+        raise EvalError(
+            f"--drafter: it reads target layers {model.target_layer_ids} of a {model.config.vocab_size}-token "
+            f"vocabulary; this target has layers {tm.layer_ids} and {tm.vocab_size} tokens"
+        )
     target_hidden = int(tm.model.config.hidden_size)
     if model.config.hidden_size != target_hidden or model.fc.in_features != len(tm.layer_ids) * target_hidden:
         # caught here, before decoding, instead of a size-mismatch traceback in the first forward
-        raise EvalError(f"--drafter: its hidden size is {model.config.hidden_size} (fc reads {model.fc.in_features} "
-                        f"features); this target's is {target_hidden} ({len(tm.layer_ids)} layers x {target_hidden}): "
-                        "a drafter trained for another target")
+        raise EvalError(
+            f"--drafter: its hidden size is {model.config.hidden_size} (fc reads {model.fc.in_features} "
+            f"features); this target's is {target_hidden} ({len(tm.layer_ids)} layers x {target_hidden}): "
+            "a drafter trained for another target"
+        )
 
     # the prompts
     if prompts is None:
@@ -444,5 +716,58 @@ def load_setup(*, drafter: str | None, untrained: bool = False, config: str | No
         prompts = str(Path(data_path).parent / "eval.jsonl")
         if not Path(prompts).is_file():
             raise EvalError(f"give --prompts FILE: there is no {prompts} next to the training data")
-    loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size)
-    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained)
+    renderer = None
+    proto: dict[str, t.Any] = {"prompt_format": "chat" if chat else "raw"}
+    sources: list[t.Any] = [tm.model.config, getattr(tm.model, "generation_config", None)]
+    if chat:
+        renderer = _renderer((run or {}).get("data") or {}, path, template_kwargs)
+        proto.update(_chat_protocol(renderer))
+        sources.append(renderer.tokenizer)
+    loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer)
+    proto.update(prompts_source=str(Path(prompts).resolve()), prompts_sha256=_sha256_file(prompts))
+    stops = [] if ignore_eos else _eos_ids(*sources)
+    if max_new_tokens is not None:  # said now, not as a RoPE/cache error (or silent nonsense) mid-decode
+        longest = max(len(p) for p in loaded)
+        limit_pos = getattr(tm.model.config, "max_position_embeddings", None)
+        if isinstance(limit_pos, int) and longest + max_new_tokens > limit_pos:
+            raise EvalError(
+                f"--max-new: the longest prompt has {longest} tokens; {longest} + {max_new_tokens} passes "
+                f"the target's max_position_embeddings ({limit_pos})"
+            )
+    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained, stops, proto)
+
+
+def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwargs: str | None) -> Renderer:
+    """``--chat``: the run's tokenizer and chat template with the serving kwargs (one line when missing)."""
+    from dflash.chat import Renderer
+    from dflash.data import DataError, load_tokenizer
+
+    where = data.get("tokenizer") or target_path
+    if not where:
+        raise EvalError("--chat: no tokenizer: the target is not a folder; set data.tokenizer in the run config")
+    try:
+        tok = load_tokenizer(str(where))
+    except DataError as e:
+        raise EvalError(f"--chat: {e}") from None
+    if not getattr(tok, "chat_template", None):
+        raise EvalError(f"--chat: the tokenizer in {where} has no chat template")
+    if template_kwargs is None:
+        kwargs = dict(data.get("chat_template_kwargs") or {})
+    else:
+        try:
+            kwargs = json.loads(template_kwargs)
+        except ValueError as e:
+            raise EvalError(f"--template-kwargs: not valid JSON: {e}") from None
+        if not isinstance(kwargs, dict):
+            raise EvalError("--template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return Renderer(tok, kwargs)
+
+
+def _chat_protocol(renderer: Renderer) -> dict[str, t.Any]:
+    from dflash.chat import template_hash, tokenizer_hash
+
+    return {
+        "chat_template_sha256": template_hash(renderer.tokenizer),
+        "chat_template_kwargs": renderer.kwargs,
+        "tokenizer_sha256": tokenizer_hash(renderer.tokenizer),
+    }

@@ -84,8 +84,9 @@ def _target_name(run: dict[str, t.Any]) -> str:
     return "unknown (no trainer state in the checkpoint)"
 
 
-def model_card(*, source: Path, config: t.Any, dtype: str, run: dict[str, t.Any],
-               report: dict[str, t.Any] | None) -> str:
+def model_card(
+    *, source: Path, config: t.Any, dtype: str, run: dict[str, t.Any], report: dict[str, t.Any] | None
+) -> str:
     """README.md for the exported folder: what it drafts for, what it learnt from, how to load it."""
     d = run.get("drafter") or {}
     data = run.get("data") or {}
@@ -105,12 +106,15 @@ def model_card(*, source: Path, config: t.Any, dtype: str, run: dict[str, t.Any]
         f"- training data: `{data.get('path', 'unknown')}`",
         f"- drafter: {config.num_hidden_layers} layers, hidden {config.hidden_size}, block size {config.block_size}, "
         f"target layers {list(config.dflash_config['target_layer_ids'])}, MASK id {config.dflash_config['mask_token_id']}",
-        f"- weights: {dtype}, exported from `{source}`" + (f" (step {run['_step']})" if run.get("_step") is not None else ""),
+        f"- weights: {dtype}, exported from `{source}`"
+        + (f" (step {run['_step']})" if run.get("_step") is not None else ""),
     ]
     if optim:
-        lines.append(f"- recipe: lr {optim.get('lr')}, {optim.get('sequences_per_update')} sequences per update per "
-                     f"drafter x {len((run.get('devices') or {}).get('drafters') or []) or '?'} drafter(s), "
-                     f"{run.get('max_steps')} updates, {d.get('num_anchors')} anchors per sequence")
+        lines.append(
+            f"- recipe: lr {optim.get('lr')}, {optim.get('sequences_per_update')} sequences per update per "
+            f"drafter x {len((run.get('devices') or {}).get('drafters') or []) or '?'} drafter(s), "
+            f"{run.get('max_steps')} updates, {d.get('num_anchors')} anchors per sequence"
+        )
     if report is not None:
         lines += [
             "",
@@ -127,7 +131,7 @@ def model_card(*, source: Path, config: t.Any, dtype: str, run: dict[str, t.Any]
         "",
         "```python",
         "from transformers import AutoModel",
-        "drafter = AutoModel.from_pretrained(\"PATH\", trust_remote_code=True)  # dflash.py in this folder",
+        'drafter = AutoModel.from_pretrained("PATH", trust_remote_code=True)  # dflash.py in this folder',
         "```",
         "",
         "The target's embedding and lm_head are not part of this model: the drafter embeds its block "
@@ -138,8 +142,14 @@ def model_card(*, source: Path, config: t.Any, dtype: str, run: dict[str, t.Any]
     return "\n".join(lines)
 
 
-def export(source: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype: str = "bf16",
-           eval_report: str | os.PathLike[str] | None = None, force: bool = False) -> Path:
+def export(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str = "bf16",
+    eval_report: str | os.PathLike[str] | None = None,
+    force: bool = False,
+) -> Path:
     """Write the serving folder ``out`` from a checkpoint (or the latest under a root); returns ``out``."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -162,7 +172,9 @@ def export(source: str | os.PathLike[str], out: str | os.PathLike[str], *, dtype
         save_file(weights, str(tmp / ckpt.WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / ckpt.CONFIG_FILE).write_text(ckpt.config_json(model.config, dtype=DTYPES[dtype]))
         hf_remote.write(tmp)
-        (tmp / "README.md").write_text(model_card(source=path, config=model.config, dtype=dtype, run=run, report=report))
+        (tmp / "README.md").write_text(
+            model_card(source=path, config=model.config, dtype=dtype, run=run, report=report)
+        )
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         tmp.rename(out)

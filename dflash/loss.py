@@ -82,8 +82,14 @@ def candidate_counts(loss_mask: torch.Tensor) -> torch.Tensor:
     return (supervised[:, :-1] & supervised[:, 1:]).sum(dim=1)
 
 
-def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int,
-                   generator: torch.Generator, counts: t.Sequence[int] | None = None) -> Anchors:
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    *,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator,
+    counts: t.Sequence[int] | None = None,
+) -> Anchors:
     """Draw up to ``num_anchors`` anchors per sequence among positions p with loss_mask[p] and [p+1].
 
     Blocks near the end are kept: their slots past the sequence get zero weight (``block_targets``).
@@ -120,8 +126,9 @@ def sample_anchors(loss_mask: torch.Tensor, *, num_anchors: int, block_size: int
     return Anchors(positions=torch.where(valid, chosen, torch.zeros_like(chosen)), valid=valid)
 
 
-def block_inputs(input_ids: torch.Tensor, anchors: Anchors, *, block_size: int,
-                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_inputs(
+    input_ids: torch.Tensor, anchors: Anchors, *, block_size: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block token ids and positions, both ``[Bt, N*B]``: ``[x_p, MASK, ...]`` at ``p, p+1, ...``.
 
     A padding block is all MASK (it is fully masked in attention and carries no weight).
@@ -143,8 +150,9 @@ def slot_weights(block_size: int, gamma: float | None, *, device: torch.device |
     return w
 
 
-def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, *, block_size: int,
-                  gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_targets(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anchors, *, block_size: int, gamma: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and weights ``[Bt, N, B]``: slot k of the block at p is scored against ``input_ids[p+k]``."""
     seq = input_ids.shape[1]
     index = anchors.positions[:, :, None] + torch.arange(block_size, device=input_ids.device)  # [Bt, N, B]
@@ -165,8 +173,16 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: Anc
 # ---- attention mask ------------------------------------------------------------------------
 
 
-def _visible(q_idx: torch.Tensor, kv_idx: torch.Tensor, anchor: torch.Tensor, valid: torch.Tensor, *,
-             seq_len: int, block_size: int, sliding_window: int | None) -> torch.Tensor:
+def _visible(
+    q_idx: torch.Tensor,
+    kv_idx: torch.Tensor,
+    anchor: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    seq_len: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """The one rule both mask forms use. ``anchor``/``valid`` belong to the query's block."""
     q_block, q_off = q_idx // block_size, q_idx % block_size
     kv_block, kv_off = (kv_idx - seq_len) // block_size, (kv_idx - seq_len) % block_size
@@ -180,8 +196,9 @@ def _visible(q_idx: torch.Tensor, kv_idx: torch.Tensor, anchor: torch.Tensor, va
     return (context | own_block) & valid
 
 
-def training_mask(anchors: Anchors, *, seq_len: int, block_size: int,
-                  sliding_window: int | None = None) -> torch.Tensor:
+def training_mask(
+    anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None = None
+) -> torch.Tensor:
     """Dense boolean mask ``[Bt, 1, Q, KV]`` (True = may attend) for SDPA/eager on CPU."""
     device = anchors.positions.device
     n = anchors.num_blocks
@@ -189,13 +206,13 @@ def training_mask(anchors: Anchors, *, seq_len: int, block_size: int,
     kv_idx = torch.arange(seq_len + n * block_size, device=device)[None, None, :]
     anchor = anchors.positions.repeat_interleave(block_size, dim=1)[:, :, None]
     valid = anchors.valid.repeat_interleave(block_size, dim=1)[:, :, None]
-    mask = _visible(q_idx, kv_idx, anchor, valid, seq_len=seq_len, block_size=block_size,
-                    sliding_window=sliding_window)
+    mask = _visible(q_idx, kv_idx, anchor, valid, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window)
     return mask[:, None]
 
 
-def mask_mod(anchors: Anchors, *, seq_len: int, block_size: int,
-             sliding_window: int | None = None) -> t.Callable[..., torch.Tensor]:
+def mask_mod(
+    anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None = None
+) -> t.Callable[..., torch.Tensor]:
     """flex_attention's ``mask_mod(b, h, q_idx, kv_idx)`` for the same rule as ``training_mask``."""
     positions, valid = anchors.positions, anchors.valid
     n = anchors.num_blocks
@@ -203,8 +220,15 @@ def mask_mod(anchors: Anchors, *, seq_len: int, block_size: int,
     def mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         block = (q_idx // block_size).clamp(max=n - 1)  # flex may probe padded query rows
         in_range = q_idx < n * block_size
-        return in_range & _visible(q_idx, kv_idx, positions[b, block], valid[b, block], seq_len=seq_len,
-                                   block_size=block_size, sliding_window=sliding_window)
+        return in_range & _visible(
+            q_idx,
+            kv_idx,
+            positions[b, block],
+            valid[b, block],
+            seq_len=seq_len,
+            block_size=block_size,
+            sliding_window=sliding_window,
+        )
 
     return mod
 
@@ -213,8 +237,9 @@ def mask_mod(anchors: Anchors, *, seq_len: int, block_size: int,
 _FLEX_TILE = 128
 
 
-def _tile_counts(anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None,
-                 tile: int) -> torch.Tensor:
+def _tile_counts(
+    anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None, tile: int
+) -> torch.Tensor:
     """``[Bt, Q/tile, KV/tile]`` (rounded up): visible (query, key) pairs per tile, from the anchors alone.
 
     The rule is an interval per query row: context keys ``[c0, c1)`` (before the anchor, cut to the
@@ -251,11 +276,14 @@ def _tile_counts(anchors: Anchors, *, seq_len: int, block_size: int, sliding_win
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BlockMask's layout of a [Bt, 1, QT, KT] tile set: count per row and column indices, set ones first."""
     dense = tiles.to(torch.int32)
-    return dense.sum(dim=-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+    return dense.sum(dim=-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(
+        torch.int32
+    )
 
 
-def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
-                        sliding_window: int | None = None) -> BlockMask:
+def training_block_mask(
+    anchors: Anchors, *, seq_len: int, block_size: int, sliding_window: int | None = None
+) -> BlockMask:
     """flex_attention ``BlockMask`` with the semantics of ``training_mask`` (the GPU path).
 
     Built from the anchors directly: the same tiles, full tiles and order
@@ -265,8 +293,9 @@ def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
         raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
     n = anchors.num_blocks
     q_len, kv_len = n * block_size, seq_len + n * block_size
-    counts = _tile_counts(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window,
-                          tile=_FLEX_TILE)[:, None]
+    counts = _tile_counts(
+        anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window, tile=_FLEX_TILE
+    )[:, None]
     full = counts == _FLEX_TILE * _FLEX_TILE  # edge tiles are never full: their padding is never visible
     partial = (counts > 0) & ~full
     kv_num, kv_idx = _ordered(partial)
@@ -277,15 +306,23 @@ def training_block_mask(anchors: Anchors, *, seq_len: int, block_size: int,
     q_num, q_idx = _ordered(partial.transpose(-2, -1))
     full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
     return BlockMask(
-        seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
-        full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_idx, BLOCK_SIZE=(_FLEX_TILE, _FLEX_TILE),
+        seq_lengths=(q_len, kv_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(_FLEX_TILE, _FLEX_TILE),
         mask_mod=mask_mod(anchors, seq_len=seq_len, block_size=block_size, sliding_window=sliding_window),
     )
 
 
-def training_masks(drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int,
-                   backend: str = "auto") -> dict[str, t.Any]:
+def training_masks(
+    drafter: DFlashDraftModel, anchors: Anchors, *, seq_len: int, backend: str = "auto"
+) -> dict[str, t.Any]:
     """``{layer_type: mask}`` for the drafter's layer types. backend: "dense", "flex" or "auto" (flex on GPU)."""
     if backend == "auto":
         backend = "flex" if anchors.positions.is_cuda and BlockMask is not None else "dense"
@@ -315,8 +352,9 @@ class LossTerms:
     blocks: torch.Tensor  # scalar: blocks with at least one scored slot
 
 
-def _chunk_terms(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                 lm_head: nn.Module) -> tuple[torch.Tensor, ...]:
+def _chunk_terms(
+    hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lm_head: nn.Module
+) -> tuple[torch.Tensor, ...]:
     """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks)."""
     weight = getattr(lm_head, "weight", None)
     if weight is not None and hidden.dtype != weight.dtype:
@@ -334,8 +372,15 @@ def _chunk_terms(hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tens
     return (loss_sum, *terms)
 
 
-def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, *,
-                chunk_size: int | None = 128, keep: torch.Tensor | None = None) -> LossTerms:
+def dflash_loss(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    chunk_size: int | None = 128,
+    keep: torch.Tensor | None = None,
+) -> LossTerms:
     """Weighted cross-entropy of the block slots through the frozen lm_head.
 
     ``hidden`` [Bt, N, B, H] (drafter output, final-normed), ``labels``/``weights`` [Bt, N, B].
@@ -359,7 +404,7 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
     use_checkpoint = bool(chunk_size) and torch.is_grad_enabled() and hidden.requires_grad
     sums: list[torch.Tensor] | None = None
     for start in range(0, total, step):
-        parts = (hidden[start:start + step], labels[start:start + step], weights[start:start + step])
+        parts = (hidden[start : start + step], labels[start : start + step], weights[start : start + step])
         if use_checkpoint:
             terms = checkpoint(_chunk_terms, *parts, lm_head, use_reentrant=False)
         else:
@@ -368,8 +413,15 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
     assert sums is not None
     loss_sum, correct, scored, accepted, blocks = sums
     weight_sum = weights.sum()
-    return LossTerms(loss=loss_sum / weight_sum, weight_sum=weight_sum, loss_sum=loss_sum, correct_per_slot=correct,
-                     scored_per_slot=scored, accepted_sum=accepted, blocks=blocks)
+    return LossTerms(
+        loss=loss_sum / weight_sum,
+        weight_sum=weight_sum,
+        loss_sum=loss_sum,
+        correct_per_slot=correct,
+        scored_per_slot=scored,
+        accepted_sum=accepted,
+        blocks=blocks,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +471,7 @@ def drafter_loss(
     batch, seq = input_ids.shape
     # Host side (a device loss_mask is read once here): tokens, anchors per row, the blocks that count.
     host_mask = loss_mask.cpu()
-    n_tokens = int((host_mask > 0).sum().tolist())
+    n_tokens = int(t.cast(int, (host_mask > 0).sum().tolist()))  # a 0-d tensor's tolist() is a number
     counts = candidate_counts(host_mask).tolist()
     width = min(num_anchors, max(counts, default=0))
     per_row = [min(width, c) for c in counts]  # valid anchors come first in every row
@@ -427,10 +479,8 @@ def drafter_loss(
 
     input_ids = input_ids.to(device, non_blocking=True)
     loss_mask = loss_mask.to(device, non_blocking=True)
-    anchors = sample_anchors(loss_mask, num_anchors=num_anchors, block_size=block, generator=generator,
-                             counts=counts)
-    block_ids, block_positions = block_inputs(input_ids, anchors, block_size=block,
-                                              mask_token_id=drafter.mask_token_id)
+    anchors = sample_anchors(loss_mask, num_anchors=num_anchors, block_size=block, generator=generator, counts=counts)
+    block_ids, block_positions = block_inputs(input_ids, anchors, block_size=block, mask_token_id=drafter.mask_token_id)
     context_positions = torch.arange(seq, device=device).expand(batch, seq)
     hidden = drafter(
         position_ids=torch.cat([context_positions, block_positions], dim=1),
@@ -439,8 +489,14 @@ def drafter_loss(
         target_hidden=features,
     )
     labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=gamma)
-    terms = dflash_loss(hidden.view(batch, anchors.num_blocks, block, -1), head.lm_head, labels, weights,
-                        chunk_size=chunk_size, keep=keep.to(device, non_blocking=True))
+    terms = dflash_loss(
+        hidden.view(batch, anchors.num_blocks, block, -1),
+        head.lm_head,
+        labels,
+        weights,
+        chunk_size=chunk_size,
+        keep=keep.to(device, non_blocking=True),
+    )
 
     correct = terms.correct_per_slot[1:].double()
     scored = terms.scored_per_slot[1:].double()
@@ -453,8 +509,9 @@ def drafter_loss(
         weight_sum=terms.weight_sum.detach(),
         acc_per_slot=acc_per_slot.float(),
         acc=torch.where(n_scored > 0, correct.sum() / n_scored.clamp(min=1), torch.zeros_like(n_scored)),
-        tau_tf=torch.where(blocks > 0, 1.0 + terms.accepted_sum.double() / blocks.clamp(min=1),
-                           torch.full_like(blocks, math.nan)),
+        tau_tf=torch.where(
+            blocks > 0, 1.0 + terms.accepted_sum.double() / blocks.clamp(min=1), torch.full_like(blocks, math.nan)
+        ),
         n_tokens=n_tokens,
         n_blocks=sum(per_row),
         anchors=anchors,

@@ -39,17 +39,29 @@ logger = logging.getLogger(__name__)
 
 
 def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 TENSORBOARD_HINT = "needs the tensorboard package: pip install 'dflash[tensorboard]'"
 
 
-def format_step_line(*, step: int, loss: float, acc: float, tau_tf: float, ktok_s: float, queue_depth: int,
-                     queue_capacity: int, drafters_live: int, drafters_total: int,
-                     workers: t.Sequence[t.Mapping[str, t.Any]] = ()) -> str:
-    line = (f"step {step} | loss {loss:.3f} | acc {acc:.2f} | tau_tf {tau_tf:.1f} | {ktok_s:.1f} Ktok/s | "
-            f"queue {queue_depth}/{queue_capacity} | drafters {drafters_live}/{drafters_total}")
+def format_step_line(
+    *,
+    step: int,
+    loss: float,
+    acc: float,
+    tau_tf: float,
+    ktok_s: float,
+    queue_depth: int,
+    queue_capacity: int,
+    drafters_live: int,
+    drafters_total: int,
+    workers: t.Sequence[t.Mapping[str, t.Any]] = (),
+) -> str:
+    line = (
+        f"step {step} | loss {loss:.3f} | acc {acc:.2f} | tau_tf {tau_tf:.1f} | {ktok_s:.1f} Ktok/s | "
+        f"queue {queue_depth}/{queue_capacity} | drafters {drafters_live}/{drafters_total}"
+    )
     if workers:  # appended last: parsers of the fields before it keep working
         line += " | " + busy_field(workers)
     return line
@@ -57,9 +69,11 @@ def format_step_line(*, step: int, loss: float, acc: float, tau_tf: float, ktok_
 
 def busy_field(workers: t.Sequence[t.Mapping[str, t.Any]]) -> str:
     """``busy T 97 96 | D 99 54 98``: busy percent per worker, ``-`` for a dead one."""
+
     def group(role: str, tag: str) -> str:
         ws = sorted((w for w in workers if w.get("role") == role), key=lambda w: w.get("index", 0))
         return " ".join([tag, *("-" if w.get("dead") else f"{round(100 * (w.get('busy') or 0.0))}" for w in ws)])
+
     return f"busy {group('target', 'T')} | {group('drafter', 'D')}"
 
 
@@ -83,14 +97,27 @@ def tensorboard_writer(log_dir: Path) -> t.Any:
 def worker_window(w: WorkerState, prev: tuple[float, float, float, int] | None, interval: float) -> dict[str, t.Any]:
     """One worker's figures over an interval of ``interval`` seconds since the counters ``prev``."""
     pb, pw, ps, pi = prev or (0.0, 0.0, 0.0, 0)
+
     def frac(x: float) -> float:
         return round(min(1.0, max(0.0, x / interval)), 4)
+
     busy, wait, barrier = frac(w.busy_s - pb), frac(w.wait_s - pw), frac(w.sync_s - ps)
     batches = w.items - pi
     return {
-        "name": w.name, "role": w.role, "index": w.index, "device": w.device, "alive": w.alive, "dead": w.dead,
-        "busy": busy, "wait": wait, "barrier": barrier, "other": round(max(0.0, 1.0 - busy - wait - barrier), 4),
-        "batches": batches, "batches_s": round(batches / interval, 4), "items": w.items, "clock": w.clock,
+        "name": w.name,
+        "role": w.role,
+        "index": w.index,
+        "device": w.device,
+        "alive": w.alive,
+        "dead": w.dead,
+        "busy": busy,
+        "wait": wait,
+        "barrier": barrier,
+        "other": round(max(0.0, 1.0 - busy - wait - barrier), 4),
+        "batches": batches,
+        "batches_s": round(batches / interval, 4),
+        "items": w.items,
+        "clock": w.clock,
         "error": w.error,
     }
 
@@ -106,8 +133,12 @@ class Metrics:
         stream: t.TextIO | None = None,
         snapshot: t.Callable[[], Snapshot] | None = None,
         tensorboard_dir: Path | None = None,
+        step_stride: int = 1,
     ) -> None:
         self.log_every = log_every
+        # a node of a group counts its updates in strides of the nodes: log when a multiple is reached or passed
+        self.step_stride = step_stride
+        self._seen = 0
         self.path = path
         self.stream = stream if stream is not None else sys.stdout
         self.snapshot = snapshot
@@ -142,7 +173,8 @@ class Metrics:
             self._tokens += tokens
             self._lr = stats.lr
             self._pending.append(stats)  # device figures are NOT read here: that would sync every step
-            if step % self.log_every == 0:
+            seen, self._seen = self._seen, max(self._seen, step)
+            if step % self.log_every == 0 if self.step_stride == 1 else step // self.log_every > seen // self.log_every:
                 self._emit(step)
 
     def _read_pending(self) -> None:
@@ -155,9 +187,14 @@ class Metrics:
             if dev is None:
                 rows.append([float(s.loss), float(s.acc), float(s.tau_tf), *(float(a) for a in s.acc_per_slot)])
                 continue
-            flat = [p.detach().reshape(-1).double().to(dev) if isinstance(p, torch.Tensor)
-                    else torch.tensor([float(x) for x in (p if isinstance(p, tuple) else (p,))], dtype=torch.float64,
-                                      device=dev) for p in parts]
+            flat = [
+                p.detach().reshape(-1).double().to(dev)
+                if isinstance(p, torch.Tensor)
+                else torch.tensor(
+                    [float(x) for x in (p if isinstance(p, tuple) else (p,))], dtype=torch.float64, device=dev
+                )
+                for p in parts
+            ]
             by_device.setdefault(dev, []).append(torch.cat(flat))
         for vectors in by_device.values():
             width = max(v.numel() for v in vectors)
@@ -209,9 +246,16 @@ class Metrics:
             "at": utc_now(),
         }
         line = format_step_line(
-            step=step, loss=rec["loss"], acc=rec["acc"], tau_tf=rec["tau_tf"], ktok_s=ktok_s,
-            queue_depth=rec["queue_depth"] or 0, queue_capacity=rec["queue_capacity"] or 0,
-            drafters_live=rec["drafters_live"] or 0, drafters_total=rec["drafters_total"] or 0, workers=workers,
+            step=step,
+            loss=rec["loss"],
+            acc=rec["acc"],
+            tau_tf=rec["tau_tf"],
+            ktok_s=ktok_s,
+            queue_depth=rec["queue_depth"] or 0,
+            queue_capacity=rec["queue_capacity"] or 0,
+            drafters_live=rec["drafters_live"] or 0,
+            drafters_total=rec["drafters_total"] or 0,
+            workers=workers,
         )
         print(line, file=self.stream, flush=True)
         self._write(rec)
@@ -263,5 +307,13 @@ class Metrics:
                 self._tb = None
 
 
-__all__ = ["Metrics", "TENSORBOARD_HINT", "busy_field", "format_step_line", "tensorboard_available", "tensorboard_writer", "utc_now",
-           "worker_window"]
+__all__ = [
+    "Metrics",
+    "TENSORBOARD_HINT",
+    "busy_field",
+    "format_step_line",
+    "tensorboard_available",
+    "tensorboard_writer",
+    "utc_now",
+    "worker_window",
+]

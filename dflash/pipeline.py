@@ -46,9 +46,10 @@ import threading
 import time
 import traceback
 import typing as t
-from pathlib import Path
 
 import torch
+
+from dflash.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ class PipelineError(RuntimeError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a ``FaultInjector`` fault that names no exception of its own."""
+    """Raised by a ``FaultInjector`` fault that names no exception of its own (here, not in
+    dflash.faults: its name ``dflash.pipeline.InjectedFault`` is in crash reports and fingerprints)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,6 +141,11 @@ class PipelineOptions:
     poll: float = 0.05  # seconds any blocking wait lasts before it looks at the stop state again
     accounting: bool = True  # per-worker busy/wait time (off only to measure what it costs: the bench)
     join_timeout: float = 8.0  # after the stop, how long all threads together get to exit
+    # A node of a group (dflash.distributed): each local update counts ``step_stride`` (the nodes) global
+    # steps, every node at the same numbers, so all nodes meet the same barriers; ``shard_stride`` is the
+    # shards of every node (batch g belongs to shard g mod it). 0: this pipeline's targets.
+    step_stride: int = 1
+    shard_stride: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,150 +278,6 @@ def _drop_frames(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Fault injection (tests, the bench, DFLASH_FAULT)
-
-
-@dataclasses.dataclass(slots=True)
-class Fault:
-    role: str  # "target", "drafter", or "checkpoint" (checked by the trainer when it saves)
-    index: int | None  # None: whichever worker of that role gets there first
-    step: int
-    kind: str = "raise"  # "raise", "hang" (stop making progress until the run stops) or "kill" (checkpoint)
-    exc: t.Callable[[str], BaseException] | None = None  # built from the worker's device
-    times: int = 1  # consecutive checks it fires on (2 = also the OOM retry)
-    fatal: bool = False  # stop the whole run instead of one worker
-    label: str = ""
-    on_fire: t.Callable[[Fault], None] | None = None
-    fired: int = 0
-
-
-class FaultInjector:
-    """Faults keyed by (role, worker index, step), fired at the first check at or after that step.
-
-    Drafters check with the global step they are about to train, targets with their own batch count.
-    ``counts`` says what fired, per (role, index).
-    """
-
-    def __init__(self) -> None:
-        self._faults: list[Fault] = []
-        self._lock = threading.Lock()
-        self.counts: collections.Counter[tuple[str, int]] = collections.Counter()
-
-    def add(self, fault: Fault) -> Fault:
-        with self._lock:
-            self._faults.append(fault)
-        return fault
-
-    def fail_at(
-        self,
-        role: str,
-        index: int | None,
-        step: int,
-        exc: BaseException | t.Callable[[str], BaseException] | None = None,
-        *,
-        times: int = 1,
-        fatal: bool = False,
-        label: str = "",
-        on_fire: t.Callable[[Fault], None] | None = None,
-    ) -> Fault:
-        make: t.Callable[[str], BaseException] | None
-        if isinstance(exc, BaseException):
-            make = lambda _device, e=exc: e  # noqa: E731
-        else:
-            make = exc
-        return self.add(Fault(role, index, step, "raise", make, times, fatal, label, on_fire))
-
-    def hang_at(self, role: str, index: int | None, step: int, *, times: int = 1, label: str = "",
-                on_fire: t.Callable[[Fault], None] | None = None) -> Fault:
-        return self.add(Fault(role, index, step, "hang", None, times, False, label, on_fire))
-
-    def check(self, role: str, index: int, step: int) -> Fault | None:
-        with self._lock:
-            for f in self._faults:
-                if f.role == role and (f.index is None or f.index == index) and step >= f.step and f.fired < f.times:
-                    f.fired += 1
-                    self.counts[(role, index)] += 1
-                    hit = f
-                    break
-            else:
-                return None
-        if hit.on_fire is not None:
-            hit.on_fire(hit)
-        return hit
-
-
-def cuda_oom(device: str) -> torch.OutOfMemoryError:
-    """An out-of-memory error with the text the CUDA caching allocator writes (for injection)."""
-    gpu = device.split(":")[1] if device.startswith("cuda:") else "0"
-    return torch.OutOfMemoryError(
-        "CUDA out of memory. Tried to allocate 2.00 GiB. "
-        f"GPU {gpu} has a total capacity of 95.00 GiB of which 1.12 GiB is free. "
-        "Including non-PyTorch memory, this process has 93.86 GiB memory in use. "
-        "Of the allocated memory 90.10 GiB is allocated by PyTorch, and 2.31 GiB is reserved by PyTorch "
-        "but unallocated. If reserved but unallocated memory is large try setting "
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
-    )
-
-
-FAULT_ENV = "DFLASH_FAULT"
-
-
-def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
-    """Parse ``DFLASH_FAULT`` (comma-separated) into an injector whose faults fire once per run dir.
-
-    - ``raise-at-step:N``           the run dies at global step N with ``InjectedFault`` (a Python exception)
-    - ``oom-at-step:N``             the run dies at step N with a CUDA out-of-memory error
-    - ``drafter-oom-at-step:N:I``   drafter I dies at step N with a CUDA OOM (the others go on)
-    - ``hang-at-step:N``            every drafter stops making progress at step N (until SIGTERM)
-    - ``kill-in-checkpoint:N``      SIGKILL in the middle of writing the first checkpoint at step >= N
-
-    Before firing, a marker file ``.dflash-fault-<spec>`` is written into ``marker_dir`` (the checkpoint
-    dir): a resumed run with the same environment sees it and does not fire again.
-    """
-    inj = FaultInjector()
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        kind, _, rest = part.partition(":")
-        args = rest.split(":") if rest else []
-        try:
-            nums = [int(a) for a in args]
-        except ValueError:
-            raise ValueError(f"{FAULT_ENV}: bad fault {part!r}: steps and indices are integers") from None
-        want = {"raise-at-step": 1, "oom-at-step": 1, "hang-at-step": 1, "drafter-oom-at-step": 2,
-                "kill-in-checkpoint": 1}
-        if kind not in want:
-            raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (known: {', '.join(want)})")
-        if len(nums) != want[kind]:
-            raise ValueError(f"{FAULT_ENV}: {kind} takes {want[kind]} number(s), got {part!r}")
-        marker = marker_dir / (".dflash-fault-" + part.replace(":", "-"))
-        if marker.exists():
-            logger.info("%s: %s already fired (marker %s); not again", FAULT_ENV, part, marker)
-            continue
-
-        def fire(_fault: Fault, marker: Path = marker, part: str = part) -> None:
-            if marker.exists():
-                return
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(part + "\n")
-            logger.warning("%s: firing %s", FAULT_ENV, part)
-
-        step = nums[0]
-        if kind == "raise-at-step":
-            msg = f"{FAULT_ENV} {part}: injected failure at step {step}"
-            inj.fail_at("drafter", None, step, lambda _d, m=msg: InjectedFault(m), fatal=True, label=part, on_fire=fire)
-        elif kind == "oom-at-step":
-            inj.fail_at("drafter", None, step, cuda_oom, fatal=True, label=part, on_fire=fire)
-        elif kind == "drafter-oom-at-step":
-            inj.fail_at("drafter", nums[1], step, cuda_oom, times=2, label=part, on_fire=fire)
-        elif kind == "kill-in-checkpoint":
-            inj.add(Fault("checkpoint", 0, step, "kill", label=part, on_fire=fire))
-        else:  # every drafter hangs, not only the first one there
-            inj.hang_at("drafter", None, step, times=1 << 30, label=part, on_fire=fire)
-    return inj
-
-
-# --------------------------------------------------------------------------------------------
 # Step counting and the barrier
 
 
@@ -431,12 +294,20 @@ class _Sync:
 class _Coordinator:
     """The global step counter, the data position and the live-party barrier (one lock)."""
 
-    def __init__(self, *, drafters: int, shard_starts: t.Sequence[int], stride: int, options: PipelineOptions,
-                 action: t.Callable[[SyncEvent], None] | None) -> None:
+    def __init__(
+        self,
+        *,
+        drafters: int,
+        shard_starts: t.Sequence[int],
+        stride: int,
+        options: PipelineOptions,
+        action: t.Callable[[SyncEvent], None] | None,
+    ) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.opts = options
         self.completed = options.start_step
         self.claimed = options.start_step
+        self.claims = 0  # local updates claimed (the global step is _nth of it)
         self.parties: set[int] = set(range(drafters))
         self.draining = False
         self.sync: _Sync | None = None
@@ -465,12 +336,18 @@ class _Coordinator:
                     continue
                 if self.claimed >= self.opts.max_steps:
                     return None
-                self.claimed += 1
+                self.claims += 1
+                self.claimed = self._nth(self.claims)
                 return self.claimed
 
     def unclaim(self) -> None:
         with self.cond:
-            self.claimed -= 1
+            self.claims -= 1
+            self.claimed = self._nth(self.claims)
+
+    def _nth(self, k: int) -> int:
+        # the global step after k local updates (the last one may be short of a whole stride)
+        return min(self.opts.max_steps, self.opts.start_step + k * self.opts.step_stride) if k else self.opts.start_step
 
     def took(self, item: Item) -> None:
         with self.cond:
@@ -480,12 +357,13 @@ class _Coordinator:
 
     def complete(self) -> int:
         with self.cond:
-            self.completed += 1
-            n = self.completed
+            before = self.completed
+            self.completed = n = min(self.opts.max_steps, before + self.opts.step_stride)
             kinds: set[str] = set()
-            if self.opts.average_every and n % self.opts.average_every == 0:
+            # an interval's multiple reached or passed (steps go by step_stride on a node of a group)
+            if self.opts.average_every and n // self.opts.average_every > before // self.opts.average_every:
                 kinds.add("average")
-            if self.opts.checkpoint_every and n % self.opts.checkpoint_every == 0:
+            if self.opts.checkpoint_every and n // self.opts.checkpoint_every > before // self.opts.checkpoint_every:
                 kinds.add("checkpoint")
             if kinds and n < self.opts.max_steps:  # the final sync covers the last step
                 self._request(kinds, n)
@@ -525,12 +403,18 @@ class _Coordinator:
                 if missing:
                     logger.warning(
                         "barrier at step %d: %s did not arrive within %.0fs; going on without %s",
-                        s.step, ", ".join(f"drafter-{m}" for m in missing), self.opts.barrier_timeout,
+                        s.step,
+                        ", ".join(f"drafter-{m}" for m in missing),
+                        self.opts.barrier_timeout,
                         "it" if len(missing) == 1 else "them",
                     )
                 event = SyncEvent(
-                    step=self.completed, average="average" in s.kinds, checkpoint="checkpoint" in s.kinds,
-                    replicas=replicas, missing=missing, position=tuple(self.position),
+                    step=self.completed,
+                    average="average" in s.kinds,
+                    checkpoint="checkpoint" in s.kinds,
+                    replicas=replicas,
+                    missing=missing,
+                    position=tuple(self.position),
                 )
                 self.cond.release()
                 try:
@@ -699,20 +583,29 @@ class Pipeline:
             self.feeds = [i % D for i in range(T)]
             self.takes = list(range(D))
         self.workers: dict[tuple[str, int], WorkerState] = {}
-        for i, w in enumerate(self.targets):
-            self.workers[("target", i)] = WorkerState("target", i, w.device)
+        for i, tw in enumerate(self.targets):
+            self.workers[("target", i)] = WorkerState("target", i, tw.device)
         self._timers: dict[int, _DeviceTimer] = {}
         for j, w in enumerate(self.drafters):
             self.workers[("drafter", j)] = WorkerState("drafter", j, w.device)
             # a worker whose "compute" happens on the host (the bench's sleeps) says so with host_clock
-            if (options.accounting and torch.device(w.device).type == "cuda" and torch.cuda.is_available()
-                    and not getattr(w, "host_clock", False)):
+            if (
+                options.accounting
+                and torch.device(w.device).type == "cuda"
+                and torch.cuda.is_available()
+                and not getattr(w, "host_clock", False)
+            ):
                 self._timers[j] = _DeviceTimer(w.device)
                 self.workers[("drafter", j)].clock = "cuda-events"
         self._timer_lock = threading.Lock()
         starts = list(shard_starts) if shard_starts is not None else list(range(T))
-        self.coord = _Coordinator(drafters=D, shard_starts=starts, stride=T, options=options,
-                                  action=self._sync_action if on_sync is not None else None)
+        self.coord = _Coordinator(
+            drafters=D,
+            shard_starts=starts,
+            stride=options.shard_stride or T,
+            options=options,
+            action=self._sync_action if on_sync is not None else None,
+        )
         self.failures: list[WorkerFailure] = []
         self.threads: list[threading.Thread] = []
         self._thread_workers: dict[threading.Thread, WorkerState] = {}
@@ -760,9 +653,12 @@ class Pipeline:
             raise RuntimeError("a Pipeline runs once")
         self._ran = True
         o = self.options
-        logger.info("queue: at most %d batches and %s of features in flight (%s)", o.capacity,
-                    "no byte bound" if o.max_bytes is None else format_bytes(o.max_bytes),
-                    "one shared queue" if o.mode == "shared" else f"{len(self.queues)} per-drafter queues")
+        logger.info(
+            "queue: at most %d batches and %s of features in flight (%s)",
+            o.capacity,
+            "no byte bound" if o.max_bytes is None else format_bytes(o.max_bytes),
+            "one shared queue" if o.mode == "shared" else f"{len(self.queues)} per-drafter queues",
+        )
         for (role, i), ws in self.workers.items():
             main = self._target_main if role == "target" else self._drafter_main
             th = threading.Thread(target=main, args=(i,), name=ws.name, daemon=True)
@@ -785,17 +681,32 @@ class Pipeline:
         if self._fatal is not None:
             raise self._fatal.exc
         if hung:
-            raise PipelineError(f"threads still running {self.options.join_timeout:g}s after the stop: {', '.join(hung)}", self.failures)
+            raise PipelineError(
+                f"threads still running {self.options.join_timeout:g}s after the stop: {', '.join(hung)}", self.failures
+            )
         steps = self.coord.completed
         stopped = self._stop_requested
         if steps < self.options.max_steps and not stopped:
             raise PipelineError(self._why_short(), self.failures)
         alive = tuple(j for j in range(len(self.drafters)) if not self.workers[("drafter", j)].dead)
         if self.on_sync is not None and alive:
-            self.on_sync(SyncEvent(step=steps, average=True, checkpoint=True, replicas=alive, missing=(),
-                                   position=tuple(self.coord.position), final=True))
-        return RunResult(steps, "stopped" if stopped and steps < self.options.max_steps else "max-steps",
-                         tuple(self.failures), tuple(self.coord.position))
+            self.on_sync(
+                SyncEvent(
+                    step=steps,
+                    average=True,
+                    checkpoint=True,
+                    replicas=alive,
+                    missing=(),
+                    position=tuple(self.coord.position),
+                    final=True,
+                )
+            )
+        return RunResult(
+            steps,
+            "stopped" if stopped and steps < self.options.max_steps else "max-steps",
+            tuple(self.failures),
+            tuple(self.coord.position),
+        )
 
     # threads ----------------------------------------------------------------------------
 
@@ -898,8 +809,9 @@ class Pipeline:
                 # The traceback's frames hold the failed attempt's tensors: drop them before the retry.
                 error = _drop_frames(e)
             # Outside the ``except``: the exception, and with it the failed attempt, is gone.
-            logger.warning("drafter-%d (%s): %s at step %d; retrying once with the batch halved",
-                           j, work.device, error, step)
+            logger.warning(
+                "drafter-%d (%s): %s at step %d; retrying once with the batch halved", j, work.device, error, step
+            )
             work.recover()
         raise AssertionError("unreachable")
 
@@ -912,7 +824,11 @@ class Pipeline:
             while not self._stop.is_set() and not self._draining.is_set() and not self._stop_requested:
                 self._stop.wait(self.options.poll)
             return
-        exc = fault.exc(device) if fault.exc is not None else InjectedFault(f"injected failure: {role}-{index} at step {step}")
+        exc = (
+            fault.exc(device)
+            if fault.exc is not None
+            else InjectedFault(f"injected failure: {role}-{index} at step {step}")
+        )
         if fault.fatal:
             self._fatal_ids.add(id(exc))
         raise exc
@@ -961,8 +877,14 @@ class Pipeline:
             self._draining.set()
             self.coord.drain()
         else:
-            logger.error("%s; %d %s%s left\n%s", failure.summary(), left, role, "" if left == 1 else "s",
-                         failure.traceback.rstrip())
+            logger.error(
+                "%s; %d %s%s left\n%s",
+                failure.summary(),
+                left,
+                role,
+                "" if left == 1 else "s",
+                failure.traceback.rstrip(),
+            )
 
     def _retire(self, role: Role, index: int) -> None:
         with self._lock:
@@ -997,7 +919,18 @@ class Pipeline:
 
 
 __all__ = [
-    "DrafterWork", "FAULT_ENV", "Fault", "FaultInjector", "InjectedFault", "Item", "Pipeline", "PipelineError",
-    "PipelineOptions", "RunResult", "Snapshot", "Source", "StepStats", "SyncEvent", "TargetWork", "WorkerFailure",
-    "WorkerState", "cuda_oom", "faults_from_env",
+    "DrafterWork",
+    "InjectedFault",
+    "Item",
+    "Pipeline",
+    "PipelineError",
+    "PipelineOptions",
+    "RunResult",
+    "Snapshot",
+    "Source",
+    "StepStats",
+    "SyncEvent",
+    "TargetWork",
+    "WorkerFailure",
+    "WorkerState",
 ]

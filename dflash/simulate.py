@@ -22,8 +22,9 @@ import typing as t
 
 import torch
 
+from dflash.faults import FaultInjector, cuda_oom
 from dflash.metrics import Metrics, busy_field, worker_window
-from dflash.pipeline import FaultInjector, Pipeline, PipelineOptions, StepStats, SyncEvent, cuda_oom
+from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,7 +113,11 @@ class BenchSpec:
     def per_drafter_bound(self, live: t.Iterable[int]) -> float:
         """What round-robin queues can reach at best: each drafter capped by its own targets' supply."""
         counts = self.assignment()
-        return sum(min(counts[j] * self.target_rate(), self.drafter_rate(j)) for j in live) * self.tokens_per_batch / 1000.0
+        return (
+            sum(min(counts[j] * self.target_rate(), self.drafter_rate(j)) for j in live)
+            * self.tokens_per_batch
+            / 1000.0
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,8 +146,10 @@ class BenchResult:
         d = {
             "spec": {**dataclasses.asdict(self.spec), "slowdowns": {str(k): v for k, v in self.spec.slowdowns.items()}},
             "windows": {k: {**dataclasses.asdict(w), "ratio": w.ratio} for k, w in self.windows.items()},
-            "workers": self.workers, "per_drafter_items": self.per_drafter_items,
-            "wall_s": self.wall_s, "steps": self.steps,
+            "workers": self.workers,
+            "per_drafter_items": self.per_drafter_items,
+            "wall_s": self.wall_s,
+            "steps": self.steps,
         }
         if self.spec.mode == "per-drafter":
             d["assignment"] = self.spec.assignment()
@@ -174,9 +181,20 @@ def run_bench(spec: BenchSpec, *, log: t.TextIO | None = None) -> BenchResult:
             time.sleep(spec.average_ms / 1000.0)
 
     pipe = Pipeline(
-        targets=targets, sources=sources, drafters=drafters, injector=injector, on_step=on_step, on_sync=on_sync,
-        options=PipelineOptions(max_steps=spec.steps, capacity=spec.capacity, mode=spec.mode,
-                                average_every=spec.average_every, barrier_timeout=60.0, accounting=spec.accounting),
+        targets=targets,
+        sources=sources,
+        drafters=drafters,
+        injector=injector,
+        on_step=on_step,
+        on_sync=on_sync,
+        options=PipelineOptions(
+            max_steps=spec.steps,
+            capacity=spec.capacity,
+            mode=spec.mode,
+            average_every=spec.average_every,
+            barrier_timeout=60.0,
+            accounting=spec.accounting,
+        ),
     )
     metrics.snapshot = pipe.snapshot
     t0 = time.monotonic()
@@ -189,8 +207,13 @@ def run_bench(spec: BenchSpec, *, log: t.TextIO | None = None) -> BenchResult:
         first = max(first, 0)
         span = done_at[last] - done_at[first]
         tokens = (last - first) * spec.tokens_per_batch
-        return Window(first=first, last=last, ktok_s=tokens / span / 1000.0 if span > 0 else 0.0,
-                      bound=spec.bound(live), round_robin_bound=spec.per_drafter_bound(live))
+        return Window(
+            first=first,
+            last=last,
+            ktok_s=tokens / span / 1000.0 if span > 0 else 0.0,
+            bound=spec.bound(live),
+            round_robin_bound=spec.per_drafter_bound(live),
+        )
 
     warm = int(spec.steps * spec.warmup_frac)
     everyone = list(range(D))
@@ -206,9 +229,14 @@ def run_bench(spec: BenchSpec, *, log: t.TextIO | None = None) -> BenchResult:
     snap = pipe.snapshot()
     # the figures metrics.jsonl has per log interval, here over the whole run
     workers = [worker_window(w, None, wall) for w in snap.workers] if spec.accounting else []
-    return BenchResult(spec=spec, windows=windows, workers=workers,
-                       per_drafter_items=[w.items for w in snap.workers if w.role == "drafter"],
-                       wall_s=wall, steps=result.steps)
+    return BenchResult(
+        spec=spec,
+        windows=windows,
+        workers=workers,
+        per_drafter_items=[w.items for w in snap.workers if w.role == "drafter"],
+        wall_s=wall,
+        steps=result.steps,
+    )
 
 
 def format_result(res: BenchResult) -> str:
@@ -225,18 +253,24 @@ def format_result(res: BenchResult) -> str:
         lines.append(f"  drafter-{s.kill_drafter} killed (CUDA OOM, retried once) at step {s.kill_drafter_at}")
     for name, w in res.windows.items():
         rr = f"   (round-robin best {w.round_robin_bound:.1f})" if s.mode == "per-drafter" else ""
-        lines.append(f"  {name:<12} steps {w.first:>5}-{w.last:<5} {w.ktok_s:8.1f} Ktok/s   bound {w.bound:8.1f} Ktok/s   "
-                     f"ratio {w.ratio:.3f}{rr}")
+        lines.append(
+            f"  {name:<12} steps {w.first:>5}-{w.last:<5} {w.ktok_s:8.1f} Ktok/s   bound {w.bound:8.1f} Ktok/s   "
+            f"ratio {w.ratio:.3f}{rr}"
+        )
     if not res.workers:
         lines.append("  per-worker accounting off (--no-accounting)")
         return "\n".join(lines)
     lines.append(f"  {busy_field(res.workers)}")
-    lines.append(f"  {'worker':<10} {'device':<7} {'busy':>5} {'wait':>5} {'barrier':>7} {'other':>5} {'batches':>7} "
-                 f"{'batch/s':>7}   (wait: a target blocked on a full queue, a drafter starved on an empty one)")
-    for w in res.workers:
-        state = "  (dead)" if w["dead"] else ""
-        lines.append(f"  {w['name']:<10} {w['device']:<7} {w['busy']:5.2f} {w['wait']:5.2f} {w['barrier']:7.2f} "
-                     f"{w['other']:5.2f} {w['items']:7d} {w['batches_s']:7.1f}{state}")
+    lines.append(
+        f"  {'worker':<10} {'device':<7} {'busy':>5} {'wait':>5} {'barrier':>7} {'other':>5} {'batches':>7} "
+        f"{'batch/s':>7}   (wait: a target blocked on a full queue, a drafter starved on an empty one)"
+    )
+    for wk in res.workers:
+        state = "  (dead)" if wk["dead"] else ""
+        lines.append(
+            f"  {wk['name']:<10} {wk['device']:<7} {wk['busy']:5.2f} {wk['wait']:5.2f} {wk['barrier']:7.2f} "
+            f"{wk['other']:5.2f} {wk['items']:7d} {wk['batches_s']:7.1f}{state}"
+        )
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ class SpecResult:
 
     @property
     def new_tokens(self) -> torch.Tensor:
-        return self.tokens[:, self.num_prompt_tokens:]
+        return self.tokens[:, self.num_prompt_tokens :]
 
     @property
     def tau(self) -> float:
@@ -46,8 +46,9 @@ class SpecResult:
         return sum(a + 1 for a in self.accept_lengths) / len(self.accept_lengths)
 
 
-def target_greedy(target: TargetModel, input_ids: torch.Tensor, *, max_new_tokens: int,
-                  stop_token_ids: t.Sequence[int] | None = None) -> torch.Tensor:
+def target_greedy(
+    target: TargetModel, input_ids: torch.Tensor, *, max_new_tokens: int, stop_token_ids: t.Sequence[int] | None = None
+) -> torch.Tensor:
     """The reference: the target alone, one token per forward. ``[1, P + T]``."""
     return target.generate_greedy(input_ids, max_new_tokens, stop_token_ids=stop_token_ids)
 
@@ -117,7 +118,7 @@ def speculative_generate(
     accept_lengths: list[int] = []
     block_starts: list[int] = []
     kept: list[torch.Tensor] = []
-    finished = _first_stop(out[0, start:start + 1], stops) is not None
+    finished = _first_stop(out[0, start : start + 1], stops) is not None
 
     while not finished and start + 1 < max_len:
         verify = min(block, max_len - start - 1)  # never draft past max_new_tokens
@@ -140,13 +141,12 @@ def speculative_generate(
                 kept.append(draft_logits[0].float().cpu())
         block_starts.append(start)
 
-        logits, feats = target.step(block_ids, torch.arange(start, start + verify, device=device)[None],
-                                    target_cache)
+        logits, feats = target.step(block_ids, torch.arange(start, start + verify, device=device)[None], target_cache)
         assert feats is not None
         posterior = logits[0].argmax(dim=-1)  # the target's greedy token after each block position
         accepted = int((block_ids[0, 1:] == posterior[:-1]).long().cumprod(dim=0).sum())
-        new = torch.cat([block_ids[0, 1:accepted + 1], posterior[accepted:accepted + 1]])
-        out[0, start + 1:start + 2 + accepted] = new
+        new = torch.cat([block_ids[0, 1 : accepted + 1], posterior[accepted : accepted + 1]])
+        out[0, start + 1 : start + 2 + accepted] = new
         accept_lengths.append(accepted)
         stop_at = _first_stop(new, stops)
         if stop_at is not None:
@@ -155,7 +155,8 @@ def speculative_generate(
             break
         start += accepted + 1
         _crop(target_cache, start)  # the verified tokens' KV stays; the rejected drafts' goes
-        pending = torch.cat([pending, feats[:, :accepted + 1]], dim=1)
+        pending = torch.cat([pending, feats[:, : accepted + 1]], dim=1)
 
-    return SpecResult(out[:, :start + 1].clone(), accept_lengths, num_prompt, block_starts,
-                      kept if keep_draft_logits else None)
+    return SpecResult(
+        out[:, : start + 1].clone(), accept_lengths, num_prompt, block_starts, kept if keep_draft_logits else None
+    )

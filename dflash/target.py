@@ -143,9 +143,9 @@ def _decoder_layers(lm: nn.Module) -> nn.ModuleList:
         layers = getattr(candidate, "layers", None)
         if isinstance(layers, nn.ModuleList):
             return layers
-        inner = getattr(candidate, "model", None)
-        if isinstance(getattr(inner, "layers", None), nn.ModuleList):
-            return inner.layers
+        inner_layers = getattr(getattr(candidate, "model", None), "layers", None)
+        if isinstance(inner_layers, nn.ModuleList):
+            return inner_layers
     raise TypeError(f"cannot find the decoder layers of {type(lm).__name__} (looked for model.layers)")
 
 
@@ -162,8 +162,13 @@ class _StopForward(Exception):
 class TargetModel:
     """A frozen causal LM that produces DFlash features. One replica per device, used by one thread."""
 
-    def __init__(self, model: PreTrainedModel, *, layer_ids: Sequence[int] | None = None,
-                 num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS,
+    ) -> None:
         model.requires_grad_(False)
         model.eval()
         self.model = model
@@ -191,23 +196,34 @@ class TargetModel:
     # ---- construction --------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, config: Qwen3Config, *, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", seed: int = 0,
-                    layer_ids: Sequence[int] | None = None,
-                    num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS) -> TargetModel:
+    def from_config(
+        cls,
+        config: Qwen3Config,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        layer_ids: Sequence[int] | None = None,
+        num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS,
+    ) -> TargetModel:
         """A random-init target from a config (tests, demo). ``seed`` makes it reproducible."""
         # A private RNG stream: building a target must not move the caller's global RNG.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM(config)
-        model.to(device=device, dtype=dtype)
+        model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(Module.to) hides self
         return cls(model, layer_ids=layer_ids, num_draft_layers=num_draft_layers)
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype = torch.bfloat16,
-                        device: str | torch.device = "cpu",
-                        layer_ids: Sequence[int] | None = None,
-                        num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS) -> TargetModel:
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        layer_ids: Sequence[int] | None = None,
+        num_draft_layers: int = DEFAULT_NUM_DRAFT_LAYERS,
+    ) -> TargetModel:
         """Load a local HF checkpoint (no download: ``local_files_only``) straight onto ``device``.
 
         Off the CPU, transformers builds the model on the meta device and reads every tensor into its
@@ -217,7 +233,7 @@ class TargetModel:
         dev = torch.device(device)
         placement = {} if dev.type == "cpu" else {"device_map": {"": dev}}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placement)
-        model.to(dev)  # a no-op where it already is
+        model.to(dev)  # type: ignore[arg-type]  # a no-op where it already is; @wraps(Module.to) hides self
         return cls(model, layer_ids=layer_ids, num_draft_layers=num_draft_layers)
 
     # ---- facts ----------------------------------------------------------------------------
@@ -266,8 +282,9 @@ class TargetModel:
     # ---- forward passes -------------------------------------------------------------------
 
     @torch.no_grad()  # not inference_mode: the drafter's fc saves these features for its backward
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                 return_final: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def features(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, return_final: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[B, S, n*H]``: outputs of ``layer_ids`` (pre-final-norm), concatenated in that order.
 
         With ``return_final`` also the final-normed last hidden state ``[B, S, H]`` (what lm_head reads).
@@ -308,8 +325,9 @@ class TargetModel:
         return DynamicCache(config=self.model.config)
 
     @torch.no_grad()
-    def step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, *,
-             with_features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache, *, with_features: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One cached forward (prefill or verify): ``(logits [B, T, V], features [B, T, n*H] or None)``."""
         out = self.model(
             input_ids=input_ids,
@@ -322,8 +340,9 @@ class TargetModel:
         return out.logits, feats
 
     @torch.no_grad()
-    def generate_greedy(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                        stop_token_ids: Sequence[int] | None = None) -> torch.Tensor:
+    def generate_greedy(
+        self, input_ids: torch.Tensor, max_new_tokens: int, *, stop_token_ids: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """The target's own greedy continuation, one token per forward: ``[1, P + new]`` incl. the prompt.
 
         Stops after ``max_new_tokens`` or after the first token in ``stop_token_ids`` (kept).

@@ -34,7 +34,20 @@ checkpoint (a corrupted one is skipped with a warning): same step count, same ne
 Signals: the first SIGTERM (or SIGINT) lets the steps in flight finish, writes a checkpoint and exits
 143 (130 for SIGINT); a second one exits at once.
 
-Fault injection (``DFLASH_FAULT``, for the supervisor's tests; see ``dflash.pipeline.faults_from_env``):
+Several nodes (``torchrun --nnodes N --nproc-per-node 1 ... -m dflash train``; ``dflash.distributed``): every
+node runs this same run with its own targets -> queue -> drafters. Steps stay GLOBAL: each local update
+counts N steps (``PipelineOptions.step_stride``), so every node claims the same step numbers (the lr
+schedule reads them), meets the same barriers, and stops at ``max_steps`` after ``max_steps / N`` updates;
+``average_every`` and ``checkpoint.interval`` must be at least nodes x drafters per node.
+``sequences_per_update`` is per update, and its default divides 32 sequences over the drafters of every
+node. Batch g belongs to shard g mod (targets of every node): shard = (node rank, local target). Every
+barrier exchanges a small header (the nodes must be at the same barrier), averages every live replica of
+every node (also before a checkpoint), and checkpoints: rank 0 writes, with every node's data position and
+anchor generators; at resume rank 0 loads and broadcasts. A SIGTERM on any node stops every node at the
+next barrier (with a checkpoint). A dead or hung node: the next collective fails within
+``[distributed] timeout`` and the others exit with ``PeerLost``.
+
+Fault injection (``DFLASH_FAULT``, for the supervisor's tests; see ``dflash.faults.faults_from_env``):
 ``raise-at-step:N``, ``oom-at-step:N``, ``drafter-oom-at-step:N:I``, ``hang-at-step:N``, and
 ``kill-in-checkpoint:N`` (SIGKILL in the middle of writing the first checkpoint at step >= N). Each fires
 once per checkpoint dir (a marker file there), so the resumed run goes on.
@@ -44,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -60,12 +74,12 @@ from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
+from dflash.distributed import Header, NodeGroup
 from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.loss import drafter_loss
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
-from dflash.pipeline import (
-    FAULT_ENV, FaultInjector, Pipeline, PipelineOptions, StepStats, SyncEvent, faults_from_env,
-)
+from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_target_config
 
 logger = logging.getLogger(__name__)
@@ -205,8 +219,17 @@ class _nullcontext:
 class DrafterReplica:
     """One drafter thread's replica: its model, fp32 masters, AdamW, anchor generator and frozen head."""
 
-    def __init__(self, model: DFlashDraftModel, head: TargetHead, *, device: str, cfg: RunConfig,
-                 schedule: LRSchedule, seed: int, index: int) -> None:
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        head: TargetHead,
+        *,
+        device: str,
+        cfg: RunConfig,
+        schedule: LRSchedule,
+        seed: int,
+        index: int,
+    ) -> None:
         self.model = model
         self.head = head
         self.device = device
@@ -223,8 +246,15 @@ class DrafterReplica:
         # fused: one kernel for all tensors, and the step counters stay on the device (the default
         # for-each/single-tensor paths read them on the host per parameter)
         fused = torch.device(device).type in _FUSED_ADAMW
-        self.optimizer = torch.optim.AdamW(self.masters, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                           fused=fused or None, foreach=None if fused else True)
+        self.optimizer = torch.optim.AdamW(
+            self.masters,
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
@@ -236,7 +266,7 @@ class DrafterReplica:
     @torch.no_grad()
     def sync_from_masters(self) -> None:
         if self.separate_masters:
-            torch._foreach_copy_(self.params, self.masters)
+            torch._foreach_copy_(self.params, self.masters)  # type: ignore[arg-type]  # Parameters are Tensors; the stub's list is invariant
 
     def _grads_to_masters(self) -> None:
         """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
@@ -302,8 +332,15 @@ class DrafterReplica:
             # The step's figures stay on the device (float64): no host sync here; the metrics read them.
             for a, b in cuts:
                 out = drafter_loss(
-                    self.model, self.head, payload.input_ids[a:b], payload.loss_mask[a:b], feats[a:b],
-                    num_anchors=anchors, gamma=d.loss_gamma, generator=self.generator, chunk_size=d.loss_chunk,
+                    self.model,
+                    self.head,
+                    payload.input_ids[a:b],
+                    payload.loss_mask[a:b],
+                    feats[a:b],
+                    num_anchors=anchors,
+                    gamma=d.loss_gamma,
+                    generator=self.generator,
+                    chunk_size=d.loss_chunk,
                 )
                 if scale is None:
                     scale = out.weight_sum.detach()
@@ -341,8 +378,12 @@ class DrafterReplica:
         self.trained.extend(p.index for p in payloads)
         tau_sum, blocks, slots = fig["tau_sum"], fig["blocks"], fig["slots"]
         return StepStats(
-            loss=fig["loss"], acc=fig["acc"], tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
-            blocks=blocks, lr=lr, acc_per_slot=slots if slots is not None else (),
+            loss=fig["loss"],
+            acc=fig["acc"],
+            tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
+            blocks=blocks,
+            lr=lr,
+            acc_per_slot=slots if slots is not None else (),
         )
 
 
@@ -354,8 +395,14 @@ def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
 # torch.compile and activation checkpointing
 
 
-def prepare_drafter(model: DFlashDraftModel, *, activation_checkpointing: bool, compile: bool,
-                    backend: str | t.Callable[..., t.Any] = "inductor", dynamic: bool | None = True) -> None:
+def prepare_drafter(
+    model: DFlashDraftModel,
+    *,
+    activation_checkpointing: bool,
+    compile: bool,
+    backend: str | t.Callable[..., t.Any] = "inductor",
+    dynamic: bool | None = True,
+) -> None:
     """Activation checkpointing inside each layer, then compile per layer (the order that works).
 
     The layer checkpoints its own forward (``Qwen3DFlashDecoderLayer``, non-reentrant), and
@@ -369,8 +416,9 @@ def prepare_drafter(model: DFlashDraftModel, *, activation_checkpointing: bool, 
             layer.compile(backend=backend, dynamic=dynamic, fullgraph=True)
 
 
-def warm_up(replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int,
-            attention: str = "auto") -> list[tuple[int, int, int]]:
+def warm_up(
+    replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int, attention: str = "auto"
+) -> list[tuple[int, int, int]]:
     """Compile forward and backward for every shape a run can meet, serially, before threads exist.
 
     Returns the ``(rows, seq, blocks)`` it ran (``warm_up_shapes``). Throwaway data; the replica's
@@ -381,26 +429,42 @@ def warm_up(replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask
 
     d = replica.cfg.drafter
     flex = attention == "flex" or (attention == "auto" and torch.device(replica.device).type == "cuda")
-    shapes = warm_up_shapes(rows=replica.cfg.data.batch_size, max_length=replica.cfg.data.max_length,
-                            num_anchors=d.num_anchors, block_size=d.block_size, flex=flex,
-                            taken=_model_sizes(replica.model))
+    shapes = warm_up_shapes(
+        rows=replica.cfg.data.batch_size,
+        max_length=replica.cfg.data.max_length,
+        num_anchors=d.num_anchors,
+        block_size=d.block_size,
+        flex=flex,
+        taken=_model_sizes(replica.model),
+    )
     gen = torch.Generator().manual_seed(0)
     # Each shape is a cache entry per layer input kind (the first layer's input needs no grad, the
     # others' do); past the limit dynamo would run the layer eager. Hitting it anyway is an error.
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes))
     # No duck sizing: a warm-up size equal to a model size (hidden 64 = 8 blocks x 8) would be tied to
     # it and specialised, and real batches would miss the cache.
-    with torch.fx.experimental._config.patch(use_duck_shape=False), \
-            dynamo_config.patch(fail_on_recompile_limit_hit=True):
+    with (
+        torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]  # set up by install_config_module
+        dynamo_config.patch(fail_on_recompile_limit_hit=True),
+    ):
         for rows, seq, blocks in shapes:
             ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
             ids[ids == mask_token_id] = 0
             mask = torch.zeros(rows, seq, dtype=torch.long)
-            mask[:, seq - blocks - 1:] = 1  # exactly `blocks` anchor candidates per row
+            mask[:, seq - blocks - 1 :] = 1  # exactly `blocks` anchor candidates per row
             feats = torch.randn(rows, seq, feature_size, generator=gen).to(replica.device, replica.model.dtype)
-            out = drafter_loss(replica.model, replica.head, ids, mask, feats, num_anchors=blocks,
-                               gamma=d.loss_gamma, generator=torch.Generator(device=replica.device).manual_seed(0),
-                               chunk_size=d.loss_chunk, attention=attention)
+            out = drafter_loss(
+                replica.model,
+                replica.head,
+                ids,
+                mask,
+                feats,
+                num_anchors=blocks,
+                gamma=d.loss_gamma,
+                generator=torch.Generator(device=replica.device).manual_seed(0),
+                chunk_size=d.loss_chunk,
+                attention=attention,
+            )
             if out.loss.requires_grad:
                 out.loss.backward()
     replica.model.zero_grad(set_to_none=True)
@@ -411,8 +475,9 @@ def warm_up(replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask
 _TILE = 128
 
 
-def warm_up_shapes(*, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool,
-                   taken: t.Collection[int] = ()) -> list[tuple[int, int, int]]:
+def warm_up_shapes(
+    *, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool, taken: t.Collection[int] = ()
+) -> list[tuple[int, int, int]]:
     """``(rows, seq, blocks)`` batches that compile every graph a run can need.
 
     dynamo compiles a size of 0 or 1 as a constant (a graph of its own) and any other size as a
@@ -442,8 +507,9 @@ def warm_up_shapes(*, rows: int, max_length: int, num_anchors: int, block_size: 
 
     one_tile = max(1, _TILE // block_size)  # most blocks whose queries fit one tile
     cases: dict[tuple[bool, ...], tuple[int, int]] = {}
-    for blocks in sorted({max_blocks, min(max_blocks, one_tile), min(max_blocks, 3), min(max_blocks, 2), 1},
-                         reverse=True):
+    for blocks in sorted(
+        {max_blocks, min(max_blocks, one_tile), min(max_blocks, 3), min(max_blocks, 2), 1}, reverse=True
+    ):
         for hi in (max_length, _TILE - blocks * block_size):  # several key tiles, then one
             found = pick(blocks, hi)
             if found is not None:
@@ -467,6 +533,7 @@ class _Signals:
     def __init__(self) -> None:
         self.received: int | None = None
         self.pipeline: Pipeline | None = None
+        self.defer = False  # a node of a group: the stop waits for the next barrier (every node stops there)
         self._old: dict[int, t.Any] = {}
 
     def install(self) -> None:
@@ -486,17 +553,15 @@ class _Signals:
             os.write(2, f"dflash: second {name}: exiting now, without a checkpoint\n".encode())
             os._exit(128 + signum)
         self.received = signum
+        if self.defer:
+            os.write(
+                2,
+                f"dflash: {name}: every node stops at the next averaging barrier, then a checkpoint and exit\n".encode(),
+            )
+            return
         os.write(2, f"dflash: {name}: finishing the steps in flight, then a checkpoint and exit\n".encode())
         if self.pipeline is not None:
             self.pipeline.request_stop()  # sets a flag only: safe inside a handler
-
-
-class _SigkillWhenPickled:
-    """``kill-in-checkpoint``: the process dies by SIGKILL while torch.save writes the trainer state."""
-
-    def __reduce__(self) -> t.Any:
-        os.kill(os.getpid(), signal.SIGKILL)
-        raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,8 +571,9 @@ class _SigkillWhenPickled:
 class Run:
     """Everything one training run needs, built from a config (``build``), then ``train()``."""
 
-    def __init__(self, cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None,
-                 stream: t.TextIO | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, stream: t.TextIO | None = None
+    ) -> None:
         self.cfg = cfg
         self.env = dict(os.environ if environ is None else environ)
         self.stream = stream if stream is not None else sys.stdout
@@ -520,6 +586,18 @@ class Run:
         self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
+        self.signals: _Signals | None = None
+        # A node of a torchrun group (None: a plain run). Every node runs this same code; the collectives
+        # happen at the same points on each (start-up, and every barrier: see on_sync).
+        try:
+            self.group = NodeGroup.from_env(self.env, timeout=cfg.distributed.timeout)
+        except ValueError as e:
+            raise ConfigError("distributed", str(e)) from None
+        self._tokens = 0  # target tokens trained since the last barrier (the group's per-node split)
+        self._tokens_lock = threading.Lock()
+        self._last_sync = time.monotonic()
+        self._syncs = 0  # barriers so far: every node must be at the same one
+        self.group_stop = 0  # the signal another node of the group received (we stopped with it)
         spec = self.env.get(FAULT_ENV, "").strip()
         try:
             self.injector = faults_from_env(spec, self.ckpt_dir) if spec else FaultInjector()
@@ -535,7 +613,29 @@ class Run:
         cfg = self.cfg
         check_devices(cfg)
         torch.manual_seed(cfg.seed)
-        resume = self._find_resume()
+        # Every node's (targets, drafters): shard numbers and drafter seeds continue across nodes in rank order.
+        here = (len(cfg.devices.targets), len(cfg.devices.drafters))
+        self.nodes: list[tuple[int, int]] = self.group.all_gather(here) if self.group is not None else [here]
+        rank = self.group.rank if self.group is not None else 0
+        self.target_offset = sum(n[0] for n in self.nodes[:rank])
+        self.drafter_offset = sum(n[1] for n in self.nodes[:rank])
+        resume: ckpt.Checkpoint | None = None
+        if self.group is not None:
+            # A barrier's steps in flight must not reach the next interval's multiple on one node and not on
+            # another: an interval of at least (nodes x drafters per node) steps keeps the barriers in step.
+            need = len(self.nodes) * max(n[1] for n in self.nodes)
+            for key, every in (("average_every", cfg.average_every), ("checkpoint.interval", cfg.checkpoint.interval)):
+                if every and every < need:
+                    raise ConfigError(
+                        key,
+                        f"{every} is less than nodes x drafters per node ({need}); "
+                        f"a run over {len(self.nodes)} nodes needs at least {need}",
+                    )
+        if self.group is None or self.group.is_main:
+            resume = self._find_resume()
+        if self.group is not None:  # rank 0 read the checkpoint: the others need no shared filesystem
+            self.group.doing = "resume"
+            self.run_id, resume = self.group.broadcast((self.run_id, resume) if self.group.is_main else None)
         self.targets = self._build_targets()
         t0 = self.targets[0].model
         self.vocab_size = t0.vocab_size
@@ -545,8 +645,11 @@ class Run:
         if self.init_drafter is not None:
             init_mask = self.init_drafter.mask_token_id
             if mask_id is not None and mask_id != init_mask:
-                raise ConfigError("drafter.mask_token_id", f"{mask_id} differs from {init_mask}, the id the drafter in "
-                                  f"drafter.init_from was trained with; leave it out")
+                raise ConfigError(
+                    "drafter.mask_token_id",
+                    f"{mask_id} differs from {init_mask}, the id the drafter in "
+                    f"drafter.init_from was trained with; leave it out",
+                )
             mask_id = init_mask
         elif mask_id is None:
             published = published_mask_token_id(t0.model.config)
@@ -561,25 +664,52 @@ class Run:
             self.draft_config = self.init_drafter.config
         else:
             self.draft_config = draft_config_for(
-                t0.model.config, num_layers=cfg.drafter.layers, block_size=cfg.drafter.block_size,
-                mask_token_id=mask_id, target_layer_ids=t0.layer_ids,
+                t0.model.config,
+                num_layers=cfg.drafter.layers,
+                block_size=cfg.drafter.block_size,
+                mask_token_id=mask_id,
+                target_layer_ids=t0.layer_ids,
             )
-        self.dataset = JsonlDataset(cfg.data.path, format=cfg.data.format, tokenizer=tokenizer,
-                                    max_length=cfg.data.max_length, vocab_size=t0.vocab_size, mask_token_id=mask_id,
-                                    chat_template_kwargs=cfg.data.chat_template_kwargs)
-        self.plan = BatchPlan(self.dataset.lengths, batch_size=cfg.data.batch_size,
-                              max_batch_tokens=cfg.data.max_batch_tokens, bucket_window=cfg.data.bucket_window,
-                              shuffle=cfg.data.shuffle, seed=cfg.seed)
+        self.dataset = JsonlDataset(
+            cfg.data.path,
+            format=cfg.data.format,
+            tokenizer=tokenizer,
+            max_length=cfg.data.max_length,
+            vocab_size=t0.vocab_size,
+            mask_token_id=mask_id,
+            chat_template_kwargs=cfg.data.chat_template_kwargs,
+        )
+        self.plan = BatchPlan(
+            self.dataset.lengths,
+            batch_size=cfg.data.batch_size,
+            max_batch_tokens=cfg.data.max_batch_tokens,
+            bucket_window=cfg.data.bucket_window,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.seed,
+        )
         cfg = self._derive_steps(cfg)
-        self.schedule = LRSchedule(lr=cfg.optim.lr, total_steps=cfg.max_steps, warmup_ratio=cfg.optim.warmup_ratio,
-                                   schedule=cfg.optim.schedule, min_lr_ratio=cfg.optim.min_lr_ratio)
+        assert cfg.max_steps is not None  # _derive_steps sets it
+        self.schedule = LRSchedule(
+            lr=cfg.optim.lr,
+            total_steps=cfg.max_steps,
+            warmup_ratio=cfg.optim.warmup_ratio,
+            schedule=cfg.optim.schedule,
+            min_lr_ratio=cfg.optim.min_lr_ratio,
+        )
         self.drafters = self._build_drafters()
         if resume is not None:
             self._restore(resume)
-        self.averager = Averager.for_replicas([r.trainable() for r in self.drafters])
-        starts = shard_starts(len(self.targets), self.position)
+        self.averager = Averager.for_replicas(
+            [r.trainable() for r in self.drafters],
+            cross_reduce=self.group.cross_reduce if self.group is not None else None,
+        )
+        # Shard = (node, local target): this node's slice of the shards of every node, batch g in shard g mod all.
+        self.all_shards = sum(n[0] for n in self.nodes)
+        starts = shard_starts(self.all_shards, self.position)[
+            self.target_offset : self.target_offset + len(self.targets)
+        ]
         self.shard_starts = starts
-        self.sources = [Shard(self.dataset, self.plan, start=s, stride=len(self.targets)) for s in starts]
+        self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards) for s in starts]
 
     def _init_drafter(self, t0: TargetModel) -> DFlashDraftModel:
         """The drafter of ``drafter.init_from`` (ours or a published z-lab folder), checked against this run."""
@@ -607,14 +737,14 @@ class Run:
 
     def _derive_steps(self, cfg: RunConfig) -> RunConfig:
         """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
-        drafters = len(cfg.devices.drafters)
+        drafters = sum(n[1] for n in self.nodes)  # every node's: sequences_per_update's default is global
         spu = cfg.optim.sequences_per_update or math.ceil(UPDATE_SEQUENCES / drafters)
         self.accumulate = math.ceil(spu / cfg.data.batch_size)
         per_update = self.accumulate * cfg.data.batch_size
-        batches = len(self.plan.epoch(0))
+        batches, exact = self.plan.batches_per_epoch()  # a big token store's: estimated (counting is O(corpus))
         if cfg.max_steps is None:
             max_steps = max(1, math.ceil(cfg.epochs * batches / self.accumulate))
-            how = f"{cfg.epochs:g} epoch(s) x {batches} batches / {self.accumulate} per update"
+            how = f"{cfg.epochs:g} epoch(s) x {'' if exact else '~'}{batches} batches / {self.accumulate} per update"
         else:
             max_steps = cfg.max_steps
             how = f"max_steps set ({max_steps * self.accumulate / batches:.2f} epochs)"
@@ -622,10 +752,19 @@ class Run:
         logger.info(
             "updates: %d sequences per update per drafter (%d batch(es) of <= %d), %d drafter(s): ~%d sequences per "
             "round; %d samples; max_steps %d (%s); warmup %d steps",
-            per_update, self.accumulate, cfg.data.batch_size, drafters, per_update * drafters, len(self.dataset.lengths),
-            max_steps, how, warmup,
+            per_update,
+            self.accumulate,
+            cfg.data.batch_size,
+            drafters,
+            per_update * drafters,
+            len(self.dataset.lengths),
+            max_steps,
+            how,
+            warmup,
         )
-        cfg = dataclasses.replace(cfg, max_steps=max_steps, optim=dataclasses.replace(cfg.optim, sequences_per_update=spu))
+        cfg = dataclasses.replace(
+            cfg, max_steps=max_steps, optim=dataclasses.replace(cfg.optim, sequences_per_update=spu)
+        )
         self.cfg = cfg
         return cfg
 
@@ -635,8 +774,12 @@ class Run:
         if mode == "never":
             moved = ckpt.move_aside(self.ckpt_dir)
             if moved:
-                logger.warning('checkpoint.resume = "never": the checkpoints already in %s were moved aside to %s '
-                               "(nothing deleted); starting from step 0", self.ckpt_dir, ", ".join(p.name for p in moved))
+                logger.warning(
+                    'checkpoint.resume = "never": the checkpoints already in %s were moved aside to %s '
+                    "(nothing deleted); starting from step 0",
+                    self.ckpt_dir,
+                    ", ".join(p.name for p in moved),
+                )
             self.run_id = ckpt.new_run_id()
             return None
         if mode == "auto":
@@ -645,20 +788,28 @@ class Run:
                 try:
                     c = ckpt.load_checkpoint(path, map_location="cpu")
                 except ckpt.CheckpointError as e:
-                    logger.warning("resume: skipping %s: %s; trying the previous complete checkpoint", path,
-                                   str(e).removeprefix(f"{path}: "))
+                    logger.warning(
+                        "resume: skipping %s: %s; trying the previous complete checkpoint",
+                        path,
+                        str(e).removeprefix(f"{path}: "),
+                    )
                     tried.append(path.name)
                     continue
                 self.run_id = self._lineage(c)
                 return c
             if tried:  # fail closed: never quietly start over on top of a run whose checkpoints all went bad
-                raise ConfigError("checkpoint.resume", f"no checkpoint in {self.ckpt_dir} is intact ({', '.join(tried)}); "
-                                                       'move them away, or set checkpoint.resume = "never" to start over')
+                raise ConfigError(
+                    "checkpoint.resume",
+                    f"no checkpoint in {self.ckpt_dir} is intact ({', '.join(tried)}); "
+                    'move them away, or set checkpoint.resume = "never" to start over',
+                )
             self.run_id = ckpt.new_run_id()
             return None
         path = Path(mode).expanduser()
         if not path.is_dir():
-            raise ConfigError("checkpoint.resume", f'expected "auto", "never" or a checkpoint directory; {path} does not exist')
+            raise ConfigError(
+                "checkpoint.resume", f'expected "auto", "never" or a checkpoint directory; {path} does not exist'
+            )
         try:
             c = ckpt.load_checkpoint(path, map_location="cpu")
         except ckpt.CheckpointError as e:
@@ -673,11 +824,19 @@ class Run:
             run_id = ckpt.new_run_id()
             logger.info("resume: %s has no run id (an older checkpoint); this run is %s", c.path, run_id)
             return run_id
-        later = [p.name for p in ckpt.list_complete(self.ckpt_dir) if ckpt.run_of(p) == c.run_id and _step_number(p) > c.step]
+        later = [
+            p.name for p in ckpt.list_complete(self.ckpt_dir) if ckpt.run_of(p) == c.run_id and _step_number(p) > c.step
+        ]
         if later:
             run_id = ckpt.new_run_id()
-            logger.warning("resume: run %s already has later checkpoints (%s) than %s; continuing as run %s, "
-                           "which leaves them alone", c.run_id, ", ".join(later), c.path, run_id)
+            logger.warning(
+                "resume: run %s already has later checkpoints (%s) than %s; continuing as run %s, "
+                "which leaves them alone",
+                c.run_id,
+                ", ".join(later),
+                c.path,
+                run_id,
+            )
             return run_id
         return c.run_id
 
@@ -691,19 +850,34 @@ class Run:
             if cfg.target.tiny is not None:
                 tiny = cfg.target.tiny
                 tc = tiny_target_config(
-                    vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, num_hidden_layers=tiny.num_layers,
-                    num_attention_heads=tiny.num_heads, num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
-                    intermediate_size=tiny.intermediate_size, max_position_embeddings=tiny.max_position_embeddings,
+                    vocab_size=tiny.vocab_size,
+                    hidden_size=tiny.hidden_size,
+                    num_hidden_layers=tiny.num_layers,
+                    num_attention_heads=tiny.num_heads,
+                    num_key_value_heads=tiny.num_kv_heads,
+                    head_dim=tiny.head_dim,
+                    intermediate_size=tiny.intermediate_size,
+                    max_position_embeddings=tiny.max_position_embeddings,
                     initializer_range=tiny.initializer_range,
                 )
-                model = TargetModel.from_config(tc, dtype=dtype, device=dev, seed=tiny.seed,
-                                                layer_ids=cfg.drafter.target_layer_ids, num_draft_layers=cfg.drafter.layers)
+                model = TargetModel.from_config(
+                    tc,
+                    dtype=dtype,
+                    device=dev,
+                    seed=tiny.seed,
+                    layer_ids=cfg.drafter.target_layer_ids,
+                    num_draft_layers=cfg.drafter.layers,
+                )
             else:
                 assert cfg.target.path is not None
                 try:
-                    model = TargetModel.from_pretrained(cfg.target.path, dtype=dtype, device=dev,
-                                                        layer_ids=cfg.drafter.target_layer_ids,
-                                                        num_draft_layers=cfg.drafter.layers)
+                    model = TargetModel.from_pretrained(
+                        cfg.target.path,
+                        dtype=dtype,
+                        device=dev,
+                        layer_ids=cfg.drafter.target_layer_ids,
+                        num_draft_layers=cfg.drafter.layers,
+                    )
                 except OSError as e:
                     raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
             if cfg.queue.mode == "per-drafter":
@@ -738,23 +912,43 @@ class Run:
         heads: dict[str, TargetHead] = {}
         out = []
         for j, dev in enumerate(cfg.devices.drafters):
-            model = copy.deepcopy(base).to(device=dev, dtype=dtype)
+            model = copy.deepcopy(base).to(device=dev, dtype=dtype)  # type: ignore[call-arg]  # @wraps(Module.to) hides self
             if dev not in heads:
                 heads[dev] = self.targets[0].model.head().to(dev)
-            prepare_drafter(model, activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                            backend=cfg.compile_backend)
-            out.append(DrafterReplica(model, heads[dev], device=dev, cfg=cfg, schedule=self.schedule,
-                                      seed=cfg.seed * 1000 + j, index=j))
+            prepare_drafter(
+                model,
+                activation_checkpointing=cfg.activation_checkpointing,
+                compile=cfg.compile,
+                backend=cfg.compile_backend,
+            )
+            out.append(
+                DrafterReplica(
+                    model,
+                    heads[dev],
+                    device=dev,
+                    cfg=cfg,
+                    schedule=self.schedule,
+                    seed=cfg.seed * 1000 + self.drafter_offset + j,
+                    index=j,
+                )
+            )
         return out
 
     def _restore(self, c: ckpt.Checkpoint) -> None:
         path = c.path
         mine, theirs = self.draft_config, c.config
-        for key, name in (("num_hidden_layers", "drafter.layers"), ("block_size", "drafter.block_size"),
-                          ("hidden_size", "target"), ("vocab_size", "target")):
+        for key, name in (
+            ("num_hidden_layers", "drafter.layers"),
+            ("block_size", "drafter.block_size"),
+            ("hidden_size", "target"),
+            ("vocab_size", "target"),
+        ):
             if getattr(mine, key) != getattr(theirs, key):
-                raise ConfigError(name, f"the checkpoint {path} has {key}={getattr(theirs, key)}, this run {getattr(mine, key)}; "
-                                        'resume it with the same model, or set checkpoint.resume = "never"')
+                raise ConfigError(
+                    name,
+                    f"the checkpoint {path} has {key}={getattr(theirs, key)}, this run {getattr(mine, key)}; "
+                    'resume it with the same model, or set checkpoint.resume = "never"',
+                )
         if mine.target_layer_ids != theirs.target_layer_ids or mine.mask_token_id != theirs.mask_token_id:
             raise ConfigError("drafter", f"the checkpoint {path} was trained on other target layers or another MASK id")
         for r in self.drafters:
@@ -775,8 +969,8 @@ class Run:
             if saved_opts:
                 r.optimizer.load_state_dict(saved_opts[j % len(saved_opts)])
             gens = state.get("generators") or []
-            if j < len(gens):
-                r.generator.set_state(gens[j])
+            if self.drafter_offset + j < len(gens):  # every node's, in rank order (a group's checkpoint)
+                r.generator.set_state(gens[self.drafter_offset + j])
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
         self.start_step = c.step
@@ -785,7 +979,9 @@ class Run:
             pos = DataPosition.from_dict(state["data"])
             expect = f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}"
             if pos.fingerprint and pos.fingerprint != expect:
-                logger.warning("resume: the data or its batching changed since %s; continuing at the saved batch indices", path)
+                logger.warning(
+                    "resume: the data or its batching changed since %s; continuing at the saved batch indices", path
+                )
             self.position = pos
         logger.info("resuming from %s at step %d (run %s)", path, c.step, self.run_id)
 
@@ -801,6 +997,15 @@ class Run:
         """
         if step == self.last_saved:
             return None
+        generators = [r.generator.get_state() for r in self.drafters]
+        if self.group is not None:  # every node's shards and anchor generators, in rank order; rank 0 writes
+            self.group.doing = "checkpoint"
+            parts = self.group.all_gather((list(position), generators))
+            position = [g for pos, _ in parts for g in pos]
+            generators = [g for _, gens in parts for g in gens]
+            if not self.group.is_main:
+                self.last_saved = step
+                return None
         self.writer.wait()  # one write at a time, and at most one snapshot in memory
         reps = [self.drafters[j] for j in replicas]
         first = reps[0]
@@ -808,11 +1013,12 @@ class Run:
             "step": step,
             "run_id": self.run_id,
             "data": DataPosition(tuple(position), f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}").to_dict(),
-            "targets": len(self.targets),
-            "drafters": len(self.drafters),
+            "targets": self.all_shards,
+            "drafters": sum(n[1] for n in self.nodes),
+            "nodes": len(self.nodes),
             "config": to_dict(self.cfg),
             "rng": ckpt.rng_state(),
-            "generators": [r.generator.get_state() for r in self.drafters],
+            "generators": generators,
         }
         optimizer_state = None
         if self.cfg.checkpoint.optimizer:
@@ -821,26 +1027,116 @@ class Run:
                 "masters": list(first.masters) if first.separate_masters else None,
             }
         if self.injector.check("checkpoint", 0, step) is not None:
-            trainer_state["fault"] = _SigkillWhenPickled()
-        snap = ckpt.snapshot(first.model, step=step, run_id=self.run_id, trainer_state=trainer_state,
-                             optimizer_state=optimizer_state, reuse=self.writer.spare())
+            trainer_state["fault"] = SigkillWhenPickled()
+        snap = ckpt.snapshot(
+            first.model,
+            step=step,
+            run_id=self.run_id,
+            trainer_state=trainer_state,
+            optimizer_state=optimizer_state,
+            reuse=self.writer.spare(),
+        )
         self.writer.submit(snap)
         self.last_saved = step
         return self.ckpt_dir / f"step-{step}"
 
     def on_sync(self, ev: SyncEvent) -> None:
+        if self.group is not None:
+            self._group_sync(ev, self.group)
+            return
         if ev.average and len(ev.replicas) > 1:
             reps = [self.drafters[j] for j in ev.replicas]
             self.averager.average([r.trainable() for r in reps])
             for r in reps:
                 r.sync_from_masters()
             rnd = self.averager.last_round
-            logger.debug("step %d: averaged drafters %s in %.3fs (%.1f MB moved)", ev.step, list(ev.replicas),
-                         rnd.seconds if rnd else 0.0, rnd.bytes_moved / 2**20 if rnd else 0.0)
+            logger.debug(
+                "step %d: averaged drafters %s in %.3fs (%.1f MB moved)",
+                ev.step,
+                list(ev.replicas),
+                rnd.seconds if rnd else 0.0,
+                rnd.bytes_moved / 2**20 if rnd else 0.0,
+            )
         if ev.checkpoint:
             self.save(ev.step, ev.position, ev.replicas)
         else:
             self.writer.check()  # a failed background write ends the run at the next barrier
+
+    def _group_sync(self, ev: SyncEvent, group: NodeGroup) -> None:
+        """A barrier of a node of a group: the same collectives in the same order on every node.
+
+        Headers first (the nodes must be at the same barrier; per-node throughput; a pending stop), then
+        the averaging over every node's replicas (also before a checkpoint: rank 0 saves its replica for
+        all), then the checkpoint, then the stop: a SIGTERM on any node stops every node here.
+        """
+        now = time.monotonic()
+        with self._tokens_lock:
+            tokens, self._tokens = self._tokens, 0
+        seconds, self._last_sync = now - self._last_sync, now
+        self._syncs += 1
+        stop = self.signals.received if self.signals is not None and self.signals.received is not None else 0
+        header = Header(
+            index=self._syncs,
+            step=ev.step,
+            average=ev.average,
+            checkpoint=ev.checkpoint,
+            final=ev.final,
+            replicas=len(ev.replicas),
+            tokens=tokens,
+            seconds=seconds,
+            stop=stop,
+        )
+        rnd = group.exchange(header, doing="the barrier")
+        step = rnd.headers[0].step  # with several drafters per node the steps in flight differ a little: rank 0's
+        if group.is_main:
+            per = [h.tokens / max(h.seconds, 1e-9) / 1e3 for h in rnd.headers]
+            logger.info(
+                "nodes | step %d | %.1f Ktok/s | %s",
+                step,
+                sum(per),
+                " | ".join(f"node-{r} {k:.1f}" for r, k in enumerate(per)),
+            )
+        if ev.average or ev.checkpoint:
+            group.doing = "averaging"
+            reps = [self.drafters[j] for j in ev.replicas]
+            self.averager.average([r.trainable() for r in reps])
+            for r in reps:
+                r.sync_from_masters()
+            avg = self.averager.last_round
+            logger.debug(
+                "step %d: averaged drafters %s with %d replica(s) on %d node(s) in %.3fs",
+                step,
+                list(ev.replicas),
+                rnd.replicas,
+                group.world,
+                avg.seconds if avg else 0.0,
+            )
+        if ev.checkpoint:
+            self.save(step, ev.position, ev.replicas)
+        else:
+            self.writer.check()
+        if ev.final:  # the same digest on every node: every replica of the group holds the same bytes
+            logger.info(
+                "node %d: weights sha256 %s (step %d)",
+                group.rank,
+                " ".join(weights_digest(self.drafters[j].trainable()) for j in ev.replicas),
+                step,
+            )
+        if rnd.stop and not ev.final and self.pipeline is not None:
+            asked = [r for r, h in enumerate(rnd.headers) if h.stop]
+            logger.warning(
+                "stop requested on node(s) %s: every node stops after the barrier at step %d",
+                ", ".join(map(str, asked)),
+                step,
+            )
+            self.group_stop = rnd.stop
+            self.pipeline.request_stop()  # from a drafter thread: the drafters leave after this barrier
+
+    def _on_step(self, step: int, stats: StepStats, tokens: int) -> None:
+        with self._tokens_lock:
+            self._tokens += tokens
+        if self.metrics is not None:
+            self.metrics.record(step, stats, tokens)
 
     def _finish_writes(self, *, failing: bool = False) -> None:
         """Wait for the checkpoint in flight. While another error is on its way out, only log the writer's."""
@@ -855,6 +1151,7 @@ class Run:
 
     def train(self, signals: _Signals | None = None) -> int:
         cfg = self.cfg
+        assert cfg.max_steps is not None  # _derive_steps set it in __init__
         if self.start_step >= cfg.max_steps:
             logger.info("already at step %d (max_steps %d): nothing to train", self.start_step, cfg.max_steps)
             return EXIT_OK
@@ -864,36 +1161,71 @@ class Run:
         if compiled:
             started = time.monotonic()
             for r in self.drafters:
-                shapes = warm_up(r, feature_size=self.targets[0].model.feature_size, vocab_size=self.vocab_size,
-                                 mask_token_id=self.mask_token_id)
-            logger.info("compiled the drafter for %d batch shapes in %.0f s; a recompile from now on is an error",
-                        len(shapes), time.monotonic() - started)
+                shapes = warm_up(
+                    r,
+                    feature_size=self.targets[0].model.feature_size,
+                    vocab_size=self.vocab_size,
+                    mask_token_id=self.mask_token_id,
+                )
+            logger.info(
+                "compiled the drafter for %d batch shapes in %.0f s; a recompile from now on is an error",
+                len(shapes),
+                time.monotonic() - started,
+            )
         self.pipeline = Pipeline(
-            targets=self.targets, sources=self.sources, drafters=self.drafters, shard_starts=self.shard_starts,
-            on_sync=self.on_sync, injector=self.injector,
+            targets=self.targets,
+            sources=self.sources,
+            drafters=self.drafters,
+            shard_starts=self.shard_starts,
+            on_sync=self.on_sync,
+            injector=self.injector,
             options=PipelineOptions(
-                max_steps=cfg.max_steps, start_step=self.start_step, capacity=cfg.queue.capacity, mode=cfg.queue.mode,
+                max_steps=cfg.max_steps,
+                start_step=self.start_step,
+                capacity=cfg.queue.capacity,
+                mode=cfg.queue.mode,
                 max_bytes=cfg.queue.max_bytes,
-                average_every=cfg.average_every if len(self.drafters) > 1 else 0,
-                checkpoint_every=cfg.checkpoint.interval, barrier_timeout=cfg.barrier_timeout,
-                oom_retry=cfg.optim.oom_retry, accumulate=self.accumulate,
+                average_every=cfg.average_every if len(self.drafters) > 1 or self.group is not None else 0,
+                checkpoint_every=cfg.checkpoint.interval,
+                barrier_timeout=cfg.barrier_timeout,
+                oom_retry=cfg.optim.oom_retry,
+                accumulate=self.accumulate,
+                # a node of a group: each local update is one step of every node (all count the same steps)
+                step_stride=len(self.nodes),
+                shard_stride=self.all_shards,
             ),
         )
-        self.metrics = Metrics(log_every=cfg.log_every, path=self.run_dir / "metrics.jsonl", stream=self.stream,
-                               snapshot=self.pipeline.snapshot,
-                               tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None)
-        self.pipeline.on_step = self.metrics.record
+        self.metrics = Metrics(
+            log_every=cfg.log_every,
+            path=self.run_dir / "metrics.jsonl",
+            stream=self.stream,
+            snapshot=self.pipeline.snapshot,
+            tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None,
+            step_stride=len(self.nodes),
+        )
+        self.pipeline.on_step = self._on_step if self.group is not None else self.metrics.record
+        self.signals = signals
         if signals is not None:
             signals.pipeline = self.pipeline
-            if signals.received is not None:
+            signals.defer = self.group is not None  # a group stops together, at the next barrier
+            if signals.received is not None and self.group is None:
                 logger.warning("stopped before training started")
                 return 128 + signals.received
         logger.info(
             "training: %d target(s) %s -> queue %s (capacity %d) -> %d drafter(s) %s; steps %d..%d; checkpoints in %s; metrics in %s",
-            len(self.targets), list(cfg.devices.targets), cfg.queue.mode, cfg.queue.capacity, len(self.drafters),
-            list(cfg.devices.drafters), self.start_step, cfg.max_steps, self.ckpt_dir, self.run_dir / "metrics.jsonl",
+            len(self.targets),
+            list(cfg.devices.targets),
+            cfg.queue.mode,
+            cfg.queue.capacity,
+            len(self.drafters),
+            list(cfg.devices.drafters),
+            self.start_step,
+            cfg.max_steps,
+            self.ckpt_dir,
+            self.run_dir / "metrics.jsonl",
         )
         self.metrics.start()
+        self._last_sync = time.monotonic()
         try:
             if compiled:  # a miss would be unfused attention (out of memory) or a compile in a thread: fail
                 torch.compiler.set_stance("fail_on_recompile")
@@ -908,11 +1240,20 @@ class Run:
         self._finish_writes()  # the final checkpoint is on disk before we say so or exit
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
-        if result.reason == "stopped" and signals is not None and signals.received is not None:
+        received = signals.received if signals is not None and signals.received is not None else self.group_stop
+        if result.reason == "stopped" and received:
             logger.warning("stopped at step %d after a checkpoint", result.steps)
-            return 128 + signals.received
+            return 128 + received
         logger.info("finished at step %d", result.steps)
         return EXIT_OK
+
+
+def weights_digest(tensors: t.Sequence[torch.Tensor]) -> str:
+    """sha256 (16 hex digits) of the tensors' bytes in order: equal digests, bit-identical replicas."""
+    h = hashlib.sha256()
+    for p in tensors:
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _step_number(path: Path) -> int:
@@ -925,14 +1266,25 @@ def run_training(cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, 
     signals.install()
     try:
         run = Run(cfg, environ=environ, stream=stream)
-        if signals.received is not None:
+        if signals.received is not None and run.group is None:
             return 128 + signals.received
-        return run.train(signals)
+        code = run.train(signals)
+        if run.group is not None:  # not after a failure: a lost peer could make the teardown wait
+            run.group.close()
+        return code
     finally:
         signals.restore()
 
 
 __all__ = [
-    "DrafterReplica", "FeatureBatch", "LRSchedule", "Run", "TargetReplica", "prepare_drafter", "run_training",
-    "torch_dtype", "warm_up",
+    "DrafterReplica",
+    "FeatureBatch",
+    "LRSchedule",
+    "Run",
+    "TargetReplica",
+    "prepare_drafter",
+    "run_training",
+    "torch_dtype",
+    "warm_up",
+    "weights_digest",
 ]

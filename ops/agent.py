@@ -16,7 +16,6 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import re
@@ -28,8 +27,23 @@ import time
 import typing as t
 
 from ops import tmux
-from ops.runner import (
-    DISK_FULL_BYTES,
+from ops.far import lock, protocol, records
+from ops.far.atomic import switch_link, write_json_atomic
+from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
+from ops.far.protocol import (
+    PROTOCOL,
+    AttemptFacts,
+    CaptureFacts,
+    DiskFacts,
+    GpuFacts,
+    LogFacts,
+    MetricsFacts,
+    Pane,
+    ProbeFacts,
+    RunResult,
+    TmuxFacts,
+)
+from ops.far.records import (
     ENV_FILE,
     EXIT_JSON,
     EXIT_RESERVED,
@@ -38,16 +52,11 @@ from ops.runner import (
     RUN_JSON,
     RUN_RESERVED,
     STOP_JSON,
-    disk_free,
-    iso,
-    oom_kill_count,
-    pid1_start,
-    proc_stat,
-    reserve,
-    write_json_atomic,
 )
+from ops.far.records import attempt_number as _attempt_number
+from ops.far.records import read_json as _read_json
+from ops.runner import DISK_FULL_BYTES, disk_free, iso, reserve
 
-PROTOCOL = 1
 VERBS = ("probe", "start", "stop", "tail", "read")
 TMUX_TIMEOUT = 10.0
 DIAG_LINES = 200  # log lines the probe brings back for diagnosis
@@ -84,7 +93,9 @@ def _tmux_env(req: Request) -> dict[str, str]:
     return env
 
 
-def _run(argv: t.Sequence[str], *, timeout: float = TMUX_TIMEOUT, env: dict[str, str] | None = None) -> dict[str, t.Any]:
+def _run(
+    argv: t.Sequence[str], *, timeout: float = TMUX_TIMEOUT, env: dict[str, str] | None = None
+) -> dict[str, t.Any]:
     """{exit_code, stdout, stderr, timed_out}; a missing program is exit 127, never an exception."""
     try:
         p = subprocess.run(
@@ -103,37 +114,22 @@ def _run(argv: t.Sequence[str], *, timeout: float = TMUX_TIMEOUT, env: dict[str,
     }
 
 
-def tmux_facts(req: Request) -> dict[str, t.Any]:
-    """Server, session and panes in ONE tmux call (has-session ; list-panes), with the exact stderr."""
-    socket_name, session = req["socket"], req["session"]
-    argv = tmux.panes_argv(socket_name, session, req.get("tmux", "tmux"))
-    for _ in range(4):
-        res = _run(argv, env=_tmux_env(req))
-        # tmux marks a pane dead when its pty closes, a moment before it reaps the process: in that
-        # window pane_dead=1 with neither status nor signal. Ask again rather than report "unknown".
-        if res["exit_code"] != 0 or not any(_status_pending(p) for p in tmux.parse_panes(res["stdout"])):
-            break
-        time.sleep(0.05)
-    facts: dict[str, t.Any] = {
-        "socket": socket_name,
-        "exit_code": res["exit_code"],
-        "stderr": res["stderr"].strip(),
-        "timed_out": res["timed_out"],
-        "installed": not tmux.not_found(res["exit_code"], res["stderr"]),
-        "panes": tmux.parse_panes(res["stdout"]) if res["exit_code"] == 0 else [],
-    }
-    return facts
+def tmux_facts(req: Request) -> TmuxFacts:
+    """Server, session and panes in ONE tmux call, with the exact stderr (``ops.far.protocol.tmux_facts``)."""
+    env = _tmux_env(req)
+
+    def run(argv: list[str]) -> RunResult:
+        res = _run(argv, env=env)
+        return RunResult(res["exit_code"], res["stdout"], res["stderr"], res["timed_out"])
+
+    return protocol.tmux_facts(run, req["socket"], req["session"], req.get("tmux", "tmux"))
 
 
-def _status_pending(pane: dict[str, str]) -> bool:
-    return pane.get("pane_dead") == "1" and not pane.get("pane_dead_status") and not pane.get("pane_dead_signal")
-
-
-def _session_alive(tf: dict[str, t.Any]) -> bool:
+def _session_alive(tf: TmuxFacts) -> bool:
     return tf["exit_code"] == 0
 
 
-def _pane(tf: dict[str, t.Any], pid: int | None = None) -> dict[str, str] | None:
+def _pane(tf: TmuxFacts, pid: int | None = None) -> Pane | None:
     """The run's pane: the one whose process is our runner, else the first one."""
     panes = tf.get("panes") or []
     for p in panes:
@@ -142,7 +138,7 @@ def _pane(tf: dict[str, t.Any], pid: int | None = None) -> dict[str, str] | None
     return panes[0] if panes else None
 
 
-def capture(req: Request, lines: int) -> dict[str, t.Any]:
+def capture(req: Request, lines: int) -> CaptureFacts:
     res = _run(tmux.capture_argv(req["socket"], req["session"], lines, req.get("tmux", "tmux")), env=_tmux_env(req))
     rows = res["stdout"].split("\n") if res["exit_code"] == 0 else []
     return {"exit_code": res["exit_code"], "stderr": res["stderr"].strip(), "lines": tmux.last_lines(rows, lines)}
@@ -156,46 +152,9 @@ def session_dir(req: Request) -> str:
     return os.path.join(req["run_dir"], req["session"])
 
 
-def _attempt_number(name: str) -> int | None:
-    m = re.fullmatch(r"attempt-(\d+)", name)
-    return int(m.group(1)) if m else None
-
-
 def current_attempt(req: Request) -> str | None:
     """The attempt dir `current` points to, else the highest attempt-<n>, else None."""
-    sdir = session_dir(req)
-    link = os.path.join(sdir, "current")
-    if os.path.isdir(link):
-        return os.path.join(sdir, os.readlink(link)) if os.path.islink(link) else link
-    try:
-        numbered = [(n, name) for name in os.listdir(sdir) if (n := _attempt_number(name)) is not None]
-    except OSError:
-        return None
-    return os.path.join(sdir, max(numbered)[1]) if numbered else None
-
-
-def _read_json(path: str) -> tuple[dict[str, t.Any] | None, str | None]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return None, None
-    except (OSError, ValueError) as e:
-        return None, f"{path}: {e}"
-    return (data, None) if isinstance(data, dict) else (None, f"{path}: not a JSON object")
-
-
-def process_facts(pid: t.Any, start: t.Any) -> dict[str, t.Any] | None:
-    """Is the recorded pid still OUR process? (same start time: a reused pid is not.)"""
-    if not isinstance(pid, int):
-        return None
-    st = proc_stat(pid)
-    if st is None:
-        return {"pid": pid, "alive": False, "state": None, "same": None}
-    state, ticks = st
-    same = None if not isinstance(start, int) else ticks == start
-    alive = state not in ("Z", "X") and same is not False
-    return {"pid": pid, "alive": alive, "state": state, "same": same}
+    return records.current_attempt(session_dir(req))
 
 
 def _tail_bytes(path: str, max_lines: int, window: int = TAIL_WINDOW) -> tuple[bytes, int, float]:
@@ -223,7 +182,7 @@ def _tail_bytes(path: str, max_lines: int, window: int = TAIL_WINDOW) -> tuple[b
     return out, size, st.st_mtime
 
 
-def log_facts(path: str, lines: int) -> dict[str, t.Any] | None:
+def log_facts(path: str, lines: int) -> LogFacts | None:
     try:
         data, size, mtime = _tail_bytes(path, lines)
     except FileNotFoundError:
@@ -233,7 +192,7 @@ def log_facts(path: str, lines: int) -> dict[str, t.Any] | None:
     return {"path": path, "size": size, "mtime": mtime, "tail": tmux.decode_lines(data)}
 
 
-def metrics_facts(path: str) -> dict[str, t.Any] | None:
+def metrics_facts(path: str) -> MetricsFacts | None:
     """The last complete JSON line of metrics.jsonl and the file's mtime."""
     try:
         data, size, mtime = _tail_bytes(path, 5)
@@ -253,32 +212,37 @@ def metrics_facts(path: str) -> dict[str, t.Any] | None:
     return {"path": path, "size": size, "mtime": mtime, "last": last}
 
 
-def attempt_facts(req: Request, lines: int = DIAG_LINES) -> dict[str, t.Any] | None:
+def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
     adir = current_attempt(req)
     if adir is None:
         return None
     errors: list[str] = []
-    facts: dict[str, t.Any] = {"dir": adir, "attempt": _attempt_number(os.path.basename(adir))}
+    found: dict[str, dict[str, t.Any] | None] = {}
     for key, name in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
-        facts[key], err = _read_json(os.path.join(adir, name))
+        found[key], err = _read_json(os.path.join(adir, name))
         if err:
             errors.append(err)
-    run = facts["run"] or {}
-    facts["runner"] = process_facts(run.get("pid"), run.get("pid_start"))
-    facts["keeper"] = process_facts(run.get("keeper_pid"), run.get("keeper_start"))
-    facts["child"] = process_facts(run.get("child_pid"), run.get("child_start"))
-    facts["log"] = log_facts(os.path.join(adir, LOG), lines)
-    facts["metrics"] = metrics_facts(os.path.join(adir, METRICS))
-    facts["errors"] = errors
-    return facts
+    run = found["run"] or {}
+    return {
+        "dir": adir,
+        "attempt": _attempt_number(os.path.basename(adir)),
+        "run": found["run"],
+        "exit": found["exit"],
+        "stop": found["stop"],
+        "runner": process_facts(run.get("pid"), run.get("pid_start")),
+        "keeper": process_facts(run.get("keeper_pid"), run.get("keeper_start")),
+        "child": process_facts(run.get("child_pid"), run.get("child_start")),
+        "log": log_facts(os.path.join(adir, LOG), lines),
+        "metrics": metrics_facts(os.path.join(adir, METRICS)),
+        "errors": errors,
+    }
 
 
-def _alive(af: dict[str, t.Any] | None) -> dict[str, t.Any] | None:
+def _alive(af: AttemptFacts | None) -> ProcessFacts | None:
     """The live process of an attempt (the command first, then its keeper and runner), or None."""
     if not af or af.get("exit"):
         return None
-    for key in ("child", "keeper", "runner"):
-        p = af.get(key)
+    for p in (af.get("child"), af.get("keeper"), af.get("runner")):
         if p and p["alive"]:
             return p
     return None
@@ -299,13 +263,15 @@ def _start_gpus() -> subprocess.Popen[bytes] | None:
     try:
         return subprocess.Popen(
             [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader,nounits"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
     except OSError:
         return None
 
 
-def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[dict[str, t.Any]] | dict[str, str] | None:
+def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[str, str] | None:
     if proc is None:
         return None
     try:
@@ -316,7 +282,7 @@ def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[dict[str, t.Any]]
         return {"error": "nvidia-smi did not answer within 10s"}
     if proc.returncode != 0:
         return {"error": (err or out).decode("utf-8", "replace").strip()[-300:]}
-    gpus = []
+    gpus: list[GpuFacts] = []
     for line in out.decode("utf-8", "replace").splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) != 5:
@@ -328,8 +294,15 @@ def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[dict[str, t.Any]]
             except ValueError:
                 return None
 
-        gpus.append({"index": int(num(cells[0]) or 0), "name": cells[1], "memory_used_mib": num(cells[2]),
-                     "memory_total_mib": num(cells[3]), "utilization_pct": num(cells[4])})
+        gpus.append(
+            {
+                "index": int(num(cells[0]) or 0),
+                "name": cells[1],
+                "memory_used_mib": num(cells[2]),
+                "memory_total_mib": num(cells[3]),
+                "utilization_pct": num(cells[4]),
+            }
+        )
     return gpus
 
 
@@ -337,7 +310,7 @@ def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[dict[str, t.Any]]
 # Verbs
 
 
-def probe(req: Request) -> dict[str, t.Any]:
+def probe(req: Request) -> ProbeFacts:
     """Every fact the classification needs, in one call."""
     gpus = _start_gpus()
     tf = tmux_facts(req)
@@ -362,7 +335,7 @@ def probe(req: Request) -> dict[str, t.Any]:
     }
 
 
-def disk_facts(path: str) -> dict[str, t.Any] | None:
+def disk_facts(path: str) -> DiskFacts | None:
     """Free space where the run writes (the nearest existing folder of ``path``)."""
     probe_at = os.path.abspath(path)
     while not os.path.isdir(probe_at) and os.path.dirname(probe_at) != probe_at:
@@ -379,43 +352,28 @@ class SessionLock:
     def __init__(self, req: Request, verb: str, *, optional: bool = False) -> None:
         self.sdir = session_dir(req)
         self.path = os.path.join(self.sdir, LOCK)
-        self.verb = verb
         self.optional = optional  # stop: no session folder can be made (read-only) = no attempt to guard
         self.wait = float(req.get("lock_wait", LOCK_WAIT))
-        self.fd: int | None = None
+        self.lock = lock.Lock(self.path, wait=self.wait, holder=f"{verb} by pid {os.getpid()}")
 
     def __enter__(self) -> SessionLock:
         try:
             os.makedirs(self.sdir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            self.lock.__enter__()
+        except lock.Busy as e:
+            raise Refused(
+                "busy",
+                f"another start or stop of this session is still running ({e.holder or 'another process'}); "
+                f"waited {self.wait:g}s for {self.path}: try again",
+            ) from None
         except OSError as e:
             if self.optional:
                 return self
             raise _disk_refusal(e, f"cannot create the lock {self.path}") from None
-        deadline = time.monotonic() + self.wait
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
-                    os.close(fd)
-                    raise Refused("busy", f"another start or stop of this session is still running ({holder}); "
-                                  f"waited {self.wait:g}s for {self.path}: try again") from None
-                time.sleep(0.05)
-        try:  # who holds it, for the message above (best effort: a full disk must not stop a stop)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{self.verb} by pid {os.getpid()}".encode(), 0)
-        except OSError:
-            pass
-        self.fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock
-            self.fd = None
+        self.lock.__exit__()
 
 
 def _disk_refusal(e: OSError, what: str) -> Refused:
@@ -439,16 +397,10 @@ def _next_attempt_dir(sdir: str) -> tuple[int, str]:
 
 def _point_current(sdir: str, name: str) -> None:
     """`current -> attempt-<n>` switched atomically (relative symlink, then rename over)."""
-    tmp = os.path.join(sdir, f".current.{os.getpid()}")
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    os.symlink(name, tmp)
-    os.replace(tmp, os.path.join(sdir, "current"))
+    switch_link(sdir, records.CURRENT, name, tmp_prefix=".")
 
 
-def _describe(af: dict[str, t.Any], live: dict[str, t.Any]) -> str:
+def _describe(af: AttemptFacts, live: ProcessFacts) -> str:
     run = af.get("run") or {}
     started = run.get("started_at")
     return f"attempt {af.get('attempt')}, pid {live['pid']}" + (f", started {started}" if started else "")
@@ -466,10 +418,12 @@ def _validate_start(req: Request) -> None:
             raise Refused("bad-request", f"command: argument {i} holds a NUL byte, which no program can be given")
     env = req.get("env") or {}
     if not isinstance(env, dict):
-        raise Refused("bad-request", "env: expected a table of NAME = \"value\"")
+        raise Refused("bad-request", 'env: expected a table of NAME = "value"')
     for key, value in env.items():
         if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-            raise Refused("bad-request", f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)")
+            raise Refused(
+                "bad-request", f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)"
+            )
         if not isinstance(value, str) or "\0" in value:
             raise Refused("bad-request", f"env.{key}: expected a string without NUL bytes")
 
@@ -518,8 +472,11 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     sdir = session_dir(req)
     disk = disk_facts(sdir)
     if disk is not None and disk["full"]:
-        raise Refused("disk-full", f"the disk holding {disk['path']} is full ({disk['free']} bytes free, "
-                      f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again")
+        raise Refused(
+            "disk-full",
+            f"the disk holding {disk['path']} is full ({disk['free']} bytes free, "
+            f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again",
+        )
     replaced = None
     if live or pane_live:
         what = _describe(af, live) if (af and live) else f"pane pid {pane['pane_pid']} (no run record)" if pane else "?"
@@ -528,7 +485,8 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
                 "run-active",
                 f"session '{session}' already has a live run ({what}): "
                 "stop it with `dflashctl stop`, or start with --replace",
-                attempt=af.get("attempt") if af else None, pid=live["pid"] if live else None,
+                attempt=af.get("attempt") if af else None,
+                pid=live["pid"] if live else None,
             )
         # A live pane with no live run record (started by hand): the last attempt dir, if any, belongs
         # to an ended run whose evidence must not be touched, so stop the pane, not that attempt.
@@ -550,9 +508,27 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
 
     python = req.get("python") or sys.executable
     # Nothing secret (env) and nothing tmux would expand (the cwd) on this command line.
-    runner = [python, "-m", "ops.runner", "--attempt-dir", adir, "--session", session, "--attempt", str(n),
-              "--cwd", current, "--python", python, "--release", release, "--env-file", env_file,
-              "--", *req["command"]]
+    runner = [
+        python,
+        "-m",
+        "ops.runner",
+        "--attempt-dir",
+        adir,
+        "--session",
+        session,
+        "--attempt",
+        str(n),
+        "--cwd",
+        current,
+        "--python",
+        python,
+        "--release",
+        release,
+        "--env-file",
+        env_file,
+        "--",
+        *req["command"],
+    ]
     # The new run starts under a name of its own; the old session (a dead pane to read, or the run
     # just replaced) keeps the real name until the new one is known to live.
     staging = f"{session}-starting-{os.getpid()}"
@@ -588,16 +564,22 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     _point_current(sdir, os.path.basename(adir))
     exit_rec, _ = _read_json(os.path.join(adir, EXIT_JSON))
     out: dict[str, t.Any] = {
-        "attempt": n, "attempt_dir": adir, "log": os.path.join(adir, LOG), "release": release,
-        "pid": run.get("pid") if run else None, "child_pid": run.get("child_pid") if run else None,
-        "started_at": run.get("started_at") if run else None, "exit": exit_rec, "replaced": replaced,
+        "attempt": n,
+        "attempt_dir": adir,
+        "log": os.path.join(adir, LOG),
+        "release": release,
+        "pid": run.get("pid") if run else None,
+        "child_pid": run.get("child_pid") if run else None,
+        "started_at": run.get("started_at") if run else None,
+        "exit": exit_rec,
+        "replaced": replaced,
     }
     if warning:
         out["warning"] = warning
     return out
 
 
-def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, grace: float, reason: str) -> dict[str, t.Any]:
+def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float, reason: str) -> dict[str, t.Any]:
     """C-c to the pane, wait `grace` for exit.json, TERM the command (by pid, same start time),
     wait again, then KILL. The stop record is written FIRST: whatever the run does next, it was on purpose."""
     socket_name, session = req["socket"], req["session"]
@@ -606,14 +588,16 @@ def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, gr
     adir = af["dir"] if af else None
     t0 = time.monotonic()
     if adir and af and af.get("run") is not None:
-        write_json_atomic(os.path.join(adir, STOP_JSON),
-                          {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"})
+        write_json_atomic(
+            os.path.join(adir, STOP_JSON),
+            {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"},
+        )
 
     def ended() -> bool:
         if af is None or af.get("run") is None:
             cur = _pane(tmux_facts(req))
             return cur is None or cur.get("pane_dead") == "1"
-        if os.path.exists(os.path.join(adir, EXIT_JSON)):
+        if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
             return True
         return _alive(attempt_facts(req, 0)) is None
 
@@ -632,7 +616,7 @@ def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, gr
         steps.append("interrupt")
     how = "interrupt"
     if not (steps and wait(grace)):
-        run = (af or {}).get("run") or {}
+        run = (af.get("run") if af else None) or {}
         targets = [(run.get("child_pid"), run.get("child_start")), (run.get("pid"), run.get("pid_start"))]
         if not run and pane is not None:
             targets = [(int(pane["pane_pid"]), None)]
@@ -642,7 +626,7 @@ def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, gr
                 p = process_facts(pid, start_ticks)
                 if p and p["alive"]:
                     try:
-                        os.kill(pid, sig)
+                        os.kill(p["pid"], sig)
                         sent = True
                     except ProcessLookupError:
                         pass
@@ -656,8 +640,14 @@ def _stop(req: Request, af: dict[str, t.Any] | None, tf: dict[str, t.Any], *, gr
             elif ended():
                 break
     exit_rec = _read_json(os.path.join(adir, EXIT_JSON))[0] if adir else None
-    return {"attempt": (af or {}).get("attempt"), "how": how, "steps": steps, "exit": exit_rec,
-            "ended": ended(), "seconds": round(time.monotonic() - t0, 2)}
+    return {
+        "attempt": af.get("attempt") if af else None,
+        "how": how,
+        "steps": steps,
+        "exit": exit_rec,
+        "ended": ended(),
+        "seconds": round(time.monotonic() - t0, 2),
+    }
 
 
 def stop(req: Request) -> dict[str, t.Any]:
@@ -675,8 +665,12 @@ def _stop_locked(req: Request) -> dict[str, t.Any]:
         state = "nothing to stop"
         if af and af.get("exit"):
             state = f"attempt {af.get('attempt')} already ended"
-        return {"stopped": False, "reason": state, "attempt": (af or {}).get("attempt"),
-                "exit": (af or {}).get("exit")}
+        return {
+            "stopped": False,
+            "reason": state,
+            "attempt": af.get("attempt") if af else None,
+            "exit": af.get("exit") if af else None,
+        }
     result = _stop(req, af if not hand_started else None, tf, grace=float(req.get("grace", 60.0)), reason="stop")
     result["stopped"] = result["ended"]
     return result
@@ -711,8 +705,13 @@ def tail(req: Request) -> dict[str, t.Any]:
             why = f"showing the dead pane of session '{req['session']}'"
         # `tail -f` goes on from the log's end as it is now
         offset = os.path.getsize(log) if have_log else None  # type: ignore[arg-type]
-        return {"source": "pane", "reason": why + capped, "lines": cap["lines"], "log": log if have_log else None,
-                "offset": offset}
+        return {
+            "source": "pane",
+            "reason": why + capped,
+            "lines": cap["lines"],
+            "log": log if have_log else None,
+            "offset": offset,
+        }
 
     if have_log:
         assert log is not None
@@ -735,8 +734,12 @@ def tail(req: Request) -> dict[str, t.Any]:
         return {"source": "log", "reason": why + capped, "lines": lines, "log": log, "offset": size}
     if source == "auto" and pane is not None:
         cap = capture(req, n)
-        return {"source": "pane", "reason": f"no log yet; showing the dead pane of session '{req['session']}'",
-                "lines": cap["lines"], "log": None}
+        return {
+            "source": "pane",
+            "reason": f"no log yet; showing the dead pane of session '{req['session']}'",
+            "lines": cap["lines"],
+            "log": None,
+        }
     where = f"no log under {session_dir(req)}"
     raise Refused("nothing", f"nothing to show: {where}" + (f" and {verdict.text}" if verdict else ""))
 
@@ -762,8 +765,14 @@ def _follow(req: Request) -> dict[str, t.Any]:
         cut = 0
     elif cut == 0:
         cut = len(data)
-    return {"source": "log", "log": log, "current_log": current_log, "lines": tmux.decode_lines(data[:cut]),
-            "offset": offset + cut, "size": size}
+    return {
+        "source": "log",
+        "log": log,
+        "current_log": current_log,
+        "lines": tmux.decode_lines(data[:cut]),
+        "offset": offset + cut,
+        "size": size,
+    }
 
 
 def run_key(run: t.Mapping[str, t.Any] | None) -> str | None:
@@ -825,13 +834,19 @@ def read(req: Request) -> dict[str, t.Any]:
         if cut == 0 and full and budget > 0:
             cut = len(data)  # one line longer than the cap: pass it on (it is no JSON record anyway)
         budget -= cut
-        rec.update(size=size, offset=offset, next=offset + cut, reset=reset, more=full and size is not None
-                   and offset + cut < size, data=base64.b64encode(data[:cut]).decode("ascii"))
+        rec.update(
+            size=size,
+            offset=offset,
+            next=offset + cut,
+            reset=reset,
+            more=full and size is not None and offset + cut < size,
+            data=base64.b64encode(data[:cut]).decode("ascii"),
+        )
         want = ask.get("tail", req.get("tail"))
         ended_badly = bool(rec["exit"]) and rec["exit"].get("exit_code") != 0 and not rec["stop"]
         if want is True or (want == "crashed" and ended_badly):
             lf = log_facts(os.path.join(adir, LOG), DIAG_LINES)
-            rec["log_tail"] = (lf or {}).get("tail") or []
+            rec["log_tail"] = (lf.get("tail") if lf else None) or []
         attempts.append(rec)  # past the cap, an attempt still reports its records; its bytes come next call
     checkpoints = []
     cdir = os.path.join(sdir, "checkpoints")
@@ -845,23 +860,40 @@ def read(req: Request) -> dict[str, t.Any]:
         if m and os.path.exists(manifest):
             checkpoints.append({"step": int(m.group(1)), "time": os.path.getmtime(manifest)})
     cur = current_attempt(req)
-    return {"session_dir": sdir, "current": _attempt_number(os.path.basename(cur)) if cur else None,
-            "attempts": attempts, "checkpoints": sorted(checkpoints, key=lambda c: c["step"]), "now": time.time()}
+    return {
+        "session_dir": sdir,
+        "current": _attempt_number(os.path.basename(cur)) if cur else None,
+        "attempts": attempts,
+        "checkpoints": sorted(checkpoints, key=lambda c: c["step"]),
+        "now": time.time(),
+    }
 
 
-HANDLERS: dict[str, t.Callable[[Request], dict[str, t.Any]]] = {
-    "probe": probe, "start": start, "stop": stop, "tail": tail, "read": read,
+HANDLERS: dict[str, t.Callable[[Request], t.Mapping[str, object]]] = {
+    "probe": probe,
+    "start": start,
+    "stop": stop,
+    "tail": tail,
+    "read": read,
 }
-REQUIRED = {"probe": ("session", "socket", "run_dir"), "start": ("session", "socket", "run_dir", "workdir", "command"),
-            "stop": ("session", "socket", "run_dir"), "tail": ("session", "socket", "run_dir"),
-            "read": ("session", "socket", "run_dir")}
+REQUIRED = {
+    "probe": ("session", "socket", "run_dir"),
+    "start": ("session", "socket", "run_dir", "workdir", "command"),
+    "stop": ("session", "socket", "run_dir"),
+    "tail": ("session", "socket", "run_dir"),
+    "read": ("session", "socket", "run_dir"),
+}
 
 
 def main(argv: t.Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     args = [a for a in args if a != "--json"]  # JSON is the only output there is
     if len(args) != 1 or args[0] not in HANDLERS:
-        print(json.dumps({"ok": False, "error": "usage", "message": f"usage: python -m ops.agent {{{','.join(VERBS)}}} --json"}))
+        print(
+            json.dumps(
+                {"ok": False, "error": "usage", "message": f"usage: python -m ops.agent {{{','.join(VERBS)}}} --json"}
+            )
+        )
         return 2
     verb = args[0]
     try:

@@ -21,21 +21,47 @@ import typing as t
 from pathlib import Path
 
 from ops.errors import BundleError
+from ops.far import release
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = ".release.json"  # inside every release; the first member of every upload
-MANIFEST_FORMAT = 1
-ID_LENGTH = 16  # hex chars of the id used as a directory name; the manifest keeps all 64
+MANIFEST_NAME = release.MANIFEST  # inside every release; the first member of every upload
+MANIFEST_FORMAT = release.MANIFEST_FORMAT
+ID_LENGTH = release.IDLEN  # hex chars of the id used as a directory name; the manifest keeps all 64
 
 # What a checkout contributes. Tests are left out: the container runs training, not the suite.
 INCLUDE = ("dflash", "ops", "configs", "pyproject.toml", "README.md")
-SKIP_DIRS = frozenset({
-    "__pycache__", ".git", ".hg", ".venv", "venv", ".dflash", ".pytest_cache", ".mypy_cache",
-    ".ruff_cache", ".hypothesis", ".ipynb_checkpoints", "node_modules", "checkpoints", "runs", "wandb",
-})
+SKIP_DIRS = frozenset(
+    {
+        "__pycache__",
+        ".git",
+        ".hg",
+        ".venv",
+        "venv",
+        ".dflash",
+        ".pytest_cache",
+        ".mypy_cache",
+        ".ruff_cache",
+        ".hypothesis",
+        ".ipynb_checkpoints",
+        "node_modules",
+        "checkpoints",
+        "runs",
+        "wandb",
+    }
+)
 SKIP_SUFFIXES = (
-    ".pyc", ".pyo", ".egg-info", ".swp", "~", ".safetensors", ".pt", ".pth", ".ckpt", ".bin", ".partial",
+    ".pyc",
+    ".pyo",
+    ".egg-info",
+    ".swp",
+    "~",
+    ".safetensors",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".bin",
+    ".partial",
 )
 SKIP_NAMES = frozenset({".DS_Store", MANIFEST_NAME})
 
@@ -81,13 +107,12 @@ class Bundle:
 
 
 def canonical_manifest(files: t.Iterable[FileEntry]) -> bytes:
-    """The bytes the release id hashes. The remote program computes the same thing (keep in step)."""
-    rows = [f.row() for f in sorted(files, key=lambda f: f.path)]
-    return json.dumps({"files": rows, "format": MANIFEST_FORMAT}, sort_keys=True, separators=(",", ":")).encode()
+    """The bytes the release id hashes: the far side's own rule (ops.far.release.canonical)."""
+    return release.canonical([f.row() for f in files])
 
 
 def release_id(files: t.Iterable[FileEntry]) -> str:
-    return hashlib.sha256(canonical_manifest(files)).hexdigest()
+    return release.release_id([f.row() for f in files])
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,7 +151,7 @@ def build_bundle(root: str | os.PathLike[str] | None = None) -> Bundle:
             import dflash
             import ops
 
-            pkgs = [Path(m.__file__).resolve().parent for m in (dflash, ops)]
+            pkgs = [Path(str(m.__file__)).resolve().parent for m in (dflash, ops)]
             base = pkgs[0].parent
             if pkgs[1].parent != base:
                 raise BundleError(f"dflash ({pkgs[0]}) and ops ({pkgs[1]}) are installed in different places")

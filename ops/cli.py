@@ -11,12 +11,14 @@ import enum
 import logging
 import math
 import sys
+import threading
 import typing as t
 
 import click
 
 from ops import errors
 from ops.hosts import Host, Inventory, load_inventory
+from ops.states import State
 
 logger = logging.getLogger("ops")
 
@@ -38,15 +40,15 @@ class ExitCode(enum.IntEnum):
 
 # DESIGN.md section 6: the state a status reports -> the exit code of `status`.
 STATE_EXIT: dict[str, ExitCode] = {
-    "running": ExitCode.OK,
-    "stalled": ExitCode.STALLED,
-    "succeeded": ExitCode.SUCCEEDED,
-    "crashed": ExitCode.CRASHED,
-    "lost": ExitCode.LOST,
-    "not-started": ExitCode.NOT_STARTED,
-    "stopped": ExitCode.STOPPED,
-    "container-down": ExitCode.CONTAINER_DOWN,
-    "unreachable": ExitCode.UNREACHABLE,
+    State.RUNNING: ExitCode.OK,
+    State.STALLED: ExitCode.STALLED,
+    State.SUCCEEDED: ExitCode.SUCCEEDED,
+    State.CRASHED: ExitCode.CRASHED,
+    State.LOST: ExitCode.LOST,
+    State.NOT_STARTED: ExitCode.NOT_STARTED,
+    State.STOPPED: ExitCode.STOPPED,
+    State.CONTAINER_DOWN: ExitCode.CONTAINER_DOWN,
+    State.UNREACHABLE: ExitCode.UNREACHABLE,
 }
 
 # Errors -> exit codes; the first matching class wins (subclasses before their parents).
@@ -72,9 +74,12 @@ def exit_code_for_state(state: str) -> ExitCode:
 class App:
     """What every command shares within one CLI call: the inventory, the host, one connection."""
 
-    def __init__(self, hosts_path: str | None, host_name: str | None, verbosity: int) -> None:
+    def __init__(
+        self, hosts_path: str | None, host_name: str | None, verbosity: int, group_name: str | None = None
+    ) -> None:
         self.hosts_path = hosts_path
         self.host_name = host_name
+        self.group_name = group_name
         self.verbosity = verbosity
         self._inventory: Inventory | None = None
         self._remote: t.Any = None
@@ -87,7 +92,18 @@ class App:
 
     @property
     def host(self) -> Host:
+        if self.group_name is not None:
+            raise errors.ConfigError("--group", "this command acts on one host: use --host")
         return self.inventory.get(self.host_name)
+
+    def members(self) -> list[Host]:
+        """The hosts of ``--group``, each with the group's node command (torchrun around its own)."""
+        import dataclasses
+
+        assert self.group_name is not None
+        g = self.inventory.group(self.group_name)
+        hosts = self.inventory.hosts
+        return [dataclasses.replace(hosts[n], command=g.node_command(hosts[n])) for n in g.hosts]
 
     def remote(self) -> t.Any:
         """The host's ``Remote`` (transport + container), connected once per CLI call."""
@@ -108,7 +124,7 @@ pass_app = click.make_pass_decorator(App)
 MAX_SECONDS = 365 * 24 * 3600.0  # one year: longer than any wait we mean; time.sleep overflows near 1e300
 
 
-class Seconds(click.ParamType):
+class Seconds(click.ParamType[float]):
     """A finite number of seconds in ``[minimum, MAX_SECONDS]`` (``> minimum`` with ``min_open``).
 
     The one type of every duration option: click's FloatRange lets NaN and inf through (NaN
@@ -152,14 +168,29 @@ def init_logging(verbosity: int) -> None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--hosts", "hosts_path", metavar="PATH", help="hosts.toml to use (else $DFLASHCTL_HOSTS, ./hosts.toml, ~/.config/dflashctl/hosts.toml).")
+@click.option(
+    "--hosts",
+    "hosts_path",
+    metavar="PATH",
+    help="hosts.toml to use (else $DFLASHCTL_HOSTS, ./hosts.toml, ~/.config/dflashctl/hosts.toml).",
+)
 @click.option("--host", "host_name", metavar="NAME", help="Host from hosts.toml (default: its `default`).")
+@click.option(
+    "--group",
+    "group_name",
+    metavar="NAME",
+    help="Every host of [groups.NAME] at once: deploy, start, stop, status, tail, restart-on-crash.",
+)
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for every command run).")
 @click.pass_context
-def cli(ctx: click.Context, hosts_path: str | None, host_name: str | None, verbose: int) -> None:
+def cli(
+    ctx: click.Context, hosts_path: str | None, host_name: str | None, group_name: str | None, verbose: int
+) -> None:
     """Run and watch DFlash drafter training on a remote GPU box, or on this machine."""
     init_logging(verbose)
-    app = App(hosts_path, host_name, verbose)
+    if host_name is not None and group_name is not None:
+        raise click.UsageError("--host and --group exclude each other")
+    app = App(hosts_path, host_name, verbose, group_name)
     ctx.obj = app
     ctx.call_on_close(app.close)
 
@@ -177,7 +208,7 @@ def hosts_cmd(app: App) -> None:
         click.echo(f"{mark} {name:<12} {h.transport:<5} {where}{ct}  session={h.session}  workdir={h.workdir}")
 
 
-# --- doctor, trust-host (issue 2): the work is in ops/doctor.py and ops/transport.py ------------
+# --- doctor, trust-host (issue 2): the work is in ops/doctor.py and ops/transport/ (host_keys, ssh) -
 
 
 @cli.command("doctor")
@@ -207,7 +238,9 @@ def doctor_cmd(app: App, as_json: bool) -> ExitCode:
 
 @cli.command("trust-host")
 @click.option("--yes", is_flag=True, help="Record the key without asking.")
-@click.option("--replace", is_flag=True, help="Accept a CHANGED key: drop the old entries for this host, record the new one.")
+@click.option(
+    "--replace", is_flag=True, help="Accept a CHANGED key: drop the old entries for this host, record the new one."
+)
 @pass_app
 def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
     """Show the host's SSH key fingerprint and record it in known_hosts once you confirm."""
@@ -226,17 +259,27 @@ def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
 
         raise revoked_error(scan.target, scan.key, scan.revoked_at)
     if scan.verdict == "known":
-        click.echo(f"already trusted (in {', '.join(sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint}))})")
+        click.echo(
+            f"already trusted (in {', '.join(sorted({f for f, _, fp in scan.recorded if fp == scan.fingerprint}))})"
+        )
         return ExitCode.OK
     if scan.verdict == "changed":
         click.echo(f"WARNING: HOST KEY CHANGED for {name}. Known until now:", err=True)
         for f, kind, fp in scan.recorded:
             click.echo(f"  {kind} {fp}  ({f})", err=True)
-        click.echo(f"The server now offers {scan.key_type} {scan.fingerprint}. This can be an attack (or a reinstalled host).", err=True)
+        click.echo(
+            f"The server now offers {scan.key_type} {scan.fingerprint}. This can be an attack (or a reinstalled host).",
+            err=True,
+        )
         if not replace:
-            raise errors.HostKeyRejected(host.name, f"host key for {name} changed; nothing recorded. If the change is expected, "
-                                         f"run again with --replace", fingerprint=scan.fingerprint, changed=True,
-                                         expected=scan.recorded[0][2], key_type=scan.key_type)
+            raise errors.HostKeyRejected(
+                host.name,
+                f"host key for {name} changed; nothing recorded. If the change is expected, run again with --replace",
+                fingerprint=scan.fingerprint,
+                changed=True,
+                expected=scan.recorded[0][2],
+                key_type=scan.key_type,
+            )
     if not yes and not click.confirm(f"Trust this key and record it in {scan.file}?", default=False):
         click.echo("Not recorded.", err=True)
         return ExitCode.ERROR
@@ -255,24 +298,43 @@ def trust_host_cmd(app: App, yes: bool, replace: bool) -> ExitCode:
 @click.option("--install", is_flag=True, help="pip-install the modules the host's python lacks.")
 @click.option("--source", metavar="DIR", help="Checkout to deploy (default: the one dflashctl runs from).")
 @pass_app
-def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bool, source: str | None) -> None:
+def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bool, source: str | None) -> ExitCode:
     """Put this project's code on the host: a new release, then current -> it (atomic)."""
     from ops import deploy
 
     if rollback and (install or source):
         raise click.UsageError("--rollback takes no --install or --source")
+    if app.group_name is not None:
+
+        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
+            if rollback:
+                return str(deploy.rollback(remote, host, force=force, dry_run=dry_run, echo=say).summary)
+            return str(
+                deploy.deploy(
+                    remote, host, source=source, dry_run=dry_run, force=force, install=install, echo=say
+                ).summary
+            )
+
+        return _on_group(app, one)
     if rollback:
         outcome = deploy.rollback(app.remote(), app.host, force=force, dry_run=dry_run, echo=click.echo)
     else:
-        outcome = deploy.deploy(app.remote(), app.host, source=source, dry_run=dry_run, force=force,
-                                install=install, echo=click.echo)
+        outcome = deploy.deploy(
+            app.remote(), app.host, source=source, dry_run=dry_run, force=force, install=install, echo=click.echo
+        )
     click.echo(outcome.summary)
+    return ExitCode.OK
 
 
 # --- start, stop, status, tail, attach (issue 3): thin; the work is in ops/session.py -----------
 
-_session_option = click.option("--session", metavar="NAME", callback=_check_session, expose_value=True,
-                               help="tmux session / run name (default: the host's `session`).")
+_session_option = click.option(
+    "--session",
+    metavar="NAME",
+    callback=_check_session,
+    expose_value=True,
+    help="tmux session / run name (default: the host's `session`).",
+)
 
 
 @cli.command("start")
@@ -283,19 +345,31 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     """Start the host's command in a persistent tmux session (a new attempt dir each time)."""
     from ops import session as run
 
+    if app.group_name is not None:
+
+        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
+            out = run.start(remote, session, replace=replace)
+            return f"started attempt {out['attempt']}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}"
+
+        return _on_group(app, one)
     out = run.start(app.remote(), session, replace=replace)
     name = session or app.host.session
     if out.get("replaced"):
         r = out["replaced"]
         click.echo(f"replaced attempt {r.get('attempt')} ({r.get('how')}, {r.get('seconds')}s)")
-    click.echo(f"started attempt {out['attempt']} of session '{name}' on {app.host.label}: "
-               f"runner pid {out.get('pid')}, command pid {out.get('child_pid')}")
+    click.echo(
+        f"started attempt {out['attempt']} of session '{name}' on {app.host.label}: "
+        f"runner pid {out.get('pid')}, command pid {out.get('child_pid')}"
+    )
     click.echo(f"  release: {out.get('release')}")
     click.echo(f"  log:     {out.get('log')}")
     if out.get("exit"):
         e = out["exit"]
-        click.echo(f"  note: the command already ended ({'signal ' + str(e['signal']) if e.get('signal') else 'exit ' + str(e.get('exit_code'))}); "
-                   "see `dflashctl status`", err=True)
+        click.echo(
+            f"  note: the command already ended ({'signal ' + str(e['signal']) if e.get('signal') else 'exit ' + str(e.get('exit_code'))}); "
+            "see `dflashctl status`",
+            err=True,
+        )
     if out.get("warning"):
         click.echo(f"  warning: {out['warning']}", err=True)
     return ExitCode.OK
@@ -303,13 +377,28 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
 
 @cli.command("stop")
 @_session_option
-@click.option("--grace", type=Seconds(0), default=60.0, show_default=True, metavar="S",
-              help="Seconds to wait after Ctrl-C (and again after SIGTERM) before escalating.")
+@click.option(
+    "--grace",
+    type=Seconds(0),
+    default=60.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds to wait after Ctrl-C (and again after SIGTERM) before escalating.",
+)
 @pass_app
 def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
     """Stop the run on purpose: Ctrl-C, wait, SIGTERM, wait, SIGKILL. `status` then says `stopped`."""
     from ops import session as run
 
+    if app.group_name is not None:
+
+        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
+            out = run.stop(remote, session, grace=grace)
+            if not out.get("stopped"):
+                return f"nothing stopped: {out.get('reason')}"
+            return f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s"
+
+        return _on_group(app, one)
     out = run.stop(app.remote(), session, grace=grace)
     if not out.get("stopped") and out.get("reason"):
         click.echo(f"nothing stopped: {out['reason']}")
@@ -324,16 +413,39 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
 @_session_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (DESIGN.md section 6).")
 @click.option("--watch", type=Seconds(0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
-@click.option("--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports).")
+@click.option(
+    "--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports)."
+)
+@click.option("--all", "every_host", is_flag=True, help="Every host of the inventory at once, one line each.")
 @pass_app
-def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None, show_facts: bool) -> ExitCode:
-    """One state, its cause and the evidence. Exit code = the state's code (0 running, 3 stalled, ...)."""
+def status_cmd(
+    app: App, session: str | None, as_json: bool, watch: float | None, show_facts: bool, every_host: bool
+) -> ExitCode:
+    """One state, its cause and the evidence. Exit code = the state's code (0 running, 3 stalled, ...).
+
+    With --group or --all: one line per host, then the verdict (running only when every host runs, else the
+    worst state, naming the host and why); the exit code is the verdict's."""
     import json
     import time
 
     from ops import probe
     from ops import session as run
 
+    if every_host or app.group_name is not None:
+        if every_host and (app.group_name is not None or app.host_name is not None):
+            raise click.UsageError("--all looks at every host: no --host or --group with it")
+        if show_facts:
+            raise click.UsageError("--facts is for one host: use --host")
+        hosts = list(app.inventory.hosts.values()) if every_host else app.members()
+        label = "all" if every_host else f"group {app.group_name}"
+        try:
+            while True:
+                code = _status_of_many(hosts, session, label, as_json=as_json, stamp=bool(watch))
+                if not watch:
+                    return code
+                time.sleep(watch)
+        except KeyboardInterrupt:
+            return ExitCode.OK
     host = app.host
     code = ExitCode.OK
     try:
@@ -343,7 +455,7 @@ def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None
             if show_facts:
                 click.echo(json.dumps(facts, indent=1, sort_keys=True))
                 return exit_code_for_state(st.state)
-            if st.state in ("unreachable", "container-down"):
+            if st.state in (State.UNREACHABLE, State.CONTAINER_DOWN):
                 app.close()  # reconnect on the next round
             code = exit_code_for_state(st.state)
             if as_json:
@@ -363,15 +475,30 @@ def status_cmd(app: App, session: str | None, as_json: bool, watch: float | None
 @_session_option
 @click.option("-n", "--lines", type=click.IntRange(min=1), default=30, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new log lines until Ctrl-C.")
-@click.option("--source", type=click.Choice(["auto", "pane", "log"]), default="auto", show_default=True,
-              help="auto: the live pane when the session is alive, else the durable log.")
-@click.option("--interval", type=Seconds(0.1), default=1.0, show_default=True, metavar="S",
-              help="Polling interval of --follow.")
+@click.option(
+    "--source",
+    type=click.Choice(["auto", "pane", "log"]),
+    default="auto",
+    show_default=True,
+    help="auto: the live pane when the session is alive, else the durable log.",
+)
+@click.option(
+    "--interval", type=Seconds(0.1), default=1.0, show_default=True, metavar="S", help="Polling interval of --follow."
+)
 @pass_app
 def tail_cmd(app: App, session: str | None, lines: int, follow: bool, source: str, interval: float) -> ExitCode:
     """The last lines of the run (the source used, and why, go to stderr)."""
     from ops import session as run
 
+    if app.group_name is not None:
+        if follow:
+            raise click.UsageError("tail --follow is for one host: use --host (or tmux attach)")
+
+        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
+            chunk = run.tail(remote, session, lines=lines, source=source)
+            return "\n".join([f"[{chunk.source}] {chunk.reason}", *chunk.lines])  # printed host by host
+
+        return _on_group(app, one)
     remote = app.remote()
     chunk = run.tail(remote, session, lines=lines, source=source, follow=follow)
     click.echo(f"[{chunk.source}] {chunk.reason}", err=True)
@@ -379,8 +506,14 @@ def tail_cmd(app: App, session: str | None, lines: int, follow: bool, source: st
         click.echo(line)
     if follow:
         try:
-            run.follow(remote, chunk, session, interval=interval, emit=click.echo,
-                       note=lambda m: click.echo(f"[log] {m}", err=True))
+            run.follow(
+                remote,
+                chunk,
+                session,
+                interval=interval,
+                emit=click.echo,
+                note=lambda m: click.echo(f"[log] {m}", err=True),
+            )
         except KeyboardInterrupt:
             pass
     return ExitCode.OK
@@ -395,9 +528,9 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
     import os
     import shlex
 
-    from ops import session as run
+    from ops.attach import attach_argv
 
-    argv = run.attach_argv(app.host, session)
+    argv = attach_argv(app.host, session)
     if not do_exec:
         click.echo(shlex.join(argv))
         return ExitCode.OK
@@ -405,34 +538,97 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
     os.execvp(argv[0], argv)
 
 
-# --- restart-on-crash (issue 5): thin; the policy and the loop are in ops/supervise.py ------------
+# --- restart-on-crash (issue 5): thin; the policy and the loop are in ops/supervise/ -------------
 
 
 @cli.command("restart-on-crash")
 @_session_option
-@click.option("--interval", type=Seconds(0, min_open=True), default=30.0, show_default=True, metavar="S",
-              help="Seconds between probes.")
-@click.option("--backoff", type=Seconds(0), default=10.0, show_default=True, metavar="S",
-              help="First wait before a restart; doubles (with jitter) per restart.")
-@click.option("--max-backoff", type=Seconds(0), default=900.0, show_default=True, metavar="S",
-              help="Longest wait before a restart.")
-@click.option("--min-uptime", type=Seconds(0), default=600.0, show_default=True, metavar="S",
-              help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=5, show_default=True, metavar="N",
-              help="Give up after more than N restarts within --window.")
-@click.option("--window", type=Seconds(0, min_open=True), default=3600.0, show_default=True, metavar="S",
-              help="The time window of --max-restarts.")
+@click.option(
+    "--interval",
+    type=Seconds(0, min_open=True),
+    default=30.0,
+    show_default=True,
+    metavar="S",
+    help="Seconds between probes.",
+)
+@click.option(
+    "--backoff",
+    type=Seconds(0),
+    default=10.0,
+    show_default=True,
+    metavar="S",
+    help="First wait before a restart; doubles (with jitter) per restart.",
+)
+@click.option(
+    "--max-backoff",
+    type=Seconds(0),
+    default=900.0,
+    show_default=True,
+    metavar="S",
+    help="Longest wait before a restart.",
+)
+@click.option(
+    "--min-uptime",
+    type=Seconds(0),
+    default=600.0,
+    show_default=True,
+    metavar="S",
+    help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=5,
+    show_default=True,
+    metavar="N",
+    help="Give up after more than N restarts within --window.",
+)
+@click.option(
+    "--window",
+    type=Seconds(0, min_open=True),
+    default=3600.0,
+    show_default=True,
+    metavar="S",
+    help="The time window of --max-restarts.",
+)
 @click.option("--once", is_flag=True, help="One probe and at most one restart (for cron and systemd timers).")
-@click.option("--restart-stalled", is_flag=True, help="Also restart a stalled run (stop it first, stack saved if py-spy is there).")
-@click.option("--start-container", is_flag=True, help="Start a stopped container (pct or the PVE API), then restart the run.")
+@click.option(
+    "--restart-stalled",
+    is_flag=True,
+    help="Also restart a stalled run (stop it first, stack saved if py-spy is there).",
+)
+@click.option(
+    "--start-container", is_flag=True, help="Start a stopped container (pct or the PVE API), then restart the run."
+)
 @click.option("--retry-oom", is_flag=True, help="Also restart after a CUDA out-of-memory crash (it usually repeats).")
-@click.option("--on-event", metavar="CMD", help="Run CMD for each incident: its JSON on stdin, DFLASHCTL_STATE/CAUSE/HOST/SESSION/ACTION set.")
-@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR",
-              help="Incidents, lock and memory (default $XDG_STATE_HOME/dflashctl or ~/.local/state/dflashctl).")
+@click.option(
+    "--on-event",
+    metavar="CMD",
+    help="Run CMD for each incident: its JSON on stdin, DFLASHCTL_STATE/CAUSE/HOST/SESSION/ACTION set.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="Incidents, lock and memory (default $XDG_STATE_HOME/dflashctl or ~/.local/state/dflashctl).",
+)
 @pass_app
-def restart_on_crash_cmd(app: App, session: str | None, interval: float, backoff: float, max_backoff: float,
-                         min_uptime: float, max_restarts: int, window: float, once: bool, restart_stalled: bool,
-                         start_container: bool, retry_oom: bool, on_event: str | None, state_dir: str | None) -> ExitCode:
+def restart_on_crash_cmd(
+    app: App,
+    session: str | None,
+    interval: float,
+    backoff: float,
+    max_backoff: float,
+    min_uptime: float,
+    max_restarts: int,
+    window: float,
+    once: bool,
+    restart_stalled: bool,
+    start_container: bool,
+    retry_oom: bool,
+    on_event: str | None,
+    state_dir: str | None,
+) -> ExitCode:
     """Watch the run and restart it after a crash (backoff, crash-loop guard, incident files).
 
     Exit 0 when the run succeeded, or with --once when it is left running (or was restarted); with
@@ -443,14 +639,44 @@ def restart_on_crash_cmd(app: App, session: str | None, interval: float, backoff
 
     from ops import supervise
 
-    opts = supervise.Options(interval=interval, backoff=backoff, max_backoff=max_backoff, min_uptime=min_uptime,
-                             max_restarts=max_restarts, window=window, once=once, restart_stalled=restart_stalled,
-                             start_container=start_container, retry_oom=retry_oom)
-    sup = supervise.Supervisor(app.host, session, opts, state_dir=Path(state_dir).expanduser() if state_dir else None,
-                               on_event=supervise.parse_hook(on_event), emit=click.echo,
-                               hide_env=app.inventory.secret_env)
+    opts = supervise.Options(
+        interval=interval,
+        backoff=backoff,
+        max_backoff=max_backoff,
+        min_uptime=min_uptime,
+        max_restarts=max_restarts,
+        window=window,
+        once=once,
+        restart_stalled=restart_stalled,
+        start_container=start_container,
+        retry_oom=retry_oom,
+    )
+    sup: supervise.Supervisor
+    if app.group_name is not None:
+        from ops.supervise.group import GroupSupervisor
+
+        sup = GroupSupervisor(
+            app.inventory.group(app.group_name),
+            app.members(),
+            session,
+            opts,
+            state_dir=Path(state_dir).expanduser() if state_dir else None,
+            on_event=supervise.parse_hook(on_event),
+            emit=click.echo,
+            hide_env=app.inventory.secret_env,
+        )
+    else:
+        sup = supervise.Supervisor(
+            app.host,
+            session,
+            opts,
+            state_dir=Path(state_dir).expanduser() if state_dir else None,
+            on_event=supervise.parse_hook(on_event),
+            emit=click.echo,
+            hide_env=app.inventory.secret_env,
+        )
     outcome = sup.run()  # CrashLoop (exit 11) and SupervisorLocked (exit 1) are raised
-    if outcome.kind != "once" or outcome.state in (None, "restarted", "running", "succeeded"):
+    if outcome.kind != "once" or outcome.state in (None, "restarted", State.RUNNING, State.SUCCEEDED):
         return ExitCode.OK
     return exit_code_for_state(outcome.state)
 
@@ -463,13 +689,29 @@ def restart_on_crash_cmd(app: App, session: str | None, interval: float, backoff
 @click.option("--out", default=None, metavar="FILE", help="FILE.png, .svg or .html (default: <session>-dashboard.png).")
 @click.option("--since", type=click.IntRange(min=0), default=None, metavar="STEP", help="Only steps >= STEP.")
 @click.option("--time", "use_time", is_flag=True, help="Wall time on x (since the first attempt started), not steps.")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Also write every point drawn: attempt, step, time, series, value.")
-@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR",
-              help="Where fetched metrics are kept (default: restart-on-crash's, <state>/plot-cache).")
+@click.option(
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Also write every point drawn: attempt, step, time, series, value.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="Where fetched metrics are kept (default: restart-on-crash's, <state>/plot-cache).",
+)
 @pass_app
-def plot_cmd(app: App, session: str | None, out: str | None, since: int | None, use_time: bool,
-             csv_path: str | None, state_dir: str | None) -> ExitCode:
+def plot_cmd(
+    app: App,
+    session: str | None,
+    out: str | None,
+    since: int | None,
+    use_time: bool,
+    csv_path: str | None,
+    state_dir: str | None,
+) -> ExitCode:
     """Draw the run's dashboard from the metrics.jsonl of every attempt (fetched incrementally)."""
     from pathlib import Path
 
@@ -483,13 +725,107 @@ def plot_cmd(app: App, session: str | None, out: str | None, since: int | None, 
     state = Path(state_dir).expanduser() if state_dir else supervise.private_dir(supervise.default_state_dir())
     r = plot.plot(app.remote(), session, out=out, state_dir=state, since=since, use_time=use_time, csv_path=csv_path)
     f = r.fetched
-    click.echo(f"fetched {f.new_bytes} new bytes of metrics.jsonl in {f.calls} call(s); "
-               f"{len(r.attempts)} attempt(s), {len(f.meta.get('checkpoints') or [])} checkpoint(s)")
+    click.echo(
+        f"fetched {f.new_bytes} new bytes of metrics.jsonl in {f.calls} call(s); "
+        f"{len(r.attempts)} attempt(s), {len(f.meta.get('checkpoints') or [])} checkpoint(s)"
+    )
     for a in r.attempts:
         steps = f"steps {a.records[0]['step']}..{a.records[-1]['step']}" if a.records else "no records"
         click.echo(f"  attempt {a.number}: {len(a.records)} records, {steps}, {a.end or 'running'}")
     click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else "") + f" ({r.points} points)")
     return ExitCode.OK
+
+
+# --- host groups (issue 15): every host at once; the fan-out and the verdict are in ops/group.py -------
+
+_say_lock = threading.Lock()  # one host's line is never cut by another's
+
+
+def _say(name: str, text: str, *, err: bool = False) -> None:
+    with _say_lock:
+        for line in text.splitlines() or [""]:
+            click.echo(f"{name}: {line}", err=err)
+
+
+def _on_group(app: App, verb: t.Callable[[Host, t.Any, t.Callable[[str], None]], str]) -> ExitCode:
+    """``verb(host, remote, say)`` on every host of --group at once (a connection each); its result is the
+    host's last line. A host's error is that host's line; the exit code is the first failing host's."""
+    from ops.group import fan_out
+    from ops.remote import connect
+
+    def one(host: Host) -> str:
+        remote = connect(host)
+        try:
+            return verb(host, remote, lambda m: _say(host.name, m))
+        finally:
+            remote.close()
+
+    outcomes = fan_out(app.members(), one)
+    code = ExitCode.OK
+    for o in outcomes:
+        if o.error is None:
+            _say(o.host, o.value or "")
+        elif isinstance(o.error, errors.OpsError):
+            _say(o.host, f"error: {o.error}", err=True)
+            code = code or exit_code_for_error(o.error)
+        else:
+            raise o.error
+    failed = [o.host for o in outcomes if o.error is not None]
+    click.echo(
+        f"group {app.group_name}: " + (f"failed on {', '.join(failed)}" if failed else f"done on {len(outcomes)} hosts")
+    )
+    return code
+
+
+def _status_of_many(hosts: list[Host], session: str | None, label: str, *, as_json: bool, stamp: bool) -> ExitCode:
+    import json
+    import time
+
+    from ops.group import fan_out, verdict
+    from ops.probe import Status
+    from ops.remote import Remote, connect
+    from ops.session import status
+
+    def one(host: Host) -> Status:
+        opened: list[Remote] = []
+
+        def connect_once() -> Remote:
+            if not opened:
+                opened.append(connect(host))
+            return opened[0]
+
+        try:
+            return status(host, session, connect_once)
+        finally:
+            for r in opened:
+                r.close()
+
+    outcomes = fan_out(hosts, one)
+    for o in outcomes:
+        if o.error is not None:
+            raise o.error  # status never raises for a host that is down: this is a bug or a bad config
+    states = [o.value for o in outcomes if o.value is not None]
+    v = verdict(states)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "group": label,
+                    "state": v.state,
+                    "node": v.node,
+                    "why": v.why,
+                    "hosts": [st.to_json() for st in states],
+                }
+            )
+        )
+    else:
+        if stamp:
+            click.echo(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+        width = max(len(h.name) for h in hosts)
+        for st in states:
+            click.echo(f"{st.host:<{width}}  {st.headline()}")
+        click.echo(f"{label}: {v.line()}")
+    return exit_code_for_state(v.state)
 
 
 def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:

@@ -149,8 +149,8 @@ def diagnose(host: Host) -> HostReport:
     elif scan.verdict == "revoked":
         from ops.transport import revoked_error
 
-        err = revoked_error(tgt, scan.key, scan.revoked_at)
-        rep.fail("host-key", err.detail, err, blocks=True)
+        revoked = revoked_error(tgt, scan.key, scan.revoked_at)
+        rep.fail("host-key", revoked.detail, revoked, blocks=True)
         rep.skip_rest(rest)
         return rep.report
     else:
@@ -163,7 +163,9 @@ def diagnose(host: Host) -> HostReport:
             else f"unknown: {tgt.known_name} offers {scan.key_type} {scan.fingerprint}, in none of {', '.join(tgt.known_hosts)}; "
             f"check it, then run: dflashctl --host {host.name} trust-host"
         ) + (f" ({scan.note})" if scan.note else "")
-        err = errors.HostKeyRejected(host.name, detail, fingerprint=scan.fingerprint, changed=changed, expected=old, key_type=scan.key_type)
+        err = errors.HostKeyRejected(
+            host.name, detail, fingerprint=scan.fingerprint, changed=changed, expected=old, key_type=scan.key_type
+        )
         rep.fail("host-key", detail, err, blocks=True)
         rep.skip_rest(rest)
         return rep.report
@@ -181,8 +183,14 @@ def diagnose(host: Host) -> HostReport:
         if host.container is not None:
             from ops.proxmox import Container
 
-            ct = Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label,
-                           config_key=f"hosts.{host.name}.proxmox")
+            ct = Container(
+                transport,
+                host.container,
+                pct=host.pct,
+                api=host.proxmox,
+                label=host.label,
+                config_key=f"hosts.{host.name}.proxmox",
+            )
             if not _container(rep, host, ct):
                 rep.skip_rest(INSIDE_CHECKS)
                 return rep.report
@@ -258,7 +266,10 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
         if not facts.get("missing"):
             rep.add("packages", OK, f"imports {', '.join(packages)}")
         else:
-            rep.fail("packages", f"{host.python} cannot import {'; '.join(facts['missing'])}; dflashctl deploy --install installs them")
+            rep.fail(
+                "packages",
+                f"{host.python} cannot import {'; '.join(facts['missing'])}; dflashctl deploy --install installs them",
+            )
         if "torch" in facts:
             gpus = f", CUDA, {facts.get('gpus')} GPU(s)" if facts.get("cuda") else ", no CUDA"
             rep.add("torch", OK, f"torch {facts['torch']}{gpus}")
@@ -283,8 +294,8 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
     if isinstance(res, errors.OpsError):
         rep.fail("nvidia-smi", str(res), res)
     elif res.exit_code == 0:
-        gpus = [ln.strip() for ln in res.out.splitlines() if ln.strip()]
-        rep.add("nvidia-smi", OK, f"{len(gpus)} GPU(s): " + "; ".join(gpus) if gpus else "no GPU listed")
+        listed = [ln.strip() for ln in res.out.splitlines() if ln.strip()]
+        rep.add("nvidia-smi", OK, f"{len(listed)} GPU(s): " + "; ".join(listed) if listed else "no GPU listed")
     elif res.exit_code in (126, 127) or "not found" in res.err or "No such file" in res.err:
         rep.add("nvidia-smi", SKIP, "not installed (no NVIDIA GPU visible here)")
     else:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import typing as t
 
+from ops.states import Cause
+
 
 class OpsError(Exception):
     """Root of every error dflashctl raises on purpose."""
@@ -24,7 +26,7 @@ class ConfigError(OpsError):
 class UnreachableError(OpsError):
     """The host cannot be reached or refused us. ``cause`` is one of DESIGN.md section 6's unreachable causes."""
 
-    cause: t.ClassVar[str] = "unknown"
+    cause: t.ClassVar[str] = Cause.UNKNOWN
 
     def __init__(self, host: str, detail: str) -> None:
         super().__init__(f"{host}: {detail}")
@@ -33,25 +35,25 @@ class UnreachableError(OpsError):
 
 
 class ConnectionRefused(UnreachableError):
-    cause = "refused"
+    cause = Cause.REFUSED
 
 
 class ConnectTimeout(UnreachableError):
-    cause = "timeout"
+    cause = Cause.TIMEOUT
 
 
 class NameResolutionError(UnreachableError):
-    cause = "dns"
+    cause = Cause.DNS
 
 
 class AuthenticationFailed(UnreachableError):
-    cause = "auth"
+    cause = Cause.AUTH
 
 
 class ConnectionLost(UnreachableError):
     """An open connection broke (sshd restarted, reset, EOF): the host dropped us."""
 
-    cause = "refused"
+    cause = Cause.REFUSED
 
 
 class HostKeyRejected(UnreachableError):
@@ -61,7 +63,7 @@ class HostKeyRejected(UnreachableError):
     when ``changed``.
     """
 
-    cause = "host-key"
+    cause = Cause.HOST_KEY
 
     def __init__(
         self,

@@ -18,6 +18,9 @@ from pathlib import Path
 
 from ops.errors import ConfigError
 
+if t.TYPE_CHECKING:
+    from ops.group import Group
+
 ENV_VAR = "DFLASHCTL_HOSTS"
 MAX_COMMAND = 64 * 1024  # characters of `command`/`pct`: Linux allows 128 KiB for one argv item
 SHOW_MAX = 120  # characters of a bad value quoted in an error message
@@ -97,6 +100,7 @@ class Inventory:
     path: Path | None  # None: the embedded default
     default: str
     hosts: t.Mapping[str, Host]
+    groups: t.Mapping[str, Group] = dataclasses.field(default_factory=dict)  # [groups.NAME] (ops/group.py)
 
     def get(self, name: str | None = None) -> Host:
         """The host called ``name``, or the default host."""
@@ -105,6 +109,13 @@ class Inventory:
             known = ", ".join(sorted(self.hosts)) or "none"
             raise ConfigError(f"hosts.{key}", f"no such host in {self.source} (known: {known})")
         return self.hosts[key]
+
+    def group(self, name: str) -> Group:
+        """The group called ``name``."""
+        if name not in self.groups:
+            known = ", ".join(sorted(self.groups)) or "none"
+            raise ConfigError(f"groups.{name}", f"no such group in {self.source} (known: {known})")
+        return self.groups[name]
 
     @property
     def source(self) -> str:
@@ -149,7 +160,9 @@ def load_inventory(explicit: str | os.PathLike[str] | None = None) -> Inventory:
     except OSError as e:
         raise ConfigError(str(path), f"cannot read: {e.strerror}") from e
     except UnicodeDecodeError as e:
-        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); TOML files are UTF-8") from e
+        raise ConfigError(
+            str(path), f"not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); TOML files are UTF-8"
+        ) from e
     return parse_inventory(text, path=path.resolve(), base=path.resolve().parent)
 
 
@@ -162,7 +175,7 @@ def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
         raise ConfigError(where, f"not valid TOML: {e}") from e
     except RecursionError as e:  # tomllib recurses once per nested array or inline table
         raise ConfigError(where, "not valid TOML here: values nested too deeply") from e
-    _only_keys(data, {"default", "hosts"}, "")
+    _only_keys(data, {"default", "hosts", "groups"}, "")
     hosts_raw = data.get("hosts", {})
     if not isinstance(hosts_raw, dict) or not hosts_raw:
         raise ConfigError("hosts", "expected at least one [hosts.<name>] table")
@@ -175,18 +188,37 @@ def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
         raise ConfigError("default", "required when there is more than one host")
     if default not in hosts:
         raise ConfigError("default", f'names no host: "{default}" (known: {", ".join(sorted(hosts))})')
-    return Inventory(path=path, default=default, hosts=hosts)
+    from ops.group import parse_groups  # ops.group builds on this module's parsers
+
+    return Inventory(path=path, default=default, hosts=hosts, groups=parse_groups(data.get("groups"), hosts))
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _COMMON = {
-    "transport", "workdir", "run_dir", "python", "session", "command", "env", "tmux_socket",
-    "hang_after", "startup_grace", "keep_releases",
+    "transport",
+    "workdir",
+    "run_dir",
+    "python",
+    "session",
+    "command",
+    "env",
+    "tmux_socket",
+    "hang_after",
+    "startup_grace",
+    "keep_releases",
 }
 _SSH = {
-    "address", "port", "user", "identity_file", "known_hosts", "ssh_config", "connect_timeout",
-    "container", "pct", "proxmox",
+    "address",
+    "port",
+    "user",
+    "identity_file",
+    "known_hosts",
+    "ssh_config",
+    "connect_timeout",
+    "container",
+    "pct",
+    "proxmox",
 }
 
 
@@ -222,7 +254,10 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
             raise ConfigError(f"{p}.env", f"expected a table of strings, got {_show(env)}")
         for k in env:
             if not _ENV_NAME.fullmatch(k):
-                raise ConfigError(f"{p}.env.{k}", "not a valid environment variable name (letters, digits, '_'; not starting with a digit)")
+                raise ConfigError(
+                    f"{p}.env.{k}",
+                    "not a valid environment variable name (letters, digits, '_'; not starting with a digit)",
+                )
         kw["env"] = {k: _str(v, f"{p}.env.{k}") for k, v in env.items()}
     for key in ("session", "tmux_socket"):
         if key in kw:
@@ -240,7 +275,9 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
         raise ConfigError(f"{p}.address", 'required for transport = "ssh"')
     kw["address"] = _str(raw["address"], f"{p}.address", nonempty=True)
     if "@" in kw["address"] or any(c.isspace() for c in kw["address"]):
-        raise ConfigError(f"{p}.address", f'expected a host name or address (put the user in "user"), got {_show(kw["address"])}')
+        raise ConfigError(
+            f"{p}.address", f'expected a host name or address (put the user in "user"), got {_show(kw["address"])}'
+        )
     _ssh_word(kw["address"], f"{p}.address")
     if "port" in raw:
         kw["port"] = _int(raw["port"], f"{p}.port", minimum=1, maximum=65535)
@@ -347,7 +384,10 @@ def _number(value: t.Any, path: str, *, minimum: float | None = None) -> float:
 def _env_name(value: t.Any, path: str) -> str:
     name = _str(value, path, nonempty=True)
     if not _ENV_NAME.fullmatch(name):
-        raise ConfigError(path, f"not a valid environment variable name (letters, digits, '_'; not starting with a digit), got {_show(name)}")
+        raise ConfigError(
+            path,
+            f"not a valid environment variable name (letters, digits, '_'; not starting with a digit), got {_show(name)}",
+        )
     return name
 
 
@@ -410,4 +450,6 @@ def _ssh_path(value: str, path: str) -> None:
     if _has_control(value):
         raise ConfigError(path, f"must not contain control characters, got {_show(value)}")
     if "${" in value:
-        raise ConfigError(path, f"must not contain '${{' (ssh would expand it as an environment variable), got {_show(value)}")
+        raise ConfigError(
+            path, f"must not contain '${{' (ssh would expand it as an environment variable), got {_show(value)}"
+        )

@@ -124,9 +124,14 @@ def end_of(m: t.Mapping[str, t.Any], tail: t.Sequence[str] | None) -> str | None
         return "stopped"
     if exit_rec.get("exit_code") == 0:
         return "succeeded"
-    d = diagnose(list(tail or []), exit_code=exit_rec.get("exit_code"), signal=exit_rec.get("signal"),
-                 oom_before=run.get("oom_kill"), oom_after=exit_rec.get("oom_kill"),
-                 disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None)
+    d = diagnose(
+        list(tail or []),
+        exit_code=exit_rec.get("exit_code"),
+        signal=exit_rec.get("signal"),
+        oom_before=run.get("oom_kill"),
+        oom_after=exit_rec.get("oom_kill"),
+        disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None,
+    )
     if d.cause == "signal" and d.signal:
         return f"crashed: signal {d.signal}"
     return f"crashed: {d.cause}"
@@ -140,8 +145,10 @@ def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None 
     have: dict[str, dict[str, t.Any]] = meta["attempts"]
     new = calls = 0
     for _ in range(MAX_ROUNDS):
-        ask = {n: {"offset": m.get("offset", 0), "run": m.get("run_key"),
-                   "tail": "crashed" if "end" not in m else False} for n, m in have.items()}
+        ask = {
+            n: {"offset": m.get("offset", 0), "run": m.get("run_key"), "tail": "crashed" if "end" not in m else False}
+            for n, m in have.items()
+        }
         answer = run.read(remote, session, ask, cap=cap)
         calls += 1
         more = False
@@ -154,11 +161,21 @@ def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None 
             if rec.get("reset") or data or rec.get("offset", 0) != m.get("offset", 0):
                 cache.write(n, int(rec.get("offset", 0)), data)
             new += len(data)
-            m.update(offset=rec.get("next", 0), run_key=rec.get("run_key"), run=rec.get("run"), exit=rec.get("exit"),
-                     stop=rec.get("stop"), size=rec.get("size"))
+            m.update(
+                offset=rec.get("next", 0),
+                run_key=rec.get("run_key"),
+                run=rec.get("run"),
+                exit=rec.get("exit"),
+                stop=rec.get("stop"),
+                size=rec.get("size"),
+            )
             if rec.get("reset"):
                 m.pop("end", None)
-            if m.get("exit") and "end" not in m and ("log_tail" in rec or m["exit"].get("exit_code") == 0 or m.get("stop")):
+            if (
+                m.get("exit")
+                and "end" not in m
+                and ("log_tail" in rec or m["exit"].get("exit_code") == 0 or m.get("stop"))
+            ):
                 m["end"] = end_of(m, rec.get("log_tail"))
             more = more or bool(rec.get("more"))
         for n in [n for n in have if n not in seen]:  # removed on the host: so here
@@ -211,7 +228,7 @@ def load_attempts(cache: Cache, meta: t.Mapping[str, t.Any]) -> list[Attempt]:
 
 def at_seconds(at: t.Any) -> float | None:
     try:
-        return dt.datetime.strptime(str(at), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
+        return dt.datetime.strptime(str(at), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
     except ValueError:
         return None
 
@@ -231,8 +248,18 @@ def wait_fraction(w: t.Mapping[str, t.Any], interval: float | None) -> float | N
     return None
 
 
-SCALARS = ("loss", "acc", "tau_tf", "ktok_s", "queue_depth", "queue_capacity", "drafters_live", "drafters_total",
-           "targets_live", "lr")
+SCALARS = (
+    "loss",
+    "acc",
+    "tau_tf",
+    "ktok_s",
+    "queue_depth",
+    "queue_capacity",
+    "drafters_live",
+    "drafters_total",
+    "targets_live",
+    "lr",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +280,7 @@ def record_times(records: t.Sequence[t.Mapping[str, t.Any]]) -> list[float | Non
     out: list[float | None] = []
     later = 0.0
     for rec in reversed(records):
-        out.append(round(t.cast(float, ats[-1]) - later, 3))
+        out.append(round(ats[-1] - later, 3))
         later += float(rec["interval_s"])
     return out[::-1]
 
@@ -267,9 +294,9 @@ def points(attempts: t.Sequence[Attempt], since: int | None = None) -> list[Poin
             if since is not None and step < since:
                 continue
 
-            def put(name: str, value: t.Any) -> None:
+            def put(name: str, value: t.Any, number: int = a.number, step: int = step, at: float | None = at) -> None:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    out.append(Point(a.number, step, at, name, float(value)))
+                    out.append(Point(number, step, at, name, float(value)))
 
             for key in SCALARS:
                 put(key, rec.get(key))
@@ -307,8 +334,16 @@ PANELS: tuple[tuple[str, t.Callable[[str], bool]], ...] = (
 )
 
 
-def draw(out: str, attempts: t.Sequence[Attempt], pts: t.Sequence[Point], checkpoints: t.Sequence[t.Mapping[str, t.Any]],
-         *, title: str, use_time: bool = False, since: int | None = None) -> None:
+def draw(
+    out: str,
+    attempts: t.Sequence[Attempt],
+    pts: t.Sequence[Point],
+    checkpoints: t.Sequence[t.Mapping[str, t.Any]],
+    *,
+    title: str,
+    use_time: bool = False,
+    since: int | None = None,
+) -> None:
     """One dashboard (4x2 panels) with restarts and checkpoints marked; ``.png``, ``.svg`` or ``.html``."""
     suffix = check_out(out)
     plt = require_matplotlib()
@@ -335,11 +370,19 @@ def draw(out: str, attempts: t.Sequence[Attempt], pts: t.Sequence[Point], checkp
         drawn = 0
         for series in sorted(s for s in by_series if wanted(s)):
             key = series.split(":", 1)[-1]
-            color = colors.setdefault(f"{name}|{key}", cycle[len([c for c in colors if c.startswith(name + '|')]) % len(cycle)])
+            color = colors.setdefault(
+                f"{name}|{key}", cycle[len([c for c in colors if c.startswith(name + "|")]) % len(cycle)]
+            )
             style = "--" if series.startswith("wait:") or series in ("queue_capacity", "drafters_total") else "-"
             for i, (_, seg) in enumerate(sorted(by_series[series].items())):
-                ax.plot([x_of(p) for p in seg], [p.value for p in seg], style, color=color, linewidth=1.2,
-                        label=series if i == 0 else None)
+                ax.plot(
+                    [x_of(p) for p in seg],
+                    [p.value for p in seg],
+                    style,
+                    color=color,
+                    linewidth=1.2,
+                    label=series if i == 0 else None,
+                )
                 drawn += 1
         if drawn:
             ax.legend(fontsize=7, loc="best", ncol=2)
@@ -353,8 +396,16 @@ def draw(out: str, attempts: t.Sequence[Attempt], pts: t.Sequence[Point], checkp
         x = ((c.get("time") or t0) - t0) / unit if use_time else step
         for ax in flat:
             ax.axvline(x, color="gray", linestyle=":", linewidth=1)
-        flat[0].annotate(f"ckpt {step}", (x, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="gray",
-                         rotation=90, va="top", ha="right")
+        flat[0].annotate(
+            f"ckpt {step}",
+            (x, 1.0),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            color="gray",
+            rotation=90,
+            va="top",
+            ha="right",
+        )
     for a in attempts:
         if a.end in (None, "succeeded") or not a.records:
             continue
@@ -367,8 +418,16 @@ def draw(out: str, attempts: t.Sequence[Attempt], pts: t.Sequence[Point], checkp
         for ax in flat:
             ax.axvline(x, color="tab:red", linestyle="--", linewidth=1.2)
         for ax in flat[:2]:
-            ax.annotate(f"attempt {a.number} {a.end}", (x, 0.02), xycoords=("data", "axes fraction"), fontsize=7,
-                        color="tab:red", rotation=90, va="bottom", ha="right")
+            ax.annotate(
+                f"attempt {a.number} {a.end}",
+                (x, 0.02),
+                xycoords=("data", "axes fraction"),
+                fontsize=7,
+                color="tab:red",
+                rotation=90,
+                va="bottom",
+                ha="right",
+            )
     for ax in flat[-2:]:
         ax.set_xlabel(f"{unit_name} since the first attempt started" if use_time else "step")
     fig.suptitle(title, fontsize=12)
@@ -379,8 +438,10 @@ def draw(out: str, attempts: t.Sequence[Attempt], pts: t.Sequence[Point], checkp
         png = base64.b64encode(buf.getvalue()).decode("ascii")
         from html import escape
 
-        page = (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{escape(title)}</title></head>\n"
-                f"<body><img alt=\"{escape(title)}\" src=\"data:image/png;base64,{png}\"></body></html>\n")
+        page = (
+            f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{escape(title)}</title></head>\n'
+            f'<body><img alt="{escape(title)}" src="data:image/png;base64,{png}"></body></html>\n'
+        )
         Path(out).write_text(page)
     else:
         fig.savefig(out, dpi=80)
@@ -400,8 +461,16 @@ class Result:
     steps: tuple[int, int] | None
 
 
-def plot(remote: Remote, session: str | None, *, out: str, state_dir: Path, since: int | None = None,
-         use_time: bool = False, csv_path: str | None = None) -> Result:
+def plot(
+    remote: Remote,
+    session: str | None,
+    *,
+    out: str,
+    state_dir: Path,
+    since: int | None = None,
+    use_time: bool = False,
+    csv_path: str | None = None,
+) -> Result:
     check_out(out)
     require_matplotlib()  # before any fetch: a missing extra is said at once
     from ops.session import session_name
@@ -412,13 +481,18 @@ def plot(remote: Remote, session: str | None, *, out: str, state_dir: Path, sinc
     fetched = fetch(remote, name, cache)
     attempts = load_attempts(cache, fetched.meta)
     if not attempts:
-        raise errors.OpsError(f"{host.label}: nothing to plot: session '{name}' has no attempt under "
-                              f"{fetched.meta.get('session_dir') or host.run_dir}")
+        raise errors.OpsError(
+            f"{host.label}: nothing to plot: session '{name}' has no attempt under "
+            f"{fetched.meta.get('session_dir') or host.run_dir}"
+        )
     pts = points(attempts, since)
     steps = sorted({p.step for p in pts})
     crashes = sum(1 for a in attempts if a.end not in (None, "succeeded"))
-    title = (f"{host.name} / {name}: {len(attempts)} attempt(s), {crashes} ended early, "
-             f"steps {steps[0]}..{steps[-1]}" if steps else f"{host.name} / {name}: no metrics yet")
+    title = (
+        f"{host.name} / {name}: {len(attempts)} attempt(s), {crashes} ended early, steps {steps[0]}..{steps[-1]}"
+        if steps
+        else f"{host.name} / {name}: no metrics yet"
+    )
     if csv_path:
         write_csv(csv_path, pts)
     draw(out, attempts, pts, fetched.meta.get("checkpoints") or [], title=title, use_time=use_time, since=since)

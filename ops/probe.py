@@ -24,15 +24,8 @@ import time
 import typing as t
 
 from ops import tmux as tmux_mod
+from ops.states import Cause, State
 
-STATES = ("running", "stalled", "succeeded", "crashed", "lost", "not-started", "stopped", "container-down", "unreachable")
-CAUSES = {
-    "crashed": ("cuda-oom", "host-oom", "nccl-timeout", "nccl-error", "disk-full", "python-exception", "signal",
-                "nonzero-exit"),
-    "lost": ("container-restart", "disk-full", "tmux-server-killed", "session-killed", "unknown"),
-    "container-down": ("stopped", "missing"),
-    "unreachable": ("refused", "timeout", "dns", "auth", "host-key", "unknown"),
-}
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
 BOOT_SLACK = 1.0
 TAIL_KEEP = 30  # log lines kept on the Status for incident reports (not in the JSON)
@@ -70,7 +63,7 @@ class Progress:
 class Status:
     host: str
     session: str
-    state: str
+    state: State
     cause: str | None = None
     detail: str | None = None
     gpu: int | None = None
@@ -107,35 +100,35 @@ class Status:
     def headline(self) -> str:
         when = _clock(self.ended_at)
         att = f"attempt {self.attempt}" if self.attempt is not None else None
-        if self.state == "crashed":
+        if self.state == State.CRASHED:
             how = f"signal {self.signal}" if self.exit_code is None and self.signal else f"exit {self.exit_code}"
             return f"crashed: {_cause_text(self)} ({_join(how, when, att)})"
-        if self.state == "succeeded":
+        if self.state == State.SUCCEEDED:
             return f"succeeded ({_join('exit 0', when, att)})"
-        if self.state == "stopped":
+        if self.state == State.STOPPED:
             return f"stopped by dflashctl stop ({_join(when, att)})"
-        if self.state in ("running", "stalled"):
+        if self.state in (State.RUNNING, State.STALLED):
             prog = ""
             if self.progress and self.progress.step is not None:
                 prog = f"step {self.progress.step}"
                 if self.progress.loss is not None:
                     prog += f", loss {self.progress.loss:g}"
             pid = f"pid {self.pid}" if self.pid else None
-            if self.state == "stalled":
+            if self.state == State.STALLED:
                 return f"stalled: {self.detail} ({_join(prog or None, att, pid)})"
             return f"running{': ' + prog if prog else ''} ({_join(att or 'no run record', pid)})"
-        if self.state == "lost":
+        if self.state == State.LOST:
             return f"lost: {_cause_text(self)} ({_join('no exit record', att)})"
-        if self.state == "container-down":
+        if self.state == State.CONTAINER_DOWN:
             return f"container-down: container {self.container.id if self.container else '?'} is {self.cause}"
-        if self.state == "unreachable":
+        if self.state == State.UNREACHABLE:
             return f"unreachable ({self.cause}): {self.detail}"
         return f"{self.state}: {self.detail}" if self.detail else self.state
 
     def lines(self) -> list[str]:
         """The headline, then tmux, container, progress, log and the evidence."""
         out = [self.headline()]
-        if self.detail and self.state in ("crashed", "lost") and self.detail not in out[0]:
+        if self.detail and self.state in (State.CRASHED, State.LOST) and self.detail not in out[0]:
             out.append(f"  detail:    {self.detail}")
         out.extend(worker_table(self.workers))
         tm = self.tmux
@@ -157,14 +150,18 @@ class Status:
             out.append(f"  container: {c.id} {c.status or 'unknown'}{boot}")
         if self.progress is not None:
             p = self.progress
-            bits = [f"step {p.step}" if p.step is not None else None,
-                    f"loss {p.loss:g}" if p.loss is not None else None,
-                    f"{p.ktok_s:g} Ktok/s" if p.ktok_s is not None else None]
+            bits = [
+                f"step {p.step}" if p.step is not None else None,
+                f"loss {p.loss:g}" if p.loss is not None else None,
+                f"{p.ktok_s:g} Ktok/s" if p.ktok_s is not None else None,
+            ]
             out.append(f"  progress:  {_join(*bits) or 'no step yet'}" + (f" (at {p.at})" if p.at else ""))
         if self.gpus:
             for g in self.gpus:
-                out.append(f"  gpu {g.get('index')}:     {g.get('memory_used_mib')}/{g.get('memory_total_mib')} MiB, "
-                           f"{g.get('utilization_pct')}% util")
+                out.append(
+                    f"  gpu {g.get('index')}:     {g.get('memory_used_mib')}/{g.get('memory_total_mib')} MiB, "
+                    f"{g.get('utilization_pct')}% util"
+                )
         if self.log:
             out.append(f"  log:       {self.log}")
         if self.mode != "agent":
@@ -193,28 +190,30 @@ def _signame(n: int | None) -> str:
 
 def _cause_text(s: Status) -> str:
     c = s.cause
-    if c == "cuda-oom":
+    if c == Cause.CUDA_OOM:
         return "CUDA out of memory" + (f" on GPU {s.gpu}" if s.gpu is not None else "")
-    if c == "host-oom":
+    if c == Cause.HOST_OOM:
         return "killed by the host OOM killer (container memory limit)"
-    if c == "nccl-timeout":
+    if c == Cause.NCCL_TIMEOUT:
         return "NCCL watchdog timeout (a collective hung)"
-    if c == "nccl-error":
+    if c == Cause.NCCL_ERROR:
         return "NCCL error"
-    if c == "python-exception":
+    if c == Cause.PEER_LOST:
+        return "lost the other nodes of the run" + (f": {_short(s.detail)}" if s.detail else "")
+    if c == Cause.PYTHON_EXCEPTION:
         return _short(s.detail or "Python exception")
-    if c == "signal":
+    if c == Cause.SIGNAL:
         return f"killed by signal {s.signal} ({_signame(s.signal)})"
-    if c == "nonzero-exit":
+    if c == Cause.NONZERO_EXIT:
         # The exit code is in the parentheses already: say what the command last said, if anything.
         return f"exited with an error: {_short(s.detail)}" if s.detail else "exited with an error"
-    if c == "disk-full":
+    if c == Cause.DISK_FULL:
         return "the disk is full" + (f": {_short(s.detail)}" if s.detail else "")
-    if c == "container-restart":
+    if c == Cause.CONTAINER_RESTART:
         return "the container restarted during the run"
-    if c == "tmux-server-killed":
+    if c == Cause.TMUX_SERVER_KILLED:
         return "the run died with its tmux server"
-    if c == "session-killed":
+    if c == Cause.SESSION_KILLED:
         return "the run died with its tmux session"
     return "the run vanished"
 
@@ -235,6 +234,11 @@ _NCCL_ERROR = re.compile(
     r"NCCL error|DistBackendError|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError"
     r"|ncclInvalidUsage|Some NCCL operations have failed"
 )
+# dflash.distributed wraps every collective's failure in PeerLost; the bare gloo texts are for other programs
+_PEER_LOST = re.compile(
+    r"dflash\.distributed\.PeerLost: (?P<detail>.*)"
+    r"|gloo/transport/tcp/\S+\] (?:.*Connection (?:reset|closed) by peer|Timed out waiting \d+ms for (?:recv|send) operation)"
+)
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
 _STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
@@ -243,7 +247,7 @@ _KTOK = re.compile(r"([0-9.]+) Ktok/s")
 
 @dataclasses.dataclass(slots=True)
 class Diagnosis:
-    cause: str
+    cause: Cause
     detail: str | None = None
     gpu: int | None = None
     signal: int | None = None
@@ -252,9 +256,9 @@ class Diagnosis:
     @property
     def fingerprint(self) -> str:
         """Stable across runs: numbers, addresses and sizes collapse, so the same bug matches itself."""
-        if self.cause == "signal":
+        if self.cause == Cause.SIGNAL:
             return f"signal|{self.signal}"
-        if self.cause == "cuda-oom":
+        if self.cause == Cause.CUDA_OOM:
             return f"cuda-oom|gpu {self.gpu}"
         body = re.sub(r"0x[0-9a-fA-F]+", "<addr>", self.detail or "")
         body = re.sub(r"\d+(?:\.\d+)?", "#", body)
@@ -288,49 +292,81 @@ def _gpu_of(texts: t.Iterable[str]) -> int | None:
     return None
 
 
-def diagnose(lines: t.Sequence[str], *, exit_code: int | None, signal: int | None,
-             oom_before: int | None = None, oom_after: int | None = None,
-             disk_free: int | None = None) -> Diagnosis:
+def diagnose(
+    lines: t.Sequence[str],
+    *,
+    exit_code: int | None,
+    signal: int | None,
+    oom_before: int | None = None,
+    oom_after: int | None = None,
+    disk_free: int | None = None,
+) -> Diagnosis:
     """Why a run ended non-zero: the log tail, the exit record (``disk_free``: bytes left where the run
     wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
     lines = _clean(lines)
     exc = last_exception(lines)
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
         how = f"signal {signal}" if signal else f"exit {exit_code}"
-        return Diagnosis("host-oom", f"the container's OOM killer killed {oom_after - oom_before} process(es) "
-                         f"during the run ({how})", signal=signal or _from_shell(exit_code),
-                         evidence=[f"cgroup memory.events oom_kill rose from {oom_before} to {oom_after}"])
+        return Diagnosis(
+            Cause.HOST_OOM,
+            f"the container's OOM killer killed {oom_after - oom_before} process(es) during the run ({how})",
+            signal=signal or _from_shell(exit_code),
+            evidence=[f"cgroup memory.events oom_kill rose from {oom_before} to {oom_after}"],
+        )
     if exc and _CUDA_OOM.search(exc):
-        return Diagnosis("cuda-oom", exc, gpu=_gpu_of([exc] + [x for x in lines if _CUDA_OOM.search(x)]))
+        return Diagnosis(Cause.CUDA_OOM, exc, gpu=_gpu_of([exc] + [x for x in lines if _CUDA_OOM.search(x)]))
     if exc and _NCCL_TIMEOUT.search(exc):
-        return Diagnosis("nccl-timeout", exc)
+        return Diagnosis(Cause.NCCL_TIMEOUT, exc)
     if exc and _NCCL_ERROR.search(exc):
-        return Diagnosis("nccl-error", exc)
+        return Diagnosis(Cause.NCCL_ERROR, exc)
     if exc and _ENOSPC.search(exc):
-        return Diagnosis("disk-full", exc)
-    for pattern, cause in ((_NCCL_TIMEOUT, "nccl-timeout"), (_CUDA_OOM, "cuda-oom"), (_NCCL_ERROR, "nccl-error")):
+        return Diagnosis(Cause.DISK_FULL, exc)
+    for pattern, cause in (
+        (_NCCL_TIMEOUT, Cause.NCCL_TIMEOUT),
+        (_CUDA_OOM, Cause.CUDA_OOM),
+        (_NCCL_ERROR, Cause.NCCL_ERROR),
+    ):
         hits = [x.strip() for x in lines if pattern.search(x)]
         if hits:
-            gpu = _gpu_of(hits) if cause == "cuda-oom" else None
-            return Diagnosis(cause, _short(hits[-1], 400), gpu=gpu, signal=signal,
-                             evidence=[f"log: {_short(hits[-1], 200)}"])
+            gpu = _gpu_of(hits) if cause == Cause.CUDA_OOM else None
+            return Diagnosis(
+                cause, _short(hits[-1], 400), gpu=gpu, signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"]
+            )
+    # a lost peer: usually not the last traceback (torchrun's own ChildFailedError follows it)
+    peer = [m for m in map(_PEER_LOST.search, lines) if m]
+    if peer:
+        m = peer[-1]
+        return Diagnosis(
+            Cause.PEER_LOST,
+            _short(m.group("detail") or m.group(0), 400),
+            signal=signal,
+            evidence=[f"log: {_short(m.string.strip(), 200)}"],
+        )
     hits = [x.strip() for x in lines if _ENOSPC.search(x)]
     if hits:
-        return Diagnosis("disk-full", _short(hits[-1], 400), signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"])
+        return Diagnosis(
+            Cause.DISK_FULL, _short(hits[-1], 400), signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"]
+        )
     if signal:
-        return Diagnosis("signal", f"ended by signal {signal} ({_signame(signal)})", signal=signal)
+        return Diagnosis(Cause.SIGNAL, f"ended by signal {signal} ({_signame(signal)})", signal=signal)
     if disk_free is not None:
         # torch.save says "file write failed", tools say nothing: the record of the disk decides
-        return Diagnosis("disk-full", exc or f"{disk_free} bytes were free where the run writes when the command ended",
-                         evidence=[f"exit.json: {disk_free} bytes free on the run's disk when the command ended"])
+        return Diagnosis(
+            Cause.DISK_FULL,
+            exc or f"{disk_free} bytes were free where the run writes when the command ended",
+            evidence=[f"exit.json: {disk_free} bytes free on the run's disk when the command ended"],
+        )
     if exc:
-        return Diagnosis("python-exception", exc)
+        return Diagnosis(Cause.PYTHON_EXCEPTION, exc)
     sh = _from_shell(exit_code)
     if sh:
-        return Diagnosis("signal", f"exit {exit_code} = 128+{sh}: a process was killed by signal {sh} "
-                         f"({_signame(sh)})", signal=sh)
+        return Diagnosis(
+            Cause.SIGNAL,
+            f"exit {exit_code} = 128+{sh}: a process was killed by signal {sh} ({_signame(sh)})",
+            signal=sh,
+        )
     last = next((x.strip() for x in reversed(lines) if x.strip()), None)
-    return Diagnosis("nonzero-exit", _short(last, 400) if last else f"exit code {exit_code}")
+    return Diagnosis(Cause.NONZERO_EXIT, _short(last, 400) if last else f"exit code {exit_code}")
 
 
 def _from_shell(exit_code: int | None) -> int | None:
@@ -354,14 +390,22 @@ def workers_of(metrics: dict[str, t.Any] | None, gpus: list[dict[str, t.Any]] | 
             continue
         device = w.get("device") if isinstance(w.get("device"), str) else None
         gpu = by_index.get(_int(device.split(":", 1)[1])) if device and device.startswith("cuda:") else None
-        out.append({
-            "name": w.get("name"), "role": w.get("role"), "device": device, "busy": _float(w.get("busy")),
-            "wait": _float(w.get("wait")), "barrier": _float(w.get("barrier")), "batches_s": _float(w.get("batches_s")),
-            "dead": bool(w.get("dead")), "step": _int(rec.get("step")) if isinstance(rec, dict) else None,
-            "gpu_util_pct": _float(gpu.get("utilization_pct")) if gpu else None,
-            "gpu_memory_used_mib": _float(gpu.get("memory_used_mib")) if gpu else None,
-            "gpu_memory_total_mib": _float(gpu.get("memory_total_mib")) if gpu else None,
-        })
+        out.append(
+            {
+                "name": w.get("name"),
+                "role": w.get("role"),
+                "device": device,
+                "busy": _float(w.get("busy")),
+                "wait": _float(w.get("wait")),
+                "barrier": _float(w.get("barrier")),
+                "batches_s": _float(w.get("batches_s")),
+                "dead": bool(w.get("dead")),
+                "step": _int(rec.get("step")) if isinstance(rec, dict) else None,
+                "gpu_util_pct": _float(gpu.get("utilization_pct")) if gpu else None,
+                "gpu_memory_used_mib": _float(gpu.get("memory_used_mib")) if gpu else None,
+                "gpu_memory_total_mib": _float(gpu.get("memory_total_mib")) if gpu else None,
+            }
+        )
     return out or None
 
 
@@ -369,20 +413,28 @@ def worker_table(workers: list[dict[str, t.Any]] | None) -> list[str]:
     """The status lines of ``workers``: busy, and waiting on the queue (a drafter starved, a target blocked)."""
     if not workers:
         return []
+
     def pct(v: float | None) -> str:
         return f"{round(100 * v):3d}%" if v is not None else "   ?"
+
     step = workers[0].get("step")
-    out = [f"  workers:   at step {step}" if step is not None else "  workers:",
-           f"    {'worker':<11} {'device':<8} {'busy':>4}  {'waiting':<12} {'batch/s':>7}  gpu"]
+    out = [
+        f"  workers:   at step {step}" if step is not None else "  workers:",
+        f"    {'worker':<11} {'device':<8} {'busy':>4}  {'waiting':<12} {'batch/s':>7}  gpu",
+    ]
     for w in workers:
         waits = "starved" if w.get("role") == "drafter" else "blocked"
         gpu = ""
         if w.get("gpu_util_pct") is not None or w.get("gpu_memory_used_mib") is not None:
-            gpu = (f"{pct((w['gpu_util_pct'] or 0) / 100).strip()} util, "
-                   f"{w.get('gpu_memory_used_mib') or 0:.0f}/{w.get('gpu_memory_total_mib') or 0:.0f} MiB")
+            gpu = (
+                f"{pct((w['gpu_util_pct'] or 0) / 100).strip()} util, "
+                f"{w.get('gpu_memory_used_mib') or 0:.0f}/{w.get('gpu_memory_total_mib') or 0:.0f} MiB"
+            )
         bs = w.get("batches_s")
-        row = (f"    {w.get('name') or '?':<11} {w.get('device') or '?':<8} {pct(w.get('busy'))}  "
-               f"{pct(w.get('wait'))} {waits:<7} {bs if bs is not None else 0:7.1f}  {gpu}").rstrip()
+        row = (
+            f"    {w.get('name') or '?':<11} {w.get('device') or '?':<8} {pct(w.get('busy'))}  "
+            f"{pct(w.get('wait'))} {waits:<7} {bs if bs is not None else 0:7.1f}  {gpu}"
+        ).rstrip()
         out.append(row + ("  (dead)" if w.get("dead") else ""))
     return out
 
@@ -391,9 +443,12 @@ def progress_of(metrics: dict[str, t.Any] | None, log: dict[str, t.Any] | None) 
     """The last metrics.jsonl record, else the last `step N | loss X ...` line of the log."""
     rec = (metrics or {}).get("last")
     if isinstance(rec, dict) and rec.get("step") is not None:
-        return Progress(step=_int(rec.get("step")), loss=_float(rec.get("loss")),
-                        ktok_s=_float(rec.get("ktok_s")), at=rec.get("at") if isinstance(rec.get("at"), str)
-                        else iso((metrics or {}).get("mtime")))
+        return Progress(
+            step=_int(rec.get("step")),
+            loss=_float(rec.get("loss")),
+            ktok_s=_float(rec.get("ktok_s")),
+            at=rec.get("at") if isinstance(rec.get("at"), str) else iso((metrics or {}).get("mtime")),
+        )
     return progress_from_lines((log or {}).get("tail") or [], iso((log or {}).get("mtime")))
 
 
@@ -402,8 +457,9 @@ def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | No
         m = _STEP.search(line)
         if m:
             k = _KTOK.search(line)
-            return Progress(step=int(m.group(1)), loss=_float(m.group(2)),
-                            ktok_s=_float(k.group(1)) if k else None, at=at)
+            return Progress(
+                step=int(m.group(1)), loss=_float(m.group(2)), ktok_s=_float(k.group(1)) if k else None, at=at
+            )
     return None
 
 
@@ -440,7 +496,7 @@ def tmux_view(socket: str | None, tf: dict[str, t.Any] | None, pane: dict[str, s
 
 
 def _pick_pane(tf: dict[str, t.Any] | None, pid: t.Any = None) -> dict[str, str] | None:
-    panes = (tf or {}).get("panes") or []
+    panes: list[dict[str, str]] = (tf or {}).get("panes") or []
     for p in panes:
         if pid is not None and p.get("pane_pid") == str(pid):
             return p
@@ -452,25 +508,31 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
     host, session = facts.get("host", "?"), facts.get("session", "?")
     socket = facts.get("socket")
     ct = facts.get("container_id")
-    s = Status(host=host, session=session, state="not-started", checked_at=iso(facts.get("checked_at")),
-               mode=facts.get("mode", "agent"), tmux=TmuxView(socket))
+    s = Status(
+        host=host,
+        session=session,
+        state=State.NOT_STARTED,
+        checked_at=iso(facts.get("checked_at")),
+        mode=facts.get("mode", "agent"),
+        tmux=TmuxView(socket),
+    )
     if ct is not None:
         s.container = ContainerView(id=ct, status=None)
 
     un = facts.get("unreachable")
     if un:
-        s.state, s.cause, s.detail = "unreachable", un.get("cause") or "unknown", un.get("detail")
+        s.state, s.cause, s.detail = State.UNREACHABLE, un.get("cause") or Cause.UNKNOWN, un.get("detail")
         s.evidence.append(f"{un.get('cause')}: {un.get('detail')}")
         return s
     down = facts.get("container_down")
     if down:
-        s.state, s.cause, s.detail = "container-down", down.get("cause"), down.get("detail")
+        s.state, s.cause, s.detail = State.CONTAINER_DOWN, down.get("cause"), down.get("detail")
         if s.container is not None:
             s.container.status = down.get("cause")
         s.evidence.append(f"pct: {down.get('detail')}")
         return s
     if facts.get("agent_timeout"):
-        s.state, s.cause, s.detail = "unreachable", "timeout", facts["agent_timeout"]
+        s.state, s.cause, s.detail = State.UNREACHABLE, Cause.TIMEOUT, facts["agent_timeout"]
         if s.container is not None:
             s.container.status = "running"
         s.evidence.append(f"agent: {facts['agent_timeout']}")
@@ -482,8 +544,9 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
         s.mode = "fallback"
         if s.container is not None:
             s.container.status = "running"
-        s.evidence.append(f"fallback mode: {fb.get('reason') or 'the agent could not run'}; "
-                          "only tmux was asked (no run records read)")
+        s.evidence.append(
+            f"fallback mode: {fb.get('reason') or 'the agent could not run'}; only tmux was asked (no run records read)"
+        )
         _classify_by_tmux(s, fb.get("tmux"), fb.get("pane_capture"), attempt=None)
         return s
 
@@ -527,21 +590,26 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
         how = f"signal {s.signal}" if s.exit_code is None and s.signal else f"exit {s.exit_code}"
         s.evidence.append(f"exit.json: {how} at {s.ended_at}")
         if stop:
-            s.state = "stopped"
+            s.state = State.STOPPED
             s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')})"
             s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
         elif s.exit_code == 0:
-            s.state = "succeeded"
+            s.state = State.SUCCEEDED
         else:
-            s.state = "crashed"
-            d = diagnose(log.get("tail") or [], exit_code=s.exit_code, signal=s.signal,
-                         oom_before=run.get("oom_kill"), oom_after=exit_rec.get("oom_kill"),
-                         disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None)
+            s.state = State.CRASHED
+            d = diagnose(
+                log.get("tail") or [],
+                exit_code=s.exit_code,
+                signal=s.signal,
+                oom_before=run.get("oom_kill"),
+                oom_after=exit_rec.get("oom_kill"),
+                disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None,
+            )
             s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
             if d.signal and s.signal is None:
                 s.signal = d.signal
             s.evidence.extend(d.evidence)
-        if exit_rec.get("disk_full") and s.cause != "disk-full":
+        if exit_rec.get("disk_full") and s.cause != Cause.DISK_FULL:
             s.evidence.append(f"the run's disk was full when it ended ({exit_rec.get('disk_free')} bytes free)")
         _tmux_context(s)
         _disk_context(s, agent)
@@ -551,18 +619,27 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     alive = next((p for p in (child, keeper, runner) if p.get("alive")), None)
     if alive:
         s.pid = alive["pid"]
-        who = ("the command" if alive is child else "the runner's keeper (the command's pid is gone)"
-               if alive is keeper else "the runner (the command's pid is gone)")
+        who = (
+            "the command"
+            if alive is child
+            else "the runner's keeper (the command's pid is gone)"
+            if alive is keeper
+            else "the runner (the command's pid is gone)"
+        )
         if alive is child and runner and not runner.get("alive"):
             gone = f"the runner (pid {runner.get('pid')}) is gone, the command goes on"
             if keeper.get("alive"):
                 gone += f": its keeper (pid {keeper.get('pid')}) will record its end"
             s.evidence.append(gone)
-        s.evidence.append(f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)")
+        s.evidence.append(
+            f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)"
+        )
         if alive.get("state") == "T":
             s.evidence.append(f"pid {alive['pid']} is stopped (state T: SIGSTOP or a debugger)")
         if stop:
-            s.evidence.append(f"stop.json: a stop was requested at {stop.get('requested_at')} but the process still runs")
+            s.evidence.append(
+                f"stop.json: a stop was requested at {stop.get('requested_at')} but the process still runs"
+            )
         _tmux_context(s, alive=True)
         _disk_context(s, agent)
         started = run.get("started_ts")
@@ -570,73 +647,88 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
         last = max(marks) if marks else None
         hang, grace = float(facts.get("hang_after", 900)), float(facts.get("startup_grace", 1200))
         if started is not None and now - started <= grace:
-            s.state = "running"
+            s.state = State.RUNNING
             if last is not None and now - last > hang:
                 s.evidence.append(f"no progress for {_dur(now - last)}, but still inside startup_grace ({_dur(grace)})")
         elif last is not None and now - last > hang:
-            s.state = "stalled"
+            s.state = State.STALLED
             s.detail = f"no progress for {_dur(now - last)} (hang_after {_dur(hang)})"
             s.evidence.append(f"last log/metrics write at {iso(last)} (container clock; now {iso(now)})")
         else:
-            s.state = "running"
+            s.state = State.RUNNING
         return
 
     # no exit record and no live process
     if s.pid and child:
-        s.evidence.append(f"pid {child.get('pid')} is gone" + (" (reused by another process)" if child.get("same") is False else ""))
+        s.evidence.append(
+            f"pid {child.get('pid')} is gone" + (" (reused by another process)" if child.get("same") is False else "")
+        )
     if stop:
-        s.state = "stopped"
+        s.state = State.STOPPED
         s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')}); the runner was killed before it wrote exit.json"
         s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
         _tmux_context(s)
         return
-    s.state = "lost"
+    s.state = State.LOST
     boot_now, boot_then, started = agent.get("pid1_start"), run.get("container_boot"), run.get("started_ts")
     ticks_now, ticks_then = agent.get("pid1_ticks"), run.get("container_boot_ticks")
     if isinstance(ticks_now, int) and isinstance(ticks_then, int):
         restarted = ticks_now != ticks_then  # another PID 1: exact, no clock involved
     else:
         restarted = (boot_now is not None and boot_then is not None and boot_now > boot_then + BOOT_SLACK) or (
-            boot_now is not None and started is not None and boot_now > started + BOOT_SLACK)
+            boot_now is not None and started is not None and boot_now > started + BOOT_SLACK
+        )
     disk = agent.get("disk") or {}
     if restarted:
-        s.cause = "container-restart"
+        s.cause = Cause.CONTAINER_RESTART
         s.detail = f"the container restarted at {iso(boot_now)}, after the run started at {s.started_at}"
         s.evidence.append(f"PID 1 started at {iso(boot_now)}; run.json recorded the container boot at {iso(boot_then)}")
     elif disk.get("full"):
-        s.cause = "disk-full"
-        s.detail = (f"no exit record and no live process, and the disk holding {disk.get('path')} is full "
-                    f"({disk.get('free')} bytes free): the run's end could not be recorded")
+        s.cause = Cause.DISK_FULL
+        s.detail = (
+            f"no exit record and no live process, and the disk holding {disk.get('path')} is full "
+            f"({disk.get('free')} bytes free): the run's end could not be recorded"
+        )
         if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_status"):
             s.detail += f"; tmux saw the runner exit with status {pane['pane_dead_status']} (the command's code)"
     elif s.tmux.server == "dead":
-        s.cause = "tmux-server-killed"
-        s.detail = "no exit record and no live process, and the tmux server is dead: the run was killed together with it"
+        s.cause = Cause.TMUX_SERVER_KILLED
+        s.detail = (
+            "no exit record and no live process, and the tmux server is dead: the run was killed together with it"
+        )
     elif s.tmux.session == "missing":
-        s.cause = "session-killed"
+        s.cause = Cause.SESSION_KILLED
         s.detail = "no exit record and no live process, and the session is gone: the run was killed together with it"
     else:
-        s.cause = "unknown"
+        s.cause = Cause.UNKNOWN
         s.detail = "no exit record and no live process: the runner was killed (SIGKILL, OOM killer...) before it could write exit.json"
     if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_signal"):
         s.evidence.append(f"tmux: the runner was killed by signal {pane['pane_dead_signal']} (pane_dead_signal)")
     oom = agent.get("oom_kill")
     if oom is not None and run.get("oom_kill") is not None and oom > run["oom_kill"] and not restarted:
-        s.evidence.append(f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer")
+        s.evidence.append(
+            f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer"
+        )
     _tmux_context(s)
 
 
 def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:
     disk = agent.get("disk") or {}
     if disk.get("full"):
-        s.evidence.append(f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
-                          "the log, metrics and checkpoints cannot grow")
+        s.evidence.append(
+            f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
+            "the log, metrics and checkpoints cannot grow"
+        )
 
 
 def _tmux_context(s: Status, *, alive: bool = False) -> None:
     tm = s.tmux
     if tm.server == "dead":
-        extra = f" but the training process is alive (pid {s.pid}): it survived, SIGHUP is ignored; `dflashctl tail` reads the log" if alive else ""
+        extra = (
+            f" but the training process is alive (pid {s.pid}): it survived, SIGHUP is ignored; `dflashctl tail` reads the log"
+            if alive
+            else ""
+        )
         s.evidence.append(f"tmux server is dead ({tm.evidence}){extra}")
     elif tm.session == "missing":
         extra = f" but the training process is alive (pid {s.pid}): it survived, SIGHUP is ignored" if alive else ""
@@ -645,8 +737,9 @@ def _tmux_context(s: Status, *, alive: bool = False) -> None:
         s.evidence.append("tmux pane is dead (remain-on-exit keeps it for inspection)")
 
 
-def _classify_by_tmux(s: Status, tf: dict[str, t.Any] | None, capture: dict[str, t.Any] | None,
-                      attempt: dict[str, t.Any] | None) -> None:
+def _classify_by_tmux(
+    s: Status, tf: dict[str, t.Any] | None, capture: dict[str, t.Any] | None, attempt: dict[str, t.Any] | None
+) -> None:
     """No run record (a session started by hand, or fallback mode): tmux is all there is."""
     pane = _pick_pane(tf)
     s.tmux = tmux_view(s.tmux.socket, tf, pane)
@@ -663,49 +756,55 @@ def _classify_by_tmux(s: Status, tf: dict[str, t.Any] | None, capture: dict[str,
     if tm.session == "alive" or (tm.evidence and "no server running" in tm.evidence):
         s.evidence.append("no run record (run.json): this session was not started by `dflashctl start`")
     if tf is None or tf.get("timed_out"):
-        s.state, s.cause, s.detail = "lost", "unknown", "tmux did not answer"
+        s.state, s.cause, s.detail = State.LOST, Cause.UNKNOWN, "tmux did not answer"
         return
     if tm.session == "alive" and pane is not None:
         s.pid = _int(pane.get("pane_pid"))
         if pane.get("pane_dead") != "1":
-            s.state = "running"
+            s.state = State.RUNNING
             s.progress = progress_from_lines(lines, None)
-            s.evidence.append(f"pane process {pane.get('pane_pid')} ({pane.get('pane_current_command')}) is alive; "
-                              "without a run record progress and hangs cannot be judged")
+            s.evidence.append(
+                f"pane process {pane.get('pane_pid')} ({pane.get('pane_current_command')}) is alive; "
+                "without a run record progress and hangs cannot be judged"
+            )
             return
         status, sig = pane.get("pane_dead_status") or "", pane.get("pane_dead_signal") or ""
         s.exit_code = _int(status) if status else None
         s.signal = _int(sig) if sig else None
-        s.evidence.append(f"tmux: pane_dead=1 pane_dead_status={status or '(empty)'} pane_dead_signal={sig or '(empty)'}")
+        s.evidence.append(
+            f"tmux: pane_dead=1 pane_dead_status={status or '(empty)'} pane_dead_signal={sig or '(empty)'}"
+        )
         if s.exit_code == 0:
-            s.state = "succeeded"
+            s.state = State.SUCCEEDED
             return
         if s.exit_code is None and s.signal is None:
             # the pty closed but tmux has not reaped the process yet (or tmux < 3.3 and a signal):
             # only the pane's text can say more
             d = diagnose(lines, exit_code=None, signal=None)
-            if d.cause == "nonzero-exit":
-                s.state, s.cause = "lost", "unknown"
+            if d.cause == Cause.NONZERO_EXIT:
+                s.state, s.cause = State.LOST, Cause.UNKNOWN
                 s.detail = "the command ended, but tmux reported neither an exit status nor a signal, and there is no exit record"
                 return
-            s.state = "crashed"
+            s.state = State.CRASHED
             s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
             s.evidence.extend(d.evidence)
             return
-        s.state = "crashed"
+        s.state = State.CRASHED
         d = diagnose(lines, exit_code=s.exit_code, signal=s.signal)
         s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
         s.evidence.extend(d.evidence)
         return
     if tm.server == "dead" and tm.evidence and "no server running" in tm.evidence:
-        s.state, s.cause = "lost", "unknown"
-        s.detail = ("the tmux server is gone and there is no exit record. tmux prints `no server running` both "
-                    "when the server was killed and when the session's command ended and the server exited with it "
-                    "(its last session closed), so this cannot be called a crash or a kill: only an exit record, "
-                    "written by a run started with `dflashctl start`, would tell a kill from a normal end")
+        s.state, s.cause = State.LOST, Cause.UNKNOWN
+        s.detail = (
+            "the tmux server is gone and there is no exit record. tmux prints `no server running` both "
+            "when the server was killed and when the session's command ended and the server exited with it "
+            "(its last session closed), so this cannot be called a crash or a kill: only an exit record, "
+            "written by a run started with `dflashctl start`, would tell a kill from a normal end"
+        )
         s.evidence.append(f"tmux: {tm.evidence} (the socket file exists, no server answers)")
         return
-    s.state = "not-started"
+    s.state = State.NOT_STARTED
     if tm.server == "dead":
         s.detail = f"no run and no tmux server on socket {tm.socket}"
     elif tm.session == "missing":

@@ -6,26 +6,24 @@ kills the command inside the container when it outlives its time.
 
 pct's texts (pve-container ``src/PVE/CLI/pct.pm``) decide, not its exit codes (a perl ``die`` exits
 255, or errno when one is set):
-  stopped: ``container '<id>' not running!`` (exec), ``can only push files to a running CT`` (push)
+  stopped: ``container '<id>' not running!`` (exec)
   missing: ``Configuration file 'nodes/<node>/lxc/<id>.conf' does not exist``
-``pct push`` can exit 0 after a failed copy, so a push is verified by sha256 inside the container.
+Files reach the container as a tar stream on ``run``'s stdin (ops/deploy.py), verified there by sha256.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 import logging
 import os
 import re
-import secrets
 import shlex
 import time
 import typing as t
 
 from ops.errors import ConfigError, ContainerDown, RemoteCommandError
-from ops.transport import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, _seconds
+from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, _seconds
 
 if t.TYPE_CHECKING:
     from ops.hosts import ProxmoxApi
@@ -75,38 +73,12 @@ class Container:
         started = time.monotonic()
         # The host-side deadline is later than the inner one, so the inner timeout fires first and
         # kills the command where it runs.
-        res = self.transport.run(self._pct("exec", str(self.vmid), "--", *inner), stdin=stdin, timeout=timeout + KILL_AFTER + 5)
+        res = self.transport.run(
+            self._pct("exec", str(self.vmid), "--", *inner), stdin=stdin, timeout=timeout + KILL_AFTER + 5
+        )
         self._raise_if_down(res)
         timed_out = res.timed_out or (res.exit_code in TIMEOUT_EXITS and time.monotonic() - started >= timeout)
         return dataclasses.replace(res, argv=argv, timed_out=timed_out, timeout=timeout)
-
-    def push(self, local: str | os.PathLike[str], remote: str, *, mode: int | None = None, timeout: float = 600) -> None:
-        """Copy a local file to ``remote`` inside the container: to the host by the transport, then
-        ``pct push`` to a temp name, verified by sha256 inside, then renamed into place."""
-        local = os.fspath(local)
-        digest = _sha256(local)
-        token = secrets.token_hex(4)
-        staged = f"/tmp/dflashctl-push-{token}"
-        parent, _, name = remote.rstrip("/").rpartition("/")
-        if not remote.startswith("/"):
-            raise ValueError(f"container path must be absolute, got {remote!r}")
-        part = f"{parent}/.{name}.part-{token}"
-        self.run(["mkdir", "-p", parent or "/"], timeout=60).check(f"mkdir {parent} in {self.label}")
-        self.transport.put(local, staged)
-        try:
-            perms = ["--perms", f"{mode:o}"] if mode is not None else []
-            res = self.transport.run(self._pct("push", str(self.vmid), staged, part, *perms), timeout=timeout)
-            self._raise_if_down(res)
-            res.check("pct push")
-        finally:
-            self.transport.run(["rm", "-f", "--", staged], timeout=60)
-        check = self.run(["sha256sum", "--", part], timeout=timeout)
-        got = check.out.split()[0] if check.ok and check.out.split() else None
-        if got != digest:
-            self.run(["rm", "-f", "--", part], timeout=60)
-            why = res.err.strip() or check.err.strip() or f"sha256 {got} != {digest}"
-            raise RemoteCommandError(["pct", "push", local, remote], res.exit_code, why, what=f"pct push to {self.label}:{remote} did not arrive intact")
-        self.run(["mv", "-f", "-T", "--", part, remote], timeout=60).check(f"mv into {remote} in {self.label}")
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -121,7 +93,9 @@ class Container:
         m = re.search(r"^status: (\w+)", res.out, re.M)
         if res.exit_code == 0 and m:
             return RUNNING if m.group(1) == RUNNING else STOPPED
-        raise RemoteCommandError(res.argv, res.exit_code, res.err or res.out, what=f"{shlex.join(self.pct)} status {self.vmid}")
+        raise RemoteCommandError(
+            res.argv, res.exit_code, res.err or res.out, what=f"{shlex.join(self.pct)} status {self.vmid}"
+        )
 
     def status_facts(self) -> dict[str, str]:
         """``pct status <id> --verbose`` as a dict (``pid``, ``uptime``, ...); empty when missing."""
@@ -148,7 +122,7 @@ class Container:
             uptime = int(facts.get("uptime", 0))
         except (TypeError, ValueError):
             return None
-        now = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+        now = dt.datetime.now(dt.UTC).replace(microsecond=0)
         return now - dt.timedelta(seconds=uptime)
 
     def start(self, timeout: float = 300) -> None:
@@ -171,9 +145,15 @@ class Container:
         if res.exit_code == 0:
             return
         if _missing_re(self.vmid).search(res.err):
-            raise ContainerDown(self.vmid, MISSING, f"container {self.vmid} does not exist on this host ({res.err.strip().splitlines()[0]})")
-        if _stopped_re(self.vmid).search(res.err) or "can only push files to a running CT" in res.err:
-            raise ContainerDown(self.vmid, STOPPED, f"container {self.vmid} is stopped (pct: {res.err.strip().splitlines()[-1]})")
+            raise ContainerDown(
+                self.vmid,
+                MISSING,
+                f"container {self.vmid} does not exist on this host ({res.err.strip().splitlines()[0]})",
+            )
+        if _stopped_re(self.vmid).search(res.err):
+            raise ContainerDown(
+                self.vmid, STOPPED, f"container {self.vmid} is stopped (pct: {res.err.strip().splitlines()[-1]})"
+            )
 
     # -- the optional PVE API path (proxmoxer, https + API token) -------------------------------
 
@@ -182,7 +162,10 @@ class Container:
             assert self.api is not None
             token = os.environ.get(self.api.token_value_env)
             if not token:
-                raise ConfigError(f"{self.config_key}.token_value_env", f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)")
+                raise ConfigError(
+                    f"{self.config_key}.token_value_env",
+                    f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)",
+                )
             from proxmoxer import ProxmoxAPI
 
             self._api_client = ProxmoxAPI(
@@ -206,11 +189,18 @@ class Container:
         except ResourceException as e:
             if "does not exist" in str(e):
                 return {"status": MISSING}
-            raise RemoteCommandError(["pve-api", "status/current"], getattr(e, "status_code", None), str(e), what=f"PVE API status of {self.label}") from e
+            raise RemoteCommandError(
+                ["pve-api", "status/current"],
+                getattr(e, "status_code", None),
+                str(e),
+                what=f"PVE API status of {self.label}",
+            ) from e
         except OSError as e:  # requests' connection errors are OSErrors
             from ops.errors import ConnectionRefused
 
-            raise ConnectionRefused(self.label, f"PVE API at {self.api.api_host}:{self.api.port} unreachable: {e}") from e
+            raise ConnectionRefused(
+                self.label, f"PVE API at {self.api.api_host}:{self.api.port} unreachable: {e}"
+            ) from e
 
     def _api_status(self) -> str:
         status = self._api_current().get("status")
@@ -228,16 +218,13 @@ class Container:
         except ResourceException as e:
             if "already running" in str(e):
                 return
-            raise RemoteCommandError(["pve-api", "status/start"], getattr(e, "status_code", None), str(e), what=f"PVE API start of {self.label}") from e
+            raise RemoteCommandError(
+                ["pve-api", "status/start"],
+                getattr(e, "status_code", None),
+                str(e),
+                what=f"PVE API start of {self.label}",
+            ) from e
         done = Tasks.blocking_status(self._api(), upid, timeout=int(timeout), polling_interval=1)
         if not done or done.get("exitstatus") != "OK":
             why = (done or {}).get("exitstatus", f"no result within {timeout:g}s")
             raise RemoteCommandError(["pve-api", "status/start"], None, str(why), what=f"PVE API start of {self.label}")
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()

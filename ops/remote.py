@@ -43,8 +43,14 @@ def connect(host: Host) -> Remote:
 
     transport = SSHTransport.connect(host)
     container = (
-        Container(transport, host.container, pct=host.pct, api=host.proxmox, label=host.label,
-                  config_key=f"hosts.{host.name}.proxmox")
+        Container(
+            transport,
+            host.container,
+            pct=host.pct,
+            api=host.proxmox,
+            label=host.label,
+            config_key=f"hosts.{host.name}.proxmox",
+        )
         if host.container is not None
         else None
     )

@@ -31,15 +31,18 @@ import sys
 import time
 import typing as t
 
-RUN_JSON = "run.json"
-EXIT_JSON = "exit.json"
-STOP_JSON = "stop.json"
-LOG = "train.log"
-METRICS = "metrics.jsonl"
+# The records' names and the process facts live in ops.far (shared with the agent and the release
+# program); re-exported here for the code that has always imported them from the runner.
+from ops.far.atomic import write_json_atomic as write_json_atomic
+from ops.far.procfs import oom_kill_count as oom_kill_count
+from ops.far.procfs import pid1_start as pid1_start
+from ops.far.procfs import proc_stat as proc_stat
+from ops.far.procfs import start_epoch as start_epoch
+from ops.far.records import ENV_FILE as ENV_FILE
+from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED
+from ops.far.records import METRICS as METRICS
+from ops.far.records import STOP_JSON as STOP_JSON
 
-ENV_FILE = ".env.json"  # the run's environment: 0600, read and unlinked by the runner at once
-RUN_RESERVED = ".run.reserved"  # pre-allocated records, filled in place then renamed (a full disk
-EXIT_RESERVED = ".exit.reserved"  # cannot stop them): -> run.json, -> exit.json
 RESERVE_BYTES = 16384  # room for a run record with a long command line
 # Less free space than this where the run writes is a full disk: `start` refuses, exit.json says so.
 DISK_FULL_BYTES = 1 << 20
@@ -54,100 +57,6 @@ def iso(ts: float | None) -> str | None:
     if ts is None:
         return None
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def _boot_time() -> float | None:
-    """When this machine booted, in seconds since the epoch. From CLOCK_BOOTTIME rather than
-    /proc/stat's btime, which is cut to whole seconds (a start time would read up to 1 s early);
-    not from /proc/uptime either, which lxcfs rewrites to the container's age inside LXC."""
-    try:
-        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):
-        pass
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks since boot) of a pid, or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    # comm may hold spaces and parentheses: the fields start after the LAST ')'.
-    rest = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return rest[0], int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def start_epoch(ticks: int | None) -> float | None:
-    """Clock ticks since boot -> seconds since the epoch (on this machine's clock)."""
-    bt = _boot_time()
-    if ticks is None or bt is None:
-        return None
-    return round(bt + ticks / os.sysconf("SC_CLK_TCK"), 2)
-
-
-def pid1_start() -> tuple[float | None, int | None]:
-    """When PID 1 as seen here started: the container's boot, as (epoch seconds, clock ticks since
-    the host booted). The ticks are its identity: a restarted container has a new PID 1, new ticks."""
-    st = proc_stat(1)
-    return (start_epoch(st[1]), st[1]) if st else (None, None)
-
-
-def oom_kill_count() -> int | None:
-    """cgroup v2 ``memory.events`` oom_kill (v1 ``memory.oom_control``) of our cgroup, or None."""
-    candidates = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) == 3 and parts[0] == "0":
-                    candidates.append(f"/sys/fs/cgroup{parts[2].rstrip('/')}/memory.events")
-    except OSError:
-        pass
-    candidates += ["/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"]
-    for path in candidates:
-        try:
-            with open(path) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: dict[str, t.Any], *, mode: int | None = None) -> None:
-    """Write then rename, so a reader never sees half a record; a failed write (a full disk)
-    leaves no ``<path>.tmp<pid>`` behind. ``mode``: the new file's permissions (e.g. 0o600)."""
-    tmp = f"{os.fspath(path)}.tmp{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
-        with open(fd, "w") as f:
-            if mode is not None:
-                os.fchmod(fd, mode)  # an older tmp file keeps its mode through O_CREAT
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def reserve(path: str, size: int = RESERVE_BYTES) -> None:
@@ -430,8 +339,15 @@ def _read_ready(fd: int) -> int | None:
     return pid or None
 
 
-def _keep(command: list[str], env: dict[str, str], attempt_dir: str, record: dict[str, t.Any], log_fd: int,
-          ready_w: int, pane: Pane) -> int:
+def _keep(
+    command: list[str],
+    env: dict[str, str],
+    attempt_dir: str,
+    record: dict[str, t.Any],
+    log_fd: int,
+    ready_w: int,
+    pane: Pane,
+) -> int:
     """The keeper: start the command with the log as its stdout and stderr, record it, wait for it,
     record its end. Its own session: no tty, no signal meant for the pane or the runner reaches it."""
     os.setsid()
@@ -474,12 +390,14 @@ def _keep(command: list[str], env: dict[str, str], attempt_dir: str, record: dic
     for signum in held:
         forward(signum, None)
     rc = proc.wait()
-    signum = -rc if rc < 0 else None
-    _write_exit(attempt_dir, None if signum else rc, signum, record, log_fd, pane)
-    return 128 + signum if signum else rc
+    died_of = -rc if rc < 0 else None
+    _write_exit(attempt_dir, None if died_of else rc, died_of, record, log_fd, pane)
+    return 128 + died_of if died_of else rc
 
 
-def _record(attempt_dir: str, name: str, reserved: str, data: dict[str, t.Any], log_fd: int | None, pane: Pane | None) -> bool:
+def _record(
+    attempt_dir: str, name: str, reserved: str, data: dict[str, t.Any], log_fd: int | None, pane: Pane | None
+) -> bool:
     err = write_record(attempt_dir, name, reserved, data)
     if err:
         note(log_fd, pane, err)
@@ -522,8 +440,14 @@ def _end_without_command(attempt_dir: str, record: dict[str, t.Any], code: int, 
     return code
 
 
-def _write_exit(attempt_dir: str, exit_code: int | None, signum: int | None, record: dict[str, t.Any],
-                log_fd: int | None, pane: Pane | None) -> None:
+def _write_exit(
+    attempt_dir: str,
+    exit_code: int | None,
+    signum: int | None,
+    record: dict[str, t.Any],
+    log_fd: int | None,
+    pane: Pane | None,
+) -> None:
     free = disk_free(attempt_dir)
     rec = {
         "exit_code": exit_code,

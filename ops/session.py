@@ -52,8 +52,13 @@ def gather(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
     """Every fact for ``ops.probe.classify``; never raises because something is down."""
     session = session_name(host, session)
     facts: dict[str, t.Any] = {
-        "host": host.name, "session": session, "socket": host.tmux_socket, "container_id": host.container,
-        "hang_after": host.hang_after, "startup_grace": host.startup_grace, "checked_at": time.time(),
+        "host": host.name,
+        "session": session,
+        "socket": host.tmux_socket,
+        "container_id": host.container,
+        "hang_after": host.hang_after,
+        "startup_grace": host.startup_grace,
+        "checked_at": time.time(),
         "mode": "agent",
     }
     try:
@@ -78,7 +83,9 @@ def gather(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
     return facts
 
 
-def _raw_or_down(facts: dict[str, t.Any], remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any] | None:
+def _raw_or_down(
+    facts: dict[str, t.Any], remote: Remote, host: Host, session: str, *, reason: str
+) -> dict[str, t.Any] | None:
     try:
         return raw_facts(remote, host, session, reason=reason)
     except errors.ContainerDown as e:
@@ -96,24 +103,21 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
 
 def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
     """The raw fallback: plain tmux through Remote.run, stderr read by ops.tmux's table."""
-    for _ in range(3):
-        res = remote.run(tmux.panes_argv(host.tmux_socket, session), timeout=TAIL_TIMEOUT)
-        # a pane marked dead a moment before tmux reaped its process: ask again (as the agent does)
-        pending = [p for p in tmux.parse_panes(res.out) if p["pane_dead"] == "1" and not p["pane_dead_status"]
-                   and not p["pane_dead_signal"]]
-        if res.exit_code != 0 or not pending:
-            break
-        time.sleep(0.05)
-    tf = {
-        "socket": host.tmux_socket, "exit_code": res.exit_code, "stderr": res.err.strip(),
-        "timed_out": res.timed_out, "installed": not tmux.not_found(res.exit_code, res.err),
-        "panes": tmux.parse_panes(res.out) if res.exit_code == 0 else [],
-    }
+    from ops.far.protocol import RunResult, tmux_facts
+
+    def run(argv: list[str]) -> RunResult:
+        res = remote.run(argv, timeout=TAIL_TIMEOUT)
+        return RunResult(res.exit_code, res.out, res.err, res.timed_out)
+
+    tf = tmux_facts(run, host.tmux_socket, session)  # the agent's own reading of tmux, asked from here
     capture = None
-    if res.exit_code == 0:
+    if tf["exit_code"] == 0:
         cap = remote.run(tmux.capture_argv(host.tmux_socket, session, FALLBACK_LINES), timeout=TAIL_TIMEOUT)
-        capture = {"exit_code": cap.exit_code, "stderr": cap.err.strip(),
-                   "lines": tmux.last_lines(cap.out.split("\n"), FALLBACK_LINES) if cap.exit_code == 0 else []}
+        capture = {
+            "exit_code": cap.exit_code,
+            "stderr": cap.err.strip(),
+            "lines": tmux.last_lines(cap.out.split("\n"), FALLBACK_LINES) if cap.exit_code == 0 else [],
+        }
     return {"reason": reason, "tmux": tf, "pane_capture": capture}
 
 
@@ -167,8 +171,9 @@ class TailChunk(t.NamedTuple):
     offset: int | None
 
 
-def tail(remote: Remote, session: str | None = None, *, lines: int = 30, source: str = "auto",
-         follow: bool = False) -> TailChunk:
+def tail(
+    remote: Remote, session: str | None = None, *, lines: int = 30, source: str = "auto", follow: bool = False
+) -> TailChunk:
     """The last ``lines`` lines and where they came from. ``follow``: the caller goes on with
     ``follow()``, so ``auto`` prefers the log (one stream, no line lost or shown twice)."""
     host = remote.host
@@ -190,13 +195,25 @@ def _raw_tail(remote: Remote, host: Host, session: str, lines: int, source: str,
     if res.exit_code != 0:
         v = tmux.classify(res.err)
         raise errors.OpsError(f"{host.label}: fallback mode ({reason}): no pane to show: {v.text}")
-    return TailChunk("pane", f"fallback mode ({reason}): showing the pane of session '{session}'",
-                     tmux.last_lines(res.out.split("\n"), lines), None, None)
+    return TailChunk(
+        "pane",
+        f"fallback mode ({reason}): showing the pane of session '{session}'",
+        tmux.last_lines(res.out.split("\n"), lines),
+        None,
+        None,
+    )
 
 
-def follow(remote: Remote, first: TailChunk, session: str | None = None, *, interval: float = 1.0,
-           emit: t.Callable[[str], None], note: t.Callable[[str], None],
-           rounds: int | None = None) -> None:
+def follow(
+    remote: Remote,
+    first: TailChunk,
+    session: str | None = None,
+    *,
+    interval: float = 1.0,
+    emit: t.Callable[[str], None],
+    note: t.Callable[[str], None],
+    rounds: int | None = None,
+) -> None:
     """`tail -f`: poll the log by offset through the agent (never a long-lived channel). Returns
     when ``rounds`` polls are done (None: until interrupted)."""
     host = remote.host
@@ -228,8 +245,14 @@ def follow(remote: Remote, first: TailChunk, session: str | None = None, *, inte
 READ_TIMEOUT = 60.0
 
 
-def read(remote: Remote, session: str | None, attempts: t.Mapping[str, t.Mapping[str, t.Any]], *,
-         tail: bool | str = "crashed", cap: int | None = None) -> dict[str, t.Any]:
+def read(
+    remote: Remote,
+    session: str | None,
+    attempts: t.Mapping[str, t.Mapping[str, t.Any]],
+    *,
+    tail: bool | str = "crashed",
+    cap: int | None = None,
+) -> dict[str, t.Any]:
     """One ``read`` call: ``attempts`` = {"<n>": {"offset", "run", "tail"}} of what the caller has;
     ``tail``: the log tails wanted of the other attempts (``ops.agent.read``)."""
     host = remote.host
@@ -248,37 +271,6 @@ def read(remote: Remote, session: str | None, attempts: t.Mapping[str, t.Mapping
             raise errors.AgentError(f"{host.label}: the deployed agent cannot read metrics: run `dflashctl deploy`")
         raise errors.OpsError(f"{host.label}: read: {a.get('message')}")
     return a
-
-
-# --------------------------------------------------------------------------------------------
-# attach
-
-
-def attach_argv(host: Host, session: str | None = None) -> list[str]:
-    """The command that attaches an interactive terminal to the session's pane."""
-    session = session_name(host, session)
-    inner = tmux.attach_argv(host.tmux_socket, session)
-    if host.is_local:
-        return ["env", "-u", "TMUX", *inner]
-    if host.container is not None:
-        inner = [*host.pct, "exec", str(host.container), "--", *inner]
-    from ops.transport import remote_command, ssh_config_word
-
-    ssh = ["ssh", "-t", "-o", "StrictHostKeyChecking=yes"]
-    if host.port:
-        ssh += ["-p", str(host.port)]
-    if host.identity_file:
-        key = os.path.expanduser(host.identity_file)
-        # ssh expands %-tokens in key file names, but `-i` checks the file before it expands them:
-        # a name with % goes as an ssh_config line, with %% for each %.
-        ssh += ["-i", key] if "%" not in key else ["-o", f"IdentityFile={ssh_config_word(key)}"]
-    if host.known_hosts:
-        # One ssh_config line: a path with spaces or quotes must be quoted the ssh_config way.
-        ssh += ["-o", f"UserKnownHostsFile={ssh_config_word(os.path.expanduser(host.known_hosts))} ~/.ssh/known_hosts"]
-    target = f"{host.user}@{host.address}" if host.user else str(host.address)
-    # `--`: the destination is never read as an option. ssh hands the remote login shell (sh, fish,
-    # csh...) ONE string: remote_command quotes the remote argv once, for any of them.
-    return [*ssh, "--", target, remote_command(inner)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,24 +310,26 @@ def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: floa
     transport errors (unreachable, container down) pass through untouched."""
     host = remote.host
     argv = agent_argv(host.workdir, host.python, verb)
-    res = remote.run(argv, stdin=json.dumps(dict(req)).encode(), timeout=timeout)
+    from ops import far_call  # the one operator-side call() and "cannot exec" test (deploy uses them too)
+
+    reply = far_call.call(remote, argv, stdin=json.dumps(dict(req)).encode(), timeout=timeout)
+    res = reply.result
     if res.timed_out:
         raise errors.CommandTimeout(argv, timeout)
     err = res.err.strip()
     last = err.splitlines()[-1] if err else ""
-    if res.exit_code in (126, 127) or "Failed to exec" in err:
+    if far_call.cannot_exec(res):
         raise AgentUnavailable(f"cannot run {host.python}: {last or f'exit {res.exit_code}'}")
     if re.search(r"No module named '?ops(\.agent|\.tmux|\.runner)?'?$", last):
         raise AgentUnavailable(f"nothing is deployed at {os.path.join(host.workdir, 'current')}", not_deployed=True)
-    try:
-        answer = json.loads(res.out)
-    except ValueError:
+    answer = reply.answer
+    if answer is None:
         if res.exit_code != 0:
-            raise AgentUnavailable(f"the agent failed: {last or f'exit {res.exit_code}'}") from None
-        raise errors.AgentError(f"agent {verb}: answer is not JSON: {res.out[:200]!r}") from None
-    if not isinstance(answer, dict) or "ok" not in answer:
-        raise errors.AgentError(f"agent {verb}: unexpected answer {res.out[:200]!r}")
+            raise AgentUnavailable(f"the agent failed: {last or f'exit {res.exit_code}'}")
+        raise errors.AgentError(f"agent {verb}: answer is not JSON: {res.out[:200]!r}")
     if answer.get("protocol", AGENT_PROTOCOL) != AGENT_PROTOCOL:
-        raise errors.AgentError(f"the deployed agent speaks protocol {answer.get('protocol')}, this dflashctl "
-                                f"{AGENT_PROTOCOL}: run `dflashctl deploy`")
+        raise errors.AgentError(
+            f"the deployed agent speaks protocol {answer.get('protocol')}, this dflashctl "
+            f"{AGENT_PROTOCOL}: run `dflashctl deploy`"
+        )
     return answer

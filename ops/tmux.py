@@ -27,7 +27,7 @@ PANE_FIELDS = (
     "pid",  # the server's pid
     "session_created",
 )
-PANE_FORMAT = "\t".join("#{%s}" % f for f in PANE_FIELDS)
+PANE_FORMAT = "\t".join("#{" + f + "}" for f in PANE_FIELDS)
 
 
 def base(socket: str, tmux: str = "tmux") -> list[str]:
@@ -55,12 +55,38 @@ def start_argv(socket: str, session: str, command: t.Sequence[str], tmux: str = 
     tmux expands formats: the start directory is fixed, the runner enters the real one (--cwd)."""
     return [
         *base(socket, tmux),
-        "start-server", ";",
-        "set-option", "-g", "exit-empty", "off", ";",
-        "set-option", "-g", "remain-on-exit", "on", ";",
-        "set-option", "-g", "history-limit", str(HISTORY_LIMIT), ";",
-        "set-option", "-g", "default-shell", SHELL, ";",
-        "new-session", "-d", "-s", session, "-x", str(WIDTH), "-y", str(HEIGHT), "-c", SAFE_CWD,
+        "start-server",
+        ";",
+        "set-option",
+        "-g",
+        "exit-empty",
+        "off",
+        ";",
+        "set-option",
+        "-g",
+        "remain-on-exit",
+        "on",
+        ";",
+        "set-option",
+        "-g",
+        "history-limit",
+        str(HISTORY_LIMIT),
+        ";",
+        "set-option",
+        "-g",
+        "default-shell",
+        SHELL,
+        ";",
+        "new-session",
+        "-d",
+        "-s",
+        session,
+        "-x",
+        str(WIDTH),
+        "-y",
+        str(HEIGHT),
+        "-c",
+        SAFE_CWD,
         shlex.join(["exec", *command]),
     ]
 
@@ -70,8 +96,16 @@ def panes_argv(socket: str, session: str, tmux: str = "tmux") -> list[str]:
     ``can't find window``), then every pane of the session in one row each."""
     return [
         *base(socket, tmux),
-        "has-session", "-t", exact(session), ";",
-        "list-panes", "-s", "-t", exact(session), "-F", PANE_FORMAT,
+        "has-session",
+        "-t",
+        exact(session),
+        ";",
+        "list-panes",
+        "-s",
+        "-t",
+        exact(session),
+        "-F",
+        PANE_FORMAT,
     ]
 
 

@@ -20,10 +20,10 @@ __all__ = ["FILE_NAME", "source", "write"]
 FILE_NAME = "dflash.py"  # the module name config.json's auto_map names ("dflash.DFlashDraftModel")
 
 _IMPORT = "from dflash.target import build_target_layer_ids\n"
-_HEADER = '''# dflash.py: the DFlash drafter as Hugging Face remote code, written by the `dflash` trainer.
+_HEADER = """# dflash.py: the DFlash drafter as Hugging Face remote code, written by the `dflash` trainer.
 # Load with: AutoModel.from_pretrained(folder, trust_remote_code=True) (needs torch and transformers only).
 # Generated from the trainer's dflash/drafter.py; edits here are lost at the next export.
-'''
+"""
 
 
 @functools.lru_cache(maxsize=1)

@@ -40,7 +40,9 @@ def retry_until(fn: t.Callable[[], T], seconds: float = 10.0, *, interval: float
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"retry_until: {getattr(fn, '__name__', fn)!s} still falsy after {seconds:g}s; last value: {value!r}")
+            raise AssertionError(
+                f"retry_until: {getattr(fn, '__name__', fn)!s} still falsy after {seconds:g}s; last value: {value!r}"
+            )
         time.sleep(interval)
 
 
@@ -95,7 +97,7 @@ def missing_requirement(what: str) -> str | None:
 
 
 # Imported last: these modules use the helpers above.
-from ops.testing.sshd import Sshd  # noqa: E402
-from ops.testing.pve import FakePve  # noqa: E402
-from ops.testing.tmux import TmuxServers  # noqa: E402
 from ops.testing.hostsfile import CliResult, PveHosts  # noqa: E402
+from ops.testing.pve import FakePve  # noqa: E402
+from ops.testing.sshd import Sshd  # noqa: E402
+from ops.testing.tmux import TmuxServers  # noqa: E402

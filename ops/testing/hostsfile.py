@@ -17,7 +17,7 @@ if t.TYPE_CHECKING:
     from ops.testing.pve import FakePve
     from ops.testing.sshd import Sshd
 
-TomlValue = t.Union[str, int, float, bool, list, dict]
+TomlValue = str | int | float | bool | list[t.Any] | dict[str, t.Any]
 
 
 def toml_value(value: TomlValue) -> str:
@@ -154,7 +154,9 @@ class PveHosts:
         env.update(extra or {})
         return env
 
-    def cli(self, *args: str, input: str | None = None, timeout: float = 60, env: t.Mapping[str, str] | None = None) -> CliResult:
+    def cli(
+        self, *args: str, input: str | None = None, timeout: float = 60, env: t.Mapping[str, str] | None = None
+    ) -> CliResult:
         """Run the real ``dflashctl --hosts <path> ...`` in a subprocess with the test HOME."""
         proc = subprocess.run(
             [*dflashctl_argv(), "--hosts", str(self.path), *args],

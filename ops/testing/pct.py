@@ -58,7 +58,7 @@ class State:
     def init_info(self, vmid: str) -> dict[str, float] | None:
         """The running container's init ``{"pid", "started_at"}``, or None when it is stopped."""
         try:
-            info = json.loads(self.run_file(vmid).read_text())
+            info: dict[str, float] = json.loads(self.run_file(vmid).read_text())
         except (FileNotFoundError, ValueError):
             return None
         if not is_our_init(int(info["pid"]), self.root, vmid):
@@ -111,9 +111,22 @@ def cmd_status(st: State, vmid: str, args: list[str]) -> int:
         print(f"status: {status}")
         return 0
     facts: dict[str, object] = {
-        "cpus": 1, "disk": 0, "diskread": 0, "diskwrite": 0, "maxdisk": 8 << 30, "maxmem": 2 << 30,
-        "maxswap": 512 << 20, "mem": 0, "name": f"ct{vmid}", "netin": 0, "netout": 0,
-        "status": status, "swap": 0, "type": "lxc", "uptime": 0, "vmid": vmid,
+        "cpus": 1,
+        "disk": 0,
+        "diskread": 0,
+        "diskwrite": 0,
+        "maxdisk": 8 << 30,
+        "maxmem": 2 << 30,
+        "maxswap": 512 << 20,
+        "mem": 0,
+        "name": f"ct{vmid}",
+        "netin": 0,
+        "netout": 0,
+        "status": status,
+        "swap": 0,
+        "type": "lxc",
+        "uptime": 0,
+        "vmid": vmid,
     }
     if info:
         facts["pid"] = int(info["pid"])
@@ -139,13 +152,28 @@ def start_init(st: State, vmid: str) -> None:
     st.run_file(vmid).parent.mkdir(parents=True, exist_ok=True)
     r, w = os.pipe()
     argv = [
-        "unshare", "--pid", "--mount", "--fork", "--mount-proc", "--propagation", "private",
-        sys.executable, os.path.abspath(__file__), INIT_MARK, str(st.root), vmid, str(w),
+        "unshare",
+        "--pid",
+        "--mount",
+        "--fork",
+        "--mount-proc",
+        "--propagation",
+        "private",
+        sys.executable,
+        os.path.abspath(__file__),
+        INIT_MARK,
+        str(st.root),
+        vmid,
+        str(w),
     ]
     # Its own session, no inherited stdio: the caller (an ssh channel) must not wait on it.
     proc = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        pass_fds=(w,), start_new_session=True,
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(w,),
+        start_new_session=True,
     )
     os.close(w)
     # One line from the init once /tmp is mounted (unshare keeps the write end open: no EOF).
@@ -238,7 +266,10 @@ def cmd_exec(st: State, vmid: str, args: list[str]) -> int:
     missing = _exec_problem(init, argv[0], env["PATH"])
     if missing:
         errno_text, rc = missing
-        print(f'lxc-attach: {vmid}: ../src/lxc/attach.c: lxc_attach_run_command: 1841 {errno_text} - Failed to exec "{argv[0]}"', file=sys.stderr)
+        print(
+            f'lxc-attach: {vmid}: ../src/lxc/attach.c: lxc_attach_run_command: 1841 {errno_text} - Failed to exec "{argv[0]}"',
+            file=sys.stderr,
+        )
         return rc
     sys.stdout.flush()
     rc = subprocess.call(["nsenter", "-t", str(init), "-p", "-m", "--wd=/", "--", *argv], env=env)
@@ -248,7 +279,9 @@ def cmd_exec(st: State, vmid: str, args: list[str]) -> int:
 def _exec_problem(init: int, prog: str, path: str) -> tuple[str, int] | None:
     """What lxc-attach's exec would fail with, looked up in the container's own view of the files."""
     root = f"/proc/{init}/root"
-    candidates = [prog if prog.startswith("/") else "/" + prog] if "/" in prog else [f"{d}/{prog}" for d in path.split(":") if d]
+    candidates = (
+        [prog if prog.startswith("/") else "/" + prog] if "/" in prog else [f"{d}/{prog}" for d in path.split(":") if d]
+    )
     for c in candidates:
         full = root + c
         if os.path.isfile(full):
@@ -309,8 +342,15 @@ def cmd_pull(st: State, vmid: str, args: list[str]) -> int:
 
 
 VERBS = {
-    "status": cmd_status, "start": cmd_start, "stop": cmd_stop, "shutdown": cmd_stop,
-    "reboot": cmd_reboot, "destroy": cmd_destroy, "exec": cmd_exec, "push": cmd_push, "pull": cmd_pull,
+    "status": cmd_status,
+    "start": cmd_start,
+    "stop": cmd_stop,
+    "shutdown": cmd_stop,
+    "reboot": cmd_reboot,
+    "destroy": cmd_destroy,
+    "exec": cmd_exec,
+    "push": cmd_push,
+    "pull": cmd_pull,
 }
 
 
@@ -386,7 +426,9 @@ def main(argv: list[str]) -> int:
         return 255
     verb, vmid, args = rest[0], rest[1], rest[2:]
     if not vmid.isdigit():
-        print(f"400 Parameter verification failed.\nvmid: type check ('integer') failed - got '{vmid}'", file=sys.stderr)
+        print(
+            f"400 Parameter verification failed.\nvmid: type check ('integer') failed - got '{vmid}'", file=sys.stderr
+        )
         return 255
     try:
         return VERBS[verb](st, vmid, args)

@@ -22,9 +22,9 @@ BASE = "/var/tmp"
 def shared_tmp_paths() -> list[str]:
     """Folders the tests run from that a container must see: the checkout and the interpreter's prefix."""
     repo = Path(__file__).resolve().parents[2]
-    found = []
+    found: list[str] = []
     for p in (str(repo), sys.prefix, os.path.realpath(sys.prefix)):
-        if (p.startswith("/tmp/") and not any(p == f or p.startswith(f + "/") for f in found)):
+        if p.startswith("/tmp/") and not any(p == f or p.startswith(f + "/") for f in found):
             found.append(p)
     return found
 
@@ -36,7 +36,9 @@ class FakePve:
     host and every container see at the same path: put workdir and run_dir there).
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, *, node: str = "pve", python: str = sys.executable) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str] | None = None, *, node: str = "pve", python: str = sys.executable
+    ) -> None:
         self.owns_root = root is None
         self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="dflash-pve-", dir=BASE))
         if str(self.root).startswith("/tmp/") or str(self.root) == "/tmp":
@@ -50,7 +52,7 @@ class FakePve:
         self.pct = self.root / "bin" / "pct"
         self.pct.write_text(
             "#!/bin/sh\n"
-            f"exec {shlex.quote(python)} {shlex.quote(pct_program.__file__)} --state {shlex.quote(str(self.state))} \"$@\"\n"
+            f'exec {shlex.quote(python)} {shlex.quote(pct_program.__file__)} --state {shlex.quote(str(self.state))} "$@"\n'
         )
         self.pct.chmod(0o755)
 
@@ -58,7 +60,13 @@ class FakePve:
 
     def create(self, vmid: int = 200, *, start: bool = False) -> int:
         conf = self.state / "nodes" / self.node / "lxc" / f"{vmid}.conf"
-        lines = ["arch: amd64", f"hostname: ct{vmid}", "memory: 2048", "ostype: debian", f"rootfs: local-lvm:vm-{vmid}-disk-0,size=8G"]
+        lines = [
+            "arch: amd64",
+            f"hostname: ct{vmid}",
+            "memory: 2048",
+            "ostype: debian",
+            f"rootfs: local-lvm:vm-{vmid}-disk-0,size=8G",
+        ]
         # This checkout and its venv, bind-mounted like PVE's mpN when they live under the host's /tmp
         # (a CI clone may): the container mounts its own /tmp and would not see them otherwise.
         lines += [f"mp{i}: {p},mp={p}" for i, p in enumerate(shared_tmp_paths())]
@@ -67,14 +75,18 @@ class FakePve:
             self.start(vmid)
         return vmid
 
-    def pct_run(self, *args: str | int, input: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+    def pct_run(
+        self, *args: str | int, input: bytes | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[bytes]:
         """Run the fake pct on this machine (as the host would) and return what it did."""
         return subprocess.run([str(self.pct), *map(str, args)], input=input, capture_output=True, timeout=timeout)
 
     def _check(self, *args: str | int) -> None:
         r = self.pct_run(*args)
         if r.returncode != 0:
-            raise RuntimeError(f"pct {' '.join(map(str, args))}: exit {r.returncode}: {r.stderr.decode(errors='replace').strip()}")
+            raise RuntimeError(
+                f"pct {' '.join(map(str, args))}: exit {r.returncode}: {r.stderr.decode(errors='replace').strip()}"
+            )
 
     def start(self, vmid: int = 200) -> None:
         self._check("start", vmid)
@@ -95,7 +107,9 @@ class FakePve:
         info = pct_program.State(self.state).init_info(str(vmid))
         return int(info["pid"]) if info else None
 
-    def run_in(self, vmid: int, argv: list[str], *, input: bytes | None = None, timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+    def run_in(
+        self, vmid: int, argv: list[str], *, input: bytes | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[bytes]:
         """``pct exec <vmid> -- argv`` on this machine, for assertions about the inside."""
         return self.pct_run("exec", vmid, "--", *argv, input=input, timeout=timeout)
 

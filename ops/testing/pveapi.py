@@ -26,15 +26,16 @@ if t.TYPE_CHECKING:
 
 def self_signed_cert(folder: Path) -> tuple[Path, Path]:
     """A throwaway certificate for 127.0.0.1 (the client runs with verify_ssl = false)."""
+    import ipaddress
+
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -48,14 +49,18 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
     )
     crt, pem = folder / "pveproxy.crt", folder / "pveproxy.key"
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pem.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return crt, pem
 
 
 class FakePveApi:
     """``with FakePveApi(fake_pve, token_value="s3cret") as api:`` then point proxmoxer at ``api.port``."""
 
-    def __init__(self, pve: FakePve, *, user: str = "root@pam", token_name: str = "dflashctl", token_value: str = "s3cret") -> None:
+    def __init__(
+        self, pve: FakePve, *, user: str = "root@pam", token_name: str = "dflashctl", token_value: str = "s3cret"
+    ) -> None:
         self.pve = pve
         self.auth = f"PVEAPIToken={user}!{token_name}={token_value}"
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, for assertions
@@ -130,13 +135,28 @@ class FakePveApi:
     def _status(self, req: http.server.BaseHTTPRequestHandler, vmid: str) -> None:
         st = pct_program.State(self.pve.state)
         if not st.conf(vmid).is_file():
-            return self._reply(req, 500, f"Configuration file 'nodes/{self.pve.node}/lxc/{vmid}.conf' does not exist", None)
+            return self._reply(
+                req, 500, f"Configuration file 'nodes/{self.pve.node}/lxc/{vmid}.conf' does not exist", None
+            )
         info = st.init_info(vmid)
         data: dict[str, t.Any] = {
-            "vmid": int(vmid), "name": f"ct{vmid}", "type": "lxc", "status": "running" if info else "stopped",
-            "uptime": int(time.time() - float(info["started_at"])) if info else 0, "cpus": 1, "maxmem": 2 << 30,
-            "mem": 0, "maxdisk": 8 << 30, "disk": 0, "maxswap": 512 << 20, "swap": 0, "netin": 0, "netout": 0,
-            "diskread": 0, "diskwrite": 0, "ha": {"managed": 0},
+            "vmid": int(vmid),
+            "name": f"ct{vmid}",
+            "type": "lxc",
+            "status": "running" if info else "stopped",
+            "uptime": int(time.time() - float(info["started_at"])) if info else 0,
+            "cpus": 1,
+            "maxmem": 2 << 30,
+            "mem": 0,
+            "maxdisk": 8 << 30,
+            "disk": 0,
+            "maxswap": 512 << 20,
+            "swap": 0,
+            "netin": 0,
+            "netout": 0,
+            "diskread": 0,
+            "diskwrite": 0,
+            "ha": {"managed": 0},
         }
         if info:
             data["pid"] = int(info["pid"])
@@ -145,15 +165,24 @@ class FakePveApi:
     def _start(self, req: http.server.BaseHTTPRequestHandler, vmid: str) -> None:
         st = pct_program.State(self.pve.state)
         if not st.conf(vmid).is_file():
-            return self._reply(req, 500, f"Configuration file 'nodes/{self.pve.node}/lxc/{vmid}.conf' does not exist", None)
+            return self._reply(
+                req, 500, f"Configuration file 'nodes/{self.pve.node}/lxc/{vmid}.conf' does not exist", None
+            )
         if st.init_info(vmid):
             return self._reply(req, 500, f"CT {vmid} already running", None)
         started = int(time.time())
-        upid = f"UPID:{self.pve.node}:{started & 0xFFFFFF:08X}:00000000:{started:08X}:vzstart:{vmid}:root@pam!dflashctl:"
+        upid = (
+            f"UPID:{self.pve.node}:{started & 0xFFFFFF:08X}:00000000:{started:08X}:vzstart:{vmid}:root@pam!dflashctl:"
+        )
         r = self.pve.pct_run("start", vmid)
         self.tasks[upid] = {
-            "upid": upid, "node": self.pve.node, "type": "vzstart", "id": vmid, "status": "stopped",
-            "exitstatus": "OK" if r.returncode == 0 else r.stderr.decode(errors="replace").strip(), "starttime": started,
+            "upid": upid,
+            "node": self.pve.node,
+            "type": "vzstart",
+            "id": vmid,
+            "status": "stopped",
+            "exitstatus": "OK" if r.returncode == 0 else r.stderr.decode(errors="replace").strip(),
+            "starttime": started,
         }
         return self._reply(req, 200, "OK", upid)
 

@@ -29,7 +29,9 @@ class Sshd:
     ``rotate_host_key()`` gives the server a new host key (the "changed host key" case).
     """
 
-    def __init__(self, root: Path, *, port: int | None = None, user: str = "root", login_shell: str | None = None) -> None:
+    def __init__(
+        self, root: Path, *, port: int | None = None, user: str = "root", login_shell: str | None = None
+    ) -> None:
         from ops.testing import free_port
 
         self.root = Path(root)
@@ -106,8 +108,17 @@ class Sshd:
             argv += ["-o", f"{key}={value}"]
         if self.login_shell is not None:
             # unshare and sh both exec: the pid we hold is sshd's.
-            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    'mount --bind "$0" /etc/passwd && exec "$@"', str(self.passwd), *argv]
+            argv = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                'mount --bind "$0" /etc/passwd && exec "$@"',
+                str(self.passwd),
+                *argv,
+            ]
         return argv
 
     def start(self, timeout: float = 15.0) -> Sshd:
@@ -117,7 +128,9 @@ class Sshd:
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         log = open(self.log, "ab")
         try:
-            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
         finally:
             log.close()
         deadline = time.monotonic() + timeout
@@ -170,9 +183,23 @@ class Sshd:
     def ssh_argv(self, *remote: str) -> list[str]:
         """The OpenSSH client argv that reaches this sshd with the pinned key (for benchmarks)."""
         return [
-            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={self.known_hosts}",
-            "-o", "StrictHostKeyChecking=yes", "-o", "GlobalKnownHostsFile=/dev/null",
-            "-i", str(self.client_key), "-p", str(self.port), f"{self.user}@127.0.0.1", *remote,
+            "ssh",
+            "-F",
+            "/dev/null",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"UserKnownHostsFile={self.known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-o",
+            "GlobalKnownHostsFile=/dev/null",
+            "-i",
+            str(self.client_key),
+            "-p",
+            str(self.port),
+            f"{self.user}@127.0.0.1",
+            *remote,
         ]
 
     def __enter__(self) -> Sshd:

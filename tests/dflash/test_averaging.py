@@ -203,8 +203,14 @@ def test_the_two_slot_staging_pipeline_gives_the_direct_result(dtype: torch.dtyp
     """CUDA replicas go through two staging slots (gather slice i+1 while reducing slice i); here CPU
     replicas are forced through the same slots, so the bookkeeping (which slot, which buffer) is tested."""
     g = torch.Generator().manual_seed(5)
-    direct = [[torch.randn(23, generator=g).to(dtype), torch.randn(3, 5, generator=g).to(dtype),
-               torch.randn(9, generator=g).to(dtype)] for _ in range(3)]
+    direct = [
+        [
+            torch.randn(23, generator=g).to(dtype),
+            torch.randn(3, 5, generator=g).to(dtype),
+            torch.randn(9, generator=g).to(dtype),
+        ]
+        for _ in range(3)
+    ]
     staged = [[x.clone() for x in rep] for rep in direct]
     Averager.for_replicas(direct, chunk_numel=4).average(direct)
     avg = Averager.for_replicas(staged, chunk_numel=4)
@@ -218,3 +224,23 @@ def test_the_two_slot_staging_pipeline_gives_the_direct_result(dtype: torch.dtyp
     for rd, rs in zip(direct, staged):
         for x, y in zip(rd, rs):
             assert torch.equal(x, y)
+
+
+def test_one_local_replica_still_takes_the_global_mean_through_the_hook() -> None:
+    """A node of a group with a single drafter: its replica is its local mean, and the hook must still run
+    (before the node group, a single replica returned early and never met the other nodes)."""
+    calls: list[tuple[int, int]] = []
+
+    def other_node(local_mean: torch.Tensor, count: int) -> None:
+        calls.append((local_mean.numel(), count))
+        local_mean.mul_(count).add_(torch.full_like(local_mean, 10.0), alpha=3).div_(count + 3)
+
+    (model,) = replicas(1, diverge=True)
+    before = state(model)
+    params = [[p for p in model.parameters() if p.requires_grad]]
+    Averager.for_replicas(params, chunk_numel=100, cross_reduce=other_node).average(params)
+    assert calls == [(100, 1), (100, 1), (100, 1), (84, 1), (16, 1), (16, 1)]
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p, (before[name] + 30.0) / 4, atol=1e-5), name
+    assert torch.equal(model.head.weight, before["head.weight"])  # frozen: never handed to the averager

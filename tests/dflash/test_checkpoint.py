@@ -10,10 +10,11 @@ import sys
 
 import pytest
 import torch
+import zlab_reference
 from safetensors.torch import load_file
+from test_drafter import ZLAB_NAMES
 from transformers import Qwen3Config
 
-import zlab_reference
 from dflash.checkpoint import (
     CheckpointError,
     latest_complete,
@@ -26,7 +27,6 @@ from dflash.checkpoint import (
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.loss import drafter_loss
 from dflash.target import TargetModel, tiny_target_config
-from test_drafter import ZLAB_NAMES
 
 MASK = 511
 
@@ -46,8 +46,11 @@ def draft_hidden(model, target: TargetModel, seed: int = 0) -> torch.Tensor:
     ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(seed))
     block = torch.tensor([[int(ids[0, -1]), MASK, MASK, MASK]])
     with torch.no_grad():
-        return model(position_ids=torch.arange(13)[None], noise_embedding=target.head().embed(block),
-                     target_hidden=target.features(ids))
+        return model(
+            position_ids=torch.arange(13)[None],
+            noise_embedding=target.head().embed(block),
+            target_hidden=target.features(ids),
+        )
 
 
 def test_round_trip_gives_the_same_logits(tmp_path, target: TargetModel) -> None:
@@ -64,7 +67,13 @@ def test_round_trip_gives_the_same_logits(tmp_path, target: TargetModel) -> None
 
 def test_files_config_keys_and_parameter_names_are_zlab(tmp_path) -> None:
     path = save_checkpoint(tmp_path, step=1, drafter=new_drafter(), trainer_state={})
-    assert sorted(os.listdir(path)) == ["checkpoint.json", "config.json", "dflash.py", "model.safetensors", "trainer_state.pt"]
+    assert sorted(os.listdir(path)) == [
+        "checkpoint.json",
+        "config.json",
+        "dflash.py",
+        "model.safetensors",
+        "trainer_state.pt",
+    ]
     assert sorted(load_file(path / "model.safetensors")) == ZLAB_NAMES
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
@@ -119,8 +128,13 @@ def test_resume_continues_exactly_as_if_never_stopped(tmp_path, target: TargetMo
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     train_steps(drafter, opt, target, g, 3)
-    save_checkpoint(tmp_path, step=3, drafter=drafter, trainer_state={"step": 3, "rng": rng_state(g), "data": [4, 5]},
-                    optimizer_state=opt.state_dict())
+    save_checkpoint(
+        tmp_path,
+        step=3,
+        drafter=drafter,
+        trainer_state={"step": 3, "rng": rng_state(g), "data": [4, 5]},
+        optimizer_state=opt.state_dict(),
+    )
     train_steps(drafter, opt, target, g, 2)
 
     ckpt = load_checkpoint(latest_complete(tmp_path))
@@ -166,7 +180,7 @@ def test_latest_complete_never_picks_a_half_written_checkpoint(tmp_path) -> None
 def test_a_failed_save_leaves_no_trace_and_the_previous_one_stands(tmp_path) -> None:
     drafter = new_drafter()
     good = save_checkpoint(tmp_path, step=1, drafter=drafter, trainer_state={})
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickle raises for a lambda; the point is what is left
         save_checkpoint(tmp_path, step=2, drafter=drafter, trainer_state={"bad": lambda: None})  # unpicklable
     assert sorted(os.listdir(tmp_path)) == ["step-1"]
     assert latest_complete(tmp_path) == good
@@ -185,6 +199,8 @@ def test_keep_prunes_the_oldest_and_a_dead_writers_temp_dir_is_removed(tmp_path)
 
 
 def test_trainer_state_must_load_without_arbitrary_pickles(tmp_path) -> None:
-    path = save_checkpoint(tmp_path, step=1, drafter=new_drafter(), trainer_state={"when": __import__("datetime").date(2026, 1, 1)})
+    path = save_checkpoint(
+        tmp_path, step=1, drafter=new_drafter(), trainer_state={"when": __import__("datetime").date(2026, 1, 1)}
+    )
     with pytest.raises(CheckpointError, match="weights_only=True"):
         load_checkpoint(path)

@@ -30,10 +30,18 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(TINY, [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "log_every=100",
-        "checkpoint.interval=0", "max_steps=4", "devices.drafters=cpu", *overrides,
-    ])  # one drafter: a checkpoint lands exactly on its interval (two may add the step in flight)
+    return load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "log_every=100",
+            "checkpoint.interval=0",
+            "max_steps=4",
+            "devices.drafters=cpu",
+            *overrides,
+        ],
+    )  # one drafter: a checkpoint lands exactly on its interval (two may add the step in flight)
 
 
 def train(tmp_path: Path, *overrides: str) -> Run:
@@ -78,8 +86,9 @@ def flip_a_byte(path: Path, offset: int) -> None:
 # 11.6: every run has an identity
 
 
-def test_resume_never_moves_the_first_run_aside_and_keeps_its_own_fresh_checkpoints(tmp_path: Path,
-                                                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_never_moves_the_first_run_aside_and_keeps_its_own_fresh_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     first = train(tmp_path, "max_steps=8", "checkpoint.interval=4", "checkpoint.keep=2")
     root = tmp_path / "ckpt"
     assert steps(root) == ["step-4", "step-8"]
@@ -114,8 +123,12 @@ def test_keep_prunes_only_the_runs_own_checkpoints_and_never_its_newest(tmp_path
 
 
 def test_another_runs_checkpoint_in_the_way_is_moved_aside_not_deleted(tmp_path: Path) -> None:
-    ckpt.save_checkpoint(tmp_path, step=5, drafter=new_drafter(1), trainer_state={"who": "a"}, run_id="20260101T000000Z-aaaa")
-    ckpt.save_checkpoint(tmp_path, step=5, drafter=new_drafter(2), trainer_state={"who": "b"}, run_id="20260202T000000Z-bbbb")
+    ckpt.save_checkpoint(
+        tmp_path, step=5, drafter=new_drafter(1), trainer_state={"who": "a"}, run_id="20260101T000000Z-aaaa"
+    )
+    ckpt.save_checkpoint(
+        tmp_path, step=5, drafter=new_drafter(2), trainer_state={"who": "b"}, run_id="20260202T000000Z-bbbb"
+    )
     assert ckpt.load_checkpoint(tmp_path / "step-5").trainer_state == {"who": "b"}
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("old-20260101T000000Z-aaaa-")]
     assert len(aside) == 1 and ckpt.load_checkpoint(aside[0] / "step-5").trainer_state == {"who": "a"}
@@ -127,8 +140,13 @@ def test_resuming_an_older_checkpoint_of_a_run_forks_a_new_run_that_leaves_the_l
     assert steps(root) == ["step-6"]
     shutil.copytree(root / "step-6", tmp_path / "step-6")  # a copy to resume from explicitly, later
     assert train(tmp_path, "max_steps=9", "checkpoint.interval=3").run_id == first.run_id  # it goes on: step-9
-    fork = train(tmp_path, "max_steps=8", "checkpoint.interval=1", "checkpoint.keep=1",
-                 f"checkpoint.resume={tmp_path / 'step-6'}")
+    fork = train(
+        tmp_path,
+        "max_steps=8",
+        "checkpoint.interval=1",
+        "checkpoint.keep=1",
+        f"checkpoint.resume={tmp_path / 'step-6'}",
+    )
     assert fork.run_id != first.run_id
     assert steps(root) == ["step-6", "step-8", "step-9"], "keep=1 of the fork pruned none of the first run's"
     assert ckpt.run_of(root / "step-9") == first.run_id and ckpt.run_of(root / "step-8") == fork.run_id
@@ -145,8 +163,9 @@ def test_run_ids_made_within_one_second_sort_in_the_order_they_were_made() -> No
     assert sorted(ids) == ids and len(set(ids)) == 50
 
 
-def test_resume_auto_skips_a_corrupted_checkpoint_for_the_previous_one(tmp_path: Path,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_resume_auto_skips_a_corrupted_checkpoint_for_the_previous_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     first = train(tmp_path, "max_steps=6", "checkpoint.interval=3")
     root = tmp_path / "ckpt"
     assert steps(root) == ["step-3", "step-6"]
@@ -176,7 +195,9 @@ def test_a_flipped_weight_byte_is_caught_by_load_checkpoint_load_drafter_and_eva
         ckpt.load_drafter(path)
     assert ckpt.latest_complete(tmp_path / "ckpt") is None
     code, err = cli("eval", "--drafter", str(path), "--limit", "1")
-    assert code == 2 and err == [f"dflash: --drafter: {path}: model.safetensors is corrupted: its sha256 is not the one in checkpoint.json"]
+    assert code == 2 and err == [
+        f"dflash: --drafter: {path}: model.safetensors is corrupted: its sha256 is not the one in checkpoint.json"
+    ]
 
 
 def test_checkpoints_without_sums_or_run_ids_still_load_and_count_as_the_oldest_run(tmp_path: Path) -> None:
@@ -277,7 +298,7 @@ def test_one_replicas_moments_are_saved_and_every_replica_resumes_with_them(tmp_
 
 def test_a_run_config_that_is_not_utf8_or_nested_too_deeply_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "latin1.toml"
-    bad.write_bytes(b'max_steps = 3\n# caf\xe9\n')
+    bad.write_bytes(b"max_steps = 3\n# caf\xe9\n")
     with pytest.raises(ConfigError, match=r"^--config: .*latin1.toml is not UTF-8 text \(byte 19\)"):
         load_config(bad)
     deep = tmp_path / "deep.toml"
@@ -288,15 +309,18 @@ def test_a_run_config_that_is_not_utf8_or_nested_too_deeply_is_one_line(tmp_path
         load_config(TINY, ["drafter.layers=" + "[" * 100_000])
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("seed=99999999999999999999999", "seed: 99999999999999999999999 is out of range for a 64-bit integer"),
-    ("seed=99999999999", "seed: must be in [0, 4294967295], got 99999999999"),
-    ("optim.lr=nan", "optim.lr: expected a finite number, got nan"),
-    ("optim.lr=inf", "optim.lr: expected a finite number, got inf"),
-    ("barrier_timeout=-inf", "barrier_timeout: expected a finite number, got -inf"),
-    ("optim.betas=[0.9, nan]", "optim.betas[1]: expected a finite number, got nan"),
-    ("optim.eps=1" + "0" * 400, "optim.eps: expected a finite number, got a huge integer"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=99999999999999999999999", "seed: 99999999999999999999999 is out of range for a 64-bit integer"),
+        ("seed=99999999999", "seed: must be in [0, 4294967295], got 99999999999"),
+        ("optim.lr=nan", "optim.lr: expected a finite number, got nan"),
+        ("optim.lr=inf", "optim.lr: expected a finite number, got inf"),
+        ("barrier_timeout=-inf", "barrier_timeout: expected a finite number, got -inf"),
+        ("optim.betas=[0.9, nan]", "optim.betas[1]: expected a finite number, got nan"),
+        ("optim.eps=1" + "0" * 400, "optim.eps: expected a finite number, got a huge integer"),
+    ],
+)
 def test_numbers_out_of_range_or_not_finite_name_their_key(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
@@ -305,7 +329,9 @@ def test_numbers_out_of_range_or_not_finite_name_their_key(override: str, messag
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_cuda_device_without_cuda_names_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^devices.targets\[0\]: cuda:0 asked for, but this machine .* has no CUDA device$"):
+    with pytest.raises(
+        ConfigError, match=r"^devices.targets\[0\]: cuda:0 asked for, but this machine .* has no CUDA device$"
+    ):
         Run(tiny(tmp_path, "devices.targets=cuda:0"), environ={})
 
 
@@ -322,8 +348,11 @@ def test_eval_with_a_drafter_for_another_target_says_so_before_decoding(tmp_path
     path = ckpt.save_checkpoint(tmp_path / "other", step=1, drafter=other, trainer_state={"config": to_dict(cfg)})
     (tmp_path / "prompts.jsonl").write_text('{"input_ids": [1, 2, 3, 4]}\n')
     code, err = cli("eval", "--drafter", str(path), "--prompts", str(tmp_path / "prompts.jsonl"))
-    assert code == 2 and len(err) == 1 and err[0].startswith("dflash: --drafter: its hidden size is 32 (fc reads 64 features); "
-                                               "this target's is 64"), err
+    assert (
+        code == 2
+        and len(err) == 1
+        and err[0].startswith("dflash: --drafter: its hidden size is 32 (fc reads 64 features); this target's is 64")
+    ), err
     # weights that do not fit their own config.json: one line, not load_state_dict's traceback
     conf = json.loads((path / "config.json").read_text())
     conf["intermediate_size"] += 1
@@ -337,4 +366,3 @@ def _load_without_sums(path: Path) -> DFlashDraftModel:
     del manifest["sha256"]  # the edit above changed config.json on purpose
     (path / "checkpoint.json").write_text(json.dumps(manifest))
     return ckpt.load_drafter(path)
-

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import copy
 import io
-from pathlib import Path
-
 import typing as t
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,8 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def parts() -> dict[str, object]:
     target = TargetModel.from_config(tiny_target_config(initializer_range=0.1), seed=0, num_draft_layers=2)
-    cfg = draft_config_for(target.model.config, num_layers=2, block_size=8, mask_token_id=511,
-                           target_layer_ids=target.layer_ids)
+    cfg = draft_config_for(
+        target.model.config, num_layers=2, block_size=8, mask_token_id=511, target_layer_ids=target.layer_ids
+    )
     torch.manual_seed(0)
     drafter = DFlashDraftModel(cfg)
     g = torch.Generator().manual_seed(0)
@@ -47,8 +47,9 @@ def parts() -> dict[str, object]:
     return {"drafter": drafter, "head": target.head(), "ids": ids, "mask": mask, "feats": target.features(ids)}
 
 
-def loss_and_grads(parts: dict[str, object], *, checkpointing: bool, compile: bool,
-                   graphs: list[torch.fx.GraphModule] | None = None) -> tuple[float, list[torch.Tensor], int]:
+def loss_and_grads(
+    parts: dict[str, object], *, checkpointing: bool, compile: bool, graphs: list[torch.fx.GraphModule] | None = None
+) -> tuple[float, list[torch.Tensor], int]:
     model = copy.deepcopy(parts["drafter"])
     assert isinstance(model, DFlashDraftModel)
     model.train()
@@ -64,8 +65,17 @@ def loss_and_grads(parts: dict[str, object], *, checkpointing: bool, compile: bo
     if not compile:  # count MLP calls: checkpointing runs each layer again in the backward
         # (a pre-hook: early-stopping recomputation ends inside the MLP, before a forward hook would run)
         model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-    out = drafter_loss(model, parts["head"], parts["ids"], parts["mask"], parts["feats"], num_anchors=8, gamma=4.0,
-                       generator=torch.Generator().manual_seed(1), chunk_size=4)
+    out = drafter_loss(
+        model,
+        parts["head"],
+        parts["ids"],
+        parts["mask"],
+        parts["feats"],
+        num_anchors=8,
+        gamma=4.0,
+        generator=torch.Generator().manual_seed(1),
+        chunk_size=4,
+    )
     out.loss.backward()
     return float(out.loss.detach()), [p.grad.clone() for p in model.parameters()], calls[0]
 
@@ -98,17 +108,27 @@ def test_checkpointing_does_not_come_from_transformers(parts: dict[str, object])
     model = copy.deepcopy(parts["drafter"])
     assert isinstance(model, DFlashDraftModel)
     prepare_drafter(model, activation_checkpointing=True, compile=False)
-    assert all(not isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing
-               for layer in model.layers)
+    assert all(
+        not isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing for layer in model.layers
+    )
     prepare_drafter(model, activation_checkpointing=False, compile=False)
     assert not any(layer.gradient_checkpointing for layer in model.layers)
 
 
 def test_compiled_drafters_train_in_threads(tmp_path: Path) -> None:
-    cfg = load_config(REPO / "configs" / "tiny-random.toml", [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "max_steps=6", "log_every=3",
-        "checkpoint.interval=0", "compile=true", "compile_backend=eager", "activation_checkpointing=true",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "max_steps=6",
+            "log_every=3",
+            "checkpoint.interval=0",
+            "compile=true",
+            "compile_backend=eager",
+            "activation_checkpointing=true",
+        ],
+    )
     out = io.StringIO()
     run = Run(cfg, environ={}, stream=out)
     assert all(layer._compiled_call_impl is not None for r in run.drafters for layer in r.model.layers)

@@ -53,11 +53,20 @@ def unfused_flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def three_drafters(tmp_path: Path, *overrides: str) -> Run:
-    cfg = load_config(REPO / "configs" / "tiny-random.toml", [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=0",
-        'devices.drafters=["cpu", "cpu", "cpu"]', "data.max_length=96", "compile=true", "compile_backend=eager",
-        "checkpoint.resume=never", *overrides,
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "checkpoint.interval=0",
+            'devices.drafters=["cpu", "cpu", "cpu"]',
+            "data.max_length=96",
+            "compile=true",
+            "compile_backend=eager",
+            "checkpoint.resume=never",
+            *overrides,
+        ],
+    )
     return Run(cfg, environ={})
 
 
@@ -65,15 +74,18 @@ def batch(run: Run, rows: int, seq: int, anchors: int, seed: int) -> tuple[torch
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 500, (rows, seq), generator=g)
     mask = torch.zeros(rows, seq, dtype=torch.long)
-    mask[:, seq - anchors - 1:] = 1  # the widest row has exactly `anchors` anchor candidates
+    mask[:, seq - anchors - 1 :] = 1  # the widest row has exactly `anchors` anchor candidates
     mask[1:, : seq - anchors // 2 - 1] = 0  # the others fewer
     return ids, mask, t.cast(torch.Tensor, run.targets[0].model.features(ids))
 
 
 def train_in_threads(run: Run, attention: str, rounds: int = 1) -> list[str]:
     """Every drafter steps through BATCHES ``rounds`` times in its own thread, under fail_on_recompile; the errors."""
-    data = {(j, k): batch(run, *shape, seed=10 * j + k)
-            for j in range(len(run.drafters)) for k, shape in enumerate(BATCHES * rounds)}
+    data = {
+        (j, k): batch(run, *shape, seed=10 * j + k)
+        for j in range(len(run.drafters))
+        for k, shape in enumerate(BATCHES * rounds)
+    }
     errors: list[str] = []
 
     def work(j: int) -> None:
@@ -81,8 +93,18 @@ def train_in_threads(run: Run, attention: str, rounds: int = 1) -> list[str]:
         try:
             for k in range(len(BATCHES) * rounds):
                 ids, mask, feats = data[j, k]
-                out = drafter_loss(r.model, r.head, ids, mask, feats, num_anchors=16, gamma=4.0, chunk_size=64,
-                                   generator=torch.Generator().manual_seed(k), attention=attention)
+                out = drafter_loss(
+                    r.model,
+                    r.head,
+                    ids,
+                    mask,
+                    feats,
+                    num_anchors=16,
+                    gamma=4.0,
+                    chunk_size=64,
+                    generator=torch.Generator().manual_seed(k),
+                    attention=attention,
+                )
                 if out.loss.requires_grad:
                     out.loss.backward()
                     r.model.zero_grad(set_to_none=True)
@@ -103,15 +125,21 @@ def train_in_threads(run: Run, attention: str, rounds: int = 1) -> list[str]:
 
 @pytest.mark.parametrize(("attention", "backend", "rounds"), [("dense", "aot_eager", 3), ("flex", "eager", 1)])
 def test_after_warm_up_three_drafter_threads_never_recompile_nor_run_unfused_flex(
-        tmp_path: Path, attention: str, backend: str, rounds: int, unfused_flex_calls: list[str]) -> None:
+    tmp_path: Path, attention: str, backend: str, rounds: int, unfused_flex_calls: list[str]
+) -> None:
     torch._dynamo.reset()
     run = three_drafters(tmp_path, "activation_checkpointing=true", f"compile_backend={backend}")
     if attention == "flex":  # CPU flex attention has no backward: forward only
         for r in run.drafters:
             r.model.requires_grad_(False)
     for r in run.drafters:  # what Run.train() does before the threads start
-        shapes = warm_up(r, feature_size=run.targets[0].model.feature_size, vocab_size=run.vocab_size,
-                         mask_token_id=run.mask_token_id, attention=attention)
+        shapes = warm_up(
+            r,
+            feature_size=run.targets[0].model.feature_size,
+            vocab_size=run.vocab_size,
+            mask_token_id=run.mask_token_id,
+            attention=attention,
+        )
     assert (1, 96, 1) in shapes or attention == "dense"
     assert counters["stats"]["unique_graphs"] > 0, "warm-up compiled the layers"
     graphs = counters["stats"]["unique_graphs"]
@@ -129,7 +157,9 @@ def test_a_miss_after_warm_up_is_one_clear_error(tmp_path: Path, unfused_flex_ca
     r = run.drafters[0]
     # Warm up for batches of 3 rows only: a batch of one row is a graph it has not got.
     ids, mask, feats = batch(run, 3, 40, 5, seed=0)
-    drafter_loss(r.model, r.head, ids, mask, feats, num_anchors=5, generator=torch.Generator().manual_seed(0)).loss.backward()
+    drafter_loss(
+        r.model, r.head, ids, mask, feats, num_anchors=5, generator=torch.Generator().manual_seed(0)
+    ).loss.backward()
     ids, mask, feats = batch(run, 1, 40, 5, seed=1)
     torch.compiler.set_stance("fail_on_recompile")
     try:
@@ -144,8 +174,9 @@ def test_a_miss_after_warm_up_is_one_clear_error(tmp_path: Path, unfused_flex_ca
 
 def test_warm_up_shapes_cover_every_size_that_can_be_one() -> None:
     # the user's box: 8192 tokens, 512 anchors of 16, flex attention
-    shapes = warm_up_shapes(rows=4, max_length=8192, num_anchors=512, block_size=16, flex=True,
-                            taken={5120, 17408, 128, 1024, 8, 40})
+    shapes = warm_up_shapes(
+        rows=4, max_length=8192, num_anchors=512, block_size=16, flex=True, taken={5120, 17408, 128, 1024, 8, 40}
+    )
     kinds = set()
     for rows, seq, blocks in shapes:
         assert 1 <= blocks < seq <= 8192 and blocks <= 512
@@ -153,10 +184,20 @@ def test_warm_up_shapes_cover_every_size_that_can_be_one() -> None:
         kinds.add((rows == 1, blocks == 1, q <= 128, kv <= 128))
     # every combination a real batch can have, each once
     assert len(kinds) == len(shapes) == 10
-    assert {(r, b, q, k) for r in (True, False) for b, q, k in
-            [(True, True, True), (True, True, False), (False, True, True), (False, True, False),
-             (False, False, False)]} == kinds
+    assert {
+        (r, b, q, k)
+        for r in (True, False)
+        for b, q, k in [
+            (True, True, True),
+            (True, True, False),
+            (False, True, True),
+            (False, True, False),
+            (False, False, False),
+        ]
+    } == kinds
     # dense attention: only the rows can be 1
     dense = warm_up_shapes(rows=4, max_length=96, num_anchors=16, block_size=8, flex=False, taken={64, 128})
     assert [rows for rows, _, _ in dense] == [1, 2]
-    assert [rows for rows, _, _ in warm_up_shapes(rows=1, max_length=96, num_anchors=16, block_size=8, flex=False)] == [1]
+    assert [rows for rows, _, _ in warm_up_shapes(rows=1, max_length=96, num_anchors=16, block_size=8, flex=False)] == [
+        1
+    ]

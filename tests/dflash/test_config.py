@@ -82,16 +82,19 @@ def test_bad_file_values_name_their_key(tmp_path: Path) -> None:
 
 
 def test_overrides_are_typed_by_the_field(tmp_path: Path) -> None:
-    cfg = load_config(write(tmp_path, MINIMAL), [
-        "drafter.block_size=8",
-        "drafter.gamma=3",  # an int where a float goes: accepted as 3.0
-        "devices.targets=cuda:0,cuda:1,cpu,cpu",
-        "devices.drafters=[\"cuda:2\"]",
-        "drafter.target_layer_ids=1,5,9",
-        "output_dir=123",  # a str field keeps the text
-        "compile=true",
-        "checkpoint.resume=/ckpt/step-40",
-    ])
+    cfg = load_config(
+        write(tmp_path, MINIMAL),
+        [
+            "drafter.block_size=8",
+            "drafter.gamma=3",  # an int where a float goes: accepted as 3.0
+            "devices.targets=cuda:0,cuda:1,cpu,cpu",
+            'devices.drafters=["cuda:2"]',
+            "drafter.target_layer_ids=1,5,9",
+            "output_dir=123",  # a str field keeps the text
+            "compile=true",
+            "checkpoint.resume=/ckpt/step-40",
+        ],
+    )
     assert cfg.drafter.block_size == 8
     assert cfg.drafter.gamma == 3.0 and isinstance(cfg.drafter.gamma, float)
     assert cfg.devices.targets == ("cuda:0", "cuda:1", "cpu", "cpu")
@@ -119,8 +122,7 @@ def test_cross_field_checks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^data.max_batch_tokens: must be >= data.max_length"):
         load_config(write(tmp_path, tiny), ["data.max_length=512", "data.max_batch_tokens=100"])
     with pytest.raises(ConfigError, match=r"^queue.capacity: per-drafter mode needs"):
-        load_config(write(tmp_path, tiny), ["queue.mode=per-drafter", "queue.capacity=1",
-                                            "devices.drafters=cpu,cpu"])
+        load_config(write(tmp_path, tiny), ["queue.mode=per-drafter", "queue.capacity=1", "devices.drafters=cpu,cpu"])
 
 
 def test_run_dir_and_checkpoint_dir_follow_dflash_run_dir(tmp_path: Path) -> None:

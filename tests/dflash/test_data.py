@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from dflash.data import (
-    BatchPlan, ChatRenderer, DataError, DataPosition, JsonlDataset, Shard, collate, has_anchor, load_tokenizer, shard_starts,
+    BatchPlan,
+    ChatRenderer,
+    DataError,
+    DataPosition,
+    JsonlDataset,
+    Shard,
+    collate,
+    has_anchor,
+    load_tokenizer,
+    shard_starts,
 )
 
 
@@ -68,7 +77,10 @@ def test_samples_are_cut_to_max_length(tmp_path: Path) -> None:
     ("line", "message"),
     [
         ("{not json", r"d.jsonl line 2: not valid JSON"),
-        ('{"input_ids": [1, 2], "loss_mask": [1]}', r"line 2: loss_mask: expected 2 values \(one per input id\), got 1 values"),
+        (
+            '{"input_ids": [1, 2], "loss_mask": [1]}',
+            r"line 2: loss_mask: expected 2 values \(one per input id\), got 1 values",
+        ),
         ('{"input_ids": [1, 2], "loss_mask": [1, 2]}', r"line 2: loss_mask\[1\]: expected 0 or 1, got 2"),
         ('{"input_ids": [1, "a"]}', r"line 2: input_ids\[1\]: expected a token id, got 'a'"),
         ('{"input_ids": [1, 600]}', r"line 2: input_ids\[1\] = 600 is outside the target vocabulary \(512\)"),
@@ -92,8 +104,22 @@ def test_has_anchor() -> None:
 # Chat rendering with a tokenizer built here (no download)
 
 
-WORDS = ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "hello", "there", "how", "are", "you", "fine",
-         "thanks", "and", "bye", "ok"]
+WORDS = [
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+    "<|end|>",
+    "hello",
+    "there",
+    "how",
+    "are",
+    "you",
+    "fine",
+    "thanks",
+    "and",
+    "bye",
+    "ok",
+]
 
 
 def make_tokenizer(template: str) -> t.Any:
@@ -108,11 +134,15 @@ def make_tokenizer(template: str) -> t.Any:
     return fast
 
 
-PLAIN = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
-         "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-MARKED = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|> {% generation %}{{ m.content }} <|end|>"
-          "{% endgeneration %} {% else %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endif %}{% endfor %}"
-          "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+PLAIN = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|> {% generation %}{{ m.content }} <|end|>"
+    "{% endgeneration %} {% else %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 CHAT = [
     {"role": "user", "content": "hello there"},
     {"role": "assistant", "content": "how are you"},
@@ -130,7 +160,15 @@ def test_chat_rendering_supervises_exactly_the_assistant_turns(template: str) ->
     tok = make_tokenizer(template)
     sample = ChatRenderer(tok).render(CHAT)
     assert len(sample.input_ids) == len(sample.loss_mask)
-    assert supervised_words(tok, sample.input_ids, sample.loss_mask) == ["how", "are", "you", "<|end|>", "ok", "bye", "<|end|>"]
+    assert supervised_words(tok, sample.input_ids, sample.loss_mask) == [
+        "how",
+        "are",
+        "you",
+        "<|end|>",
+        "ok",
+        "bye",
+        "<|end|>",
+    ]
 
 
 def test_chat_records_in_a_dataset(tmp_path: Path) -> None:
@@ -144,9 +182,11 @@ def test_chat_records_in_a_dataset(tmp_path: Path) -> None:
 
 def test_a_template_that_rewrites_history_is_refused() -> None:
     # renders earlier assistant turns differently once a later turn exists (like thinking-stripping templates)
-    tmpl = ("{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|assistant|> ok <|end|> "
-            "{% else %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    tmpl = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}<|assistant|> ok <|end|> "
+        "{% else %}<|{{ m.role }}|> {{ m.content }} <|end|> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
     with pytest.raises(DataError, match="not render turn 1 as a prefix"):
         ChatRenderer(make_tokenizer(tmpl)).render(CHAT)
 

@@ -143,8 +143,12 @@ def test_cached_forward_equals_uncached() -> None:
     block = torch.randn(1, 4, 64)
     whole = model(torch.arange(13)[None], noise_embedding=block, target_hidden=ctx)
     cache = model.new_cache()
-    model(torch.arange(5 + 4)[None], noise_embedding=torch.randn(1, 4, 64), target_hidden=ctx[:, :5],
-          past_key_values=cache)
+    model(
+        torch.arange(5 + 4)[None],
+        noise_embedding=torch.randn(1, 4, 64),
+        target_hidden=ctx[:, :5],
+        past_key_values=cache,
+    )
     cache.crop(5)
     assert cache.get_seq_length() == 5
     split = model(torch.arange(5, 13)[None], noise_embedding=block, target_hidden=ctx[:, 5:], past_key_values=cache)
@@ -163,6 +167,9 @@ def test_drafter_runs_in_bfloat16_against_a_bfloat16_target() -> None:
     target = TargetModel.from_config(tiny_target_config(), dtype=torch.bfloat16, num_draft_layers=2)
     model = DFlashDraftModel(config()).to(torch.bfloat16)
     ids = torch.randint(0, 500, (1, 6))
-    out = model(torch.arange(10)[None], noise_embedding=target.head().embed(torch.tensor([[3, MASK, MASK, MASK]])),
-                target_hidden=target.features(ids))
+    out = model(
+        torch.arange(10)[None],
+        noise_embedding=target.head().embed(torch.tensor([[3, MASK, MASK, MASK]])),
+        target_hidden=target.features(ids),
+    )
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

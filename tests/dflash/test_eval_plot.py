@@ -26,16 +26,26 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A drafter trained for a few steps on make-tiny's data (its checkpoints)."""
     root = tmp_path_factory.mktemp("evalplot")
     tiny, _ = make_tiny(root / "tiny", SMALL)
-    cfg = load_config(REPO / "configs" / "tiny-cpu.toml", [
-        f"target.path={tiny / 'target'}", f"data.path={tiny / 'train.jsonl'}", f"output_dir={root / 'run'}",
-        f"checkpoint.dir={root / 'ckpt'}", "max_steps=40", "log_every=20", "checkpoint.interval=0", "optim.lr=5e-3",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny-cpu.toml",
+        [
+            f"target.path={tiny / 'target'}",
+            f"data.path={tiny / 'train.jsonl'}",
+            f"output_dir={root / 'run'}",
+            f"checkpoint.dir={root / 'ckpt'}",
+            "max_steps=40",
+            "log_every=20",
+            "checkpoint.interval=0",
+            "optim.lr=5e-3",
+        ],
+    )
     assert Run(cfg, environ={}, stream=io.StringIO()).train() == 0
     return root / "ckpt"
 
 
-def test_eval_plot_draws_one_report_and_before_after_side_by_side(tmp_path: Path, ckpt: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_eval_plot_draws_one_report_and_before_after_side_by_side(
+    tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dflash.eval_plot import series
 
     common = ["eval", "--drafter", str(ckpt), "--max-new-tokens", "12", "--ddtree-budget", "0"]
@@ -64,16 +74,23 @@ def test_eval_plot_draws_one_report_and_before_after_side_by_side(tmp_path: Path
 def test_eval_plot_errors_are_one_line_and_come_before_the_eval(tmp_path: Path) -> None:
     """No matplotlib (an import blocker on sys.meta_path): exit 1, one line naming the extra, and no
     model loaded (no --drafter is given: the eval would fail with another message)."""
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
-               "            raise ImportError('No module named ' + repr(name))\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "from dflash.__main__ import main\n"
-               "sys.exit(main(sys.argv[1:]))\n")
-    p = subprocess.run([sys.executable, "-c", blocker, "eval", "--plot", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ImportError('No module named ' + repr(name))\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from dflash.__main__ import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", blocker, "eval", "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert p.stderr.strip() == "dflash: drawing needs matplotlib, which is not installed: pip install 'dflash[plot]'"
 

@@ -14,7 +14,13 @@ import torch
 
 from dflash.config import load_config
 from dflash.evaluate import (
-    EvalError, ddtree_accept, evaluate, load_prompts, load_setup, teacher_forced_walk, untrained_drafter,
+    EvalError,
+    ddtree_accept,
+    evaluate,
+    load_prompts,
+    load_setup,
+    teacher_forced_walk,
+    untrained_drafter,
 )
 from dflash.spec_decode import speculative_generate
 from dflash.tiny import TinySpec, make_tiny
@@ -30,10 +36,19 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
     """make-tiny's output and a drafter trained on it for a few dozen steps (checkpoints in ckpt/)."""
     root = tmp_path_factory.mktemp("eval")
     tiny, _ = make_tiny(root / "tiny", SMALL)
-    cfg = load_config(REPO / "configs" / "tiny-cpu.toml", [
-        f"target.path={tiny / 'target'}", f"data.path={tiny / 'train.jsonl'}", f"output_dir={root / 'run'}",
-        f"checkpoint.dir={root / 'ckpt'}", "max_steps=300", "log_every=100", "checkpoint.interval=0", "optim.lr=5e-3",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny-cpu.toml",
+        [
+            f"target.path={tiny / 'target'}",
+            f"data.path={tiny / 'train.jsonl'}",
+            f"output_dir={root / 'run'}",
+            f"checkpoint.dir={root / 'ckpt'}",
+            "max_steps=300",
+            "log_every=100",
+            "checkpoint.interval=0",
+            "optim.lr=5e-3",
+        ],
+    )
     run = Run(cfg, environ={}, stream=io.StringIO())
     assert run.train() == 0
     return root, run
@@ -41,10 +56,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Run]:
 
 def test_the_untrained_drafter_is_the_one_training_starts_from(tmp_path: Path, trained: tuple[Path, Run]) -> None:
     root, _ = trained
-    cfg = load_config(REPO / "configs" / "tiny-cpu.toml", [
-        f"target.path={root / 'tiny' / 'target'}", f"data.path={root / 'tiny' / 'train.jsonl'}",
-        f"output_dir={tmp_path}", "checkpoint.resume=never",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "tiny-cpu.toml",
+        [
+            f"target.path={root / 'tiny' / 'target'}",
+            f"data.path={root / 'tiny' / 'train.jsonl'}",
+            f"output_dir={tmp_path}",
+            "checkpoint.resume=never",
+        ],
+    )
     fresh = Run(cfg, environ={}, stream=io.StringIO())  # built, not trained: its drafters are step 0
     mine = untrained_drafter(fresh.draft_config, seed=cfg.seed)
     theirs = fresh.drafters[0].model.state_dict()
@@ -52,7 +72,9 @@ def test_the_untrained_drafter_is_the_one_training_starts_from(tmp_path: Path, t
     assert all(torch.equal(v, theirs[k]) for k, v in mine.state_dict().items())
 
 
-def test_trained_drafter_decodes_exactly_the_targets_greedy_output_with_fewer_forwards(trained: tuple[Path, Run]) -> None:
+def test_trained_drafter_decodes_exactly_the_targets_greedy_output_with_fewer_forwards(
+    trained: tuple[Path, Run],
+) -> None:
     root, run = trained
     s = load_setup(drafter=str(root / "ckpt"))
     assert s.step == 300 and s.prompts_name == str(root / "tiny" / "eval.jsonl")
@@ -140,9 +162,28 @@ def test_cli_writes_the_report_and_says_what_is_missing(tmp_path: Path, trained:
     root, _ = trained
     out = tmp_path / "after.json"
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-m", "dflash", "eval", "--drafter", str(root / "ckpt"), "--limit", "2",
-                          "--max-new-tokens", "16", "--json", str(out), "--strict"],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash",
+            "eval",
+            "--drafter",
+            str(root / "ckpt"),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--json",
+            str(out),
+            "--strict",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(out.read_text())
     assert report["num_prompts"] == 2 and report["all_equal"] is True and report["step"] == 300
@@ -150,7 +191,13 @@ def test_cli_writes_the_report_and_says_what_is_missing(tmp_path: Path, trained:
     assert f"tau {report['tau']:.2f}" in res.stdout
     assert "output identical to plain greedy decoding: yes (2/2 prompts)" in res.stdout
     assert "Loading weights" not in res.stderr
-    res = subprocess.run([sys.executable, "-m", "dflash", "eval", "--drafter", str(tmp_path / "nowhere")],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    res = subprocess.run(
+        [sys.executable, "-m", "dflash", "eval", "--drafter", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == f"dflash: --drafter: {tmp_path / 'nowhere'} does not exist"

@@ -65,24 +65,33 @@ def inputs(target: TargetModel) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, 500, (1, 9), generator=torch.Generator().manual_seed(1))
     block = torch.tensor([[int(ids[0, -1]), MASK, MASK, MASK]])
     with torch.no_grad():
-        return {"position_ids": torch.arange(13)[None], "noise_embedding": target.head().embed(block),
-                "target_hidden": target.features(ids)}
+        return {
+            "position_ids": torch.arange(13)[None],
+            "noise_embedding": target.head().embed(block),
+            "target_hidden": target.features(ids),
+        }
 
 
 def load_in_fresh_interpreter(folder: Path, x: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, object]:
     torch.save(x, tmp_path / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"),
-                           str(tmp_path / "out.pt")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=200)
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(tmp_path / "out.pt")
 
 
 @pytest.mark.parametrize("sliding", [False, True])
 def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
-        tmp_path: Path, target: TargetModel, sliding: bool) -> None:
+    tmp_path: Path, target: TargetModel, sliding: bool
+) -> None:
     kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
     drafter = new_drafter(**kw).eval()
     path = save_checkpoint(tmp_path / "ckpt", step=3, drafter=drafter, trainer_state={})
@@ -117,8 +126,15 @@ def test_the_remote_module_is_generated_from_the_drafter_and_inlines_its_one_imp
 
 
 def test_published_mask_id_for_qwen3_and_none_for_other_families() -> None:
-    qwen3 = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    qwen3 = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     assert published_mask_token_id(qwen3) == 151669
     assert published_mask_token_id(tiny_target_config()) is None  # the tiny target: vocabulary 512
 
@@ -129,10 +145,18 @@ def test_published_mask_id_for_qwen3_and_none_for_other_families() -> None:
 def run_config(tmp_path: Path, name: str, *overrides: str):
     from dflash.config import load_config
 
-    return load_config(REPO / "configs" / "tiny-random.toml", [
-        f"output_dir={tmp_path / name}", f"checkpoint.dir={tmp_path / name / 'ckpt'}", "checkpoint.interval=0",
-        "checkpoint.resume=never", "devices.drafters=cpu", "devices.targets=cpu", *overrides,
-    ])
+    return load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / name}",
+            f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+            "checkpoint.interval=0",
+            "checkpoint.resume=never",
+            "devices.drafters=cpu",
+            "devices.targets=cpu",
+            *overrides,
+        ],
+    )
 
 
 def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
@@ -156,12 +180,22 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
     cold = Run(run_config(tmp_path, "c", "max_steps=1"), environ={})
     assert not torch.equal(cold.drafters[0].model.fc.weight, published.fc.weight)
 
-    with pytest.raises(ConfigError, match=r"^drafter\.init_from: .*published: block_size is 8, but drafter\.block_size is 4$"):
-        Run(run_config(tmp_path, "d", "max_steps=1", "drafter.block_size=4", f"drafter.init_from={tmp_path / 'published'}"),
-            environ={})
+    with pytest.raises(
+        ConfigError, match=r"^drafter\.init_from: .*published: block_size is 8, but drafter\.block_size is 4$"
+    ):
+        Run(
+            run_config(
+                tmp_path, "d", "max_steps=1", "drafter.block_size=4", f"drafter.init_from={tmp_path / 'published'}"
+            ),
+            environ={},
+        )
     with pytest.raises(ConfigError, match=r"^drafter\.mask_token_id: 7 differs from 511, the id the drafter in "):
-        Run(run_config(tmp_path, "e", "max_steps=1", "drafter.mask_token_id=7", f"drafter.init_from={tmp_path / 'published'}"),
-            environ={})
+        Run(
+            run_config(
+                tmp_path, "e", "max_steps=1", "drafter.mask_token_id=7", f"drafter.init_from={tmp_path / 'published'}"
+            ),
+            environ={},
+        )
     with pytest.raises(ConfigError, match=r"^drafter\.init_from: .*nowhere: no config\.json$"):
         Run(run_config(tmp_path, "f", "max_steps=1", f"drafter.init_from={tmp_path / 'nowhere'}"), environ={})
 
@@ -169,8 +203,9 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
 # ---- dflash export --------------------------------------------------------------------------
 
 
-def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(tmp_path: Path, target: TargetModel,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
+    tmp_path: Path, target: TargetModel, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import load_file
 
     from dflash.__main__ import main
@@ -179,8 +214,18 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(tmp_path: P
     run = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
     assert run.train() == 0
     report = tmp_path / "eval.json"
-    report.write_text(json.dumps({"tau": 6.41, "num_prompts": 32, "prompts": "eval.jsonl", "max_new_tokens": 64,
-                                  "target": "tiny", "all_equal": True}))
+    report.write_text(
+        json.dumps(
+            {
+                "tau": 6.41,
+                "num_prompts": 32,
+                "prompts": "eval.jsonl",
+                "max_new_tokens": 64,
+                "target": "tiny",
+                "all_equal": True,
+            }
+        )
+    )
     out = tmp_path / "served"
     assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--eval", str(report)]) == 0
     assert f"exported bf16 drafter to {out}" in capsys.readouterr().out
@@ -208,9 +253,11 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(tmp_path: P
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 2
     assert main(["export", str(tmp_path / "a" / "ckpt"), str(tmp_path / "o3"), "--eval", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"dflash: {out}: exists and is not empty (use --force to replace it)",
-                   f"dflash: {tmp_path / 'nowhere'}: no such checkpoint",
-                   f"dflash: --eval: {tmp_path / 'x.json'} does not exist"]
+    assert err == [
+        f"dflash: {out}: exists and is not empty (use --force to replace it)",
+        f"dflash: {tmp_path / 'nowhere'}: no such checkpoint",
+        f"dflash: --eval: {tmp_path / 'x.json'} does not exist",
+    ]
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
     assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--dtype", "fp16", "--force"]) == 0
     assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
@@ -219,11 +266,25 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(tmp_path: P
 def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_json(tmp_path: Path) -> None:
     from dflash.train import Run
 
-    run = Run(run_config(tmp_path, "q", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4"),
-              environ={})
+    run = Run(
+        run_config(tmp_path, "q", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4"),
+        environ={},
+    )
     assert run.mask_token_id == 151669 and run.drafters[0].model.mask_token_id == 151669
     path = save_checkpoint(tmp_path / "ck", step=1, drafter=run.drafters[0].model, trainer_state={})
     assert json.loads((path / "config.json").read_text())["dflash_config"]["mask_token_id"] == 151669
     # an explicit id wins over the family's
-    assert Run(run_config(tmp_path, "r", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4",
-                          "drafter.mask_token_id=151935"), environ={}).mask_token_id == 151935
+    assert (
+        Run(
+            run_config(
+                tmp_path,
+                "r",
+                "max_steps=1",
+                "target.tiny.vocab_size=151936",
+                "target.tiny.num_layers=4",
+                "drafter.mask_token_id=151935",
+            ),
+            environ={},
+        ).mask_token_id
+        == 151935
+    )

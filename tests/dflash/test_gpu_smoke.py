@@ -22,8 +22,9 @@ SCRIPT = ROOT / "bench" / "gpu_smoke.py"
 
 def smoke(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_cpu_run_reports_every_figure_and_status_reads_the_oom() -> None:
@@ -51,11 +52,14 @@ def test_without_cuda_it_says_so_in_one_line() -> None:
     assert (p.returncode, p.stdout, p.stderr) == (0, "no CUDA device: nothing to measure\n", "")
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--cpu", "--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--cpu", "--hidden", "100"], "--hidden must be a multiple of 64 (the head width), got 100"),
-    (["--cpu", "--seq-len", "10"], "--seq-len must be at least twice --block-size (16), got 10"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cpu", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--cpu", "--hidden", "100"], "--hidden must be a multiple of 64 (the head width), got 100"),
+        (["--cpu", "--seq-len", "10"], "--seq-len must be at least twice --block-size (16), got 10"),
+    ],
+)
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) -> None:
     p = smoke(*args)
     assert p.returncode == 2 and p.stdout == ""

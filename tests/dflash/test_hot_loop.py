@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import gc
 import io
+import queue
 import threading
 import types
 import typing as t
@@ -26,12 +27,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash.config import RunConfig, load_config
 from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.faults import cuda_oom
 from dflash.loss import (
-    Anchors, block_targets, candidate_counts, dflash_loss, drafter_loss, mask_mod, sample_anchors, training_block_mask,
+    Anchors,
+    block_targets,
+    candidate_counts,
+    dflash_loss,
+    drafter_loss,
+    mask_mod,
+    sample_anchors,
+    training_block_mask,
     training_mask,
 )
 from dflash.metrics import Metrics
-from dflash.pipeline import FeatureQueue, Item, Pipeline, PipelineOptions, StepStats, cuda_oom
+from dflash.pipeline import FeatureQueue, Item, Pipeline, PipelineOptions, StepStats
 from dflash.target import TargetModel, tiny_target_config
 from dflash.train import DrafterReplica, FeatureBatch, LRSchedule, TargetReplica
 
@@ -68,8 +77,14 @@ def reference_block_mask(anchors: Anchors, seq: int, block: int, window: int | N
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = anchors.num_blocks
-    return create_block_mask(mask_mod(anchors, seq_len=seq, block_size=block, sliding_window=window),
-                             B=anchors.positions.shape[0], H=None, Q_LEN=n * block, KV_LEN=seq + n * block, device="cpu")
+    return create_block_mask(
+        mask_mod(anchors, seq_len=seq, block_size=block, sliding_window=window),
+        B=anchors.positions.shape[0],
+        H=None,
+        Q_LEN=n * block,
+        KV_LEN=seq + n * block,
+        device="cpu",
+    )
 
 
 def effective_mask(bm: t.Any, anchors: Anchors, seq: int, block: int, window: int | None) -> torch.Tensor:
@@ -100,8 +115,9 @@ CASES = [  # (rows, seq, block, anchors, window, padded rows)
 
 
 @pytest.mark.parametrize(("rows", "seq", "block", "n", "window", "padded"), CASES)
-def test_block_mask_from_the_anchors_equals_create_block_mask(rows: int, seq: int, block: int, n: int,
-                                                               window: int | None, padded: bool) -> None:
+def test_block_mask_from_the_anchors_equals_create_block_mask(
+    rows: int, seq: int, block: int, n: int, window: int | None, padded: bool
+) -> None:
     g = torch.Generator().manual_seed(seq)
     loss_mask = torch.ones(rows, seq, dtype=torch.long)
     if padded and rows > 1:
@@ -111,8 +127,16 @@ def test_block_mask_from_the_anchors_equals_create_block_mask(rows: int, seq: in
     anchors.positions[0, 0] = 0  # an anchor at 0 sees no context at all
     ours = training_block_mask(anchors, seq_len=seq, block_size=block, sliding_window=window)
     ref = reference_block_mask(anchors, seq, block, window)
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
         assert torch.equal(getattr(ours, name), getattr(ref, name)), name
     assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
     dense = training_mask(anchors, seq_len=seq, block_size=block, sliding_window=window)[:, 0]
@@ -127,8 +151,9 @@ def test_block_mask_on_random_batches_equals_create_block_mask() -> None:
         window = [None, 3, 50][trial % 3 - 1 if trial % 2 else 0]
         loss_mask = (torch.rand(rows, seq, generator=g) > 0.3).long()
         loss_mask[0, :2] = 1
-        anchors = sample_anchors(loss_mask, num_anchors=int(torch.randint(1, 30, (), generator=g)), block_size=block,
-                                 generator=g)
+        anchors = sample_anchors(
+            loss_mask, num_anchors=int(torch.randint(1, 30, (), generator=g)), block_size=block, generator=g
+        )
         ours = training_block_mask(anchors, seq_len=seq, block_size=block, sliding_window=window)
         ref = reference_block_mask(anchors, seq, block, window)
         assert torch.equal(ours.to_dense(), ref.to_dense()), trial
@@ -138,7 +163,9 @@ def test_block_mask_on_random_batches_equals_create_block_mask() -> None:
 def test_block_mask_needs_no_query_by_key_temporaries_nor_syncs() -> None:
     """create_block_mask evaluated the rule on all Q x KV pairs (~0.8 GB of int64 on the real shapes)."""
     seq, block, n = 4096, 16, 64
-    anchors = sample_anchors(torch.ones(2, seq), num_anchors=n, block_size=block, generator=torch.Generator().manual_seed(0))
+    anchors = sample_anchors(
+        torch.ones(2, seq), num_anchors=n, block_size=block, generator=torch.Generator().manual_seed(0)
+    )
     ops = Ops()
     with ops:
         training_block_mask(anchors, seq_len=seq, block_size=block)
@@ -164,7 +191,9 @@ def test_flex_attention_output_with_the_new_mask_equals_sdpa_with_the_dense_mask
         out = flex_attention(q, k, v, block_mask=bm)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     rows = anchors.valid.repeat_interleave(block, 1)  # padding rows see nothing: their output is undefined
-    assert torch.allclose(out[rows[:, None].expand_as(out[..., 0])], ref[rows[:, None].expand_as(ref[..., 0])], atol=1e-5)
+    assert torch.allclose(
+        out[rows[:, None].expand_as(out[..., 0])], ref[rows[:, None].expand_as(ref[..., 0])], atol=1e-5
+    )
 
 
 # ---- no host syncs per drafter step --------------------------------------------------------
@@ -182,8 +211,15 @@ def target() -> TargetModel:
 def replica(target: TargetModel, dtype: torch.dtype = torch.float32, **kw: t.Any) -> DrafterReplica:
     cfg = tiny_cfg(*(f"{k}={v}" for k, v in kw.items()))
     torch.manual_seed(0)
-    model = DFlashDraftModel(draft_config_for(target.model.config, num_layers=2, block_size=8,
-                                              mask_token_id=target.vocab_size - 1, target_layer_ids=target.layer_ids))
+    model = DFlashDraftModel(
+        draft_config_for(
+            target.model.config,
+            num_layers=2,
+            block_size=8,
+            mask_token_id=target.vocab_size - 1,
+            target_layer_ids=target.layer_ids,
+        )
+    )
     model.to(dtype)
     schedule = LRSchedule(lr=1e-3, total_steps=1000, warmup_ratio=0.0, schedule="constant", min_lr_ratio=0.0)
     return DrafterReplica(model, target.head(), device="cpu", cfg=cfg, schedule=schedule, seed=0, index=0)
@@ -198,7 +234,8 @@ def batch(target: TargetModel, rows: int = 3, seq: int = 40, index: int = 0) -> 
     att = torch.ones_like(ids)
     att[-1, -2:] = 0
     return TargetReplica(target, "cpu", "cpu").produce(
-        types.SimpleNamespace(input_ids=ids, attention_mask=att, loss_mask=loss_mask, index=index))
+        types.SimpleNamespace(input_ids=ids, attention_mask=att, loss_mask=loss_mask, index=index)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -226,7 +263,9 @@ def test_host_side_shapes_give_the_same_anchors_and_loss_as_reading_the_device(t
     ids, loss_mask = payload.input_ids, payload.loss_mask
     counts = candidate_counts(loss_mask).tolist()
     a = sample_anchors(loss_mask, num_anchors=6, block_size=8, generator=torch.Generator().manual_seed(1))
-    b = sample_anchors(loss_mask, num_anchors=6, block_size=8, generator=torch.Generator().manual_seed(1), counts=counts)
+    b = sample_anchors(
+        loss_mask, num_anchors=6, block_size=8, generator=torch.Generator().manual_seed(1), counts=counts
+    )
     assert torch.equal(a.positions, b.positions) and torch.equal(a.valid, b.valid) and not a.valid.all()
     labels, weights = block_targets(ids, loss_mask, a, block_size=8, gamma=4.0)
     hidden = torch.randn(*labels.shape, 64, generator=torch.Generator().manual_seed(2))
@@ -234,10 +273,14 @@ def test_host_side_shapes_give_the_same_anchors_and_loss_as_reading_the_device(t
     host_keep = torch.tensor([r * a.num_blocks + j for r, c in enumerate(counts) for j in range(min(c, a.num_blocks))])
     assert torch.equal(keep, host_keep)
     head = target.head().lm_head
-    old, new = dflash_loss(hidden, head, labels, weights, chunk_size=3), dflash_loss(hidden, head, labels, weights,
-                                                                                   chunk_size=3, keep=host_keep)
-    for x, y in zip((old.loss, old.correct_per_slot, old.accepted_sum, old.blocks),
-                    (new.loss, new.correct_per_slot, new.accepted_sum, new.blocks)):
+    old, new = (
+        dflash_loss(hidden, head, labels, weights, chunk_size=3),
+        dflash_loss(hidden, head, labels, weights, chunk_size=3, keep=host_keep),
+    )
+    for x, y in zip(
+        (old.loss, old.correct_per_slot, old.accepted_sum, old.blocks),
+        (new.loss, new.correct_per_slot, new.accepted_sum, new.blocks),
+    ):
         assert torch.equal(x, y)
 
 
@@ -246,8 +289,16 @@ def test_step_figures_equal_the_host_computed_ones(target: TargetModel) -> None:
     payload = batch(target, rows=3)
     r = replica(target)
     gen = torch.Generator().manual_seed(5)
-    out = drafter_loss(r.model, r.head, payload.input_ids, payload.loss_mask, payload.features, num_anchors=5,
-                       generator=gen, chunk_size=2)
+    out = drafter_loss(
+        r.model,
+        r.head,
+        payload.input_ids,
+        payload.loss_mask,
+        payload.features,
+        num_anchors=5,
+        generator=gen,
+        chunk_size=2,
+    )
     gen = torch.Generator().manual_seed(5)
     anchors = sample_anchors(payload.loss_mask, num_anchors=5, block_size=8, generator=gen)
     assert torch.equal(anchors.positions, out.anchors.positions)
@@ -265,8 +316,17 @@ def test_bf16_masters_step_equals_adamw_on_fp32_copies_of_the_grads(target: Targ
     masters0 = [m.detach().clone() for m in r.masters]
     # the gradient the step will see: same generator state, same model
     state = r.generator.get_state()
-    out = drafter_loss(r.model, r.head, payload.input_ids, payload.loss_mask, payload.features, num_anchors=16,
-                       gamma=r.cfg.drafter.loss_gamma, generator=r.generator, chunk_size=r.cfg.drafter.loss_chunk)
+    out = drafter_loss(
+        r.model,
+        r.head,
+        payload.input_ids,
+        payload.loss_mask,
+        payload.features,
+        num_anchors=16,
+        gamma=r.cfg.drafter.loss_gamma,
+        generator=r.generator,
+        chunk_size=r.cfg.drafter.loss_chunk,
+    )
     out.loss.backward()
     grads = [None if p.grad is None else p.grad.detach().float().clone() for p in r.params]
     r.model.zero_grad(set_to_none=True)
@@ -296,8 +356,15 @@ class OomOnce(DrafterReplica):
     def _step(self, payload: FeatureBatch, *, step: int, micro_batches: int) -> StepStats:
         if self.ooms:
             self.ooms -= 1
-            out = drafter_loss(self.model, self.head, payload.input_ids, payload.loss_mask, payload.features,
-                               num_anchors=8, generator=self.generator)
+            out = drafter_loss(
+                self.model,
+                self.head,
+                payload.input_ids,
+                payload.loss_mask,
+                payload.features,
+                num_anchors=8,
+                generator=self.generator,
+            )
             big = torch.empty(4 << 20)  # the activations of the failed attempt, held by this frame
             self.alive.append(weakref.ref(big))
             self.alive.append(weakref.ref(out.loss))
@@ -336,8 +403,12 @@ def oom_pipeline(target: TargetModel, r: OomOnce, steps: int) -> Pipeline:
         def produce(self, b: t.Any) -> FeatureBatch:
             return b.payload
 
-    return Pipeline(targets=[Unwrap()], sources=[Src([batch(target, index=i) for i in range(steps)])],
-                    drafters=[r], options=PipelineOptions(max_steps=steps, capacity=2))
+    return Pipeline(
+        targets=[Unwrap()],
+        sources=[Src([batch(target, index=i) for i in range(steps)])],
+        drafters=[r],
+        options=PipelineOptions(max_steps=steps, capacity=2),
+    )
 
 
 def test_oom_retry_recovers_after_the_failed_attempt_is_freed(target: TargetModel) -> None:
@@ -390,7 +461,7 @@ def test_queue_holds_at_most_max_bytes_and_producers_block() -> None:
     while q.qsize():
         q.get(timeout=1)
     q.put(item(5000), timeout=0.01)
-    with pytest.raises(Exception):
+    with pytest.raises(queue.Full):
         q.put(item(1), timeout=0.05)
     assert q.peak_bytes == 5000
 
@@ -423,8 +494,12 @@ def test_pipeline_never_holds_more_feature_bytes_than_max_bytes(target: TargetMo
 
     ref: list[Pipeline] = []
     srcs = [ListSource([types.SimpleNamespace(index=i, n_tokens=1) for i in range(s, 24, 2)]) for s in (0, 1)]
-    pipe = Pipeline(targets=[Producer(), Producer()], sources=srcs, drafters=[Slow(ref)],
-                    options=PipelineOptions(max_steps=24, capacity=64, max_bytes=3 * one))
+    pipe = Pipeline(
+        targets=[Producer(), Producer()],
+        sources=srcs,
+        drafters=[Slow(ref)],
+        options=PipelineOptions(max_steps=24, capacity=64, max_bytes=3 * one),
+    )
     ref.append(pipe)
     pipe.run()
     q = pipe.queues[0]

@@ -39,8 +39,14 @@ def target() -> TargetModel:
 
 
 def make_drafter(block_size: int = 4, layer_types=None, sliding_window=None, seed: int = 0) -> DFlashDraftModel:
-    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=block_size, mask_token_id=MASK,
-                           layer_types=layer_types, sliding_window=sliding_window)
+    cfg = draft_config_for(
+        tiny_target_config(),
+        num_layers=2,
+        block_size=block_size,
+        mask_token_id=MASK,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
     torch.manual_seed(seed)
     return DFlashDraftModel(cfg)
 
@@ -242,12 +248,12 @@ def test_a_block_never_sees_another_block_nor_its_anchor_position() -> None:
     seq, block = 12, 4
     mask = training_mask(anchors, seq_len=seq, block_size=block)[0, 0]
     for blk, anchor in enumerate([2, 3, 9]):
-        rows = mask[blk * block:(blk + 1) * block]
+        rows = mask[blk * block : (blk + 1) * block]
         assert not rows[:, anchor:seq].any()  # the anchor's own target state is not there at inference
         assert rows[:, :anchor].all()
         other = [c for c in range(seq, seq + 3 * block) if not blk * block <= c - seq < (blk + 1) * block]
         assert not rows[:, other].any()
-        assert rows[:, seq + blk * block:seq + (blk + 1) * block].all()  # bidirectional in full layers
+        assert rows[:, seq + blk * block : seq + (blk + 1) * block].all()  # bidirectional in full layers
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -285,8 +291,9 @@ def test_drafter_forward_with_block_mask_equals_dense(target: TargetModel) -> No
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         outs = {
-            backend: drafter(positions, training_masks(drafter, anchors, seq_len=21, backend=backend),
-                             head.embed(ids), feats)
+            backend: drafter(
+                positions, training_masks(drafter, anchors, seq_len=21, backend=backend), head.embed(ids), feats
+            )
             for backend in ("dense", "flex")
         }
     assert torch.allclose(outs["dense"], outs["flex"], atol=1e-5)
@@ -307,8 +314,17 @@ def target_data(target: TargetModel, n: int = 2, prompt: int = 8, new: int = 40)
 def test_step_output_counts(target: TargetModel) -> None:
     drafter = make_drafter(block_size=4)
     input_ids, loss_mask = target_data(target)
-    out = drafter_loss(drafter, target.head(), input_ids, loss_mask, target.features(input_ids),
-                       num_anchors=8, gamma=None, generator=gen(), chunk_size=3)
+    out = drafter_loss(
+        drafter,
+        target.head(),
+        input_ids,
+        loss_mask,
+        target.features(input_ids),
+        num_anchors=8,
+        gamma=None,
+        generator=gen(),
+        chunk_size=3,
+    )
     assert out.loss.requires_grad and out.loss.ndim == 0
     assert out.n_tokens == int(loss_mask.sum()) == 80
     assert out.n_blocks == 16 and out.anchors.valid.all()
@@ -328,8 +344,9 @@ def test_training_lowers_the_loss_and_never_touches_the_target(target: TargetMod
     g = gen(11)
     losses, accs = [], []
     for _ in range(50):
-        out = drafter_loss(drafter, head, input_ids, loss_mask, feats, num_anchors=8, gamma=7.0, generator=g,
-                           chunk_size=4)
+        out = drafter_loss(
+            drafter, head, input_ids, loss_mask, feats, num_anchors=8, gamma=7.0, generator=g, chunk_size=4
+        )
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -354,8 +371,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(target: TargetModel) ->
             drafter.activation_checkpointing_enable({"use_reentrant": False})
             assert all(layer.gradient_checkpointing for layer in drafter.layers)
         drafter.train()
-        out = drafter_loss(drafter, head, input_ids, loss_mask, feats, num_anchors=6, gamma=7.0, generator=gen(),
-                           chunk_size=2)
+        out = drafter_loss(
+            drafter, head, input_ids, loss_mask, feats, num_anchors=6, gamma=7.0, generator=gen(), chunk_size=2
+        )
         out.loss.backward()
         grads.append(drafter.layers[0].self_attn.k_proj.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-6)

@@ -15,11 +15,9 @@ import pytest
 import torch
 from torch import nn
 
+from dflash.faults import FaultInjector, cuda_oom, faults_from_env
 from dflash.metrics import Metrics, format_step_line
-from dflash.pipeline import (
-    FaultInjector, InjectedFault, Pipeline, PipelineError, PipelineOptions, StepStats, SyncEvent, cuda_oom,
-    faults_from_env,
-)
+from dflash.pipeline import InjectedFault, Pipeline, PipelineError, PipelineOptions, StepStats, SyncEvent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,17 +84,28 @@ class TinyDrafter:
         self.opt.zero_grad()
 
 
-def build(T: int = 2, D: int = 2, *, max_steps: int = 40, sources: list[Source] | None = None,
-          injector: FaultInjector | None = None, on_sync: t.Callable[[SyncEvent], None] | None = None,
-          on_step: t.Callable[[int, StepStats, int], None] | None = None, shard_starts: list[int] | None = None,
-          **opts: t.Any) -> tuple[Pipeline, list[TinyDrafter]]:
+def build(
+    T: int = 2,
+    D: int = 2,
+    *,
+    max_steps: int = 40,
+    sources: list[Source] | None = None,
+    injector: FaultInjector | None = None,
+    on_sync: t.Callable[[SyncEvent], None] | None = None,
+    on_step: t.Callable[[int, StepStats, int], None] | None = None,
+    shard_starts: list[int] | None = None,
+    **opts: t.Any,
+) -> tuple[Pipeline, list[TinyDrafter]]:
     drafters = [TinyDrafter("cpu") for _ in range(D)]
     pipe = Pipeline(
         targets=[TinyTarget() for _ in range(T)],
         sources=sources if sources is not None else [Source(i, T) for i in range(T)],
         drafters=drafters,
         options=PipelineOptions(max_steps=max_steps, **{"capacity": 4, "poll": 0.02, **opts}),
-        injector=injector, on_sync=on_sync, on_step=on_step, shard_starts=shard_starts,
+        injector=injector,
+        on_sync=on_sync,
+        on_step=on_step,
+        shard_starts=shard_starts,
     )
     return pipe, drafters
 
@@ -155,7 +164,9 @@ def test_a_drafter_oom_is_retried_once_with_the_batch_halved() -> None:
     assert inj.counts[("drafter", 1)] == 1
 
 
-def test_a_drafter_that_keeps_running_out_of_memory_dies_and_the_others_finish(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_drafter_that_keeps_running_out_of_memory_dies_and_the_others_finish(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     inj = FaultInjector()
     inj.fail_at("drafter", 1, 12, cuda_oom, times=2)
     pipe, drafters = build(T=2, D=3, max_steps=50, injector=inj)
@@ -178,8 +189,11 @@ def test_all_drafters_dead_ends_the_run_with_an_error_and_no_thread_left() -> No
     inj.fail_at("drafter", 0, 5, cuda_oom, times=2)
     inj.fail_at("drafter", 1, 8, cuda_oom, times=2)
     pipe, _ = build(max_steps=10_000, injector=inj)
-    with pytest.raises(PipelineError, match=r"no drafter left at step \d+: drafter-\d \(cpu\) died at step \d+: "
-                                            r"torch.OutOfMemoryError: CUDA out of memory") as err:
+    with pytest.raises(
+        PipelineError,
+        match=r"no drafter left at step \d+: drafter-\d \(cpu\) died at step \d+: "
+        r"torch.OutOfMemoryError: CUDA out of memory",
+    ) as err:
         pipe.run()
     assert {(f.role, f.index) for f in err.value.failures} == {("drafter", 0), ("drafter", 1)}
     assert_all_joined(pipe)
@@ -252,9 +266,13 @@ def test_syncs_come_at_the_intervals_with_no_step_in_flight() -> None:
         events.append(ev)
 
     drafters = [Counting() for _ in range(3)]
-    pipe = Pipeline(targets=[TinyTarget(), TinyTarget()], sources=[Source(0, 2), Source(1, 2)], drafters=drafters,
-                    options=PipelineOptions(max_steps=40, capacity=4, poll=0.02, average_every=6, checkpoint_every=15),
-                    on_sync=on_sync)
+    pipe = Pipeline(
+        targets=[TinyTarget(), TinyTarget()],
+        sources=[Source(0, 2), Source(1, 2)],
+        drafters=drafters,
+        options=PipelineOptions(max_steps=40, capacity=4, poll=0.02, average_every=6, checkpoint_every=15),
+        on_sync=on_sync,
+    )
     pipe.run()
     periodic = [e for e in events if not e.final]
     assert in_flight["max_at_sync"] == 0, "averaging never overlaps a training step"
@@ -288,8 +306,9 @@ def test_a_drafter_that_misses_the_barrier_is_left_out_after_the_timeout() -> No
         if n >= 20:
             pipe.request_stop()
 
-    pipe, drafters = build(max_steps=10_000, injector=inj, on_sync=events.append, on_step=on_step,
-                           average_every=5, barrier_timeout=0.3)
+    pipe, drafters = build(
+        max_steps=10_000, injector=inj, on_sync=events.append, on_step=on_step, average_every=5, barrier_timeout=0.3
+    )
     result = pipe.run()
     assert result.reason == "stopped"
     # Under load drafter 1 may reach its step 3 only after a sync or two: look for the first miss.
@@ -316,8 +335,13 @@ def test_request_stop_finishes_in_flight_steps_and_runs_the_final_sync() -> None
 
 def test_a_resumed_pipeline_continues_the_step_count() -> None:
     seen: list[int] = []
-    pipe, drafters = build(max_steps=30, start_step=20, on_step=lambda n, s, tk: seen.append(n),
-                           sources=[Source(40, 2), Source(41, 2)], shard_starts=[40, 41])
+    pipe, drafters = build(
+        max_steps=30,
+        start_step=20,
+        on_step=lambda n, s, tk: seen.append(n),
+        sources=[Source(40, 2), Source(41, 2)],
+        shard_starts=[40, 41],
+    )
     result = pipe.run()
     assert sorted(seen) == list(range(21, 31)) and result.steps == 30
     trained = sorted(i for d in drafters for i in d.trained)
@@ -353,20 +377,47 @@ def test_cuda_oom_text_names_the_gpu() -> None:
 # Metrics
 
 
-LINE = re.compile(r"^step \d+ \| loss \d+\.\d{3} \| acc \d\.\d{2} \| tau_tf \d+\.\d \| \d+\.\d Ktok/s \| "
-                  r"queue \d+/\d+ \| drafters \d+/\d+ \| busy T( (\d+|-))+ \| D( (\d+|-))+$")
+LINE = re.compile(
+    r"^step \d+ \| loss \d+\.\d{3} \| acc \d\.\d{2} \| tau_tf \d+\.\d \| \d+\.\d Ktok/s \| "
+    r"queue \d+/\d+ \| drafters \d+/\d+ \| busy T( (\d+|-))+ \| D( (\d+|-))+$"
+)
 
 
 def test_step_line_has_exactly_the_grepped_form() -> None:
-    line = format_step_line(step=120, loss=2.3141, acc=0.612, tau_tf=3.21, ktok_s=19.43, queue_depth=37,
-                            queue_capacity=64, drafters_live=3, drafters_total=3)
+    line = format_step_line(
+        step=120,
+        loss=2.3141,
+        acc=0.612,
+        tau_tf=3.21,
+        ktok_s=19.43,
+        queue_depth=37,
+        queue_capacity=64,
+        drafters_live=3,
+        drafters_total=3,
+    )
     assert line == "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
-    workers = [{"role": "drafter", "index": 1, "busy": 0.544}, {"role": "target", "index": 0, "busy": 0.971},
-               {"role": "drafter", "index": 0, "busy": 0.99}, {"role": "drafter", "index": 2, "busy": 0.0, "dead": True}]
-    with_busy = format_step_line(step=120, loss=2.3141, acc=0.612, tau_tf=3.21, ktok_s=19.43, queue_depth=37,
-                                 queue_capacity=64, drafters_live=2, drafters_total=3, workers=workers)
-    assert with_busy == ("step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 2/3"
-                         " | busy T 97 | D 99 54 -")
+    workers = [
+        {"role": "drafter", "index": 1, "busy": 0.544},
+        {"role": "target", "index": 0, "busy": 0.971},
+        {"role": "drafter", "index": 0, "busy": 0.99},
+        {"role": "drafter", "index": 2, "busy": 0.0, "dead": True},
+    ]
+    with_busy = format_step_line(
+        step=120,
+        loss=2.3141,
+        acc=0.612,
+        tau_tf=3.21,
+        ktok_s=19.43,
+        queue_depth=37,
+        queue_capacity=64,
+        drafters_live=2,
+        drafters_total=3,
+        workers=workers,
+    )
+    assert with_busy == (
+        "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 2/3"
+        " | busy T 97 | D 99 54 -"
+    )
 
 
 def test_metrics_lines_and_records_from_a_run(tmp_path: Path) -> None:
@@ -421,9 +472,30 @@ def test_bench_pipeline_command() -> None:
     from dflash.__main__ import cli
 
     runner = CliRunner()
-    res = runner.invoke(cli, ["bench", "pipeline", "--steps", "30", "--target-ms", "1", "--drafter-ms", "1",
-                              "--queue", "per-drafter", "--capacity", "6", "--drafter-slowdown", "2:1.5",
-                              "--kill-drafter-at", "20", "--kill-drafter", "1"], catch_exceptions=False)
+    res = runner.invoke(
+        cli,
+        [
+            "bench",
+            "pipeline",
+            "--steps",
+            "30",
+            "--target-ms",
+            "1",
+            "--drafter-ms",
+            "1",
+            "--queue",
+            "per-drafter",
+            "--capacity",
+            "6",
+            "--drafter-slowdown",
+            "2:1.5",
+            "--kill-drafter-at",
+            "20",
+            "--kill-drafter",
+            "1",
+        ],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "round-robin assignment (targets per drafter): [2, 2, 1]" in res.output
     assert "drafter-1 killed (CUDA OOM, retried once) at step 20" in res.output

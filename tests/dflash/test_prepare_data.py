@@ -49,26 +49,41 @@ LLAMA3 = (
     "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + (m.content | trim) + '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-         r"\s+(?!\S)|\s+")
+SPECIALS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
 WORDS = "hello there how are you fine thanks and bye ok what is the plan today let me think about it sure".split()
 
 
 def make_tokenizer(template: str, eos: str, bos: str | None = None, vocab_size: int = 400) -> t.Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tokenizers import Regex
-
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([  # as Qwen2/3's and Llama-3's tokenizer.json define it
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                       use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [  # as Qwen2/3's and Llama-3's tokenizer.json define it
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = [" ".join(WORDS[i:] + WORDS[:i]) + "\n\n" for i in range(len(WORDS))] + ["system user assistant\n"]
     tok.train_from_iterator(corpus * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos)
@@ -103,7 +118,7 @@ def serving_view(tok: t.Any, messages: list[dict[str, str]], kwargs: dict[str, t
             prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kwargs)
             full = tok.apply_chat_template(messages[: i + 1], tokenize=False, **kwargs)
             if full.startswith(prompt):
-                answer = full[len(prompt):]
+                answer = full[len(prompt) :]
                 answer = answer[: answer.rindex(tok.eos_token) + len(tok.eos_token)]
                 out.append((tok(prompt, add_special_tokens=False)["input_ids"], answer))
     return out
@@ -159,8 +174,12 @@ def test_llama3_template_one_sequence_per_conversation(llama3: t.Any) -> None:
 
 
 def test_sharegpt_and_openai_records_render_alike(llama3: t.Any) -> None:
-    share = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
-                                "value": m["content"]} for m in CHAT]}
+    share = {
+        "conversations": [
+            {"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+            for m in CHAT
+        ]
+    }
     assert messages_of(share) == messages_of({"messages": CHAT})
     with pytest.raises(BadRecord) as e:
         messages_of({"conversations": [{"from": "robot", "value": "x"}]})
@@ -172,9 +191,15 @@ def test_sharegpt_and_openai_records_render_alike(llama3: t.Any) -> None:
 
 
 def dflash(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "dflash", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=180)
     finally:
@@ -194,8 +219,16 @@ def chats(n: int) -> list[dict[str, t.Any]]:
     out = []
     for k in range(n):
         w = WORDS[k % len(WORDS)]
-        out.append({"messages": [{"role": "user", "content": f"hello {w}"}, {"role": "assistant", "content": f"ok {w} bye"},
-                                 {"role": "user", "content": "and you"}, {"role": "assistant", "content": "fine thanks"}]})
+        out.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"hello {w}"},
+                    {"role": "assistant", "content": f"ok {w} bye"},
+                    {"role": "user", "content": "and you"},
+                    {"role": "assistant", "content": "fine thanks"},
+                ]
+            }
+        )
     return out
 
 
@@ -218,21 +251,45 @@ def test_bad_records_are_counted_by_line_and_strict_fails(tmp_path: Path, llama3
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["counts"]["records"] == 7 and meta["counts"]["sequences"] == 3 and meta["counts"]["dropped"] == 4
     assert meta["drops"]["bad-json"]["lines"] == [2]
-    strict = dflash("prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out",
-                    str(tmp_path / "s2"), "--strict")
+    strict = dflash(
+        "prepare-data",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--in",
+        str(src),
+        "--out",
+        str(tmp_path / "s2"),
+        "--strict",
+    )
     assert strict.returncode == 2 and strict.stderr.count("\n") == 1, strict.stderr
     assert strict.stderr.startswith("prepare-data: line 2: not valid JSON") and "--strict" in strict.stderr
     assert not (tmp_path / "s2").exists()
-    empty = dflash("prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(write_lines(tmp_path / "e.jsonl", [])),
-                   "--out", str(tmp_path / "s3"))
+    empty = dflash(
+        "prepare-data",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--in",
+        str(write_lines(tmp_path / "e.jsonl", [])),
+        "--out",
+        str(tmp_path / "s3"),
+    )
     assert empty.returncode == 2 and "is empty" in empty.stderr and "Traceback" not in empty.stderr
 
 
 def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any) -> None:
     qwen3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(30))
-    args = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--template-kwargs", '{"enable_thinking": false}',
-            "--in", str(src), "--shard-lines", "5"]
+    args = [
+        "prepare-data",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--template-kwargs",
+        '{"enable_thinking": false}',
+        "--in",
+        str(src),
+        "--shard-lines",
+        "5",
+    ]
     killed = dflash(*args, "--out", str(tmp_path / "a"), "--workers", "2", env={DIE_AFTER_ENV: "1"})
     assert killed.returncode == -9, killed.stderr  # really killed (SIGKILL) after its first shard
     done = sorted(p.name for p in (tmp_path / "a.partial" / "parts").iterdir())
@@ -258,9 +315,16 @@ def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any)
 def test_a_store_for_another_tokenizer_or_kwargs_is_refused(tmp_path: Path, qwen3: t.Any, llama3: t.Any) -> None:
     qwen3.save_pretrained(tmp_path / "q")
     before = signal.getsignal(signal.SIGINT)
-    prepare(PrepareSpec(src=str(write_lines(tmp_path / "raw.jsonl", chats(4))), out=str(tmp_path / "s"),
-                        tokenizer_path=str(tmp_path / "q"), kwargs={"enable_thinking": False}, max_len=256),
-            log=lambda m: None)
+    prepare(
+        PrepareSpec(
+            src=str(write_lines(tmp_path / "raw.jsonl", chats(4))),
+            out=str(tmp_path / "s"),
+            tokenizer_path=str(tmp_path / "q"),
+            kwargs={"enable_thinking": False},
+            max_len=256,
+        ),
+        log=lambda m: None,
+    )
     # an in-process prepare (one worker) leaves Ctrl-C alone: a SIG_IGN here would be inherited by every
     # later child process (it made `dflashctl status --watch` deaf to Ctrl-C later in the suite)
     assert signal.getsignal(signal.SIGINT) is before
@@ -275,20 +339,39 @@ def test_a_store_for_another_tokenizer_or_kwargs_is_refused(tmp_path: Path, qwen
     with pytest.raises(DataError, match="outside the target vocabulary"):
         JsonlDataset(tmp_path / "s", vocab_size=10)
     with pytest.raises(StoreError, match="already a token store"):
-        prepare(PrepareSpec(src=str(tmp_path / "raw.jsonl"), out=str(tmp_path / "s"), tokenizer_path=None,
-                            kwargs={}, max_len=8), log=lambda m: None)
+        prepare(
+            PrepareSpec(
+                src=str(tmp_path / "raw.jsonl"), out=str(tmp_path / "s"), tokenizer_path=None, kwargs={}, max_len=8
+            ),
+            log=lambda m: None,
+        )
 
 
 def test_train_on_a_store_of_the_tiny_data(tmp_path: Path) -> None:
     from dflash.train import Run
 
     cfg_path = REPO / "configs" / "tiny-random.toml"
-    p = dflash("prepare-data", "--config", str(cfg_path), "--in", str(REPO / "configs" / "tiny-data.jsonl"),
-               "--out", str(tmp_path / "store"))
+    p = dflash(
+        "prepare-data",
+        "--config",
+        str(cfg_path),
+        "--in",
+        str(REPO / "configs" / "tiny-data.jsonl"),
+        "--out",
+        str(tmp_path / "store"),
+    )
     assert p.returncode == 0, p.stderr
-    cfg = load_config(cfg_path, [f"data.path={tmp_path / 'store'}", f"output_dir={tmp_path / 'run'}",
-                                 f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval=0", "max_steps=4",
-                                 "log_every=2"])
+    cfg = load_config(
+        cfg_path,
+        [
+            f"data.path={tmp_path / 'store'}",
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "checkpoint.interval=0",
+            "max_steps=4",
+            "log_every=2",
+        ],
+    )
     raw = JsonlDataset(REPO / "configs" / "tiny-data.jsonl", max_length=cfg.data.max_length)
     import io
 

@@ -23,10 +23,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(TINY, [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "log_every=1",
-        "checkpoint.interval=0", "checkpoint.resume=never", *overrides,
-    ])
+    return load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "log_every=1",
+            "checkpoint.interval=0",
+            "checkpoint.resume=never",
+            *overrides,
+        ],
+    )
 
 
 def batches(run: Run) -> tuple[FeatureBatch, FeatureBatch, FeatureBatch]:
@@ -47,8 +54,18 @@ def test_one_update_with_accumulation_equals_one_update_on_the_concatenated_batc
     # num_anchors above any row's candidate count: every candidate is an anchor, so the anchors do not
     # depend on how the rows are split. eps = 1 makes AdamW's first update depend on the gradient's scale
     # (with a tiny eps it is ~lr * sign(g), blind to the normalisation).
-    run = Run(tiny(tmp_path, "max_steps=1", "drafter.num_anchors=1000", "devices.drafters=cpu,cpu",
-                   "optim.eps=1.0", "optim.grad_clip=0", "optim.warmup_ratio=0"), environ={})
+    run = Run(
+        tiny(
+            tmp_path,
+            "max_steps=1",
+            "drafter.num_anchors=1000",
+            "devices.drafters=cpu,cpu",
+            "optim.eps=1.0",
+            "optim.grad_clip=0",
+            "optim.warmup_ratio=0",
+        ),
+        environ={},
+    )
     whole, first, second = batches(run)
     r0, r1 = run.drafters
 
@@ -66,7 +83,9 @@ def test_one_update_with_accumulation_equals_one_update_on_the_concatenated_batc
         r0.accumulate([fb])
         per_batch.append(grads(run, 0))
     mean = [(a + b) / 2 for a, b in zip(*per_batch)]
-    assert max(float((a - b).abs().max()) for a, b in zip(mean, g_one)) > 1e-5 * max(float(g.abs().max()) for g in g_one)
+    assert max(float((a - b).abs().max()) for a, b in zip(mean, g_one)) > 1e-5 * max(
+        float(g.abs().max()) for g in g_one
+    )
 
     # one optimizer update each: the same weights after
     r0.step([first, second], step=1)
@@ -78,8 +97,9 @@ def test_one_update_with_accumulation_equals_one_update_on_the_concatenated_batc
 
 def test_a_global_step_is_one_update_of_k_batches(tmp_path: Path) -> None:
     out = io.StringIO()
-    run = Run(tiny(tmp_path, "max_steps=3", "optim.sequences_per_update=8", "devices.drafters=cpu"),
-              environ={}, stream=out)
+    run = Run(
+        tiny(tmp_path, "max_steps=3", "optim.sequences_per_update=8", "devices.drafters=cpu"), environ={}, stream=out
+    )
     assert run.accumulate == 2  # 8 sequences / batches of 4
     assert run.train() == 0
     assert run.pipeline is not None and run.pipeline.step == 3
@@ -88,8 +108,16 @@ def test_a_global_step_is_one_update_of_k_batches(tmp_path: Path) -> None:
 
 
 def test_epochs_derive_max_steps_and_warmup_printed_at_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = load_config(TINY, [f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                             "epochs=2", "optim.sequences_per_update=8", "devices.drafters=cpu,cpu"])
+    cfg = load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "epochs=2",
+            "optim.sequences_per_update=8",
+            "devices.drafters=cpu,cpu",
+        ],
+    )
     cfg = dataclasses.replace(cfg, max_steps=None)  # the tiny config sets max_steps; without it epochs count
     with caplog.at_level(logging.INFO, logger="dflash.train"):
         run = Run(cfg, environ={})
@@ -98,14 +126,23 @@ def test_epochs_derive_max_steps_and_warmup_printed_at_start(tmp_path: Path, cap
     assert run.cfg.max_steps == math.ceil(2 * batches / 2)
     assert run.schedule.warmup == math.ceil(0.04 * run.cfg.max_steps)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("updates:"))
-    assert (f"8 sequences per update per drafter (2 batch(es) of <= 4), 2 drafter(s): ~16 sequences per round; "
-            f"{len(run.dataset.lengths)} samples; max_steps {run.cfg.max_steps} (2 epoch(s) x {batches} batches / 2 "
-            f"per update); warmup {run.schedule.warmup} steps") in line
+    assert (
+        f"8 sequences per update per drafter (2 batch(es) of <= 4), 2 drafter(s): ~16 sequences per round; "
+        f"{len(run.dataset.lengths)} samples; max_steps {run.cfg.max_steps} (2 epoch(s) x {batches} batches / 2 "
+        f"per update); warmup {run.schedule.warmup} steps"
+    ) in line
 
 
 def test_default_sequences_per_update_is_32_over_the_drafters(tmp_path: Path) -> None:
-    cfg = load_config(TINY, [f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                             "max_steps=1", "devices.drafters=cpu,cpu,cpu"])
+    cfg = load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "max_steps=1",
+            "devices.drafters=cpu,cpu,cpu",
+        ],
+    )
     raw = cfg.optim
     assert raw.sequences_per_update == 4  # the tiny config pins it ...
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(raw, sequences_per_update=None))
@@ -113,10 +150,13 @@ def test_default_sequences_per_update_is_32_over_the_drafters(tmp_path: Path) ->
     assert run.cfg.optim.sequences_per_update == 11 and run.accumulate == 3  # ceil(32/3) per drafter, batches of 4
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("optim.sequences_per_update=0", "optim.sequences_per_update: must be > 0, got 0"),
-    ("epochs=0", "epochs: must be > 0, got 0"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.sequences_per_update=0", "optim.sequences_per_update: must be > 0, got 0"),
+        ("epochs=0", "epochs: must be > 0, got 0"),
+    ],
+)
 def test_bad_recipe_values_are_one_line(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=f"^{message}$"):
         load_config(TINY, [override])
@@ -171,9 +211,13 @@ def test_the_pipeline_gives_each_step_k_items_and_a_dry_source_ends_with_a_short
 
     tokens: list[int] = []
     d = Accumulating()
-    pipe = Pipeline(targets=[Echo(), Echo()], sources=[Ints(0, 2, 10), Ints(1, 2, 10)], drafters=[d],
-                    options=PipelineOptions(max_steps=100, capacity=4, poll=0.02, accumulate=3),
-                    on_step=lambda n, s, tk: tokens.append(tk))
+    pipe = Pipeline(
+        targets=[Echo(), Echo()],
+        sources=[Ints(0, 2, 10), Ints(1, 2, 10)],
+        drafters=[d],
+        options=PipelineOptions(max_steps=100, capacity=4, poll=0.02, accumulate=3),
+        on_step=lambda n, s, tk: tokens.append(tk),
+    )
     with pytest.raises(PipelineError, match="the drafters stopped at step 4 of 100"):
         pipe.run()
     assert [len(s) for s in d.steps] == [3, 3, 3, 1]

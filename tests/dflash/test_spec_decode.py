@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import zlab_reference
+
 from dflash.checkpoint import save_checkpoint
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.loss import Anchors, block_inputs, drafter_loss, training_masks
@@ -31,8 +31,14 @@ def prompt(seed: int, length: int = 10) -> torch.Tensor:
 
 
 def new_drafter(block: int = BLOCK, layer_types=None, sliding_window=None) -> DFlashDraftModel:
-    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=block, mask_token_id=MASK,
-                           layer_types=layer_types, sliding_window=sliding_window)
+    cfg = draft_config_for(
+        tiny_target_config(),
+        num_layers=2,
+        block_size=block,
+        mask_token_id=MASK,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
     torch.manual_seed(0)
     return DFlashDraftModel(cfg)
 

@@ -57,7 +57,7 @@ def test_features_are_pre_norm_layer_outputs_in_given_order() -> None:
     feats = target.features(ids)
     h = 64
     for slot, layer in enumerate([5, 0, 3]):
-        part = feats[..., slot * h:(slot + 1) * h]
+        part = feats[..., slot * h : (slot + 1) * h]
         assert torch.allclose(part, captured[layer], atol=1e-6)  # the decoder layer's own output
         assert torch.allclose(part, full.hidden_states[layer + 1], atol=1e-6)  # z-lab's index id+1
     # Not the final-normed state: that is what transformers puts last, and what serving never reads.
@@ -113,7 +113,7 @@ def test_generate_greedy_stops_after_a_stop_token(target: TargetModel) -> None:
     stop = int(full[0, 8])
     out = target.generate_greedy(prompt, 10, stop_token_ids=[stop])
     first = int((full[0, 5:] == stop).nonzero()[0]) + 5
-    assert torch.equal(out, full[:, :first + 1])
+    assert torch.equal(out, full[:, : first + 1])
 
 
 def test_mask_token_id_is_the_last_row_and_must_be_unused() -> None:

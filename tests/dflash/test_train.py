@@ -34,10 +34,17 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(TINY, [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "log_every=5",
-        "checkpoint.interval=0", "max_steps=10", *overrides,
-    ])
+    return load_config(
+        TINY,
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "log_every=5",
+            "checkpoint.interval=0",
+            "max_steps=10",
+            *overrides,
+        ],
+    )
 
 
 def fixed_loss(run: Run, replica: int = 0) -> float:
@@ -46,8 +53,17 @@ def fixed_loss(run: Run, replica: int = 0) -> float:
     batch = collate([run.dataset.read(i) for i in range(8)], index=0)
     feats = t.cast(torch.Tensor, run.targets[0].model.features(batch.input_ids, batch.attention_mask))
     with torch.no_grad():
-        out = drafter_loss(r.model, r.head, batch.input_ids, batch.loss_mask, feats, num_anchors=16, gamma=4.0,
-                           generator=torch.Generator().manual_seed(0), chunk_size=64)
+        out = drafter_loss(
+            r.model,
+            r.head,
+            batch.input_ids,
+            batch.loss_mask,
+            feats,
+            num_anchors=16,
+            gamma=4.0,
+            generator=torch.Generator().manual_seed(0),
+            chunk_size=64,
+        )
     return float(out.loss)
 
 
@@ -88,8 +104,9 @@ def test_two_by_two_trains_loss_falls_and_replicas_end_averaged(tmp_path: Path) 
     assert ckpt.latest_complete(tmp_path / "ckpt").name == "step-40"
 
 
-def test_a_drafter_oom_is_reported_and_the_run_finishes_on_the_other(tmp_path: Path,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_a_drafter_oom_is_reported_and_the_run_finishes_on_the_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     run = Run(tiny(tmp_path, "max_steps=12"), environ={"DFLASH_FAULT": "drafter-oom-at-step:4:1"})
     with caplog.at_level(logging.INFO):
         assert run.train() == 0
@@ -115,9 +132,12 @@ def test_dflash_fault_raise_fires_once_then_the_rerun_goes_through(tmp_path: Pat
 
 
 def test_all_drafters_dead_raises_with_every_thread_joined(tmp_path: Path) -> None:
-    run = Run(tiny(tmp_path, "max_steps=1000"),
-              environ={"DFLASH_FAULT": "drafter-oom-at-step:3:0,drafter-oom-at-step:3:1"})
-    with pytest.raises(PipelineError, match=r"^no drafter left at step \d+: drafter-\d \(cpu\) died .*CUDA out of memory"):
+    run = Run(
+        tiny(tmp_path, "max_steps=1000"), environ={"DFLASH_FAULT": "drafter-oom-at-step:3:0,drafter-oom-at-step:3:1"}
+    )
+    with pytest.raises(
+        PipelineError, match=r"^no drafter left at step \d+: drafter-\d \(cpu\) died .*CUDA out of memory"
+    ):
         run.train()
     assert run.pipeline is not None
     assert not [th.name for th in run.pipeline.threads if th.is_alive()]
@@ -148,7 +168,9 @@ def test_resume_continues_the_step_count_and_the_data_position(tmp_path: Path) -
     for shard in range(T):
         got = sorted(g for g in both if g % T == shard)
         assert got == list(range(shard, shard + T * len(got), T)), f"shard {shard} skipped a batch: {got}"
-        assert min(g for g in after if g % T == shard) == position[shard], "the first batch after resume is the saved one"
+        assert min(g for g in after if g % T == shard) == position[shard], (
+            "the first batch after resume is the saved one"
+        )
     assert ckpt.latest_complete(tmp_path / "ckpt").name == "step-16"
 
 
@@ -187,9 +209,20 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def dflash(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "dflash", "train", "--config", str(TINY),
-           "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
-           "--set", "log_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash",
+        "train",
+        "--config",
+        str(TINY),
+        "--set",
+        f"output_dir={tmp_path / 'run'}",
+        "--set",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "--set",
+        "log_every=1",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -39,8 +39,18 @@ def test_a_slow_drafter_is_busy_while_the_targets_are_blocked_by_the_right_amoun
     # 2 targets x 10 ms supply 200 batches/s; drafter-0 (10 ms) and drafter-1 (40 ms) take 125/s: both
     # drafters are always busy, drafter-1 does a quarter of drafter-0's batches, and each target spends
     # 62.5 batches/s x 10 ms = 62.5% in its forward and the rest blocked on the full queue.
-    res = run_bench(BenchSpec(targets=2, drafters=2, target_ms=10, drafter_ms=10, slowdowns={1: 4.0}, capacity=8,
-                              steps=250, payload_mb=0.01))
+    res = run_bench(
+        BenchSpec(
+            targets=2,
+            drafters=2,
+            target_ms=10,
+            drafter_ms=10,
+            slowdowns={1: 4.0},
+            capacity=8,
+            steps=250,
+            payload_mb=0.01,
+        )
+    )
     w = by_name(res.workers)
     for x in w.values():
         assert_shares_add_up(x)
@@ -63,8 +73,10 @@ def run_round_robin(accounting: bool = True) -> tuple[list[dict[str, t.Any]], li
     metrics = Metrics(log_every=50, stream=out)
     T, D = 3, 2
     pipe = Pipeline(
-        targets=[SimTarget("cpu", 0.030, 64) for _ in range(T)], sources=[SimSource(i, T, 100) for i in range(T)],
-        drafters=[SimDrafter("cpu", 0.020) for _ in range(D)], on_step=metrics.record,
+        targets=[SimTarget("cpu", 0.030, 64) for _ in range(T)],
+        sources=[SimSource(i, T, 100) for i in range(T)],
+        drafters=[SimDrafter("cpu", 0.020) for _ in range(D)],
+        on_step=metrics.record,
         options=PipelineOptions(max_steps=250, capacity=4, mode="per-drafter", accounting=accounting),
     )
     metrics.snapshot = pipe.snapshot
@@ -102,8 +114,9 @@ def test_the_bench_reports_the_figures_metrics_records() -> None:
     records, _ = run_round_robin()
     res = run_bench(BenchSpec(targets=2, drafters=1, target_ms=5, drafter_ms=5, steps=20, payload_mb=0.01))
     assert set(res.workers[0]) == set(records[-1]["workers"][0])
-    off = run_bench(BenchSpec(targets=2, drafters=1, target_ms=5, drafter_ms=5, steps=20, payload_mb=0.01,
-                              accounting=False))
+    off = run_bench(
+        BenchSpec(targets=2, drafters=1, target_ms=5, drafter_ms=5, steps=20, payload_mb=0.01, accounting=False)
+    )
     assert off.workers == [] and off.steps == 20 and "accounting off" in format_result(off)
 
 
@@ -120,10 +133,17 @@ def test_without_accounting_the_workers_stay_at_zero() -> None:
 def tiny_cfg(tmp_path: Path, *overrides: str) -> t.Any:
     from dflash.config import load_config
 
-    return load_config(REPO / "configs" / "tiny-random.toml", [
-        f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "log_every=2",
-        "checkpoint.interval=0", "max_steps=6", *overrides,
-    ])
+    return load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "log_every=2",
+            "checkpoint.interval=0",
+            "max_steps=6",
+            *overrides,
+        ],
+    )
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -148,20 +168,36 @@ def test_tensorboard_events_hold_the_scalars_of_metrics_jsonl(tmp_path: Path) ->
     for w in recs[-1]["workers"]:
         assert got[f"busy/{w['name']}"][-1] == (6, pytest.approx(w["busy"], abs=1e-6))
     # a second attempt (a resume) continues the curve: its steps follow the first one's
-    assert Run(tiny_cfg(tmp_path, "metrics.tensorboard=true", "max_steps=10",
-                        f"output_dir={tmp_path / 'run2'}"), environ={}).train() == 0
+    assert (
+        Run(
+            tiny_cfg(tmp_path, "metrics.tensorboard=true", "max_steps=10", f"output_dir={tmp_path / 'run2'}"),
+            environ={},
+        ).train()
+        == 0
+    )
     assert [s for s, _ in scalars(tmp_path / "run2")["train/loss"]] == [8, 10]
 
 
 def test_tensorboard_without_the_package_is_one_line_and_exit_2_before_loading(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dflash.__main__ import main
 
     # the package made unimportable, as on a machine without the extra (None in sys.modules: ImportError)
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    code = main(["train", "--config", str(REPO / "configs" / "tiny-random.toml"),
-                 "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
-                 "--set", "metrics.tensorboard=true"])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(REPO / "configs" / "tiny-random.toml"),
+            "--set",
+            f"output_dir={tmp_path / 'run'}",
+            "--set",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "--set",
+            "metrics.tensorboard=true",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [ln for ln in err.splitlines() if ln.strip()]

@@ -88,8 +88,9 @@ class RefAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         if attention_mask is None and (self.is_causal or self.sliding_window is not None):
-            attention_mask = _index_mask(q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window,
-                                         device=q.device)
+            attention_mask = _index_mask(
+                q_len, k.shape[-2], causal=self.is_causal, window=self.sliding_window, device=q.device
+            )
         out, _ = sdpa_attention_forward(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
         return self.o_proj(out.reshape(bsz, q_len, -1))
 
@@ -102,11 +103,18 @@ class RefDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, target_hidden=None, hidden_states=None, attention_mask=None, past_key_values=None,
-                position_embeddings=None):
+    def forward(
+        self,
+        target_hidden=None,
+        hidden_states=None,
+        attention_mask=None,
+        past_key_values=None,
+        position_embeddings=None,
+    ):
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), target_hidden, position_embeddings,
-                                       attention_mask, past_key_values)
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), target_hidden, position_embeddings, attention_mask, past_key_values
+        )
         hidden_states = residual + hidden_states
         residual = hidden_states
         return residual + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -132,15 +140,26 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.mask_token_id = _dflash_value(config, "mask_token_id")
         self.post_init()
 
-    def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-                past_key_values=None, use_cache=False):
+    def forward(
+        self,
+        position_ids,
+        attention_mask=None,
+        noise_embedding=None,
+        target_hidden=None,
+        past_key_values=None,
+        use_cache=False,
+    ):
         hidden_states = noise_embedding
         target_hidden = self.hidden_norm(self.fc(target_hidden))
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
-            hidden_states = layer(target_hidden=target_hidden, hidden_states=hidden_states,
-                                  attention_mask=attention_mask, past_key_values=past_key_values,
-                                  position_embeddings=position_embeddings)
+            hidden_states = layer(
+                target_hidden=target_hidden,
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                position_embeddings=position_embeddings,
+            )
         return self.norm(hidden_states)
 
 
@@ -161,8 +180,13 @@ def reference_generate(model, target, input_ids, max_new_tokens, block_size=None
     position_ids = torch.arange(output_ids.shape[1], device=device)[None]
     target_cache, draft_cache = DynamicCache(), DynamicCache()
 
-    out = target(input_ids, position_ids=position_ids[:, :num_input], cache=target_cache, use_cache=True,
-                 output_hidden_states=True)
+    out = target(
+        input_ids,
+        position_ids=position_ids[:, :num_input],
+        cache=target_cache,
+        use_cache=True,
+        output_hidden_states=True,
+    )
     output_ids[:, :num_input] = input_ids
     output_ids[:, num_input] = out.logits[:, -1].argmax(dim=-1)
     target_hidden = extract_context_feature(out.hidden_states, model.target_layer_ids)
@@ -171,25 +195,30 @@ def reference_generate(model, target, input_ids, max_new_tokens, block_size=None
     acceptance_lengths = []
     start = num_input
     while start < max_length:
-        block_ids = output_ids[:, start:start + block_size].clone()
+        block_ids = output_ids[:, start : start + block_size].clone()
         draft_hidden = model(
             target_hidden=target_hidden,
             noise_embedding=nn.functional.embedding(block_ids, embed),
-            position_ids=position_ids[:, draft_cache.get_seq_length():start + block_size],
+            position_ids=position_ids[:, draft_cache.get_seq_length() : start + block_size],
             past_key_values=draft_cache,
             use_cache=True,
-        )[:, 1 - block_size:, :]
+        )[:, 1 - block_size :, :]
         _crop_to(draft_cache, start)
         block_ids[:, 1:] = target.lm_head(draft_hidden).argmax(dim=-1)
 
-        out = target(block_ids, position_ids=position_ids[:, start:start + block_size], cache=target_cache,
-                     use_cache=True, output_hidden_states=True)
+        out = target(
+            block_ids,
+            position_ids=position_ids[:, start : start + block_size],
+            cache=target_cache,
+            use_cache=True,
+            output_hidden_states=True,
+        )
         posterior = out.logits.argmax(dim=-1)
         accepted = int((block_ids[:, 1:] == posterior[:, :-1]).long().cumprod(dim=1).sum())
-        output_ids[:, start:start + accepted + 1] = block_ids[:, :accepted + 1]
+        output_ids[:, start : start + accepted + 1] = block_ids[:, : accepted + 1]
         output_ids[:, start + accepted + 1] = posterior[:, accepted]
         start += accepted + 1
         _crop_to(target_cache, start)
         acceptance_lengths.append(accepted + 1)
-        target_hidden = extract_context_feature(out.hidden_states, model.target_layer_ids)[:, :accepted + 1, :]
-    return output_ids[:, :min(start + 1, max_length)], acceptance_lengths
+        target_hidden = extract_context_feature(out.hidden_states, model.target_layer_ids)[:, : accepted + 1, :]
+    return output_ids[:, : min(start + 1, max_length)], acceptance_lengths

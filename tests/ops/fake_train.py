@@ -64,8 +64,17 @@ def main() -> int:
         loss = round(3.0 / step, 4)
         log(f"step {step} | loss {loss} | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1")
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "loss": loss, "ktok_s": 12.5,
-                                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": loss,
+                        "ktok_s": 12.5,
+                        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    }
+                )
+                + "\n"
+            )
         if a.checkpoint and step % a.every == 0:
             save(a.checkpoint, step)
         time.sleep(a.interval)
@@ -117,20 +126,26 @@ def end(how: str, step: int) -> int:
         log("Traceback (most recent call last):")
         log('  File "/root/dflash/dflash/train.py", line 88, in step')
         log("    loss.backward()")
-        log("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity "
-            "of 79.25 GiB of which 1.06 GiB is free. Of the allocated memory 74.1 GiB is allocated by PyTorch.")
+        log(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 5 has a total capacity "
+            "of 79.25 GiB of which 1.06 GiB is free. Of the allocated memory 74.1 GiB is allocated by PyTorch."
+        )
         return 1
     if kind == "oom-old":
         log("Traceback (most recent call last):")
         log('  File "train.py", line 10, in <module>')
-        log("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity; "
-            "6.50 GiB already allocated; 3.44 MiB free; 6.60 GiB reserved in total by PyTorch)")
+        log(
+            "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity; "
+            "6.50 GiB already allocated; 3.44 MiB free; 6.60 GiB reserved in total by PyTorch)"
+        )
         return 1
     if kind == "exception":
         raise KeyError(arg or "missing_key")
     if kind == "nccl-timeout":
-        log("[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "
-            "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out.")
+        log(
+            "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "
+            "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600081 milliseconds before timing out."
+        )
         os.kill(os.getpid(), signal.SIGABRT)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -21,7 +21,9 @@ def fake_release(workdir: Path, release_id: str = "r0000000000000001") -> Path:
     ``current -> releases/<id>`` as a relative symlink."""
     rel = workdir / "releases" / release_id
     rel.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(REPO / "ops", rel / "ops", ignore=shutil.ignore_patterns("__pycache__", "testing"), dirs_exist_ok=True)
+    shutil.copytree(
+        REPO / "ops", rel / "ops", ignore=shutil.ignore_patterns("__pycache__", "testing"), dirs_exist_ok=True
+    )
     link = workdir / "current"
     if link.is_symlink():
         link.unlink()

@@ -11,23 +11,33 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from runkit import fake_release, reap_runs, train_command
 
 from ops import errors, session, tmux
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote
 from ops.testing import TmuxServers, pid_alive, retry_until
 from ops.transport import LocalTransport
-from runkit import fake_release, reap_runs, train_command
 
 
 def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) -> Host:
     table = {
-        "transport": "local", "workdir": str(tmp_path / "work"), "run_dir": str(tmp_path / "runs"),
-        "python": sys.executable, "session": "dflash", "command": command, "tmux_socket": socket,
-        "hang_after": 600, "startup_grace": 0, **extra,
+        "transport": "local",
+        "workdir": str(tmp_path / "work"),
+        "run_dir": str(tmp_path / "runs"),
+        "python": sys.executable,
+        "session": "dflash",
+        "command": command,
+        "tmux_socket": socket,
+        "hang_after": 600,
+        "startup_grace": 0,
+        **extra,
     }
+
     def toml(v: object) -> str:  # JSON is TOML for strings, numbers and lists; tables are inline
-        return "{%s}" % ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) if isinstance(v, dict) else json.dumps(v)
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v)
 
     body = "\n".join(f"{k} = {toml(v)}" for k, v in table.items())
     (tmp_path / "hosts.toml").write_text(f"[hosts.local]\n{body}\n")  # for the real CLI (`dflashctl`)
@@ -37,8 +47,13 @@ def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) 
 def dflashctl(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     from ops.testing.hostsfile import dflashctl_argv
 
-    return subprocess.Popen([*dflashctl_argv(), "--hosts", str(tmp_path / "hosts.toml"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    return subprocess.Popen(
+        [*dflashctl_argv(), "--hosts", str(tmp_path / "hosts.toml"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +83,9 @@ def wait_state(remote: Remote, *states: str, seconds: float = 20) -> session.Sta
 
 def test_start_needs_a_deploy(tmp_path: Path, tmux_socket: str) -> None:
     host = make_host(tmp_path, tmux_socket, ["true"])
-    with pytest.raises(errors.NotDeployed, match=r"nothing is deployed at .*/work/current: run `dflashctl deploy` first"):
+    with pytest.raises(
+        errors.NotDeployed, match=r"nothing is deployed at .*/work/current: run `dflashctl deploy` first"
+    ):
         session.start(Remote(host, LocalTransport()))
     assert not (Path(host.run_dir) / "dflash").exists()  # no attempt made
 
@@ -100,7 +117,9 @@ def test_start_is_one_tmux_invocation_with_the_options_first(local: Remote) -> N
     assert run["cwd"] == os.path.realpath(Path(local.host.workdir) / "releases" / "r0000000000000001")
     link = Path(local.host.run_dir) / "dflash" / "current"
     assert os.readlink(link) == "attempt-1"  # relative
-    env = dict(e.split(b"=", 1) for e in Path(f"/proc/{run['child_pid']}/environ").read_bytes().split(b"\0") if b"=" in e)
+    env = dict(
+        e.split(b"=", 1) for e in Path(f"/proc/{run['child_pid']}/environ").read_bytes().split(b"\0") if b"=" in e
+    )
     assert env[b"DFLASH_RUN_DIR"] == str(attempt_dir(local, 1)).encode() and b"TMUX" not in env
 
 
@@ -126,7 +145,11 @@ def test_start_refuses_a_live_run_then_replace(local: Remote, tmp_path: Path) ->
     wait_state(local, "succeeded")
     third = session.start(local)
     assert third["attempt"] == 3
-    assert sorted(p.name for p in (Path(local.host.run_dir) / "dflash").glob("attempt-*")) == ["attempt-1", "attempt-2", "attempt-3"]
+    assert sorted(p.name for p in (Path(local.host.run_dir) / "dflash").glob("attempt-*")) == [
+        "attempt-1",
+        "attempt-2",
+        "attempt-3",
+    ]
     assert (attempt_dir(local, 1) / "train.log").exists() and (attempt_dir(local, 2) / "exit.json").exists()
 
 
@@ -176,8 +199,9 @@ def test_tail_follow_reads_new_lines_by_offset(local: Remote, tmp_path: Path) ->
 
 def test_agent_answers_json_for_bad_requests(tmp_path: Path) -> None:
     def agent(verb: str, stdin: str) -> tuple[int, dict]:
-        p = subprocess.run([sys.executable, "-m", "ops.agent", verb, "--json"], input=stdin, capture_output=True,
-                           text=True, timeout=30)
+        p = subprocess.run(
+            [sys.executable, "-m", "ops.agent", verb, "--json"], input=stdin, capture_output=True, text=True, timeout=30
+        )
         return p.returncode, json.loads(p.stdout)
 
     rc, a = agent("explode", "{}")
@@ -202,8 +226,13 @@ def test_session_option_is_checked_before_anything_runs(tmp_path: Path, tmux_soc
 
 def test_probe_without_tmux_installed(tmp_path: Path) -> None:
     req = {"session": "dflash", "socket": "nosuch", "run_dir": str(tmp_path), "tmux": str(tmp_path / "no-tmux")}
-    p = subprocess.run([sys.executable, "-m", "ops.agent", "probe", "--json"], input=json.dumps(req),
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "ops.agent", "probe", "--json"],
+        input=json.dumps(req),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     facts = json.loads(p.stdout)
     assert facts["ok"] and facts["tmux"]["installed"] is False and facts["attempt"] is None
 
@@ -260,14 +289,32 @@ def test_probe_reads_nvidia_smi_per_gpu(tmp_path: Path) -> None:
     req = json.dumps({"session": "dflash", "socket": "nosock-gpu", "run_dir": str(tmp_path)})
 
     def probe(**env: str) -> dict:
-        p = subprocess.run([sys.executable, "-m", "ops.agent", "probe", "--json"], input=req, capture_output=True,
-                           text=True, timeout=30, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env})
+        p = subprocess.run(
+            [sys.executable, "-m", "ops.agent", "probe", "--json"],
+            input=req,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **env},
+        )
         return json.loads(p.stdout)
 
     gpus = probe()["gpus"]
     assert gpus == [
-        {"index": 0, "name": "NVIDIA H200", "memory_used_mib": 130511.0, "memory_total_mib": 143771.0, "utilization_pct": 100.0},
-        {"index": 5, "name": "NVIDIA H200", "memory_used_mib": 143602.0, "memory_total_mib": 143771.0, "utilization_pct": None},
+        {
+            "index": 0,
+            "name": "NVIDIA H200",
+            "memory_used_mib": 130511.0,
+            "memory_total_mib": 143771.0,
+            "utilization_pct": 100.0,
+        },
+        {
+            "index": 5,
+            "name": "NVIDIA H200",
+            "memory_used_mib": 143602.0,
+            "memory_total_mib": 143771.0,
+            "utilization_pct": None,
+        },
     ]
     failed = probe(FAIL="1")["gpus"]
     assert failed == {"error": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."}
@@ -278,10 +325,14 @@ def test_watch_and_follow_end_cleanly_on_ctrl_c(local: Remote, tmp_path: Path) -
 
     session.start(local)
     retry_until(lambda: "step 2 " in (attempt_dir(local, 1) / "train.log").read_text(), 20)
-    procs = {"watch": dflashctl(tmp_path, "status", "--watch", "0.5"),
-             "follow": dflashctl(tmp_path, "tail", "-n", "1", "-f", "--interval", "0.2")}
+    procs = {
+        "watch": dflashctl(tmp_path, "status", "--watch", "0.5"),
+        "follow": dflashctl(tmp_path, "tail", "-n", "1", "-f", "--interval", "0.2"),
+    }
     outs: dict[str, list[str]] = {k: [] for k in procs}
-    readers = [threading.Thread(target=lambda k=k, p=p: outs[k].extend(p.stdout), daemon=True) for k, p in procs.items()]
+    readers = [
+        threading.Thread(target=lambda k=k, p=p: outs[k].extend(p.stdout), daemon=True) for k, p in procs.items()
+    ]
     for r in readers:
         r.start()
     try:

@@ -53,8 +53,14 @@ def test_bundle_holds_the_source_and_nothing_else(tmp_path: Path) -> None:
     paths = [f.path for f in bundle.files]
     assert paths == sorted(paths)
     assert paths == [
-        "README.md", "configs/tiny-cpu.toml", "dflash/__init__.py", "dflash/train.py",
-        "ops/__init__.py", "ops/agent.py", "ops/run.sh", "pyproject.toml",
+        "README.md",
+        "configs/tiny-cpu.toml",
+        "dflash/__init__.py",
+        "dflash/train.py",
+        "ops/__init__.py",
+        "ops/agent.py",
+        "ops/run.sh",
+        "pyproject.toml",
     ]
     entry = bundle.by_path()
     assert entry["ops/run.sh"].mode == 0o755

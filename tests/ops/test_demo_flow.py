@@ -1,5 +1,6 @@
-"""Issue 8 "Done when": the demo's flow, shortened, with the REAL parts: make-tiny's target and data,
-`dflashctl deploy` of this checkout to a local host, `start` in a real tmux server (this test's own
+"""Issue 8 "Done when": the demo's flow, shortened, with the REAL parts: make-tiny's target and raw chat
+corpus, `dflash regen` (the target rewrites every assistant turn) and `dflash prepare-data` (the token store
+the run trains on), `dflashctl deploy` of this checkout to a local host, `start` in a real tmux server (this test's own
 socket), `status`, `tail`, `restart-on-crash`, the real `dflash train` (2 target + 2 drafter threads)
 and `dflash eval`. A crash is injected with the training core's DFLASH_FAULT hook.
 """
@@ -17,20 +18,64 @@ from pathlib import Path
 
 import pytest
 import torch
+from runkit import REPO, reap_runs
 
 from dflash.tiny import TinySpec, make_tiny
 from ops.testing import CliResult, retry_until
 from ops.testing.hostsfile import dflashctl_argv, dump_hosts
-from runkit import REPO, reap_runs
 
 pytestmark = pytest.mark.timeout(240)
 
-SMALL = TinySpec(target_steps=40, train_samples=48, eval_prompts=3, response_len=20, gen_batch=16, threads=1)
+SMALL = TinySpec(
+    target_steps=40, train_samples=8, conversations=24, eval_prompts=3, response_len=20, gen_batch=8, threads=1
+)
+
+
+def dflash(*args: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make-tiny, then the demo's data steps as scripts/demo runs them: regen, prepare-data -> tiny/store."""
     out, _ = make_tiny(tmp_path_factory.mktemp("tiny") / "tiny", SMALL)
+    p = dflash(
+        "regen",
+        "--config",
+        "configs/tiny-cpu.toml",
+        "--set",
+        f"target.path={out / 'target'}",
+        "--in",
+        str(out / "chat.jsonl"),
+        "--out",
+        str(out / "regen.jsonl"),
+        "--max-new-tokens",
+        "24",
+    )
+    assert f"regen: {SMALL.conversations} records -> {SMALL.conversations} written" in p.stdout, p.stdout
+    p = dflash(
+        "prepare-data",
+        "--tokenizer",
+        str(out / "target"),
+        "--max-len",
+        "256",
+        "--in",
+        str(out / "regen.jsonl"),
+        "--out",
+        str(out / "store"),
+    )
+    assert re.search(
+        rf"^prepare-data: {SMALL.conversations} records -> [1-9]\d* sequences, .* wrote ", p.stdout, re.M
+    ), p.stdout
     return out
 
 
@@ -45,15 +90,20 @@ class LocalDemo:
         self.hosts = root / "hosts.toml"
         self.socket = socket
         self.workdir.mkdir(parents=True)
-        shutil.copytree(tiny, self.workdir / "tiny")  # <workdir>/tiny: what configs/tiny-cpu.toml reads
+        shutil.copytree(tiny, self.workdir / "tiny")  # <workdir>/tiny/{target,store}: what configs/tiny-cpu.toml reads
 
     def configure(self, *overrides: str, env: dict[str, str] | None = None) -> None:
         command = ["python", "-m", "dflash", "train", "--config", "configs/tiny-cpu.toml"]
         for item in ("log_every=5", "average_every=5", *overrides):
             command += ["--set", item]
         table: dict[str, t.Any] = {
-            "transport": "local", "workdir": str(self.workdir), "run_dir": str(self.run_dir),
-            "python": sys.executable, "session": "dflash", "command": command, "tmux_socket": self.socket,
+            "transport": "local",
+            "workdir": str(self.workdir),
+            "run_dir": str(self.run_dir),
+            "python": sys.executable,
+            "session": "dflash",
+            "command": command,
+            "tmux_socket": self.socket,
             "env": {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1", **(env or {})},
         }
         self.hosts.write_text(dump_hosts("local", {"local": table}))
@@ -64,8 +114,14 @@ class LocalDemo:
         return env
 
     def cli(self, *args: str, timeout: float = 90) -> CliResult:
-        p = subprocess.run([*dflashctl_argv(), "--hosts", str(self.hosts), *args], capture_output=True, text=True,
-                           timeout=timeout, env=self.environ(), cwd=self.root)
+        p = subprocess.run(
+            [*dflashctl_argv(), "--hosts", str(self.hosts), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.environ(),
+            cwd=self.root,
+        )
         return CliResult(p.returncode, p.stdout, p.stderr)
 
     def status(self) -> dict[str, t.Any]:
@@ -81,9 +137,24 @@ class LocalDemo:
 
     def eval(self, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, t.Any]]:
         out = self.root / "eval.json"
-        p = subprocess.run([sys.executable, "-m", "dflash", "eval", "--drafter", str(self.session_dir / "checkpoints"),
-                            "--json", str(out), *args], capture_output=True, text=True, timeout=120,
-                           env=self.environ(), cwd=self.root)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dflash",
+                "eval",
+                "--drafter",
+                str(self.session_dir / "checkpoints"),
+                "--json",
+                str(out),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=self.environ(),
+            cwd=self.root,
+        )
         assert p.returncode == 0, p.stdout + p.stderr
         return p, json.loads(out.read_text())
 
@@ -121,20 +192,23 @@ def test_deploy_start_status_running_then_succeeded_tail_and_eval_equals_greedy(
     assert r.exit_code == 0
     lines = r.stdout.splitlines()
     assert 0 < len(lines) <= 30
-    steps = [int(m.group(1)) for m in (re.match(r"step (\d+) \| loss [\d.]+ \| acc [\d.]+ \| tau_tf", x) for x in lines) if m]
+    steps = [
+        int(m.group(1)) for m in (re.match(r"step (\d+) \| loss [\d.]+ \| acc [\d.]+ \| tau_tf", x) for x in lines) if m
+    ]
     assert steps and steps[-1] == 40 and steps == sorted(steps)
     assert r.stderr.startswith("[log]"), r.stderr  # the session ended: the durable log, and it says so
 
     p, report = demo.eval("--strict", "--max-new-tokens", "16")
     assert report["all_equal"] is True and report["num_prompts"] == SMALL.eval_prompts and report["step"] == 40
-    # token for token the target's own greedy output, computed here without the drafter
+    # token for token the target's own greedy output up to its end of turn, computed here without the drafter
     from dflash.target import TargetModel
 
+    assert report["protocol"]["stop_token_ids"] == [SMALL.chat.eos]  # the tiny target's EOS: <|im_end|>
     target = TargetModel.from_pretrained(str(demo.workdir / "tiny" / "target"), dtype=torch.float32, num_draft_layers=2)
     prompts = [json.loads(x)["input_ids"] for x in (demo.workdir / "tiny" / "eval.jsonl").read_text().splitlines()]
     for prompt, out in zip(prompts, report["outputs"]):
-        greedy = target.generate_greedy(torch.tensor([prompt]), 16)[0, len(prompt):].tolist()
-        assert out == greedy
+        greedy = target.generate_greedy(torch.tensor([prompt]), 16, stop_token_ids=[SMALL.chat.eos])
+        assert out == greedy[0, len(prompt) :].tolist()
     assert f"tau {report['tau']:.2f}" in p.stdout
 
 
@@ -143,8 +217,18 @@ def test_restart_on_crash_restarts_the_run_which_resumes_from_its_checkpoint(dem
     assert demo.cli("deploy").exit_code == 0
     assert demo.cli("start").exit_code == 0
     state = demo.root / "supervisor"
-    r = demo.cli("restart-on-crash", "--interval", "1", "--backoff", "0.2", "--min-uptime", "5",
-                 "--state-dir", str(state), timeout=200)
+    r = demo.cli(
+        "restart-on-crash",
+        "--interval",
+        "1",
+        "--backoff",
+        "0.2",
+        "--min-uptime",
+        "5",
+        "--state-dir",
+        str(state),
+        timeout=200,
+    )
     assert r.exit_code == 0, r.output
     assert re.search(r"crashed: .*-> restart in", r.stdout) and "restarted: attempt 2 started" in r.stdout, r.stdout
     assert "the run succeeded" in r.stdout
@@ -177,12 +261,15 @@ def test_readme_tomls_parse_and_its_state_table_is_the_cli_s() -> None:
     text = (REPO / "README.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
     hosts = [b for b in blocks if "[hosts." in b]
-    assert len(hosts) == 2
+    assert len(hosts) == 3
     inv = parse_inventory(hosts[0], path=None, base=REPO)
     shipped = parse_inventory((REPO / "hosts.toml").read_text(), path=None, base=REPO)
     assert inv.get("local") == shipped.get("local"), "README shows the shipped local host"
     pve = parse_inventory(hosts[1], path=None, base=REPO).get("pve")
     assert pve.container == 200 and pve.address == "pve.example.internal" and pve.proxmox is not None
+    big = parse_inventory(hosts[2], path=None, base=REPO)  # "More than one box": a two-host group
+    assert big.group("big").hosts == ("pve1", "pve2") and big.group("big").rdzv == "10.0.0.11:29400"
+    assert big.group("big").node_command(big.get("pve2"))[:3] == ("python", "-m", "torch.distributed.run")
     rows = dict(re.findall(r"^\| `([a-z-]+)` \| (\d+) \|", text, re.M))
     assert {k: int(v) for k, v in rows.items()} == {k: int(v) for k, v in STATE_EXIT.items()}
     assert "scripts/demo     #" in text and "scripts/test     #" in text

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import filecmp
 import fcntl
+import filecmp
 import hashlib
 import io
 import json
@@ -84,12 +84,23 @@ class Target:
 
 def local_host(tmp_path: Path, **extra: t.Any) -> Host:
     table = {
-        "transport": '"local"', "workdir": json.dumps(str(tmp_path / "wd")), "run_dir": json.dumps(str(tmp_path / "runs")),
-        "python": json.dumps(sys.executable), "command": '"true"', "keep_releases": "3",
+        "transport": '"local"',
+        "workdir": json.dumps(str(tmp_path / "wd")),
+        "run_dir": json.dumps(str(tmp_path / "runs")),
+        "python": json.dumps(sys.executable),
+        "command": '"true"',
+        "keep_releases": "3",
     }
     table.update({k: v if isinstance(v, str) and v.startswith(('"', "[")) else json.dumps(v) for k, v in extra.items()})
     text = "[hosts.local]\n" + "".join(f"{k} = {v}\n" for k, v in table.items())
     return parse_inventory(text, path=None, base=tmp_path).get("local")
+
+
+@pytest.fixture(autouse=True)
+def state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """dflashctl's state dir (the deploy cache) per test, never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    return tmp_path / "state"
 
 
 @pytest.fixture(params=["local", "pve"])
@@ -133,7 +144,9 @@ def verify_release(release: Path, src: Path) -> None:
         assert hashlib.sha256(data).hexdigest() == sha and len(data) == size, path
         assert (release / path).stat().st_mode & 0o777 == mode, path
         assert filecmp.cmp(release / path, src / path, shallow=False), path
-    on_disk = {p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+    on_disk = {
+        p.relative_to(release).as_posix() for p in release.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    }
     assert on_disk == {r[0] for r in rows} | {MANIFEST_NAME}
 
 
@@ -151,14 +164,25 @@ def test_first_deploy_creates_a_release_and_current(target: Target, src: Path) -
     release = target.workdir / "releases" / bundle.id
     verify_release(release, src)
     assert manifest_of(release)["id"] == bundle.full_id
-    assert outcome.files_sent == len({f.sha256 for f in bundle.files}) == len(bundle.files) - 2  # same content: sent once
+    assert (
+        outcome.files_sent == len({f.sha256 for f in bundle.files}) == len(bundle.files) - 2
+    )  # same content: sent once
     assert outcome.summary.startswith(f"deployed {bundle.id} to {target.host.label}: {len(bundle.files)} files added, ")
     assert outcome.summary.endswith(f"; current -> releases/{bundle.id}")
 
     # A program run from current where the run lives imports the deployed packages.
     current = f"{target.host.workdir}/current"
-    r = target.inside(["env", "-C", current, f"PYTHONPATH={current}", target.host.python, "-c",
-                       "import ops, dflash, dflash.train; print(ops.MARK, dflash.MARK, ops.__file__)"])
+    r = target.inside(
+        [
+            "env",
+            "-C",
+            current,
+            f"PYTHONPATH={current}",
+            target.host.python,
+            "-c",
+            "import ops, dflash, dflash.train; print(ops.MARK, dflash.MARK, ops.__file__)",
+        ]
+    )
     assert r.exit_code == 0, r.err
     mark_ops, mark_dflash, path = r.out.split()
     assert (mark_ops, mark_dflash) == ("v1", "v1")
@@ -216,17 +240,24 @@ def test_rollback_restores_the_previous_release(target: Target, src: Path) -> No
     second = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
 
     outcome = rollback(target.remote, target.host, echo=lambda s: None)
-    assert outcome.summary == f"rolled back {target.host.label}: current releases/{second.release} -> releases/{first.release}"
+    assert (
+        outcome.summary
+        == f"rolled back {target.host.label}: current releases/{second.release} -> releases/{first.release}"
+    )
     assert target.current() == f"releases/{first.release}"
     current = f"{target.host.workdir}/current"
-    r = target.inside(["env", "-C", current, f"PYTHONPATH={current}", target.host.python, "-c", "import ops; print(ops.MARK)"])
+    r = target.inside(
+        ["env", "-C", current, f"PYTHONPATH={current}", target.host.python, "-c", "import ops; print(ops.MARK)"]
+    )
     assert r.out.strip() == "v1"
     # Rolling back again returns to where we were (previous now names the release we left).
     rollback(target.remote, target.host, echo=lambda s: None)
     assert target.current() == f"releases/{second.release}"
 
 
-def test_deploy_interrupted_mid_upload_leaves_current_alone(target: Target, src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deploy_interrupted_mid_upload_leaves_current_alone(
+    target: Target, src: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
     (src / "dflash" / "big.bin.txt").write_bytes(os.urandom(6 << 20).hex().encode()[: 6 << 20])
     new_id = build_bundle(src).id
@@ -326,7 +357,9 @@ def test_old_releases_are_pruned_but_never_current_or_previous(target: Target, s
 # The far-side program refuses what could escape the release
 
 
-def crafted_upload(rows: list[FileEntry], members: list[tuple[tarfile.TarInfo, bytes | None]], *, full_id: str | None = None) -> tuple[str, bytes]:
+def crafted_upload(
+    rows: list[FileEntry], members: list[tuple[tarfile.TarInfo, bytes | None]], *, full_id: str | None = None
+) -> tuple[str, bytes]:
     """A tar as deploy sends it (manifest first), followed by hand-made members."""
     full = full_id or release_id(rows)
     manifest = json.dumps({"format": 1, "id": full, "files": [r.row() for r in rows]}).encode()
@@ -342,7 +375,17 @@ def crafted_upload(rows: list[FileEntry], members: list[tuple[tarfile.TarInfo, b
     return full, buf.getvalue()
 
 
-def member(name: str, data: bytes | None = b"evil\n", *, kind: bytes = tarfile.REGTYPE, link: str = "") -> tuple[tarfile.TarInfo, bytes | None]:
+def raw_install(target: Target, full: str, data: bytes) -> tuple[CommandResult, str]:
+    """The release program's ``install`` verb by hand (no checks first): its result and its answer's message."""
+    r = target.remote.run(deploy_mod._program(target.host, "install", {"id": full, "keep": 3}), stdin=data, timeout=60)
+    answer = json.loads(r.out.strip().splitlines()[-1])
+    assert answer["protocol"] == 1 and answer["verb"] == "install" and answer["ok"] is False, answer
+    return r, answer["message"]
+
+
+def member(
+    name: str, data: bytes | None = b"evil\n", *, kind: bytes = tarfile.REGTYPE, link: str = ""
+) -> tuple[tarfile.TarInfo, bytes | None]:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.linkname = link
@@ -357,7 +400,10 @@ ESCAPES = {
     "dotdot-inner": ([member("ops/../../escaped.txt")], "refused tar member 'ops/../../escaped.txt'"),
     "absolute": ([member("/var/tmp/escaped-abs.txt")], "refused tar member '/var/tmp/escaped-abs.txt': absolute path"),
     "symlink-out": ([member("ops/agent.py", kind=tarfile.SYMTYPE, link="../../../escaped.txt")], "would link to"),
-    "symlink-absolute": ([member("ops/agent.py", kind=tarfile.SYMTYPE, link="/etc/passwd")], "is a link to an absolute path"),
+    "symlink-absolute": (
+        [member("ops/agent.py", kind=tarfile.SYMTYPE, link="/etc/passwd")],
+        "is a link to an absolute path",
+    ),
     "hardlink-out": ([member("ops/agent.py", kind=tarfile.LNKTYPE, link="../../escaped.txt")], "would link to"),
     "symlink-inside": ([member("ops/agent.py", kind=tarfile.SYMTYPE, link="other.py")], "links are not accepted"),
     "device": ([member("ops/agent.py", kind=tarfile.CHRTYPE)], "special file"),
@@ -371,22 +417,26 @@ def test_tar_members_that_try_to_escape_are_refused(target: Target, src: Path, c
     first = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
     members, message = ESCAPES[case]
     full, data = crafted_upload([GOOD], members)
-    r = target.remote.run(deploy_mod._program(target.host, "install", full, 3), stdin=data, timeout=60)
-    assert r.exit_code == 1 and message in r.err, r.err
+    r, why = raw_install(target, full, data)
+    assert r.exit_code == 1 and message in why, why
     assert target.current() == f"releases/{first.release}"
     assert target.releases() == [first.release]  # no release, no .partial left behind
-    for outside in (target.workdir / "escaped.txt", target.workdir.parent / "escaped.txt", Path("/var/tmp/escaped-abs.txt")):
+    for outside in (
+        target.workdir / "escaped.txt",
+        target.workdir.parent / "escaped.txt",
+        Path("/var/tmp/escaped-abs.txt"),
+    ):
         assert not outside.exists()
 
 
 def test_a_manifest_that_names_a_path_outside_is_refused(target: Target) -> None:
     bad = FileEntry("../outside.py", GOOD.sha256, 3, 0o644)
     full, data = crafted_upload([bad], [member("../outside.py", b"ok\n")])
-    r = target.remote.run(deploy_mod._program(target.host, "install", full, 3), stdin=data, timeout=60)
-    assert r.exit_code == 1 and "manifest: refused path '../outside.py'" in r.err
+    r, why = raw_install(target, full, data)
+    assert r.exit_code == 1 and "manifest: refused path '../outside.py'" in why
     full, data = crafted_upload([GOOD], [member("ops/agent.py", b"ok\n")], full_id="0" * 64)
-    r = target.remote.run(deploy_mod._program(target.host, "install", "0" * 64, 3), stdin=data, timeout=60)
-    assert r.exit_code == 1 and "the manifest does not hash to release 0000000000000000" in r.err
+    r, why = raw_install(target, "0" * 64, data)
+    assert r.exit_code == 1 and "the manifest does not hash to release 0000000000000000" in why
     assert target.current() is None and target.releases() == []
 
 
@@ -395,8 +445,8 @@ def test_a_truncated_upload_is_refused_and_cleaned_up(target: Target, src: Path)
     content = b"y" * 100_000
     entry = FileEntry("ops/agent.py", hashlib.sha256(content).hexdigest(), len(content), 0o644)
     full, data = crafted_upload([entry], [member("ops/agent.py", content)])
-    r = target.remote.run(deploy_mod._program(target.host, "install", full, 3), stdin=data[:60_000], timeout=60)
-    assert r.exit_code == 1 and "the upload was cut short" in r.err and "nothing was switched" in r.err
+    r, why = raw_install(target, full, data[:60_000])
+    assert r.exit_code == 1 and "the upload was cut short" in why and "nothing was switched" in why
     assert target.current() == f"releases/{first.release}" and target.releases() == [first.release]
 
 
@@ -412,13 +462,20 @@ def local(tmp_path: Path) -> t.Iterator[Target]:
     remote.close()
 
 
-def write_run(target: Target, pid: int, *, started_at: datetime.datetime | None = None, ended: bool = False,
-              pid_start: int | None = None, **extra: int | None) -> None:
+def write_run(
+    target: Target,
+    pid: int,
+    *,
+    started_at: datetime.datetime | None = None,
+    ended: bool = False,
+    pid_start: int | None = None,
+    **extra: int | None,
+) -> None:
     """A run record as ops.runner writes it (the keys deploy reads)."""
     attempt = target.run_dir / target.host.session / "attempt-1"
     attempt.mkdir(parents=True)
     (target.run_dir / target.host.session / "current").symlink_to("attempt-1")
-    started = started_at or datetime.datetime.now(datetime.timezone.utc)
+    started = started_at or datetime.datetime.now(datetime.UTC)
     record = {"pid": pid, "attempt": 1, "started_at": started.strftime("%Y-%m-%dT%H:%M:%SZ")}
     if pid_start is not None:
         record["pid_start"] = pid_start
@@ -436,14 +493,19 @@ def live_process() -> t.Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def test_a_live_run_blocks_deploy_unless_forced(local: Target, src: Path, live_process: subprocess.Popen[bytes]) -> None:
+def test_a_live_run_blocks_deploy_unless_forced(
+    local: Target, src: Path, live_process: subprocess.Popen[bytes]
+) -> None:
     deploy(local.remote, local.host, source=str(src), echo=lambda s: None)
     write_source(src, mark="v2")
     second = deploy(local.remote, local.host, source=str(src), echo=lambda s: None)
     write_run(local, live_process.pid)
     write_source(src, mark="v3")
-    with pytest.raises(RunActive, match=r"a run is live in session 'dflash' on local \(pid \d+, attempt 1\): refusing to deploy: "
-                                         r"a running Python process keeps the modules it already imported"):
+    with pytest.raises(
+        RunActive,
+        match=r"a run is live in session 'dflash' on local \(pid \d+, attempt 1\): refusing to deploy: "
+        r"a running Python process keeps the modules it already imported",
+    ):
         deploy(local.remote, local.host, source=str(src), echo=lambda s: None)
     with pytest.raises(RunActive, match="refusing to roll back"):
         rollback(local.remote, local.host, echo=lambda s: None)
@@ -455,14 +517,16 @@ def test_a_live_run_blocks_deploy_unless_forced(local: Target, src: Path, live_p
     assert any(line.startswith("warning: a run is live") and "going on because of --force" in line for line in out)
 
 
-def test_an_ended_run_or_a_reused_pid_does_not_block(local: Target, src: Path, live_process: subprocess.Popen[bytes]) -> None:
+def test_an_ended_run_or_a_reused_pid_does_not_block(
+    local: Target, src: Path, live_process: subprocess.Popen[bytes]
+) -> None:
     write_run(local, live_process.pid, ended=True)
     assert deploy(local.remote, local.host, source=str(src), echo=lambda s: None).action == "deployed"
     # A record from an hour before the process with that pid began: the pid was reused.
     import shutil
 
     shutil.rmtree(local.run_dir)
-    write_run(local, live_process.pid, started_at=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=1))
+    write_run(local, live_process.pid, started_at=datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1))
     write_source(src, mark="v2")
     assert deploy(local.remote, local.host, source=str(src), echo=lambda s: None).action == "deployed"
     # The runner's pid_start (clock ticks since boot) decides when present: another start = another process.
@@ -483,19 +547,23 @@ def test_an_ended_run_or_a_reused_pid_does_not_block(local: Target, src: Path, l
 def test_missing_modules_are_named_and_install_is_offered(tmp_path: Path, src: Path) -> None:
     # An interpreter without site-packages: torch, transformers... are all missing there.
     bare = tmp_path / "bare-python"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     host = local_host(tmp_path, python=str(bare))
     remote = connect(host)
     with pytest.raises(MissingDependencies) as err:
         deploy(remote, host, source=str(src), echo=lambda s: None)
     assert err.value.modules == ("torch", "transformers", "safetensors", "accelerate", "numpy", "click")
-    assert "cannot import torch, transformers, safetensors, accelerate, numpy, click (needed by training)" in str(err.value)
+    assert "cannot import torch, transformers, safetensors, accelerate, numpy, click (needed by training)" in str(
+        err.value
+    )
     assert "dflashctl deploy --install" in str(err.value)
     assert not Path(host.workdir, "current").exists()
     out, echo = lines()
     deploy(remote, host, source=str(src), dry_run=True, install=True, echo=echo)
-    assert out[0].startswith("would pip-install into ") and out[0].endswith("torch transformers>=5.24,<6 safetensors>=0.4 accelerate>=1.1 numpy>=1.24 click>=8.1")
+    assert out[0].startswith("would pip-install into ") and out[0].endswith(
+        "torch transformers>=5.24,<6 safetensors>=0.4 accelerate>=1.1 numpy>=1.24 click>=8.1"
+    )
 
 
 def test_a_python_that_is_not_there_or_too_old_is_a_clear_error(tmp_path: Path, src: Path) -> None:
@@ -525,7 +593,9 @@ def test_a_kept_copy_edited_in_place_is_detected_and_resent(local: Target, src: 
     hotfixed.write_text("def main():\n    return 42  # hotfix\n")
     out, echo = lines()
     again = deploy(local.remote, local.host, source=str(src), echo=echo)
-    assert again.action == "unchanged" and out == [f"warning: releases/{first.release} on local differs from its manifest (edited in place?): ops/agent.py"]
+    assert again.action == "unchanged" and out == [
+        f"warning: releases/{first.release} on local differs from its manifest (edited in place?): ops/agent.py"
+    ]
 
     (src / "dflash" / "train.py").write_text("STEPS = 5\n")
     out, echo = lines()
@@ -538,7 +608,9 @@ def test_rollback_with_nothing_to_go_back_to(local: Target, src: Path) -> None:
     with pytest.raises(NotDeployed, match="nothing is deployed"):
         rollback(local.remote, local.host, echo=lambda s: None)
     first = deploy(local.remote, local.host, source=str(src), echo=lambda s: None)
-    with pytest.raises(DeployError, match=f"no previous release to roll back to \\(current is releases/{first.release}\\)"):
+    with pytest.raises(
+        DeployError, match=f"no previous release to roll back to \\(current is releases/{first.release}\\)"
+    ):
         rollback(local.remote, local.host, echo=lambda s: None)
 
 
@@ -575,14 +647,20 @@ def test_cli_deploy_on_the_local_host(tmp_path: Path, src: Path) -> None:
     host = local_host(tmp_path)
     hosts = tmp_path / "hosts.toml"
     hosts.write_text(
-        "[hosts.local]\ntransport = \"local\"\n"
-        f"workdir = {json.dumps(host.workdir)}\nrun_dir = {json.dumps(host.run_dir)}\npython = {json.dumps(sys.executable)}\ncommand = \"true\"\n"
+        '[hosts.local]\ntransport = "local"\n'
+        f'workdir = {json.dumps(host.workdir)}\nrun_dir = {json.dumps(host.run_dir)}\npython = {json.dumps(sys.executable)}\ncommand = "true"\n'
     )
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if k != "DFLASHCTL_HOSTS"}
-        return subprocess.run([sys.executable, "-m", "ops.cli", "--hosts", str(hosts), "deploy", *args],
-                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "ops.cli", "--hosts", str(hosts), "deploy", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
 
     r = cli("--source", str(src))
     bundle = build_bundle(src)
@@ -590,7 +668,11 @@ def test_cli_deploy_on_the_local_host(tmp_path: Path, src: Path) -> None:
     assert r.stdout.splitlines()[-1].startswith(f"deployed {bundle.id} to local: 9 files added, ")
     assert r.stderr == ""  # not a TTY: no progress line
     r = cli("--source", str(src))
-    assert r.returncode == 0 and r.stdout.strip() == f"{bundle.id} is already deployed to local: nothing uploaded (0 B sent); current -> releases/{bundle.id}"
+    assert (
+        r.returncode == 0
+        and r.stdout.strip()
+        == f"{bundle.id} is already deployed to local: nothing uploaded (0 B sent); current -> releases/{bundle.id}"
+    )
     r = cli("--rollback")
     assert r.returncode == 1 and "dflashctl: local: no previous release to roll back to" in r.stderr
     r = cli("--rollback", "--install")
@@ -602,7 +684,10 @@ def test_cli_deploy_dry_run_and_rollback_over_ssh(pve_hosts: t.Any, src: Path) -
     first = build_bundle(src).id
     assert r.exit_code == 0, r.stderr
     distinct = {f.sha256: f.size for f in build_bundle(src).files}
-    assert r.stdout.splitlines()[0] == f"uploading 7 files ({deploy_mod.human_bytes(sum(distinct.values()))}) to pve (ct 200)"
+    assert (
+        r.stdout.splitlines()[0]
+        == f"uploading 7 files ({deploy_mod.human_bytes(sum(distinct.values()))}) to pve (ct 200)"
+    )
     assert len(r.stdout.splitlines()) == 2 and r.stderr == ""
     assert r.stdout.splitlines()[-1].startswith(f"deployed {first} to pve (ct 200): 9 files added, ")
     assert r.stdout.splitlines()[-1].endswith(f"; current -> releases/{first}")
@@ -628,7 +713,11 @@ def test_deploy_to_a_container_that_is_down_exits_9(pve_hosts: t.Any, src: Path,
         pve_hosts.pve.destroy(200)
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 9, r.stderr
-    expected = "container 200 is stopped (pct: container '200' not running!)" if how == "stopped" else "container 200 does not exist on this host"
+    expected = (
+        "container 200 is stopped (pct: container '200' not running!)"
+        if how == "stopped"
+        else "container 200 does not exist on this host"
+    )
     assert expected in r.stderr
     assert not (pve_hosts.workdir / "current").exists()
 
@@ -654,7 +743,9 @@ def test_the_plan_compares_paths_and_sends_each_missing_content_once(tmp_path: P
     current.append(["old/gone.py", "0" * 64, 1, 0o644])  # removed
     current = [[p, "1" * 64 if p == "ops/agent.py" else h, s, m] for p, h, s, m in current]  # agent.py: changed
     current = [[p, h, s, 0o755 if p == "README.md" else m] for p, h, s, m in current]  # README: mode only
-    plan = deploy_mod.make_plan(bundle, current, "cafe", have_hashes=[r[1] for r in current] + [by["dflash/train.py"].sha256])
+    plan = deploy_mod.make_plan(
+        bundle, current, "cafe", have_hashes=[r[1] for r in current] + [by["dflash/train.py"].sha256]
+    )
     assert plan.added == ("dflash/train.py",)
     assert plan.changed == ("README.md", "ops/agent.py")
     assert plan.removed == ("old/gone.py",)
@@ -668,20 +759,26 @@ def test_the_plan_compares_paths_and_sends_each_missing_content_once(tmp_path: P
 
 def test_cli_names_missing_modules_and_a_missing_python_in_the_container(pve_hosts: t.Any, src: Path) -> None:
     bare = pve_hosts.pve.fs / "bare-python"  # visible inside the container at the same path
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     pve_hosts.write(python=str(bare))
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 1
-    assert "pve (ct 200): " in r.stderr and "cannot import torch, transformers, safetensors, accelerate, numpy, click" in r.stderr
+    assert (
+        "pve (ct 200): " in r.stderr
+        and "cannot import torch, transformers, safetensors, accelerate, numpy, click" in r.stderr
+    )
     assert "dflashctl deploy --install" in r.stderr
     pve_hosts.write(python="/nonexistent/python3")
     r = pve_hosts.cli("deploy", "--source", str(src))
     assert r.exit_code == 1 and "pve (ct 200): cannot run '/nonexistent/python3' there" in r.stderr, r.stderr
+    assert "uploading" not in r.stdout  # nothing was uploaded: the far side never started
     assert not (pve_hosts.workdir / "current").exists()
 
 
-def test_a_command_that_outlived_its_runner_still_blocks(local: Target, src: Path, live_process: subprocess.Popen[bytes]) -> None:
+def test_a_command_that_outlived_its_runner_still_blocks(
+    local: Target, src: Path, live_process: subprocess.Popen[bytes]
+) -> None:
     # The runner was SIGKILLed (its pid is gone) but its keeper and the training command go on: still a live run.
     from ops.runner import proc_stat
 
@@ -691,3 +788,78 @@ def test_a_command_that_outlived_its_runner_still_blocks(local: Target, src: Pat
     write_run(local, gone.pid, keeper_pid=gone.pid, child_pid=live_process.pid, child_start=ticks)
     with pytest.raises(RunActive, match="a run is live"):
         deploy(local.remote, local.host, source=str(src), echo=lambda s: None)
+
+
+# --------------------------------------------------------------------------------------------
+# One round trip (issue 12): the operator's cache plans the upload, the far side checks it first
+
+
+class Calls:
+    """Every far-side call a Remote makes: (verb, bytes of stdin sent)."""
+
+    def __init__(self, remote: Remote) -> None:
+        self.seen: list[tuple[str, int | None]] = []
+        run = remote.run
+
+        def counting(argv: t.Sequence[str], **kw: t.Any) -> CommandResult:
+            stdin = kw.get("stdin")
+            res = run(argv, **kw)
+            verb = next((a for a in argv if a in ("inspect", "install", "rollback")), "other")
+            sent = stdin.sent if hasattr(stdin, "sent") else None if stdin is None else len(stdin)
+            self.seen.append((verb, sent))
+            return res
+
+        remote.run = counting  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[str, int | None]]:
+        seen, self.seen = self.seen, []
+        return seen
+
+
+def test_a_deploy_is_one_far_side_call_when_the_cache_is_right(target: Target, src: Path) -> None:
+    calls = Calls(target.remote)
+    first = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
+    assert first.action == "deployed" and [v for v, _ in calls.take()] == ["install"]
+    verify_release(target.workdir / "releases" / first.release, src)
+
+    same = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
+    assert same.action == "unchanged" and same.bytes_sent == 0
+    assert calls.take() == [("install", None)]  # not even the manifest travels
+
+    (src / "dflash" / "train.py").write_text("STEPS = 3\n")
+    out, echo = lines()
+    one = deploy(target.remote, target.host, source=str(src), echo=echo)
+    assert [v for v, _ in calls.take()] == ["install"]
+    assert one.summary.startswith(f"deployed {one.release} to {target.host.label}: 1 file changed, ")
+    assert out[0] == f"uploading 1 file (10 B) to {target.host.label}"
+    verify_release(target.workdir / "releases" / one.release, src)
+
+
+def test_a_stale_cache_costs_a_second_call_and_nothing_else(target: Target, src: Path, tmp_path: Path) -> None:
+    """Another machine deployed meanwhile (or the workdir was wiped): the far side answers with its
+    facts before reading the upload, and the deploy goes on from them, as a two-call deploy did."""
+    first = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
+    (src / "dflash" / "train.py").write_text("STEPS = 3\n")
+    other = deploy(target.remote, target.host, source=str(src), echo=lambda s: None, state_dir=tmp_path / "elsewhere")
+    (src / "dflash" / "train.py").write_text("STEPS = 4\n")
+    calls = Calls(target.remote)
+    out, echo = lines()
+    third = deploy(target.remote, target.host, source=str(src), echo=echo)  # its cache still says `first`
+    assert [v for v, _ in calls.take()] == ["install", "install"]
+    assert third.previous == other.release and third.summary.startswith(
+        f"deployed {third.release} to {target.host.label}: 1 file changed, "
+    )
+    assert out == [f"uploading 1 file (10 B) to {target.host.label}"]  # said once, for the upload that counted
+    assert sorted(target.releases()) == sorted([first.release, other.release, third.release])
+
+    for name in ("current", "previous"):
+        (target.workdir / name).unlink()
+    import shutil
+
+    shutil.rmtree(target.workdir / "releases")
+    again = deploy(target.remote, target.host, source=str(src), echo=lambda s: None)
+    assert [v for v, _ in calls.take()] == ["install", "install"]
+    assert again.summary.startswith(
+        f"deployed {third.release} to {target.host.label}: {len(build_bundle(src).files)} files added, "
+    )
+    verify_release(target.workdir / "releases" / third.release, src)

@@ -32,12 +32,22 @@ def test_everything_passes_on_both_hosts(pve_hosts: PveHosts) -> None:
     assert data["ok"] is True and [h["host"] for h in data["hosts"]] == ["pve", "local"]
     pve = statuses(r)
     assert pve == {
-        "reachable": "ok", "host-key": "ok", "login": "ok", "container": "ok", "tmux": "ok", "python": "ok",
-        "packages": "ok", "torch": "ok", "disk": "ok", "nvidia-smi": "skip",
+        "reachable": "ok",
+        "host-key": "ok",
+        "login": "ok",
+        "container": "ok",
+        "tmux": "ok",
+        "python": "ok",
+        "packages": "ok",
+        "torch": "ok",
+        "disk": "ok",
+        "nvidia-smi": "skip",
     }
     c = checks(r)
     assert c["tmux"]["detail"].startswith("tmux 3.")
-    assert c["packages"]["detail"] == "imports transformers, safetensors, accelerate, numpy, click" and c["torch"]["detail"].startswith("torch 2.")
+    assert c["packages"]["detail"] == "imports transformers, safetensors, accelerate, numpy, click" and c["torch"][
+        "detail"
+    ].startswith("torch 2.")
     assert "GiB free" in c["disk"]["detail"] and "ct 200 running since" in c["container"]["detail"]
     assert "SHA256:" in c["host-key"]["detail"]
     local = statuses(r, "local")
@@ -58,7 +68,9 @@ def test_sshd_down_is_unreachable_refused(pve_hosts: PveHosts) -> None:
     assert r.exit_code == 10
     lines = _text_lines(r.stdout)
     assert lines["reachable"].startswith("FAIL cannot connect to 127.0.0.1:")
-    assert all(lines[n].startswith("skip reachable failed") for n in ("host-key", "login", "container", "tmux", "nvidia-smi"))
+    assert all(
+        lines[n].startswith("skip reachable failed") for n in ("host-key", "login", "container", "tmux", "nvidia-smi")
+    )
     j = pve_hosts.cli("--host", "pve", "doctor", "--json")
     assert j.exit_code == 10 and checks(j)["reachable"]["cause"] == "refused"
 
@@ -81,7 +93,11 @@ def test_unknown_host_key(pve_hosts: PveHosts, tmp_path: Path) -> None:
     assert r.exit_code == 10
     lines = _text_lines(r.stdout)
     assert lines["reachable"].startswith("ok ")
-    assert lines["host-key"].startswith("FAIL unknown: ") and "trust-host" in lines["host-key"] and "SHA256:" in lines["host-key"]
+    assert (
+        lines["host-key"].startswith("FAIL unknown: ")
+        and "trust-host" in lines["host-key"]
+        and "SHA256:" in lines["host-key"]
+    )
     assert lines["login"].startswith("skip host-key failed")
 
 
@@ -128,8 +144,18 @@ def test_python_missing_in_the_container(pve_hosts: PveHosts) -> None:
     r = pve_hosts.cli("--host", "pve", "doctor", "--json")
     assert r.exit_code == 1
     s = statuses(r)
-    assert (s["container"], s["tmux"], s["python"], s["packages"], s["torch"], s["disk"]) == ("ok", "ok", "fail", "skip", "skip", "ok")
-    assert "/opt/no-python/bin/python3" in checks(r)["python"]["detail"] and "hosts.pve.python" in checks(r)["python"]["detail"]
+    assert (s["container"], s["tmux"], s["python"], s["packages"], s["torch"], s["disk"]) == (
+        "ok",
+        "ok",
+        "fail",
+        "skip",
+        "skip",
+        "ok",
+    )
+    assert (
+        "/opt/no-python/bin/python3" in checks(r)["python"]["detail"]
+        and "hosts.pve.python" in checks(r)["python"]["detail"]
+    )
 
 
 def test_most_basic_failure_decides_the_exit_code(pve_hosts: PveHosts) -> None:
@@ -140,7 +166,9 @@ def test_most_basic_failure_decides_the_exit_code(pve_hosts: PveHosts) -> None:
 
 
 def _local_host(tmp_path: Path, python: str = "/opt/no-python/bin/python3") -> t.Any:
-    text = dump_hosts(None, {"l": {"transport": "local", "workdir": str(tmp_path / "w"), "python": python, "command": "true"}})
+    text = dump_hosts(
+        None, {"l": {"transport": "local", "workdir": str(tmp_path / "w"), "python": python, "command": "true"}}
+    )
     return parse_inventory(text, path=None, base=tmp_path).get()
 
 
@@ -156,7 +184,9 @@ def test_nvidia_smi_present_and_failing(tmp_path: Path, monkeypatch: pytest.Monk
     gpu = next(c for c in report.checks if c.name == "nvidia-smi")
     assert (gpu.status, gpu.detail) == ("ok", "2 GPU(s): 0, NVIDIA H200, 143771 MiB; 1, NVIDIA H200, 143771 MiB")
 
-    smi.write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"\nexit 9\n")
+    smi.write_text(
+        '#!/bin/sh\necho "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."\nexit 9\n'
+    )
     report = doctor.diagnose(_local_host(tmp_path))
     gpu = next(c for c in report.checks if c.name == "nvidia-smi")
     assert gpu.status == "fail" and "couldn't communicate with the NVIDIA driver" in gpu.detail

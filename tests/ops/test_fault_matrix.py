@@ -25,10 +25,10 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from runkit import fake_release, reap_runs, train_command
 
 from ops.testing import PveHosts, retry_until
 from ops.testing.hostsfile import dflashctl_argv
-from runkit import fake_release, reap_runs, train_command
 
 VMID = 200
 K = 5  # checkpoint every K steps
@@ -43,8 +43,10 @@ class Supervisor:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
         self.out: list[str] = []
         self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._read, args=(s, sink), daemon=True)
-                         for s, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        self._threads = [
+            threading.Thread(target=self._read, args=(s, sink), daemon=True)
+            for s, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+        ]
         for th in self._threads:
             th.start()
 
@@ -78,8 +80,13 @@ class Supervisor:
     def more_probes(self, n: int = 3, seconds: float = 45) -> None:
         """Wait until the supervisor probed ``n`` more times: a negative assertion needs it to have looked."""
         start = self.probes()
-        retry_until(lambda: self.probes() >= start + n or (self.proc.poll() is not None and
-                                                           pytest.fail(f"supervisor exited:\n{self.text}")), seconds)
+        retry_until(
+            lambda: (
+                self.probes() >= start + n
+                or (self.proc.poll() is not None and pytest.fail(f"supervisor exited:\n{self.text}"))
+            ),
+            seconds,
+        )
 
     def wait(self, seconds: float = 60) -> int:
         rc = self.proc.wait(timeout=seconds)
@@ -114,8 +121,20 @@ class Rig:
         self.supervisors: list[Supervisor] = []
 
     def configure(self, *, interval: float = 0.1, **table: t.Any) -> None:
-        cmd = train_command("--steps", "1", "--interval", str(interval), "--until", str(self.finish),
-                            "--checkpoint", str(self.ckpt), "--every", str(K), "--control", str(self.control))
+        cmd = train_command(
+            "--steps",
+            "1",
+            "--interval",
+            str(interval),
+            "--until",
+            str(self.finish),
+            "--checkpoint",
+            str(self.ckpt),
+            "--every",
+            str(K),
+            "--control",
+            str(self.control),
+        )
         self.hosts.write(command=cmd, **{"hang_after": 600, "startup_grace": 0, **table})
         fake_release(self.hosts.workdir)
 
@@ -128,8 +147,16 @@ class Rig:
         retry_until(lambda: len(self.steps(1)) >= 2, 30)
 
     def supervise(self, *args: str) -> Supervisor:
-        argv = [*dflashctl_argv(), "--hosts", str(self.hosts.path), "-v", "restart-on-crash",
-                "--state-dir", str(self.state_dir), *args]
+        argv = [
+            *dflashctl_argv(),
+            "--hosts",
+            str(self.hosts.path),
+            "-v",
+            "restart-on-crash",
+            "--state-dir",
+            str(self.state_dir),
+            *args,
+        ]
         sup = Supervisor(argv, self.hosts.env(), self.hosts.root)
         self.supervisors.append(sup)
         sup.event(r": watching \(")
@@ -159,8 +186,10 @@ class Rig:
         return [int(x) for x in re.findall(r"^step (\d+) \|", self.log(n), re.M)]
 
     def run_json(self, n: int) -> dict[str, t.Any]:
-        return retry_until(lambda: (self.attempt(n) / "run.json").exists()
-                           and json.loads((self.attempt(n) / "run.json").read_text()), 30)
+        return retry_until(
+            lambda: (self.attempt(n) / "run.json").exists() and json.loads((self.attempt(n) / "run.json").read_text()),
+            30,
+        )
 
     def inside(self, *argv: str) -> subprocess.CompletedProcess[bytes]:
         return self.pve.run_in(VMID, list(argv))
@@ -301,7 +330,10 @@ def test_the_same_oom_twice_before_min_uptime_gives_up(rig: Rig) -> None:
     err = "\n".join(sup.err)
     assert "dflashctl: pve/dflash: gave up: crash loop: the same failure twice in a row" in err
     incs = rig.incidents()
-    assert [(i["attempt"], i["action"], i["outcome"]) for i in incs] == [(1, "restart", "done"), (2, "give-up", "noted")]
+    assert [(i["attempt"], i["action"], i["outcome"]) for i in incs] == [
+        (1, "restart", "done"),
+        (2, "give-up", "noted"),
+    ]
     assert incs[1]["fingerprint"] == incs[0]["fingerprint"] == "cuda-oom|gpu 5"
 
 
@@ -358,7 +390,12 @@ def test_container_rebooted_is_restarted_once_it_is_up(rig: Rig) -> None:
     incs = rig.incidents()
     assert all((i["state"], i["action"]) == ("container-down", "wait") for i in incs[:-1]), incs
     inc = incs[-1]
-    assert (inc["state"], inc["cause"], inc["action"], inc["next_attempt"]) == ("lost", "container-restart", "restart", 2)
+    assert (inc["state"], inc["cause"], inc["action"], inc["next_attempt"]) == (
+        "lost",
+        "container-restart",
+        "restart",
+        2,
+    )
 
 
 def test_container_stopped_is_not_started_without_the_flag_and_restarted_when_back(rig: Rig) -> None:
@@ -391,7 +428,9 @@ def test_container_stopped_is_started_with_start_container(rig: Rig) -> None:
     rig.assert_resumed(1, 2)
     incs = rig.incidents()
     assert [(i["state"], i["action"], i["outcome"]) for i in incs] == [
-        ("container-down", "start-container", "done"), ("lost", "restart", "done")]
+        ("container-down", "start-container", "done"),
+        ("lost", "restart", "done"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +478,12 @@ def test_sshd_down_for_a_while_is_no_crash_and_the_supervisor_goes_on(rig: Rig) 
     sup.more_probes(2)
     assert rig.attempts() == [1] and rig.status()["state"] == "running"
     [inc] = rig.incidents()
-    assert (inc["state"], inc["cause"], inc["action"], inc["outcome"]) == ("unreachable", "refused", "wait", "recovered")
+    assert (inc["state"], inc["cause"], inc["action"], inc["outcome"]) == (
+        "unreachable",
+        "refused",
+        "wait",
+        "recovered",
+    )
     assert inc["outage_seconds"] > 0
     rig.finish.touch()
     assert sup.wait(60) == 0, sup.text
@@ -507,9 +551,27 @@ def test_more_than_max_restarts_within_the_window_gives_up(rig: Rig) -> None:
     assert "dflashctl: pve/dflash: gave up: crash loop: 2 restarts" in "\n".join(sup.err)
     incs = rig.incidents()
     assert [(i["attempt"], i["action"], i["outcome"], i["next_attempt"]) for i in incs] == [
-        (1, "restart", "done", 2), (2, "restart", "done", 3), (3, "give-up", "noted", None)]
-    keys = {"time", "host", "session", "attempt", "state", "cause", "detail", "evidence", "log_tail", "action",
-            "reason", "next_attempt", "exit_code", "fingerprint", "log"}
+        (1, "restart", "done", 2),
+        (2, "restart", "done", 3),
+        (3, "give-up", "noted", None),
+    ]
+    keys = {
+        "time",
+        "host",
+        "session",
+        "attempt",
+        "state",
+        "cause",
+        "detail",
+        "evidence",
+        "log_tail",
+        "action",
+        "reason",
+        "next_attempt",
+        "exit_code",
+        "fingerprint",
+        "log",
+    }
     for i in incs:
         assert keys <= set(i), keys - set(i)
         assert i["state"] == "crashed" and i["cause"] == "python-exception" and i["detail"] == "KeyError: 'missing_key'"
@@ -527,15 +589,29 @@ def test_local_host_once_restarts_a_crashed_run(pve_hosts: PveHosts, tmp_path: P
     shared = tmp_path / "local-shared"
     shared.mkdir()
     ckpt, control, finish = shared / "ckpt.json", shared / "control", shared / "finish"
-    local["command"] = train_command("--steps", "1", "--interval", "0.1", "--until", str(finish), "--checkpoint",
-                                     str(ckpt), "--every", str(K), "--control", str(control))
+    local["command"] = train_command(
+        "--steps",
+        "1",
+        "--interval",
+        "0.1",
+        "--until",
+        str(finish),
+        "--checkpoint",
+        str(ckpt),
+        "--every",
+        str(K),
+        "--control",
+        str(control),
+    )
     pve_hosts.write()
     fake_release(Path(str(local["workdir"])))
     run_dir = Path(str(local["run_dir"])) / "dflash"
     state = ["--state-dir", str(tmp_path / "state")]
     try:
         assert pve_hosts.cli("--host", "local", "start").exit_code == 0
-        retry_until(lambda: len(re.findall(r"^step \d+", (run_dir / "attempt-1" / "train.log").read_text(), re.M)) > K, 30)
+        retry_until(
+            lambda: len(re.findall(r"^step \d+", (run_dir / "attempt-1" / "train.log").read_text(), re.M)) > K, 30
+        )
         once = pve_hosts.cli("--host", "local", "restart-on-crash", "--once", *state)
         assert once.exit_code == 0 and "watching (once): running" in once.stdout, once.output
         control.write_text("once:exception")
@@ -544,10 +620,17 @@ def test_local_host_once_restarts_a_crashed_run(pve_hosts: PveHosts, tmp_path: P
         assert once.exit_code == 0, once.output
         assert "crashed: KeyError: 'missing_key'" in once.stdout and "restarted: attempt 2 started" in once.stdout
         log2 = run_dir / "attempt-2" / "train.log"
-        m = retry_until(lambda: log2.exists() and re.search(r"^resumed from checkpoint at step (\d+)$", log2.read_text(), re.M), 30)
+        m = retry_until(
+            lambda: log2.exists() and re.search(r"^resumed from checkpoint at step (\d+)$", log2.read_text(), re.M), 30
+        )
         assert int(m.group(1)) % K == 0 and int(m.group(1)) > 0
         [inc] = [json.loads(p.read_text()) for p in (tmp_path / "state" / "incidents").glob("*.json")]
-        assert (inc["host"], inc["state"], inc["cause"], inc["next_attempt"]) == ("local", "crashed", "python-exception", 2)
+        assert (inc["host"], inc["state"], inc["cause"], inc["next_attempt"]) == (
+            "local",
+            "crashed",
+            "python-exception",
+            2,
+        )
     finally:
         finish.touch()
         reap_runs(run_dir.parent)

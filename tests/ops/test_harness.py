@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ops.testing import FakePve, PveHosts, Sshd, TmuxServers, pid_alive, retry_until
-from ops.testing.tmux import socket_path
 from ops.testing.pve import shared_tmp_paths
+from ops.testing.tmux import socket_path
 
 
 def test_retry_until_returns_the_value_and_reports_the_last_one() -> None:
@@ -106,7 +106,10 @@ def test_container_reboot_kills_its_processes_and_wipes_tmp(fake_pve: FakePve, t
     mounted = {p.split("/")[2] for p in shared_tmp_paths()}
     assert set(fake_pve.run_in(200, ["ls", "-A", "/tmp"]).stdout.decode().split()) == mounted
     gone = fake_pve.run_in(200, ["tmux", "-L", sock, "has-session", "-t", "=t"])
-    assert gone.returncode == 1 and b"error connecting to /tmp/tmux-0/dflash-harness (No such file or directory)" in gone.stderr
+    assert (
+        gone.returncode == 1
+        and b"error connecting to /tmp/tmux-0/dflash-harness (No such file or directory)" in gone.stderr
+    )
     assert server_pid > 1
 
 
@@ -155,7 +158,11 @@ def test_tmux_servers_are_reaped_by_socket(tmux_servers: TmuxServers) -> None:
     assert name.startswith("dflash-test-")
     server = tmux_servers.server(name)
     server.new_session(session_name="x", window_command="sleep 600")
-    pid = int(subprocess.run(["tmux", "-L", name, "display-message", "-p", "#{pid}"], capture_output=True, text=True, timeout=30).stdout)
+    pid = int(
+        subprocess.run(
+            ["tmux", "-L", name, "display-message", "-p", "#{pid}"], capture_output=True, text=True, timeout=30
+        ).stdout
+    )
     assert socket_path(name).exists()
     tmux_servers.reap()
     retry_until(lambda: not pid_alive(pid), 10)

@@ -13,13 +13,13 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from runkit import fake_release, reap_runs, train_command
+from test_agent import attempt_dir, dflashctl, make_host, wait_state
 
 from ops import agent, errors, session
 from ops.remote import Remote
 from ops.testing import pid_alive, retry_until
 from ops.transport import LocalTransport
-from runkit import fake_release, reap_runs, train_command
-from test_agent import attempt_dir, dflashctl, make_host, wait_state
 
 
 @pytest.fixture(autouse=True)
@@ -163,8 +163,12 @@ def test_env_secrets_never_reach_an_argv(tmp_path: Path, tmux_socket: str) -> No
         assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
     child_env = Path(f"/proc/{out['child_pid']}/environ").read_bytes().split(b"\0")
     assert f"HF_TOKEN={secret}".encode() in child_env  # the command does get it
-    start_cmd = subprocess.run(["tmux", "-L", tmux_socket, "display-message", "-p", "-t", "=dflash:",
-                                "#{pane_start_command}"], capture_output=True, text=True, timeout=10).stdout
+    start_cmd = subprocess.run(
+        ["tmux", "-L", tmux_socket, "display-message", "-p", "-t", "=dflash:", "#{pane_start_command}"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout
     assert "ops.runner" in start_cmd and secret not in start_cmd and "--env-file" in start_cmd
     assert not list(attempt_dir(remote, 1).glob(".env*"))  # read and unlinked by the runner
 
@@ -180,8 +184,9 @@ def test_the_env_file_is_private_while_it_exists(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------- item 13
 
 
-def test_a_user_shell_that_is_not_posix_does_not_break_start(tmp_path: Path, tmux_socket: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_shell_that_is_not_posix_does_not_break_start(
+    tmp_path: Path, tmux_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fish = tmp_path / "fish"
     fish.write_text("#!/bin/sh\necho 'fish: Unsupported use of POSIX syntax' >&2\nexit 42\n")
     fish.chmod(0o755)
@@ -191,8 +196,9 @@ def test_a_user_shell_that_is_not_posix_does_not_break_start(tmp_path: Path, tmu
     assert out["pid"] is not None and "warning" not in out
     st = wait_state(remote, "succeeded")
     assert st.exit_code == 0
-    shell = subprocess.run(["tmux", "-L", tmux_socket, "show-options", "-gv", "default-shell"],
-                           capture_output=True, text=True, timeout=10).stdout.strip()
+    shell = subprocess.run(
+        ["tmux", "-L", tmux_socket, "show-options", "-gv", "default-shell"], capture_output=True, text=True, timeout=10
+    ).stdout.strip()
     assert shell == "/bin/sh"
 
 
@@ -215,8 +221,13 @@ def test_tail_and_status_read_a_bounded_window_of_a_huge_cr_log(tmp_path: Path) 
         f.seek(0, 2)
         f.write(b"".join(b"\rstep %d | loss 1.0" % i for i in range(200_000)))
     (tmp_path / "runs" / "dflash" / "current").symlink_to("attempt-1")
-    req = {"session": "dflash", "socket": "nosock-h2-tail", "run_dir": str(tmp_path / "runs"), "lines": 999_999_999,
-           "source": "log"}
+    req = {
+        "session": "dflash",
+        "socket": "nosock-h2-tail",
+        "run_dir": str(tmp_path / "runs"),
+        "lines": 999_999_999,
+        "source": "log",
+    }
     before = _rchar()
     a = agent.tail(req)
     facts = agent.attempt_facts(req, agent.DIAG_LINES)
@@ -231,8 +242,13 @@ def test_tail_n_is_capped(tmp_path: Path) -> None:
     adir = tmp_path / "runs" / "dflash" / "attempt-1"
     adir.mkdir(parents=True)
     (adir / "train.log").write_bytes(b"".join(b"line %d\n" % i for i in range(30_000)))
-    req = {"session": "dflash", "socket": "nosock-h2-cap", "run_dir": str(tmp_path / "runs"), "lines": 999_999_999,
-           "source": "log"}
+    req = {
+        "session": "dflash",
+        "socket": "nosock-h2-cap",
+        "run_dir": str(tmp_path / "runs"),
+        "lines": 999_999_999,
+        "source": "log",
+    }
     a = agent.tail(req)
     assert len(a["lines"]) == agent.MAX_LINES and a["lines"][-1] == "line 29999"
     assert a["reason"].endswith(f"(at most {agent.MAX_LINES} lines are shown)")
@@ -251,7 +267,7 @@ def test_follow_shows_progress_of_a_cr_only_stream(tmp_path: Path) -> None:
 
 # Runs inside `unshare -m`: a private mount namespace with a 1 MiB tmpfs as the run's disk. Prints
 # one JSON object with what the test checks (the tmpfs and its files vanish with the namespace).
-FULL_DISK = r'''
+FULL_DISK = r"""
 import json, os, subprocess, sys
 repo, disk, hosts, socket = sys.argv[1:5]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk], check=True)
@@ -285,13 +301,14 @@ cli = subprocess.run([*json.loads(sys.argv[5]), "--hosts", hosts, "start"], capt
 out["start"] = {"rc": cli.returncode, "stdout": cli.stdout, "stderr": cli.stderr,
                 "attempts": sorted(n for n in os.listdir(runs) if n.startswith("attempt-"))}
 print(json.dumps(out))
-'''
+"""
 
 
 def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux_socket: str) -> None:
+    from runkit import REPO
+
     from ops.testing import missing_requirement
     from ops.testing.hostsfile import dflashctl_argv
-    from runkit import REPO
 
     why = missing_requirement("namespaces")
     if why:
@@ -302,9 +319,24 @@ def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux
     fake_release(tmp_path / "work")
     script = tmp_path / "inside.py"
     script.write_text(FULL_DISK)
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, str(script), str(REPO),
-                        str(disk), str(tmp_path / "hosts.toml"), tmux_socket, json.dumps(dflashctl_argv())],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            str(script),
+            str(REPO),
+            str(disk),
+            str(tmp_path / "hosts.toml"),
+            tmux_socket,
+            json.dumps(dflashctl_argv()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     ok, bad = out["ok_run"], out["bad_run"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from runkit import RELAY
 
 from ops import errors
 from ops.hosts import Host, parse_inventory
@@ -24,7 +25,6 @@ from ops.testing import PveHosts, Sshd
 from ops.testing.hostsfile import dump_hosts
 from ops.testing.plugin import require
 from ops.transport import SSHTransport, scan_host_key
-from runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -145,7 +145,7 @@ def test_an_old_key_under_a_pattern_reads_as_changed(pve_hosts: PveHosts, tmp_pa
     assert r.exit_code == 0, r.output
     lines = sshd.known_hosts.read_text().splitlines()
     assert lines[-1] == sshd.known_hosts_line
-    if pattern.startswith("[127.0.0.1]:{}".format(sshd.port)):
+    if pattern.startswith(f"[127.0.0.1]:{sshd.port}"):
         assert lines[0] == f"[other]:1 ssh-ed25519 {old_blob}"  # only our name was taken out of the list
     else:
         assert lines[0] == old_line and "left as they are" in r.stderr  # a pattern also covers other hosts
@@ -178,9 +178,29 @@ def test_hashed_entries_keep_working(sshd: Sshd, tmp_path: Path) -> None:
 # --- item 13 (ssh half): the exec string does not depend on the remote login shell ----------------
 
 HOSTILE_ARGS = [
-    "it's", 'say "hi"', "back\\slash \\\\ \\' \\n", "bang! !! !$", "$HOME ${x} $(id) `id`", "line1\nline2",
-    "trailing newline\n", "tab\there", "ünïcødé ☃", "", "-n", "%p %h", "star * ? [a]", "x; rm -rf /tmp/nope & | >",
-    "{a,b}", "~root", "#not a comment", "(subshell)", "a=b", "\\", "-$", "-n\n", "%s%d",
+    "it's",
+    'say "hi"',
+    "back\\slash \\\\ \\' \\n",
+    "bang! !! !$",
+    "$HOME ${x} $(id) `id`",
+    "line1\nline2",
+    "trailing newline\n",
+    "tab\there",
+    "ünïcødé ☃",
+    "",
+    "-n",
+    "%p %h",
+    "star * ? [a]",
+    "x; rm -rf /tmp/nope & | >",
+    "{a,b}",
+    "~root",
+    "#not a comment",
+    "(subshell)",
+    "a=b",
+    "\\",
+    "-$",
+    "-n\n",
+    "%s%d",
 ]
 
 
@@ -218,7 +238,13 @@ def test_remote_argv_arrives_literally_whatever_the_login_shell(shell_sshd: Sshd
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(argv=st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12), min_size=1, max_size=4))
+@given(
+    argv=st.lists(
+        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
+        min_size=1,
+        max_size=4,
+    )
+)
 @example(argv=["'\\'", "\\\\'", "!\n!"])
 def test_any_text_survives_a_login_shell_that_is_not_sh(shell_sshd: Sshd, argv: list[str]) -> None:
     with SSHTransport.connect(make_host(shell_sshd)) as tr:
@@ -230,15 +256,22 @@ def test_any_text_survives_a_login_shell_that_is_not_sh(shell_sshd: Sshd, argv: 
 # --- item 8: one finite-number type for every duration option --------------------------------------
 
 DURATIONS = [
-    ("stop", "--grace"), ("status", "--watch"), ("tail", "--interval"), ("restart-on-crash", "--interval"),
-    ("restart-on-crash", "--backoff"), ("restart-on-crash", "--max-backoff"), ("restart-on-crash", "--min-uptime"),
+    ("stop", "--grace"),
+    ("status", "--watch"),
+    ("tail", "--interval"),
+    ("restart-on-crash", "--interval"),
+    ("restart-on-crash", "--backoff"),
+    ("restart-on-crash", "--max-backoff"),
+    ("restart-on-crash", "--min-uptime"),
     ("restart-on-crash", "--window"),
 ]
 
 
 @pytest.mark.parametrize("verb,option", DURATIONS)
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e300", "NaN"])
-def test_durations_refuse_nan_inf_and_huge_before_anything_runs(tmp_path: Path, verb: str, option: str, value: str) -> None:
+def test_durations_refuse_nan_inf_and_huge_before_anything_runs(
+    tmp_path: Path, verb: str, option: str, value: str
+) -> None:
     from click.testing import CliRunner
 
     from ops.cli import cli
@@ -274,10 +307,24 @@ def test_bad_session_names_are_refused_before_anything_runs(tmp_path: Path, caps
     for name in BAD_NAMES:
         for verb in ("start", "status", "stop", "tail", "attach", "restart-on-crash"):
             with pytest.raises(SystemExit) as exit_:
-                main(["--hosts", str(hosts), verb, "--session", name, *(["--once"] if verb == "restart-on-crash" else [])])
+                main(
+                    [
+                        "--hosts",
+                        str(hosts),
+                        verb,
+                        "--session",
+                        name,
+                        *(["--once"] if verb == "restart-on-crash" else []),
+                    ]
+                )
             err = capsys.readouterr().err
             assert exit_.value.code == 1, (name, verb, err)
-            assert err.startswith("dflashctl: --session: use letters, digits, '-', '_' only (ASCII, 1 to 64, not starting with '-'), got ") and len(err.splitlines()) == 1, err
+            assert (
+                err.startswith(
+                    "dflashctl: --session: use letters, digits, '-', '_' only (ASCII, 1 to 64, not starting with '-'), got "
+                )
+                and len(err.splitlines()) == 1
+            ), err
 
 
 def test_a_dash_session_through_the_real_cli(pve_hosts: PveHosts) -> None:
@@ -289,14 +336,21 @@ def test_a_dash_session_through_the_real_cli(pve_hosts: PveHosts) -> None:
 @pytest.mark.parametrize("name", BAD_NAMES)
 def test_bad_session_names_in_hosts_toml_name_the_key(name: str) -> None:
     with pytest.raises(errors.ConfigError) as e:
-        parse_inventory(dump_hosts(None, {"h": {"transport": "local", "command": "true", "session": name}}), path=None, base=Path("/"))
+        parse_inventory(
+            dump_hosts(None, {"h": {"transport": "local", "command": "true", "session": name}}),
+            path=None,
+            base=Path("/"),
+        )
     assert e.value.path in ("hosts.h.session",) or (name.strip() == "" and e.value.path == "hosts.h.session")
 
 
 @pytest.mark.parametrize("name", ["dflash", "run_2", "exp-3", "A", "_x", "9", "x" * 64])
 def test_todays_names_stay_valid(name: str) -> None:
-    inv = parse_inventory(dump_hosts(None, {"h": {"transport": "local", "command": "true", "session": name, "tmux_socket": name}}),
-                          path=None, base=Path("/"))
+    inv = parse_inventory(
+        dump_hosts(None, {"h": {"transport": "local", "command": "true", "session": name, "tmux_socket": name}}),
+        path=None,
+        base=Path("/"),
+    )
     assert inv.get().session == name
 
 
@@ -306,21 +360,27 @@ def test_todays_names_stay_valid(name: str) -> None:
 def run_hosts(path: Path) -> subprocess.CompletedProcess[str]:
     from ops.testing.hostsfile import dflashctl_argv
 
-    return subprocess.run([*dflashctl_argv(), "--hosts", str(path), "hosts"], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [*dflashctl_argv(), "--hosts", str(path), "hosts"], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_hosts_toml_not_utf8_is_one_line(tmp_path: Path) -> None:
     f = tmp_path / "hosts.toml"
     f.write_bytes('[hosts.x]\ntransport = "local"\ncommand = "caf\xe9"\n'.encode("latin-1"))
     r = run_hosts(f)
-    assert r.returncode == 1 and r.stderr.splitlines() == [f"dflashctl: {f}: not UTF-8 text (byte 44: b'\\xe9'); TOML files are UTF-8"]
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"dflashctl: {f}: not UTF-8 text (byte 44: b'\\xe9'); TOML files are UTF-8"
+    ]
 
 
 def test_deeply_nested_toml_is_one_line(tmp_path: Path) -> None:
     f = tmp_path / "hosts.toml"
     f.write_text('[hosts.x]\ntransport = "local"\ncommand = "a"\nenv = ' + "[" * 50_000 + "]" * 50_000 + "\n")
     r = run_hosts(f)
-    assert r.returncode == 1 and r.stderr.splitlines() == [f"dflashctl: {f}: not valid TOML here: values nested too deeply"]
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"dflashctl: {f}: not valid TOML here: values nested too deeply"
+    ]
 
 
 def test_a_huge_command_is_refused_before_shlex_split(tmp_path: Path) -> None:
@@ -336,18 +396,32 @@ def test_a_huge_command_is_refused_before_shlex_split(tmp_path: Path) -> None:
 
 def test_bad_values_are_shown_short() -> None:
     with pytest.raises(errors.ConfigError) as e:
-        parse_inventory(dump_hosts(None, {"x": {"transport": "local", "command": "a", "session": "-" * 100_000}}), path=None, base=Path("/"))
+        parse_inventory(
+            dump_hosts(None, {"x": {"transport": "local", "command": "a", "session": "-" * 100_000}}),
+            path=None,
+            base=Path("/"),
+        )
     assert len(str(e.value)) < 400 and "(100002 characters)" in str(e.value)
 
 
 # --- item 15: address/user never become ssh options; attach quotes paths like ssh_config ------------
 
 
-@pytest.mark.parametrize("key,value", [
-    ("address", "-oProxyCommand=x"), ("user", "-oProxyCommand=x"), ("user", "-lroot"), ("address", "-p1"),
-    ("user", "ro ot"), ("user", "root\n"), ("address", "host\x00"), ("address", "a\tb"),
-    ("known_hosts", "/a\nb"), ("identity_file", "/k/${HOME}/id"),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("address", "-oProxyCommand=x"),
+        ("user", "-oProxyCommand=x"),
+        ("user", "-lroot"),
+        ("address", "-p1"),
+        ("user", "ro ot"),
+        ("user", "root\n"),
+        ("address", "host\x00"),
+        ("address", "a\tb"),
+        ("known_hosts", "/a\nb"),
+        ("identity_file", "/k/${HOME}/id"),
+    ],
+)
 def test_values_that_would_be_ssh_options_are_refused(key: str, value: str) -> None:
     table = {"address": "127.0.0.1", "command": "true", key: value}
     with pytest.raises(errors.ConfigError) as e:
@@ -356,7 +430,7 @@ def test_values_that_would_be_ssh_options_are_refused(key: str, value: str) -> N
 
 
 def test_attach_argv_ends_options_and_quotes_known_hosts_like_ssh_config(sshd: Sshd, tmp_path: Path) -> None:
-    from ops.session import attach_argv
+    from ops.attach import attach_argv
 
     odd = tmp_path / 'dir with "quotes" and 50%'
     odd.mkdir()
@@ -368,7 +442,7 @@ def test_attach_argv_ends_options_and_quotes_known_hosts_like_ssh_config(sshd: S
     host = make_host(sshd, known_hosts=str(kh), identity_file=str(key))
     argv = attach_argv(host, "dflash")
     dd = argv.index("--")
-    assert argv[dd + 1] == "root@127.0.0.1" and all(not a.startswith("-") for a in argv[dd + 1:])
+    assert argv[dd + 1] == "root@127.0.0.1" and all(not a.startswith("-") for a in argv[dd + 1 :])
     # The real OpenSSH client reads our options: known_hosts path with spaces/quotes/% and the key.
     probe = [argv[0], "-F", "/dev/null", "-o", "BatchMode=yes", *argv[1:dd], "-T", "--", argv[dd + 1], "echo attached"]
     probe.remove("-t")
@@ -380,7 +454,7 @@ def test_attach_remote_command_survives_a_fish_login_shell(tmp_path: Path, ssh_h
     require("sshd")
     require("namespaces")
     require("fish")
-    from ops.session import attach_argv
+    from ops.attach import attach_argv
 
     with Sshd(tmp_path / "sshd", login_shell=shutil.which("fish")) as server:
         argv = attach_argv(make_host(server), "dflash")
@@ -388,12 +462,18 @@ def test_attach_remote_command_survives_a_fish_login_shell(tmp_path: Path, ssh_h
         from ops.transport import remote_command
 
         assert argv[-1] == remote_command(["tmux", "-L", "dflash", "attach-session", "-t", "=dflash"])
-        r = subprocess.run([*argv[:-1], remote_command([sys.executable, "-c", ECHO_ARGV, "it's", "a\\b", "!x"])],
-                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [*argv[:-1], remote_command([sys.executable, "-c", ECHO_ARGV, "it's", "a\\b", "!x"])],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
         assert r.returncode == 0 and json.loads(r.stdout) == ["it's", "a\\b", "!x"], r.stderr
 
 
 # --- item 16: ProxyCommand %p/%r get hosts.toml's port and user ------------------------------------
+
 
 def test_proxy_command_tokens_use_the_port_and_user_of_hosts_toml(sshd: Sshd, ssh_home: Path, tmp_path: Path) -> None:
     relay = tmp_path / "relay.py"
@@ -427,14 +507,30 @@ def test_state_files_are_private_and_the_hook_gets_no_token(tmp_path: Path, monk
     hook = tmp_path / "hook.py"
     hook.write_text(f"import json, os, sys\njson.dump(dict(os.environ), open({str(hook_out)!r}, 'w'))\n")
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(dump_hosts("h", {
-        "h": {"transport": "local", "workdir": str(tmp_path / "w"), "run_dir": str(tmp_path / "runs"), "command": "true",
-              "tmux_socket": "dflash-h1-none"},
-        "pve": {"address": "127.0.0.1", "command": "true",
-                "proxmox": {"node": "pve", "token_name": "t", "token_value_env": "PVE_TOKEN"}},
-        "other": {"address": "127.0.0.1", "command": "true",
-                  "proxmox": {"node": "pve", "token_name": "t", "token_value_env": "OTHER_SECRET"}},
-    }))
+    hosts.write_text(
+        dump_hosts(
+            "h",
+            {
+                "h": {
+                    "transport": "local",
+                    "workdir": str(tmp_path / "w"),
+                    "run_dir": str(tmp_path / "runs"),
+                    "command": "true",
+                    "tmux_socket": "dflash-h1-none",
+                },
+                "pve": {
+                    "address": "127.0.0.1",
+                    "command": "true",
+                    "proxmox": {"node": "pve", "token_name": "t", "token_value_env": "PVE_TOKEN"},
+                },
+                "other": {
+                    "address": "127.0.0.1",
+                    "command": "true",
+                    "proxmox": {"node": "pve", "token_name": "t", "token_value_env": "OTHER_SECRET"},
+                },
+            },
+        )
+    )
     monkeypatch.setenv("PVE_TOKEN", "s3cret")
     monkeypatch.setenv("OTHER_SECRET", "s3cret2")
     monkeypatch.setenv("KEEP_ME", "fine")
@@ -445,8 +541,14 @@ def test_state_files_are_private_and_the_hook_gets_no_token(tmp_path: Path, monk
     state.chmod(0o755)
     inv = load_inventory(hosts)
     assert inv.secret_env == ("PVE_TOKEN", "OTHER_SECRET")
-    sup = Supervisor(inv.get("h"), None, Options(once=True), on_event=[sys.executable, str(hook)], emit=lambda _: None,
-                     hide_env=inv.secret_env)
+    sup = Supervisor(
+        inv.get("h"),
+        None,
+        Options(once=True),
+        on_event=[sys.executable, str(hook)],
+        emit=lambda _: None,
+        hide_env=inv.secret_env,
+    )
     sup.run()  # not started: an incident is noted and announced
     env = json.loads(hook_out.read_text())
     assert "PVE_TOKEN" not in env and "OTHER_SECRET" not in env and env["KEEP_ME"] == "fine"

@@ -66,28 +66,83 @@ class Bad(t.NamedTuple):
 BAD = [
     Bad("unknown-key", '[hosts.pve]\naddress = "h"\ncommand = "x"\nportt = 22\n', "hosts.pve.portt", "unknown key"),
     Bad("unknown-top-key", 'defaults = "pve"\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "defaults", "unknown key"),
-    Bad("port-wrong-type", '[hosts.pve]\naddress = "h"\ncommand = "x"\nport = "x"\n', "hosts.pve.port", 'expected an integer, got "x"'),
+    Bad(
+        "port-wrong-type",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nport = "x"\n',
+        "hosts.pve.port",
+        'expected an integer, got "x"',
+    ),
     Bad("port-out-of-range", '[hosts.pve]\naddress = "h"\ncommand = "x"\nport = 70000\n', "hosts.pve.port", "1..65535"),
     Bad("port-zero", '[hosts.pve]\naddress = "h"\ncommand = "x"\nport = 0\n', "hosts.pve.port", "got 0"),
-    Bad("container-wrong-type", '[hosts.pve]\naddress = "h"\ncommand = "x"\ncontainer = "200"\n', "hosts.pve.container", "expected an integer"),
-    Bad("timeout-bool", '[hosts.pve]\naddress = "h"\ncommand = "x"\nconnect_timeout = true\n', "hosts.pve.connect_timeout", "expected a number"),
+    Bad(
+        "container-wrong-type",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\ncontainer = "200"\n',
+        "hosts.pve.container",
+        "expected an integer",
+    ),
+    Bad(
+        "timeout-bool",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nconnect_timeout = true\n',
+        "hosts.pve.connect_timeout",
+        "expected a number",
+    ),
     Bad("default-names-no-host", 'default = "gpu"\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "default", '"gpu"'),
-    Bad("default-wrong-type", 'default = 3\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "default", "expected a string"),
-    Bad("default-required", '[hosts.a]\naddress = "h"\ncommand = "x"\n[hosts.b]\naddress = "h"\ncommand = "x"\n', "default", "required"),
+    Bad(
+        "default-wrong-type", 'default = 3\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "default", "expected a string"
+    ),
+    Bad(
+        "default-required",
+        '[hosts.a]\naddress = "h"\ncommand = "x"\n[hosts.b]\naddress = "h"\ncommand = "x"\n',
+        "default",
+        "required",
+    ),
     Bad("no-hosts", 'default = "x"\n', "hosts", "at least one"),
     Bad("missing-address", '[hosts.pve]\ntransport = "ssh"\ncommand = "x"\n', "hosts.pve.address", "required"),
     Bad("address-with-user", '[hosts.pve]\naddress = "root@h"\ncommand = "x"\n', "hosts.pve.address", '"user"'),
     Bad("missing-command", '[hosts.pve]\naddress = "h"\n', "hosts.pve.command", "required"),
     Bad("bad-transport", '[hosts.pve]\ntransport = "telnet"\ncommand = "x"\n', "hosts.pve.transport", '"telnet"'),
-    Bad("ssh-key-on-local", '[hosts.l]\ntransport = "local"\ncommand = "x"\nport = 22\n', "hosts.l.port", "only for transport"),
-    Bad("relative-remote-workdir", '[hosts.pve]\naddress = "h"\ncommand = "x"\nworkdir = "dflash"\n', "hosts.pve.workdir", "absolute"),
-    Bad("unsafe-session", '[hosts.pve]\naddress = "h"\ncommand = "x"\nsession = "a;b"\n', "hosts.pve.session", "letters, digits"),
-    Bad("env-value-type", '[hosts.pve]\naddress = "h"\ncommand = "x"\nenv = { A = 1 }\n', "hosts.pve.env.A", "expected a string"),
-    Bad("env-name", '[hosts.pve]\naddress = "h"\ncommand = "x"\nenv = { "1A" = "x" }\n', "hosts.pve.env.1A", "environment variable name"),
-    Bad("proxmox-unknown-key", '[hosts.pve]\naddress = "h"\ncommand = "x"\n[hosts.pve.proxmox]\nnode = "n"\ntoken_name = "t"\ntoken_value_env = "E"\ntoken_value = "secret"\n',
-        "hosts.pve.proxmox.token_value", "unknown key"),
-    Bad("proxmox-ssh-backend", '[hosts.pve]\naddress = "h"\ncommand = "x"\n[hosts.pve.proxmox]\nnode = "n"\ntoken_name = "t"\ntoken_value_env = "E"\nbackend = "ssh_paramiko"\n',
-        "hosts.pve.proxmox.backend", "only"),
+    Bad(
+        "ssh-key-on-local",
+        '[hosts.l]\ntransport = "local"\ncommand = "x"\nport = 22\n',
+        "hosts.l.port",
+        "only for transport",
+    ),
+    Bad(
+        "relative-remote-workdir",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nworkdir = "dflash"\n',
+        "hosts.pve.workdir",
+        "absolute",
+    ),
+    Bad(
+        "unsafe-session",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nsession = "a;b"\n',
+        "hosts.pve.session",
+        "letters, digits",
+    ),
+    Bad(
+        "env-value-type",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nenv = { A = 1 }\n',
+        "hosts.pve.env.A",
+        "expected a string",
+    ),
+    Bad(
+        "env-name",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nenv = { "1A" = "x" }\n',
+        "hosts.pve.env.1A",
+        "environment variable name",
+    ),
+    Bad(
+        "proxmox-unknown-key",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\n[hosts.pve.proxmox]\nnode = "n"\ntoken_name = "t"\ntoken_value_env = "E"\ntoken_value = "secret"\n',
+        "hosts.pve.proxmox.token_value",
+        "unknown key",
+    ),
+    Bad(
+        "proxmox-ssh-backend",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\n[hosts.pve.proxmox]\nnode = "n"\ntoken_name = "t"\ntoken_value_env = "E"\nbackend = "ssh_paramiko"\n',
+        "hosts.pve.proxmox.backend",
+        "only",
+    ),
     Bad("command-empty", '[hosts.pve]\naddress = "h"\ncommand = ""\n', "hosts.pve.command", "non-empty command"),
 ]
 
@@ -162,8 +217,9 @@ def test_shipped_hosts_toml_parses() -> None:
 
 
 def test_cli_reports_a_config_error_with_exit_1(tmp_path: Path) -> None:
-    from ops.testing.hostsfile import dflashctl_argv
     import subprocess
+
+    from ops.testing.hostsfile import dflashctl_argv
 
     f = tmp_path / "hosts.toml"
     f.write_text('[hosts.pve]\naddress = "h"\ncommand = "x"\nport = "x"\n')
@@ -171,7 +227,12 @@ def test_cli_reports_a_config_error_with_exit_1(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert r.stderr.strip() == 'dflashctl: hosts.pve.port: expected an integer, got "x"'
     f.write_text('[hosts.pve]\naddress = "h"\ncommand = "x"\n')
-    r = subprocess.run([*dflashctl_argv(), "--hosts", str(f), "--host", "gpu9", "trust-host"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*dflashctl_argv(), "--hosts", str(f), "--host", "gpu9", "trust-host"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert r.stderr.startswith("dflashctl: hosts.gpu9: no such host in ") and "(known: pve)" in r.stderr
 

@@ -17,11 +17,11 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from runkit import REPO, fake_release, reap_runs
+from test_demo_flow import LocalDemo, tiny  # noqa: F401  (tiny: the module-scoped fixture)
 
 from ops.testing import retry_until
 from ops.testing.hostsfile import dflashctl_argv
-from runkit import REPO, fake_release, reap_runs
-from test_demo_flow import LocalDemo, tiny  # noqa: F401  (tiny: the module-scoped fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,7 +49,8 @@ def demo(tmp_path: Path, tmux_socket: str, tiny: Path) -> t.Iterator[LocalDemo]:
 
 
 def test_plot_of_a_real_run_with_a_restart_draws_what_metrics_jsonl_holds_and_fetches_incrementally(
-        demo: LocalDemo) -> None:
+    demo: LocalDemo,
+) -> None:
     demo.configure("max_steps=30", "checkpoint.interval=10", env={"DFLASH_FAULT": "raise-at-step:20"})
     assert demo.cli("deploy").exit_code == 0
     assert demo.cli("start").exit_code == 0
@@ -74,8 +75,11 @@ def test_plot_of_a_real_run_with_a_restart_draws_what_metrics_jsonl_holds_and_fe
     rows = list(csv.DictReader(table.open()))
     for n in (1, 2):
         for rec in records(demo, n):
-            got = {row["series"]: float(row["value"]) for row in rows
-                   if row["attempt"] == str(n) and row["step"] == str(rec["step"])}
+            got = {
+                row["series"]: float(row["value"])
+                for row in rows
+                if row["attempt"] == str(n) and row["step"] == str(rec["step"])
+            }
             assert got["loss"] == rec["loss"] and got["tau_tf"] == rec["tau_tf"] and got["lr"] == rec["lr"]
             assert got["ktok_s"] == rec["ktok_s"] and got["queue_depth"] == rec["queue_depth"]
             assert got["drafters_live"] == rec["drafters_live"]
@@ -84,8 +88,10 @@ def test_plot_of_a_real_run_with_a_restart_draws_what_metrics_jsonl_holds_and_fe
             assert rec["workers"]
             for w in rec["workers"]:
                 assert got[f"busy:{w['name']}"] == w["busy"]
-                assert got[f"wait:{w['name']}"] == (w["wait"] if "wait" in w else min(1.0, w["wait_s"] / rec["interval_s"]))
-            at = datetime.datetime.strptime(rec["at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc)
+                assert got[f"wait:{w['name']}"] == (
+                    w["wait"] if "wait" in w else min(1.0, w["wait_s"] / rec["interval_s"])
+                )
+            at = datetime.datetime.strptime(rec["at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
             times = {float(row["time"]) for row in rows if row["attempt"] == str(n) and row["step"] == str(rec["step"])}
             assert len(times) == 1 and abs(times.pop() - at.timestamp()) < 1.2  # `at` is whole seconds
     steps1 = [rec["step"] for rec in records(demo, 1)]
@@ -99,8 +105,18 @@ def test_plot_of_a_real_run_with_a_restart_draws_what_metrics_jsonl_holds_and_fe
     assert (demo.root / "again.png").read_bytes() == out.read_bytes()
 
     # --since, --time, .svg and .html
-    r3 = demo.cli("plot", "--out", str(demo.root / "d.html"), "--since", "20", "--time", "--csv",
-                  str(demo.root / "since.csv"), "--state-dir", str(state))
+    r3 = demo.cli(
+        "plot",
+        "--out",
+        str(demo.root / "d.html"),
+        "--since",
+        "20",
+        "--time",
+        "--csv",
+        str(demo.root / "since.csv"),
+        "--state-dir",
+        str(state),
+    )
     assert r3.exit_code == 0, r3.output
     assert (demo.root / "d.html").read_text().count("data:image/png;base64,") == 1
     since = list(csv.DictReader((demo.root / "since.csv").open()))
@@ -118,9 +134,13 @@ def test_plot_fetches_only_new_bytes_and_refetches_an_attempt_that_shrank(tmp_pa
     fake_release(wd)
     sdir = wd / "runs" / "s"
     (sdir / "attempt-1").mkdir(parents=True)
-    hosts = parse_inventory(f'[hosts.l]\ntransport = "local"\nworkdir = "{wd}"\nrun_dir = "{wd / "runs"}"\n'
-                            f'python = "{sys.executable}"\nsession = "s"\ncommand = "true"\n'
-                            f'tmux_socket = "{tmux_socket}"\n', path=None, base=tmp_path)
+    hosts = parse_inventory(
+        f'[hosts.l]\ntransport = "local"\nworkdir = "{wd}"\nrun_dir = "{wd / "runs"}"\n'
+        f'python = "{sys.executable}"\nsession = "s"\ncommand = "true"\n'
+        f'tmux_socket = "{tmux_socket}"\n',
+        path=None,
+        base=tmp_path,
+    )
     remote = connect(hosts.get("l"))
     cache = Cache(tmp_path / "state", "l", "s")
     from ops.errors import OpsError
@@ -177,26 +197,42 @@ def test_plot_fetches_only_new_bytes_and_refetches_an_attempt_that_shrank(tmp_pa
 def test_plot_without_matplotlib_says_which_extra_to_install_in_one_line(tmp_path: Path) -> None:
     """A python where `import matplotlib` fails (an import blocker on sys.meta_path): one line, exit 1,
     before anything connects (the host here does not even exist)."""
-    blocker = ("import sys\n"
-               "class Block:\n"
-               "    def find_spec(self, name, path=None, target=None):\n"
-               "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
-               "            raise ImportError('No module named ' + repr(name))\n"
-               "sys.meta_path.insert(0, Block())\n"
-               "from ops.cli import main\n"
-               "sys.argv[0] = 'dflashctl'\n"
-               "main()\n")
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ImportError('No module named ' + repr(name))\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from ops.cli import main\n"
+        "sys.argv[0] = 'dflashctl'\n"
+        "main()\n"
+    )
     hosts = tmp_path / "hosts.toml"
-    hosts.write_text(f'default = "l"\n[hosts.l]\ntransport = "local"\nworkdir = "{tmp_path}/nowhere"\n'
-                     f'run_dir = "{tmp_path}/nowhere/runs"\npython = "{sys.executable}"\nsession = "s"\ncommand = "true"\n')
-    p = subprocess.run([sys.executable, "-c", blocker, "--hosts", str(hosts), "plot", "--out", str(tmp_path / "x.png")],
-                       capture_output=True, text=True, timeout=60, cwd=REPO)
+    hosts.write_text(
+        f'default = "l"\n[hosts.l]\ntransport = "local"\nworkdir = "{tmp_path}/nowhere"\n'
+        f'run_dir = "{tmp_path}/nowhere/runs"\npython = "{sys.executable}"\nsession = "s"\ncommand = "true"\n'
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", blocker, "--hosts", str(hosts), "plot", "--out", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     assert p.stderr.strip() == "dflashctl: drawing needs matplotlib, which is not installed: pip install 'dflash[plot]'"
     assert not (tmp_path / "x.png").exists()
-    bad = subprocess.run([*dflashctl_argv(), "--hosts", str(hosts), "plot", "--out", str(tmp_path / "x.gif")],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 1 and bad.stderr.strip().endswith("expected a file ending in .png, .svg, .html"), bad.stderr
+    bad = subprocess.run(
+        [*dflashctl_argv(), "--hosts", str(hosts), "plot", "--out", str(tmp_path / "x.gif")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert bad.returncode == 1 and bad.stderr.strip().endswith("expected a file ending in .png, .svg, .html"), (
+        bad.stderr
+    )
 
 
 def test_plot_over_ssh_and_pct(pve_hosts: t.Any, tmp_path: Path) -> None:
@@ -221,8 +257,9 @@ def test_plot_over_ssh_and_pct(pve_hosts: t.Any, tmp_path: Path) -> None:
     rows = list(csv.DictReader(table.open()))
     for n in (1, 2):
         recs = [json.loads(x) for x in (sdir / f"attempt-{n}" / "metrics.jsonl").read_text().splitlines()]
-        assert [(int(r["step"]), float(r["value"])) for r in rows if r["attempt"] == str(n) and r["series"] == "loss"] \
-            == [(rec["step"], rec["loss"]) for rec in recs]
+        assert [
+            (int(r["step"]), float(r["value"])) for r in rows if r["attempt"] == str(n) and r["series"] == "loss"
+        ] == [(rec["step"], rec["loss"]) for rec in recs]
     assert plt.imread(str(out)).shape[:2] == (960, 1120)
     again = pve_hosts.cli("plot", "--out", str(out), "--state-dir", str(tmp_path / "state"))
     assert again.exit_code == 0 and "fetched 0 new bytes of metrics.jsonl in 1 call(s)" in again.stdout, again.output

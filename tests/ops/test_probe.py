@@ -11,6 +11,7 @@ import pytest
 
 from ops import probe
 from ops.cli import ExitCode, exit_code_for_state
+from ops.states import CAUSES, Action, Cause, State
 
 FACTS = Path(__file__).with_name("facts")
 RECORDED = sorted(FACTS.glob("*.json"))
@@ -21,10 +22,12 @@ def load(name: str) -> dict:
 
 
 def test_every_state_and_cause_of_the_contract_has_a_recorded_fact_set() -> None:
-    seen = {(d["expect"]["state"], d["expect"].get("cause")) for d in map(lambda p: json.loads(p.read_text()), RECORDED)}
-    for state in probe.STATES:
+    seen = {
+        (d["expect"]["state"], d["expect"].get("cause")) for d in map(lambda p: json.loads(p.read_text()), RECORDED)
+    }
+    for state in State:
         assert any(s == state for s, _ in seen), state
-    for state, causes in probe.CAUSES.items():
+    for state, causes in CAUSES.items():
         for cause in causes:
             if (state, cause) == ("unreachable", "unknown"):
                 continue  # only for errors the transport cannot name
@@ -48,8 +51,25 @@ def test_recorded_fact_set(path: Path) -> None:
     if "progress_step_min" in want:
         assert got["progress"]["step"] >= want["progress_step_min"]
     # the JSON contract: stable keys, absent facts null, lists of strings
-    assert set(got) >= {"host", "session", "state", "cause", "detail", "gpu", "exit_code", "signal", "attempt",
-                        "started_at", "ended_at", "tmux", "container", "progress", "log", "evidence", "checked_at"}
+    assert set(got) >= {
+        "host",
+        "session",
+        "state",
+        "cause",
+        "detail",
+        "gpu",
+        "exit_code",
+        "signal",
+        "attempt",
+        "started_at",
+        "ended_at",
+        "tmux",
+        "container",
+        "progress",
+        "log",
+        "evidence",
+        "checked_at",
+    }
     assert set(got["tmux"]) == {"socket", "server", "session", "pane", "evidence"}
     assert got["tmux"]["server"] in ("alive", "dead", None)
     assert got["tmux"]["session"] in ("alive", "missing", None)
@@ -63,9 +83,30 @@ def test_recorded_fact_set(path: Path) -> None:
 
 
 def test_exit_codes_follow_the_state_table() -> None:
-    table = {"running": 0, "stalled": 3, "succeeded": 4, "crashed": 5, "lost": 6, "not-started": 7, "stopped": 8,
-             "container-down": 9, "unreachable": 10}
-    assert {s: int(exit_code_for_state(s)) for s in probe.STATES} == table
+    table = {
+        "running": 0,
+        "stalled": 3,
+        "succeeded": 4,
+        "crashed": 5,
+        "lost": 6,
+        "not-started": 7,
+        "stopped": 8,
+        "container-down": 9,
+        "unreachable": 10,
+    }
+    assert {s: int(exit_code_for_state(s)) for s in State} == table
+
+
+def test_states_causes_and_actions_read_and_print_as_their_strings() -> None:
+    """StrEnum members are the contract's strings: JSON, f-strings and comparisons are as before."""
+    assert json.dumps({"state": State.NOT_STARTED, "cause": Cause.CUDA_OOM, "action": Action.STOP_THEN_RESTART}) == (
+        '{"state": "not-started", "cause": "cuda-oom", "action": "stop-then-restart"}'
+    )
+    assert f"{State.CONTAINER_DOWN} {Cause.HOST_KEY} {Action.GIVE_UP}" == "container-down host-key give-up"
+    assert "crashed" == State.CRASHED and State("lost") is State.LOST
+    assert [str(a) for a in Action] == ["restart", "stop-then-restart", "start-container", "wait", "give-up", "done"]
+    st = probe.classify(load(RECORDED[0].stem)["facts"])
+    assert json.dumps(st.to_json()) == json.dumps(json.loads(json.dumps(st.to_json())))
 
 
 def test_durable_evidence_decides_before_tmux() -> None:
@@ -125,10 +166,20 @@ def test_hand_started_lost_explains_why_it_cannot_tell() -> None:
 
 
 def test_headlines() -> None:
-    assert probe.classify(load("crashed-cuda-oom")["facts"]).headline().startswith("crashed: CUDA out of memory on GPU 5 (exit 1, ")
-    assert probe.classify(load("crashed-signal")["facts"]).headline().startswith("crashed: killed by signal 9 (SIGKILL) (signal 9, ")
+    assert (
+        probe.classify(load("crashed-cuda-oom")["facts"])
+        .headline()
+        .startswith("crashed: CUDA out of memory on GPU 5 (exit 1, ")
+    )
+    assert (
+        probe.classify(load("crashed-signal")["facts"])
+        .headline()
+        .startswith("crashed: killed by signal 9 (SIGKILL) (signal 9, ")
+    )
     assert probe.classify(load("succeeded")["facts"]).headline().startswith("succeeded (exit 0, ")
-    assert probe.classify(load("container-down-stopped")["facts"]).headline() == "container-down: container 200 is stopped"
+    assert (
+        probe.classify(load("container-down-stopped")["facts"]).headline() == "container-down: container 200 is stopped"
+    )
     assert probe.classify(load("unreachable-refused")["facts"]).headline().startswith("unreachable (refused): ")
     assert probe.classify(load("stopped")["facts"]).headline().startswith("stopped by dflashctl stop (")
     lines = probe.classify(load("running")["facts"]).lines()
@@ -154,25 +205,92 @@ OOM_NEW = [
     "lines, exit_code, signal, cause, gpu, detail_start",
     [
         (OOM_NEW, 1, None, "cuda-oom", 5, "torch.OutOfMemoryError: CUDA out of memory"),
-        (["Traceback (most recent call last):", "  x", "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity)"],
-         1, None, "cuda-oom", 3, "RuntimeError: CUDA out of memory"),
-        (["[rank0]: Traceback (most recent call last):", "[rank0]:   x",
-          "[rank0]: torch.OutOfMemoryError: CUDA out of memory on device cuda:7"], 1, None, "cuda-oom", 7, "torch.OutOfMemoryError"),
+        (
+            [
+                "Traceback (most recent call last):",
+                "  x",
+                "RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 3; 7.79 GiB total capacity)",
+            ],
+            1,
+            None,
+            "cuda-oom",
+            3,
+            "RuntimeError: CUDA out of memory",
+        ),
+        (
+            [
+                "[rank0]: Traceback (most recent call last):",
+                "[rank0]:   x",
+                "[rank0]: torch.OutOfMemoryError: CUDA out of memory on device cuda:7",
+            ],
+            1,
+            None,
+            "cuda-oom",
+            7,
+            "torch.OutOfMemoryError",
+        ),
         # torchrun: the worker's OOM, then torchrun's own traceback ending in ChildFailedError
-        (OOM_NEW + ["Traceback (most recent call last):", "  y",
-                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: train.py FAILED"], 1, None, "cuda-oom", 5, "torch.OutOfMemoryError"),
-        (["[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, OpType=ALLREDUCE) ran for 600081 milliseconds before timing out."],
-         None, 6, "nccl-timeout", None, "[Rank 3] Watchdog caught"),
-        (["torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275, unhandled system error"], 1, None, "nccl-error", None, "torch.distributed.DistBackendError"),
-        (["Traceback (most recent call last):", '  File "a.py", line 1', "ValueError: bad config value 3",
-          "", "wandb: Waiting for W&B process to finish... (failed 1)."], 1, None, "python-exception", None, "ValueError: bad config value 3"),
-        (["Traceback (most recent call last):", "  x", "KeyboardInterrupt"], None, 2, "signal", None, "ended by signal 2"),
+        (
+            OOM_NEW
+            + [
+                "Traceback (most recent call last):",
+                "  y",
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: train.py FAILED",
+            ],
+            1,
+            None,
+            "cuda-oom",
+            5,
+            "torch.OutOfMemoryError",
+        ),
+        (
+            [
+                "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=4, OpType=ALLREDUCE) ran for 600081 milliseconds before timing out."
+            ],
+            None,
+            6,
+            "nccl-timeout",
+            None,
+            "[Rank 3] Watchdog caught",
+        ),
+        (
+            ["torch.distributed.DistBackendError: NCCL error in: NCCLUtils.hpp:275, unhandled system error"],
+            1,
+            None,
+            "nccl-error",
+            None,
+            "torch.distributed.DistBackendError",
+        ),
+        (
+            [
+                "Traceback (most recent call last):",
+                '  File "a.py", line 1',
+                "ValueError: bad config value 3",
+                "",
+                "wandb: Waiting for W&B process to finish... (failed 1).",
+            ],
+            1,
+            None,
+            "python-exception",
+            None,
+            "ValueError: bad config value 3",
+        ),
+        (
+            ["Traceback (most recent call last):", "  x", "KeyboardInterrupt"],
+            None,
+            2,
+            "signal",
+            None,
+            "ended by signal 2",
+        ),
         (["killed"], 137, None, "signal", None, "exit 137 = 128+9"),
         (["usage: train [-h]", "train: error: bad flag"], 2, None, "nonzero-exit", None, "train: error: bad flag"),
         ([], 3, None, "nonzero-exit", None, "exit code 3"),
     ],
 )
-def test_diagnose(lines: list[str], exit_code: int | None, signal: int | None, cause: str, gpu: int | None, detail_start: str) -> None:
+def test_diagnose(
+    lines: list[str], exit_code: int | None, signal: int | None, cause: str, gpu: int | None, detail_start: str
+) -> None:
     d = probe.diagnose(lines, exit_code=exit_code, signal=signal)
     assert (d.cause, d.gpu) == (cause, gpu)
     assert (d.detail or "").startswith(detail_start), d.detail
@@ -187,17 +305,30 @@ def test_host_oom_needs_the_cgroup_count_to_rise() -> None:
 
 
 def test_fingerprint_is_stable_across_numbers() -> None:
-    a = probe.diagnose(["Traceback (most recent call last):", "  x", "ValueError: step 120 at 0x7f3a1c"], exit_code=1, signal=None)
-    b = probe.diagnose(["Traceback (most recent call last):", "  x", "ValueError: step 5 at 0x7f0000"], exit_code=1, signal=None)
+    a = probe.diagnose(
+        ["Traceback (most recent call last):", "  x", "ValueError: step 120 at 0x7f3a1c"], exit_code=1, signal=None
+    )
+    b = probe.diagnose(
+        ["Traceback (most recent call last):", "  x", "ValueError: step 5 at 0x7f0000"], exit_code=1, signal=None
+    )
     c = probe.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
     assert a.fingerprint == b.fingerprint == "python-exception|ValueError: step # at <addr>"
     assert c.fingerprint != a.fingerprint
 
 
 def test_last_exception_takes_the_last_traceback_only() -> None:
-    lines = ["Traceback (most recent call last):", "  a", "KeyError: 1", "",
-             "During handling of the above exception, another exception occurred:", "",
-             "Traceback (most recent call last):", "  b", "    c", "RuntimeError: wrapped"]
+    lines = [
+        "Traceback (most recent call last):",
+        "  a",
+        "KeyError: 1",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        "  b",
+        "    c",
+        "RuntimeError: wrapped",
+    ]
     assert probe.last_exception(lines) == "RuntimeError: wrapped"
     assert probe.last_exception(["no traceback here"]) is None
 
@@ -213,8 +344,15 @@ def test_progress_from_metrics_then_log() -> None:
 
 def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
     facts = copy.deepcopy(load("running")["facts"])
-    facts["agent"]["gpus"] = [{"index": 5, "name": "NVIDIA H200", "memory_used_mib": 143602.0,
-                               "memory_total_mib": 143771.0, "utilization_pct": 0.0}]
+    facts["agent"]["gpus"] = [
+        {
+            "index": 5,
+            "name": "NVIDIA H200",
+            "memory_used_mib": 143602.0,
+            "memory_total_mib": 143771.0,
+            "utilization_pct": 0.0,
+        }
+    ]
     st = probe.classify(facts)
     assert st.to_json()["gpus"][0]["index"] == 5
     assert any(line.strip().startswith("gpu 5:") and "143602.0/143771.0 MiB, 0.0% util" in line for line in st.lines())

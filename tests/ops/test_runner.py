@@ -17,8 +17,19 @@ FAKE = str(Path(__file__).with_name("fake_train.py"))
 
 
 def runner_argv(adir: Path, *command: str, env: tuple[str, ...] = (), python: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "ops.runner", "--attempt-dir", str(adir), "--session", "s", "--attempt", "1",
-            "--release", "r1"]
+    argv = [
+        sys.executable,
+        "-m",
+        "ops.runner",
+        "--attempt-dir",
+        str(adir),
+        "--session",
+        "s",
+        "--attempt",
+        "1",
+        "--release",
+        "r1",
+    ]
     if python:
         argv += ["--python", python]
     if env:
@@ -44,8 +55,12 @@ def test_tee_records_and_environment(tmp_path: Path) -> None:
         "print('err line', file=sys.stderr); print('cwd', os.getcwd())"
     )
     fake_py = tmp_path / "venv" / "bin" / "python"
-    p = subprocess.run(runner_argv(adir, sys.executable, "-c", probe, env=("EXTRA=a b=c",), python=str(fake_py)),
-                       capture_output=True, timeout=60, cwd=tmp_path)
+    p = subprocess.run(
+        runner_argv(adir, sys.executable, "-c", probe, env=("EXTRA=a b=c",), python=str(fake_py)),
+        capture_output=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stderr
     log = (adir / "train.log").read_bytes()
     assert p.stdout == log  # the pane got exactly what the log got
@@ -67,10 +82,14 @@ def test_tee_records_and_environment(tmp_path: Path) -> None:
 
 def test_nonzero_exit_and_signal(tmp_path: Path) -> None:
     a1, a2 = tmp_path / "a1", tmp_path / "a2"
-    p = subprocess.run(runner_argv(a1, sys.executable, FAKE, "--steps", "1", "--then", "exit:3"), capture_output=True, timeout=60)
+    p = subprocess.run(
+        runner_argv(a1, sys.executable, FAKE, "--steps", "1", "--then", "exit:3"), capture_output=True, timeout=60
+    )
     assert p.returncode == 3
     assert read(a1, "exit.json")["exit_code"] == 3
-    p = subprocess.run(runner_argv(a2, sys.executable, FAKE, "--steps", "1", "--then", "kill"), capture_output=True, timeout=60)
+    p = subprocess.run(
+        runner_argv(a2, sys.executable, FAKE, "--steps", "1", "--then", "kill"), capture_output=True, timeout=60
+    )
     assert p.returncode == 128 + 9
     ex = read(a2, "exit.json")
     assert ex["exit_code"] is None and ex["signal"] == 9
@@ -87,8 +106,11 @@ def test_command_not_found(tmp_path: Path) -> None:
 def test_sighup_and_ctrl_z_ignored_sigterm_forwarded(tmp_path: Path) -> None:
     adir = tmp_path / "a"
     until = tmp_path / "go"
-    proc = subprocess.Popen(runner_argv(adir, sys.executable, FAKE, "--steps", "1", "--until", str(until)),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        runner_argv(adir, sys.executable, FAKE, "--steps", "1", "--until", str(until)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         run = retry_until(lambda: (adir / "run.json").exists() and read(adir, "run.json"), 20)
         os.kill(proc.pid, signal.SIGHUP)  # what a dying tmux server sends
@@ -117,8 +139,11 @@ def test_dead_pane_never_stops_the_log(tmp_path: Path) -> None:
             r, w = os.pipe()
             os.close(r)  # writes fail with EPIPE
             out = w
-        proc = subprocess.Popen(runner_argv(adir, sys.executable, FAKE, "--lines", "300", "--steps", "2"),
-                                stdout=out, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            runner_argv(adir, sys.executable, FAKE, "--lines", "300", "--steps", "2"),
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(out)
         assert proc.wait(timeout=60) == 0, kind
         text = (adir / "train.log").read_text()
@@ -128,7 +153,9 @@ def test_dead_pane_never_stops_the_log(tmp_path: Path) -> None:
 
 def test_bytes_pass_through_raw(tmp_path: Path) -> None:
     adir = tmp_path / "a"
-    p = subprocess.run(runner_argv(adir, sys.executable, FAKE, "--cr", "--binary", "--steps", "0"), capture_output=True, timeout=60)
+    p = subprocess.run(
+        runner_argv(adir, sys.executable, FAKE, "--cr", "--binary", "--steps", "0"), capture_output=True, timeout=60
+    )
     assert p.returncode == 0
     raw = (adir / "train.log").read_bytes()
     assert b"loading 10%\rloading 50%\rloading 100%\n" in raw
@@ -137,8 +164,12 @@ def test_bytes_pass_through_raw(tmp_path: Path) -> None:
 
 def test_grandchild_holding_the_pipe_does_not_hold_the_runner(tmp_path: Path) -> None:
     adir = tmp_path / "a"
-    p = subprocess.run(runner_argv(adir, "sh", "-c", "sleep 30 & echo $! > bg.pid; echo parent done; exit 4"),
-                       capture_output=True, timeout=25, cwd=tmp_path)
+    p = subprocess.run(
+        runner_argv(adir, "sh", "-c", "sleep 30 & echo $! > bg.pid; echo parent done; exit 4"),
+        capture_output=True,
+        timeout=25,
+        cwd=tmp_path,
+    )
     try:
         assert p.returncode == 4
         assert read(adir, "exit.json")["exit_code"] == 4
@@ -150,17 +181,41 @@ def test_grandchild_holding_the_pipe_does_not_hold_the_runner(tmp_path: Path) ->
 
 
 def test_usage_errors(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", str(tmp_path), "--session", "s",
-                        "--attempt", "1", "--"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [sys.executable, "-m", "ops.runner", "--attempt-dir", str(tmp_path), "--session", "s", "--attempt", "1", "--"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert p.returncode == 2 and "no command after --" in p.stderr
     bad = tmp_path / "env.json"
     bad.write_text('["not", "an", "object"]')
     adir = tmp_path / "a"
-    p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", str(adir), "--session", "s",
-                        "--attempt", "1", "--env-file", str(bad), "--", "true"], capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ops.runner",
+            "--attempt-dir",
+            str(adir),
+            "--session",
+            "s",
+            "--attempt",
+            "1",
+            "--env-file",
+            str(bad),
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     # a run that cannot be set up is an ended run with a record, not a runner traceback
     assert p.returncode == 126 and "Traceback" not in p.stdout + p.stderr
-    assert f"cannot read the environment file {bad}: expected a JSON object of strings" in (adir / "train.log").read_text()
+    assert (
+        f"cannot read the environment file {bad}: expected a JSON object of strings" in (adir / "train.log").read_text()
+    )
     assert read(adir, "exit.json")["exit_code"] == 126 and not bad.exists()
 
 

@@ -16,10 +16,10 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from runkit import fake_release, train_command
 
 from ops.testing import CliResult, PveHosts, retry_until
 from ops.transport import remote_command
-from runkit import fake_release, train_command
 
 VMID = 200
 
@@ -63,7 +63,10 @@ class Box:
         return self.hosts.run_dir / "dflash" / f"attempt-{n}"
 
     def run_json(self, n: int = 1) -> dict[str, t.Any]:
-        return retry_until(lambda: (self.attempt(n) / "run.json").exists() and json.loads((self.attempt(n) / "run.json").read_text()), 20)
+        return retry_until(
+            lambda: (self.attempt(n) / "run.json").exists() and json.loads((self.attempt(n) / "run.json").read_text()),
+            20,
+        )
 
     def log(self, n: int = 1) -> str:
         p = self.attempt(n) / "train.log"
@@ -108,7 +111,13 @@ def test_running_then_succeeded_with_the_real_deploy(box: Box) -> None:
     code, st = box.status()
     assert (code, st["state"], st["cause"]) == (0, "running", None)
     assert st["host"] == "pve" and st["session"] == "dflash" and st["attempt"] == 1 and st["mode"] == "agent"
-    assert st["tmux"] == {"socket": box.socket, "server": "alive", "session": "alive", "pane": "alive", "evidence": None}
+    assert st["tmux"] == {
+        "socket": box.socket,
+        "server": "alive",
+        "session": "alive",
+        "pane": "alive",
+        "evidence": None,
+    }
     assert st["container"]["id"] == VMID and st["container"]["status"] == "running" and st["container"]["booted_at"]
     assert st["progress"]["step"] >= 1 and st["progress"]["loss"] > 0 and st["progress"]["ktok_s"] == 12.5
     assert st["log"] == str(box.attempt() / "train.log") and st["pid"] == box.run_json()["child_pid"]
@@ -290,7 +299,9 @@ def test_tail_pane_while_alive_then_log_after_the_server_died(box: Box) -> None:
     r = box.cli("tail", "-n", "30")
     assert r.exit_code == 0 and r.stdout.splitlines() == want
     log = str(box.attempt() / "train.log")
-    assert re.match(r"\[log\] tmux server is not running \(no server running on \S+\); showing the log " + re.escape(log), r.stderr)
+    assert re.match(
+        r"\[log\] tmux server is not running \(no server running on \S+\); showing the log " + re.escape(log), r.stderr
+    )
     r = box.cli("tail", "-n", "5", "--source", "pane")
     assert r.exit_code == 1 and "no server running on" in r.stderr
 
@@ -301,9 +312,12 @@ def test_tail_collapses_cr_rows_and_survives_bad_bytes(box: Box) -> None:
     box.wait("succeeded")
     r = box.cli("tail", "-n", "4", "--source", "log")
     assert r.exit_code == 0, r.output
-    assert r.stdout.splitlines() == ["loading 100%", "bad bytes \ufffd\ufffd here",
-                                     "step 1 | loss 3.0 | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1",
-                                     "done after 1 steps"]
+    assert r.stdout.splitlines() == [
+        "loading 100%",
+        "bad bytes \ufffd\ufffd here",
+        "step 1 | loss 3.0 | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1",
+        "done after 1 steps",
+    ]
 
 
 def test_start_refused_over_a_live_run_replace_and_new_attempts(box: Box) -> None:
@@ -324,7 +338,10 @@ def test_start_refused_over_a_live_run_replace_and_new_attempts(box: Box) -> Non
     assert (code, st["state"], st["attempt"]) == (8, "stopped", 2)
     box.start()
     assert box.run_json(3)["attempt"] == 3 and sorted(p.name for p in box.attempt(1).parent.glob("attempt-*")) == [
-        "attempt-1", "attempt-2", "attempt-3"]
+        "attempt-1",
+        "attempt-2",
+        "attempt-3",
+    ]
 
 
 def test_fallback_mode_when_the_agent_cannot_run(box: Box) -> None:
@@ -346,5 +363,7 @@ def test_attach_prints_the_ssh_pct_tmux_command(box: Box) -> None:
     h = box.hosts.pve_table
     assert r.exit_code == 0
     assert r.stdout.startswith(f"ssh -t -o StrictHostKeyChecking=yes -p {h['port']} -i {h['identity_file']}")
-    tail = shlex.quote(remote_command([h["pct"], "exec", "200", "--", "tmux", "-L", box.socket, "attach-session", "-t", "=dflash"]))
+    tail = shlex.quote(
+        remote_command([h["pct"], "exec", "200", "--", "tmux", "-L", box.socket, "attach-session", "-t", "=dflash"])
+    )
     assert r.stdout.rstrip().endswith(f"-- root@127.0.0.1 {tail}")

@@ -1,5 +1,5 @@
 """restart-on-crash's policy, pure: sequences of Status objects and a fake clock in, Decisions out.
-Plus the small real parts of ops/supervise.py that need no host: the lock, incident files, the hook.
+Plus the small real parts of ops/supervise/ (state.py) that need no host: the lock, incident files, the hook.
 The loop against real processes is tests/ops/test_fault_matrix.py."""
 
 from __future__ import annotations
@@ -40,15 +40,38 @@ T0 = 1_800_000_000.0  # the fake clock starts here
 OOM = "cuda-oom|gpu 5"
 
 
-def status(state: str, attempt: int | None = 1, *, cause: str | None = None, fp: str | None = None,
-           started: float | None = None, ended: float | None = None, detail: str | None = None) -> Status:
-    return Status(host="pve", session="dflash", state=state, cause=cause, attempt=attempt, fingerprint=fp,
-                  started_at=iso(started), ended_at=iso(ended), detail=detail,
-                  exit_code=1 if state == "crashed" else None)
+def status(
+    state: str,
+    attempt: int | None = 1,
+    *,
+    cause: str | None = None,
+    fp: str | None = None,
+    started: float | None = None,
+    ended: float | None = None,
+    detail: str | None = None,
+) -> Status:
+    return Status(
+        host="pve",
+        session="dflash",
+        state=state,
+        cause=cause,
+        attempt=attempt,
+        fingerprint=fp,
+        started_at=iso(started),
+        ended_at=iso(ended),
+        detail=detail,
+        exit_code=1 if state == "crashed" else None,
+    )
 
 
-def crashed(attempt: int, *, at: float, lived: float = 30.0, fp: str | None = "python-exception|KeyError: 'x'",
-            cause: str = "python-exception") -> Status:
+def crashed(
+    attempt: int,
+    *,
+    at: float,
+    lived: float = 30.0,
+    fp: str | None = "python-exception|KeyError: 'x'",
+    cause: str = "python-exception",
+) -> Status:
     return status("crashed", attempt, cause=cause, fp=fp, started=at - lived, ended=at, detail=cause)
 
 
@@ -75,7 +98,11 @@ def test_a_first_crash_even_an_early_one_is_restarted_after_the_first_backoff() 
     p = policy(backoff=10, max_backoff=900)
     d = p.observe(crashed(1, at=T0, lived=2), T0)
     assert (d.action, d.new) == (RESTART, True)
-    assert 10 <= d.delay <= 12.5 and d.reason.startswith("restart in ") and "(restart 1 of at most 5 within 60m)" in d.reason
+    assert (
+        10 <= d.delay <= 12.5
+        and d.reason.startswith("restart in ")
+        and "(restart 1 of at most 5 within 60m)" in d.reason
+    )
     # the loop re-probes while the backoff runs: same plan, not a new incident
     half = p.observe(crashed(1, at=T0, lived=2), T0 + 5)
     assert (half.action, half.new) == (RESTART, False) and half.delay == pytest.approx(d.delay - 5)
@@ -90,8 +117,10 @@ def test_lost_is_restarted() -> None:
     assert (d.action, d.new) == (RESTART, True)
 
 
-@pytest.mark.parametrize("state, cause", [("succeeded", None), ("stopped", None), ("not-started", None),
-                                          ("running", None), ("unreachable", "refused")])
+@pytest.mark.parametrize(
+    "state, cause",
+    [("succeeded", None), ("stopped", None), ("not-started", None), ("running", None), ("unreachable", "refused")],
+)
 def test_never_restarted(state: str, cause: str | None) -> None:
     p = policy(restart_stalled=True, start_container=True, retry_oom=True)
     for i in range(5):
@@ -207,7 +236,9 @@ def test_a_crash_after_a_long_unwatched_life_resets_the_backoff_too() -> None:
 
 
 @given(hs.integers(0, 80), hs.floats(0, 1000), hs.floats(0, 5000), hs.integers(0, 2**32))
-def test_backoff_delay_stays_between_backoff_and_max_backoff(streak: int, backoff: float, extra: float, seed: int) -> None:
+def test_backoff_delay_stays_between_backoff_and_max_backoff(
+    streak: int, backoff: float, extra: float, seed: int
+) -> None:
     d = backoff_delay(streak, backoff, backoff + extra, random.Random(seed))
     assert backoff <= d <= backoff + extra
 
@@ -384,26 +415,56 @@ def test_a_damaged_memory_is_ignored() -> None:
     assert (p.restarts, p.streak, p.last_fingerprint, p.last_started, p.seen) == ([5.0], 0, None, None, None)
 
 
-STATES = ["running", "stalled", "succeeded", "crashed", "lost", "not-started", "stopped", "container-down", "unreachable"]
+STATES = [
+    "running",
+    "stalled",
+    "succeeded",
+    "crashed",
+    "lost",
+    "not-started",
+    "stopped",
+    "container-down",
+    "unreachable",
+]
 
 
 @settings(max_examples=200, deadline=None)
-@given(hs.lists(hs.tuples(hs.sampled_from(STATES), hs.integers(1, 4), hs.floats(0, 2000), hs.booleans()),
-                min_size=1, max_size=40),
-       hs.booleans(), hs.booleans(), hs.booleans())
-def test_any_sequence_of_states_keeps_the_rules(seq: list[tuple[str, int, float, bool]], stalled: bool,
-                                                container: bool, oom: bool) -> None:
-    o = dict(backoff=10, max_backoff=300, restart_stalled=stalled, start_container=container, retry_oom=oom,
-             max_restarts=3, window=3600)
+@given(
+    hs.lists(
+        hs.tuples(hs.sampled_from(STATES), hs.integers(1, 4), hs.floats(0, 2000), hs.booleans()),
+        min_size=1,
+        max_size=40,
+    ),
+    hs.booleans(),
+    hs.booleans(),
+    hs.booleans(),
+)
+def test_any_sequence_of_states_keeps_the_rules(
+    seq: list[tuple[str, int, float, bool]], stalled: bool, container: bool, oom: bool
+) -> None:
+    o = dict(
+        backoff=10,
+        max_backoff=300,
+        restart_stalled=stalled,
+        start_container=container,
+        retry_oom=oom,
+        max_restarts=3,
+        window=3600,
+    )
     p = policy(**o)
     now = T0
     for state, attempt, dt, is_oom in seq:
         now += dt
         cause = "cuda-oom" if (state == "crashed" and is_oom) else "python-exception" if state == "crashed" else None
         fp = (OOM if is_oom else "python-exception|E") if state == "crashed" else None
-        st = status(state, None if state in ("container-down", "unreachable", "not-started") else attempt,
-                    cause=cause or ("stopped" if state == "container-down" else None), fp=fp,
-                    started=now - 50, ended=now if state in ("crashed", "succeeded") else None)
+        st = status(
+            state,
+            None if state in ("container-down", "unreachable", "not-started") else attempt,
+            cause=cause or ("stopped" if state == "container-down" else None),
+            fp=fp,
+            started=now - 50,
+            ended=now if state in ("crashed", "succeeded") else None,
+        )
         d = p.observe(st, now)
         assert 0 <= d.delay <= 300
         if d.action in (RESTART, STOP_THEN_RESTART):
@@ -427,12 +488,15 @@ def test_any_sequence_of_states_keeps_the_rules(seq: list[tuple[str, int, float,
 # options, state dir, lock, incidents, hook
 
 
-@pytest.mark.parametrize("kw, where, text", [
-    (dict(backoff=20, max_backoff=5), "--max-backoff", "must be >= --backoff (20), got 5"),
-    (dict(interval=0), "--interval", "must be more than 0 seconds"),
-    (dict(min_uptime=-1), "--min-uptime", "expected a number of seconds >= 0, got -1"),
-    (dict(max_restarts=-2), "--max-restarts", "expected a whole number >= 0, got -2"),
-])
+@pytest.mark.parametrize(
+    "kw, where, text",
+    [
+        (dict(backoff=20, max_backoff=5), "--max-backoff", "must be >= --backoff (20), got 5"),
+        (dict(interval=0), "--interval", "must be more than 0 seconds"),
+        (dict(min_uptime=-1), "--min-uptime", "expected a number of seconds >= 0, got -1"),
+        (dict(max_restarts=-2), "--max-restarts", "expected a whole number >= 0, got -2"),
+    ],
+)
 def test_bad_options_name_the_option(kw: dict[str, t.Any], where: str, text: str) -> None:
     with pytest.raises(errors.ConfigError) as e:
         Options(**kw)
@@ -476,17 +540,25 @@ def test_incident_files_and_the_hook(tmp_path: Path) -> None:
 
     hook = tmp_path / "hook.py"
     out = tmp_path / "hook-out.json"
-    hook.write_text("import json, os, sys\n"
-                    f"json.dump({{'stdin': json.load(sys.stdin), 'env': {{k: v for k, v in os.environ.items() "
-                    f"if k.startswith('DFLASHCTL_')}}, 'argv': sys.argv[1:]}}, open({str(out)!r}, 'w'))\n")
+    hook.write_text(
+        "import json, os, sys\n"
+        f"json.dump({{'stdin': json.load(sys.stdin), 'env': {{k: v for k, v in os.environ.items() "
+        f"if k.startswith('DFLASHCTL_')}}, 'argv': sys.argv[1:]}}, open({str(out)!r}, 'w'))\n"
+    )
     argv = parse_hook(f"{sys.executable} {hook} 'two words'")
     res = run_hook(argv, saved, path)
     assert res == {"ok": True, "exit_code": 0, "error": None}
     got = json.loads(out.read_text())
     assert got["stdin"] == saved and got["argv"] == ["two words"]
-    assert got["env"] == {"DFLASHCTL_STATE": "crashed", "DFLASHCTL_CAUSE": "python-exception", "DFLASHCTL_HOST": "pve",
-                          "DFLASHCTL_SESSION": "dflash", "DFLASHCTL_ACTION": "restart", "DFLASHCTL_ATTEMPT": "3",
-                          "DFLASHCTL_INCIDENT": str(path)}
+    assert got["env"] == {
+        "DFLASHCTL_STATE": "crashed",
+        "DFLASHCTL_CAUSE": "python-exception",
+        "DFLASHCTL_HOST": "pve",
+        "DFLASHCTL_SESSION": "dflash",
+        "DFLASHCTL_ACTION": "restart",
+        "DFLASHCTL_ATTEMPT": "3",
+        "DFLASHCTL_INCIDENT": str(path),
+    }
 
 
 def test_a_failing_hook_is_reported_never_raised(tmp_path: Path) -> None:

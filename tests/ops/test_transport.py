@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from runkit import RELAY
 
 from ops import errors
 from ops.hosts import Host, parse_inventory
 from ops.testing import PveHosts, Sshd, pid_alive, retry_until
 from ops.testing.hostsfile import dump_hosts
-from ops.transport import LocalTransport, SSHTransport, _unreachable, resolve_target
-from runkit import RELAY
+from ops.transport import LocalTransport, SSHTransport, resolve_target
+from ops.transport.ssh import _unreachable
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -128,26 +129,35 @@ def test_ssh_reports_a_signalled_remote_process(ssh: SSHTransport) -> None:
     assert (r.exit_code, r.signal) == (None, 9)
 
 
-NASTY = ["a b", "it's", 'say "hi"', "x;rm -rf /tmp/nope", "$(touch /tmp/pwned)", "`id`", "line1\nline2", "*", "-n", "", "ünïcødé ☃", "\t\\"]
+NASTY = [
+    "a b",
+    "it's",
+    'say "hi"',
+    "x;rm -rf /tmp/nope",
+    "$(touch /tmp/pwned)",
+    "`id`",
+    "line1\nline2",
+    "*",
+    "-n",
+    "",
+    "ünïcødé ☃",
+    "\t\\",
+]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(argv=st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12), min_size=1, max_size=5))
+@given(
+    argv=st.lists(
+        st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
+        min_size=1,
+        max_size=5,
+    )
+)
 @example(argv=NASTY)
 def test_user_values_reach_the_remote_argv_literally(ssh: SSHTransport, argv: list[str]) -> None:
     r = ssh.run([sys.executable, "-c", ECHO_ARGV, *argv])
     assert r.ok, r.err
     assert json.loads(r.out) == argv
-
-
-def test_ssh_put_is_atomic_and_sets_the_mode(ssh: SSHTransport, tmp_path: Path) -> None:
-    src = tmp_path / "src.bin"
-    src.write_bytes(os.urandom(300_000))
-    dest = tmp_path / "deep" / "er" / "dest.bin"
-    ssh.put(src, str(dest), mode=0o600)
-    assert dest.read_bytes() == src.read_bytes()
-    assert dest.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in dest.parent.iterdir()] == ["dest.bin"]  # no temp file left behind
 
 
 def test_close_is_clean_and_idempotent(ssh: SSHTransport) -> None:
@@ -181,7 +191,9 @@ def test_silent_port_times_out(sshd: Sshd) -> None:
 
 
 def test_name_resolution_error_is_typed() -> None:
-    target = resolve_target(parse_inventory('[hosts.h]\naddress = "nowhere.invalid"\ncommand = "x"\n', path=None, base=Path("/")).get())
+    target = resolve_target(
+        parse_inventory('[hosts.h]\naddress = "nowhere.invalid"\ncommand = "x"\n', path=None, base=Path("/")).get()
+    )
     err = _unreachable(target, socket.gaierror(-2, "Name or service not known"))
     assert isinstance(err, errors.NameResolutionError) and err.cause == "dns"
     assert "nowhere.invalid" in str(err)
@@ -342,3 +354,34 @@ def test_cli_message_and_exit_code_for_a_closed_port(pve_hosts: PveHosts) -> Non
     r = pve_hosts.cli("trust-host")
     assert r.exit_code == 10
     assert r.stderr.startswith("dflashctl: pve: cannot connect to 127.0.0.1:")
+
+
+def test_lean_paramiko_import_keeps_match_exec_working(tmp_path: Path) -> None:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text('Match exec "true"\n  User matched\n')
+    code = f"""
+import sys
+from ops.transport import SSHTransport
+assert "paramiko" in sys.modules
+assert "invoke" not in sys.modules, "invoke imported at start-up"
+import paramiko
+print(paramiko.SSHConfig.from_path({str(cfg)!r}).lookup("anyhost").get("user"))
+assert "invoke" in sys.modules
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "matched"
+
+
+def test_the_transport_contract_and_local_need_no_paramiko() -> None:
+    """The far side shares CommandResult: ops.transport, .base and .local load no third-party module."""
+    code = """
+import sys
+from ops.transport import CommandResult, LocalTransport, Transport
+import ops.transport.base, ops.transport.local
+assert LocalTransport().run(["true"]).ok
+print(sorted(m for m in ("paramiko", "invoke", "cryptography") if m in sys.modules))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

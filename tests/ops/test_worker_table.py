@@ -39,8 +39,15 @@ def running_facts() -> dict:
 
 def test_status_shows_the_worker_table_under_the_headline_and_json_carries_it() -> None:
     facts = running_facts()
-    facts["agent"]["gpus"] = [{"index": 7, "name": "NVIDIA H200", "memory_used_mib": 61234.0,
-                               "memory_total_mib": 143771.0, "utilization_pct": 71.0}]
+    facts["agent"]["gpus"] = [
+        {
+            "index": 7,
+            "name": "NVIDIA H200",
+            "memory_used_mib": 61234.0,
+            "memory_total_mib": 143771.0,
+            "utilization_pct": 71.0,
+        }
+    ]
     st = probe.classify(facts)
     assert st.state == "running"
     lines = st.lines()
@@ -49,8 +56,18 @@ def test_status_shows_the_worker_table_under_the_headline_and_json_carries_it() 
     table = lines[2:11]
     assert table[0].split() == ["worker", "device", "busy", "waiting", "batch/s", "gpu"]
     rows = {ln.split()[0]: ln for ln in table[1:]}
-    assert rows["drafter-2"].split() == ["drafter-2", "cuda:7", "76%", "24%", "starved", "12.7", "71%", "util,",
-                                         "61234/143771", "MiB"]
+    assert rows["drafter-2"].split() == [
+        "drafter-2",
+        "cuda:7",
+        "76%",
+        "24%",
+        "starved",
+        "12.7",
+        "71%",
+        "util,",
+        "61234/143771",
+        "MiB",
+    ]
     assert rows["drafter-0"].split() == ["drafter-0", "cuda:5", "94%", "0%", "starved", "15.6"]
     assert rows["target-3"].split() == ["target-3", "cuda:3", "61%", "39%", "blocked", "7.4"]
     assert rows["target-2"].split() == ["target-2", "cuda:2", "100%", "0%", "blocked", "11.9"]

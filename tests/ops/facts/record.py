@@ -25,8 +25,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # runkit
 sys.path.insert(0, str(HERE.parents[2]))  # the repo
 
-from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
 from runkit import fake_release, train_command  # noqa: E402
+
+from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
 
 VMID = 200
 
@@ -140,8 +141,12 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.facts()
 
 
-@scenario("running-startup-grace", "no progress for longer than hang_after, but inside startup_grace",
-          state="running", cause=None)
+@scenario(
+    "running-startup-grace",
+    "no progress for longer than hang_after, but inside startup_grace",
+    state="running",
+    cause=None,
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset("--steps", "0", "--then", "forever", hang_after=1, startup_grace=3600)
     p.start()
@@ -167,31 +172,51 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("succeeded")
 
 
-@scenario("crashed-cuda-oom", "torch.OutOfMemoryError naming GPU 5", state="crashed", cause="cuda-oom", gpu=5, exit_code=1)
+@scenario(
+    "crashed-cuda-oom", "torch.OutOfMemoryError naming GPU 5", state="crashed", cause="cuda-oom", gpu=5, exit_code=1
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset("--steps", "2", "--then", "oom")
     p.start()
     return p.wait_state("crashed")
 
 
-@scenario("crashed-cuda-oom-old", "old torch: RuntimeError: CUDA out of memory (GPU 3; ...)", state="crashed",
-          cause="cuda-oom", gpu=3, exit_code=1)
+@scenario(
+    "crashed-cuda-oom-old",
+    "old torch: RuntimeError: CUDA out of memory (GPU 3; ...)",
+    state="crashed",
+    cause="cuda-oom",
+    gpu=3,
+    exit_code=1,
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset("--steps", "1", "--then", "oom-old")
     p.start()
     return p.wait_state("crashed")
 
 
-@scenario("crashed-python-exception", "KeyError raised", state="crashed", cause="python-exception",
-          detail="KeyError: 'bad_key'", exit_code=1)
+@scenario(
+    "crashed-python-exception",
+    "KeyError raised",
+    state="crashed",
+    cause="python-exception",
+    detail="KeyError: 'bad_key'",
+    exit_code=1,
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset("--steps", "1", "--then", "exception:bad_key")
     p.start()
     return p.wait_state("crashed")
 
 
-@scenario("crashed-nonzero-exit", "exit 3 with no traceback", state="crashed", cause="nonzero-exit", exit_code=3,
-          detail="done after 1 steps")
+@scenario(
+    "crashed-nonzero-exit",
+    "exit 3 with no traceback",
+    state="crashed",
+    cause="nonzero-exit",
+    exit_code=3,
+    detail="done after 1 steps",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset("--steps", "1", "--then", "exit:3")
     p.start()
@@ -214,8 +239,13 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("crashed")
 
 
-@scenario("running-tmux-server-killed", "tmux server SIGKILLed, training alive", state="running", cause=None,
-          tmux_server="dead")
+@scenario(
+    "running-tmux-server-killed",
+    "tmux server SIGKILLed, training alive",
+    state="running",
+    cause=None,
+    tmux_server="dead",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.start()
@@ -224,8 +254,14 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.facts()
 
 
-@scenario("running-session-killed", "kill-session, training alive", state="running", cause=None,
-          tmux_server="alive", tmux_session="missing")
+@scenario(
+    "running-session-killed",
+    "kill-session, training alive",
+    state="running",
+    cause=None,
+    tmux_server="alive",
+    tmux_session="missing",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.start()
@@ -234,8 +270,9 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.facts()
 
 
-@scenario("lost-tmux-server-killed", "runner, trainer and tmux server all SIGKILLed", state="lost",
-          cause="tmux-server-killed")
+@scenario(
+    "lost-tmux-server-killed", "runner, trainer and tmux server all SIGKILLed", state="lost", cause="tmux-server-killed"
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.start()
@@ -245,7 +282,9 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("lost")
 
 
-@scenario("lost-session-killed", "runner and trainer SIGKILLed, then kill-session", state="lost", cause="session-killed")
+@scenario(
+    "lost-session-killed", "runner and trainer SIGKILLed, then kill-session", state="lost", cause="session-killed"
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.start()
@@ -256,7 +295,9 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("lost")
 
 
-@scenario("lost-unknown", "runner and trainer SIGKILLed, tmux alive (pane dead, signal 9)", state="lost", cause="unknown")
+@scenario(
+    "lost-unknown", "runner and trainer SIGKILLed, tmux alive (pane dead, signal 9)", state="lost", cause="unknown"
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.start()
@@ -292,20 +333,42 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("lost")
 
 
-@scenario("hand-lost-command-exited", "hand-started session whose command exited (the server exited with it)",
-          state="lost", cause="unknown")
+@scenario(
+    "hand-lost-command-exited",
+    "hand-started session whose command exited (the server exited with it)",
+    state="lost",
+    cause="unknown",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
     p.tmux("new-session", "-d", "-s", "dflash", "sleep 0.2; exit 3")
     return p.wait_state("lost")
 
 
-@scenario("hand-crashed-pane-dead", "hand-started session with remain-on-exit, python raised", state="crashed",
-          cause="python-exception", exit_code=1, detail="ValueError: 42")
+@scenario(
+    "hand-crashed-pane-dead",
+    "hand-started session with remain-on-exit, python raised",
+    state="crashed",
+    cause="python-exception",
+    exit_code=1,
+    detail="ValueError: 42",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
-    p.tmux("start-server", ";", "set", "-g", "remain-on-exit", "on", ";", "new-session", "-d", "-s", "dflash",
-           "sleep 0.3; python3 -c 'raise ValueError(42)'")
+    p.tmux(
+        "start-server",
+        ";",
+        "set",
+        "-g",
+        "remain-on-exit",
+        "on",
+        ";",
+        "new-session",
+        "-d",
+        "-s",
+        "dflash",
+        "sleep 0.3; python3 -c 'raise ValueError(42)'",
+    )
     return p.wait_state("crashed")
 
 
@@ -359,8 +422,13 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.facts()
 
 
-@scenario("fallback-hand-running", "python missing in the container: raw tmux only", state="running", cause=None,
-          mode="fallback")
+@scenario(
+    "fallback-hand-running",
+    "python missing in the container: raw tmux only",
+    state="running",
+    cause=None,
+    mode="fallback",
+)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever(), python="/nonexistent/python3")
     p.tmux("new-session", "-d", "-s", "dflash", "sleep 600")
@@ -384,8 +452,14 @@ def edit(name: str, base: str, what: str, **expect: t.Any) -> t.Callable[[t.Call
     return deco
 
 
-@edit("crashed-host-oom", "crashed-signal", "the cgroup's oom_kill count rose from 0 to 1 during the run",
-      state="crashed", cause="host-oom", signal=9)
+@edit(
+    "crashed-host-oom",
+    "crashed-signal",
+    "the cgroup's oom_kill count rose from 0 to 1 during the run",
+    state="crashed",
+    cause="host-oom",
+    signal=9,
+)
 def _(f: dict[str, t.Any]) -> None:
     att = f["agent"]["attempt"]
     att["run"]["oom_kill"] = 0
@@ -393,51 +467,92 @@ def _(f: dict[str, t.Any]) -> None:
     att["exit"]["oom_kill"] = 1
 
 
-@edit("crashed-nccl-error", "crashed-python-exception", "the traceback ends in a DistBackendError (NCCL error)",
-      state="crashed", cause="nccl-error")
+@edit(
+    "crashed-nccl-error",
+    "crashed-python-exception",
+    "the traceback ends in a DistBackendError (NCCL error)",
+    state="crashed",
+    cause="nccl-error",
+)
 def _(f: dict[str, t.Any]) -> None:
     tail = f["agent"]["attempt"]["log"]["tail"]
-    tail[-1] = ("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
-                "unhandled system error, NCCL version 2.21.5")
+    tail[-1] = (
+        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
+        "unhandled system error, NCCL version 2.21.5"
+    )
 
 
-@edit("crashed-disk-full", "crashed-nonzero-exit", "the run filled its disk: exit.json and the probe say 0 bytes free "
-      "(as the runner records it; played for real in tests/ops/test_hostile_far.py with a 1 MiB tmpfs)",
-      state="crashed", cause="disk-full", exit_code=3,
-      detail="0 bytes were free where the run writes when the command ended")
+@edit(
+    "crashed-disk-full",
+    "crashed-nonzero-exit",
+    "the run filled its disk: exit.json and the probe say 0 bytes free "
+    "(as the runner records it; played for real in tests/ops/test_hostile_far.py with a 1 MiB tmpfs)",
+    state="crashed",
+    cause="disk-full",
+    exit_code=3,
+    detail="0 bytes were free where the run writes when the command ended",
+)
 def _(f: dict[str, t.Any]) -> None:
     att = f["agent"]["attempt"]
     att["exit"].update(disk_free=0, disk_full=True)
     f["agent"]["disk"] = {"path": os.path.dirname(os.path.dirname(att["dir"])), "free": 0, "full": True}
 
 
-@edit("lost-disk-full", "lost-unknown", "no exit record, no live process, and the run's disk is full",
-      state="lost", cause="disk-full")
+@edit(
+    "lost-disk-full",
+    "lost-unknown",
+    "no exit record, no live process, and the run's disk is full",
+    state="lost",
+    cause="disk-full",
+)
 def _(f: dict[str, t.Any]) -> None:
     att = f["agent"]["attempt"]
     f["agent"]["disk"] = {"path": os.path.dirname(os.path.dirname(att["dir"])), "free": 0, "full": True}
 
 
-@edit("unreachable-dns", "unreachable-refused", "socket.gaierror as the transport reports it", state="unreachable", cause="dns")
+@edit(
+    "unreachable-dns",
+    "unreachable-refused",
+    "socket.gaierror as the transport reports it",
+    state="unreachable",
+    cause="dns",
+)
 def _(f: dict[str, t.Any]) -> None:
-    f["unreachable"] = {"cause": "dns", "detail": "pve: cannot resolve gpu-box.invalid: [Errno -2] Name or service not known"}
+    f["unreachable"] = {
+        "cause": "dns",
+        "detail": "pve: cannot resolve gpu-box.invalid: [Errno -2] Name or service not known",
+    }
 
 
-@edit("unreachable-timeout", "unreachable-refused", "connect timed out as the transport reports it", state="unreachable",
-      cause="timeout")
+@edit(
+    "unreachable-timeout",
+    "unreachable-refused",
+    "connect timed out as the transport reports it",
+    state="unreachable",
+    cause="timeout",
+)
 def _(f: dict[str, t.Any]) -> None:
     f["unreachable"] = {"cause": "timeout", "detail": "pve: no answer from 10.0.0.9:22 within 5s"}
 
 
-@edit("unreachable-agent-timeout", "running", "the agent call outlived its timeout", state="unreachable", cause="timeout")
+@edit(
+    "unreachable-agent-timeout", "running", "the agent call outlived its timeout", state="unreachable", cause="timeout"
+)
 def _(f: dict[str, t.Any]) -> None:
     f.pop("agent")
     f["agent_timeout"] = "the agent did not answer within 30s"
 
 
-def save(name: str, description: str, facts: dict[str, t.Any], expect: dict[str, t.Any], edited: str | None = None) -> None:
-    doc = {"scenario": description, "recorded": "dflashctl status --facts (tests/ops/facts/record.py)",
-           "edited": edited, "expect": expect, "facts": facts}
+def save(
+    name: str, description: str, facts: dict[str, t.Any], expect: dict[str, t.Any], edited: str | None = None
+) -> None:
+    doc = {
+        "scenario": description,
+        "recorded": "dflashctl status --facts (tests/ops/facts/record.py)",
+        "edited": edited,
+        "expect": expect,
+        "facts": facts,
+    }
     (HERE / f"{name}.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
     print(f"recorded {name}")
 

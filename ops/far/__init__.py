@@ -1,0 +1,50 @@
+"""What runs on the far side (inside the container), stdlib only, in real modules.
+
+- ``procfs``   processes and the machine: stat, boot time, THE liveness verdict (by start time)
+- ``records``  a session's attempt layout and its run.json / exit.json
+- ``atomic``   records written then renamed; symlinks switched by rename
+- ``lock``     the one flock (deploy's and a session's)
+- ``protocol`` the request/answer envelope and the agent's typed facts
+- ``release``  the release program (deploy's far side)
+
+How they reach the far side: the agent and the runner run from the deployed release
+(``<workdir>/current``), which holds the whole ``ops`` package, these modules included. The release
+program cannot (the first deploy has no release yet), so ``program()`` sends it by value: the source
+text of the module and of the helpers it imports, in one ``-c`` program that registers them in
+``sys.modules`` before anything is imported (an ``ops`` installed in the far side's site-packages is
+never consulted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+_BOOT = """import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]
+import types
+def _module(name, source, package=False):
+    m = types.ModuleType(name)
+    m.__file__ = "<dflash by value: %s>" % name
+    if package:
+        m.__path__ = []
+    sys.modules[name] = m
+    parent, _, leaf = name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], leaf, m)
+    exec(compile(source, m.__file__, "exec"), m.__dict__)
+    return m
+_module("ops", "", True)
+_module("ops.far", "", True)
+"""
+
+
+def program(main: str, deps: tuple[str, ...]) -> str:
+    """A ``python -c`` program: ``ops.far.<dep>`` for each dep, then ``ops.far.<main>``; runs ``main(sys.argv[1:])``.
+    Python >= 3.7 (the far side's interpreter may be old; it must run far enough to say so)."""
+    parts = [_BOOT]
+    for name in (*deps, main):
+        parts.append("_module({!r}, {!r})\n".format(f"ops.far.{name}", (HERE / f"{name}.py").read_text()))
+    parts.append("sys.exit(sys.modules[{!r}].main(sys.argv[1:]))\n".format(f"ops.far.{main}"))
+    return "".join(parts)

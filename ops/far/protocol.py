@@ -1,0 +1,144 @@
+"""The far side's protocol, typed: the request/answer envelope and the agent's facts. stdlib only.
+
+Every far-side verb (the agent's probe/start/stop/tail/read, the release program's
+inspect/install/rollback) takes ONE JSON object and answers ONE JSON object on stdout:
+
+    {"ok": true,  "protocol": 1, "verb": "probe", ...the verb's answer...}
+    {"ok": false, "protocol": 1, "verb": "start", "error": "<kind>", "message": "<one line>", ...}
+
+The operator side reads it with ``ops.far_call``; ``ops.probe.classify`` reads the probe answer's
+facts below (``dflashctl status --facts`` prints them). ``tmux_facts`` is the one reading of tmux's
+session and panes, used by the agent and by the operator's raw fallback alike.
+"""
+
+from __future__ import annotations
+
+import time
+import typing as t
+
+from ops import tmux
+from ops.far.procfs import ProcessFacts
+
+PROTOCOL = 1
+
+
+class Envelope(t.TypedDict, total=False):
+    ok: t.Required[bool]
+    protocol: int
+    verb: str
+    error: str  # when not ok: the kind (usage, bad-request, busy, run-active, recheck, need-content...)
+    message: str  # when not ok: one line for a person
+
+
+# --------------------------------------------------------------------------------------------
+# The agent's facts (probe)
+
+Pane = dict[str, str]  # ops.tmux.PANE_FIELDS -> value
+
+
+class TmuxFacts(t.TypedDict):
+    socket: str
+    exit_code: int | None
+    stderr: str
+    timed_out: bool
+    installed: bool
+    panes: list[Pane]
+
+
+class CaptureFacts(t.TypedDict):
+    exit_code: int | None
+    stderr: str
+    lines: list[str]
+
+
+class LogFacts(t.TypedDict, total=False):
+    path: t.Required[str]
+    size: int
+    mtime: float
+    tail: list[str]
+    error: str
+
+
+class MetricsFacts(t.TypedDict, total=False):
+    path: t.Required[str]
+    size: int
+    mtime: float
+    last: dict[str, t.Any] | None
+    error: str
+
+
+class AttemptFacts(t.TypedDict, total=False):
+    dir: t.Required[str]
+    attempt: t.Required[int | None]
+    run: dict[str, t.Any] | None  # run.json as the runner wrote it
+    exit: dict[str, t.Any] | None  # exit.json
+    stop: dict[str, t.Any] | None  # stop.json
+    runner: ProcessFacts | None
+    keeper: ProcessFacts | None
+    child: ProcessFacts | None
+    log: LogFacts | None
+    metrics: MetricsFacts | None
+    errors: list[str]
+
+
+class DiskFacts(t.TypedDict):
+    path: str
+    free: int
+    full: bool
+
+
+class GpuFacts(t.TypedDict):
+    index: int
+    name: str
+    memory_used_mib: float | None
+    memory_total_mib: float | None
+    utilization_pct: float | None
+
+
+class ProbeFacts(t.TypedDict):
+    """The probe verb's answer (less the envelope)."""
+
+    disk: DiskFacts | None
+    now: float
+    hostname: str
+    pid1_start: float | None
+    pid1_ticks: int | None
+    oom_kill: int | None
+    tmux: TmuxFacts
+    attempt: AttemptFacts | None
+    pane_capture: CaptureFacts | None
+    gpus: list[GpuFacts] | dict[str, str] | None
+
+
+class RunResult(t.NamedTuple):
+    """One finished command, as both sides see it (the agent's subprocess, the operator's Remote.run)."""
+
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+def tmux_facts(run: t.Callable[[list[str]], RunResult], socket: str, session: str, tmux_bin: str = "tmux") -> TmuxFacts:
+    """Server, session and panes in ONE tmux call (has-session ; list-panes), with the exact stderr.
+    ``run`` runs an argv where tmux is (the agent: a subprocess; the raw fallback: ``Remote.run``)."""
+    argv = tmux.panes_argv(socket, session, tmux_bin)
+    for _ in range(4):
+        res = run(argv)
+        # tmux marks a pane dead when its pty closes, a moment before it reaps the process: in that
+        # window pane_dead=1 with neither status nor signal. Ask again rather than report "unknown".
+        if res.exit_code != 0 or not any(status_pending(p) for p in tmux.parse_panes(res.stdout)):
+            break
+        time.sleep(0.05)
+    return {
+        "socket": socket,
+        "exit_code": res.exit_code,
+        "stderr": res.stderr.strip(),
+        "timed_out": res.timed_out,
+        "installed": not tmux.not_found(res.exit_code, res.stderr),
+        "panes": tmux.parse_panes(res.stdout) if res.exit_code == 0 else [],
+    }
+
+
+def status_pending(pane: Pane) -> bool:
+    return pane.get("pane_dead") == "1" and not pane.get("pane_dead_status") and not pane.get("pane_dead_signal")

@@ -1,0 +1,438 @@
+"""restart-on-crash's loop: probe every --interval over one kept connection, carry out the policy's
+decisions (restart through ``ops.session.start``, start the container, save a hung run's stack), record
+and announce incidents."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import typing as t
+from pathlib import Path
+
+from ops import errors
+from ops.far.atomic import write_json_atomic
+from ops.far_call import cannot_exec
+from ops.hosts import Host
+from ops.probe import Status, iso
+from ops.states import RECOVERY, Cause, State
+from ops.supervise.policy import (
+    DONE,
+    GIVE_UP,
+    START_CONTAINER,
+    STOP_THEN_RESTART,
+    Decision,
+    Options,
+    Policy,
+    _dur,
+    describe,
+    reconnect_delay,
+)
+from ops.supervise.state import IncidentLog, Lock, _slug, default_state_dir, incident_for, private_dir, run_hook
+
+if t.TYPE_CHECKING:
+    from ops.remote import Remote
+
+logger = logging.getLogger(__name__)
+
+STACK_TIMEOUT = 30.0
+STACK_FILE = "py-spy-dump.txt"
+
+
+# --------------------------------------------------------------------------------------------
+# A stack of the hung process, before it is stopped
+
+
+def save_stack(remote: Remote, st: Status) -> dict[str, t.Any]:
+    """``py-spy dump`` of the hung command (where the run lives), saved as ``py-spy-dump.txt`` in its
+    attempt dir. py-spy is looked for on PATH, then next to the configured python (a venv's bin).
+    Never raises: a missing py-spy is a note in the incident."""
+    if st.pid is None:
+        return {"saved": None, "error": "no pid to dump"}
+    python = remote.host.python
+    candidates = ["py-spy"]
+    if "/" in python:
+        candidates.append(os.path.join(os.path.dirname(python), "py-spy"))
+    tried = []
+    for exe in candidates:
+        try:
+            res = remote.run([exe, "dump", "--pid", str(st.pid)], timeout=STACK_TIMEOUT)
+        except errors.OpsError as e:
+            return {"saved": None, "error": f"py-spy: {e}"}
+        if cannot_exec(res) or "No such file" in res.err and not res.out:
+            tried.append(exe)
+            continue
+        if not res.ok or not res.out.strip():
+            return {
+                "saved": None,
+                "tool": exe,
+                "error": f"py-spy dump failed (exit {res.exit_code}): {res.err.strip()[-300:]}",
+            }
+        text = res.out
+        saved = None
+        if st.log:
+            target = os.path.join(os.path.dirname(st.log), STACK_FILE)
+            try:
+                w = remote.run(["tee", target], stdin=text.encode(), timeout=STACK_TIMEOUT)
+                saved = target if w.ok else None
+            except errors.OpsError:
+                saved = None
+        return {
+            "saved": saved,
+            "tool": exe,
+            "stack": text[-20000:],
+            "error": None if saved else "could not write the dump",
+        }
+    return {
+        "saved": None,
+        "error": f"py-spy is not installed where the run lives (tried {', '.join(tried)}): no stack saved",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How the supervisor ended: ``succeeded``, ``interrupted`` (a signal) or ``once`` (with the
+    state it left the run in, ``restarted`` when it started a new attempt)."""
+
+    kind: str
+    state: str | None = None
+    message: str = ""
+
+
+class Supervisor:
+    """The restart-on-crash loop for one host+session."""
+
+    def __init__(
+        self,
+        host: Host,
+        session: str | None,
+        opts: Options,
+        *,
+        state_dir: Path | None = None,
+        on_event: t.Sequence[str] | None = None,
+        emit: t.Callable[[str], None] = print,
+        connect: t.Callable[[Host], Remote] | None = None,
+        clock: t.Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        hide_env: t.Sequence[str] = (),
+    ) -> None:
+        from ops import session as run
+
+        self.host = host
+        self.session = run.session_name(host, session)
+        self.opts = opts
+        self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
+        self.on_event = list(on_event) if on_event else None
+        # Secrets the hook must not inherit: this host's API token variable, and any the caller names.
+        self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
+        self._emit = emit
+        if connect is None:
+            from ops.remote import connect as connect_remote
+
+            connect = connect_remote
+        self._connect_fn = connect
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.policy = Policy(opts, rng=self.rng)
+        self.incidents = IncidentLog(self.state_dir, host.name, self.session)
+        base = f"{_slug(host.name)}.{_slug(self.session)}"
+        self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{host.name}/{self.session}")
+        self.memory_path = self.state_dir / "supervise" / f"{base}.json"
+        self._remote: Remote | None = None
+        self._stop = threading.Event()
+        self._signal: str | None = None
+        self._open: tuple[Path, dict[str, t.Any]] | None = None  # the incident whose recovery is pending
+        self._outage: tuple[Path, dict[str, t.Any]] | None = None
+
+    # ---------------------------------------------------------------- plumbing
+
+    def emit(self, text: str) -> None:
+        self._emit(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.host.name}/{self.session}: {text}")
+
+    def _connect(self) -> Remote:
+        if self._remote is None:
+            self._remote = self._connect_fn(self.host)
+        return self._remote
+
+    def _drop(self) -> None:
+        if self._remote is not None:
+            try:
+                self._remote.close()
+            except Exception:  # closing a broken connection must not end supervision
+                logger.debug("closing the connection failed", exc_info=True)
+            self._remote = None
+
+    def probe(self) -> Status:
+        from ops import session as run
+
+        try:
+            st = run.status(self.host, self.session, self._connect)
+        except Exception as e:  # a bug or an untyped library error must not end an overnight watch
+            logger.exception("probe failed")
+            self._drop()
+            st = Status(
+                host=self.host.name,
+                session=self.session,
+                state=State.UNREACHABLE,
+                cause=Cause.UNKNOWN,
+                detail=f"the probe failed: {type(e).__name__}: {e}",
+                checked_at=iso(self.clock()),
+                evidence=[f"probe error: {type(e).__name__}: {e}"],
+            )
+        logger.info("probe %s/%s: %s", self.host.name, self.session, st.headline())
+        return st
+
+    def _sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            self._stop.wait(seconds)
+
+    def _on_signal(self, signum: int, _frame: t.Any) -> None:
+        self._signal = signal.Signals(signum).name
+        self._stop.set()
+
+    def _load_memory(self) -> None:
+        try:
+            data = json.loads(self.memory_path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            self.emit(f"note: ignoring an unreadable supervisor memory {self.memory_path}: {e}")
+            return
+        if isinstance(data, dict):
+            self.policy.load(data)
+
+    def _save_memory(self) -> None:
+        try:
+            private_dir(self.memory_path.parent)
+            write_json_atomic(
+                self.memory_path,
+                {
+                    **self.policy.memory(),
+                    "host": self.host.name,
+                    "session": self.session,
+                    "updated_at": iso(self.clock()),
+                },
+                mode=0o600,
+            )
+        except OSError as e:
+            self.emit(f"warning: cannot save the supervisor memory {self.memory_path}: {e}")
+
+    def _record(self, path: Path, incident: dict[str, t.Any]) -> None:
+        try:
+            self.incidents.write(path, incident)
+        except OSError as e:
+            self.emit(f"warning: cannot write the incident {path}: {e}")
+
+    def _announce(self, path: Path, incident: dict[str, t.Any]) -> None:
+        """Write the incident, then hand it to --on-event (a failing hook is reported, never fatal)."""
+        self._record(path, incident)
+        if self.on_event is None:
+            return
+        result = run_hook(self.on_event, incident, path, hide_env=self.hide_env)
+        incident["hook"] = result
+        self._record(path, incident)
+        if not result["ok"]:
+            self.emit(f"warning: --on-event failed: {result['error']}")
+
+    # ---------------------------------------------------------------- run
+
+    def run(self) -> Outcome:
+        if self.state_dir == default_state_dir():
+            private_dir(self.state_dir)  # ours by name; a --state-dir given by the user keeps its mode
+        else:
+            self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with self.lock:
+            self._load_memory()
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                return self._loop()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+                self._drop()
+                self._save_memory()
+
+    def _loop(self) -> Outcome:
+        o = self.opts
+        first = True
+        failures = 0  # reconnect tries in the current outage
+        last: Status | None = None
+        while not self._stop.is_set():
+            tick = time.monotonic()  # probes start every interval, however long one takes
+            st = self.probe()
+            now = self.clock()
+            d = self.policy.observe(st, now)
+            last = st
+            if first:
+                mode = "once" if o.once else f"every {o.interval:g}s"
+                self.emit(f"watching ({mode}): {describe(st)}")
+                first = False
+            elif d.new and st.state in (State.RUNNING,):
+                self.emit(f"{describe(st)}")
+            if d.note:
+                self.emit(d.note)
+            if d.cancelled:
+                self._close_open("cancelled", d.cancelled, now)
+            if d.recovered_after is not None:
+                self._outage_over(now, d.recovered_after, failures)
+                failures = 0
+
+            if st.state == State.UNREACHABLE:
+                self._drop()
+                if d.new:
+                    inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=o)
+                    path = self.incidents.path_for(inc, now)
+                    self._outage = (path, inc)
+                    self.emit(f"{describe(st)} -> {d.reason}")
+                    self._announce(path, inc)
+                if o.once:
+                    return Outcome("once", st.state, f"unreachable: {st.detail}")
+                failures += 1
+                delay = reconnect_delay(failures, o.interval, self.rng)
+                logger.info("reconnect try %d in %.2fs", failures, delay)
+                self._sleep(delay)
+                continue
+
+            if d.new and d.action not in RECOVERY and st.state != State.RUNNING:
+                inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=o)
+                self.emit(f"{describe(st)} -> {d.action}: {d.reason}")
+                self._announce(self.incidents.path_for(inc, now), inc)
+            elif d.new and d.action in RECOVERY:
+                if self._open is not None:
+                    self._close_open("superseded", f"{describe(st)}: a new incident replaces the pending one", now)
+                inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=o)
+                path = self.incidents.path_for(inc, now)
+                self._open = (path, inc)
+                self._record(path, inc)
+                self.emit(f"{describe(st)} -> {d.reason}")
+
+            if d.action == GIVE_UP:
+                self._save_memory()
+                raise errors.CrashLoop(
+                    f"{self.host.name}/{self.session}: gave up: {d.reason}. The run is left "
+                    "crashed: fix the cause, then `dflashctl start` (a run started by hand is "
+                    "supervised afresh)"
+                )
+            if d.action == DONE:
+                return Outcome("succeeded", st.state, d.reason)
+            if d.action in RECOVERY:
+                wait = 0.0 if o.once else d.delay
+                if wait > o.interval or (wait > 0 and d.action == STOP_THEN_RESTART):
+                    # A long backoff is watched (a human may act meanwhile); a stalled run is
+                    # re-probed before it is stopped (it may have moved again).
+                    self._sleep(min(wait, o.interval))
+                    continue
+                # A short backoff is slept through without another probe: that is safe because a
+                # restart never passes --replace (the agent refuses over any live run).
+                self._sleep(wait)
+                if self._stop.is_set():
+                    break  # asked to stop: start nothing new
+                restarted = self._recover(st, d)
+                self._save_memory()
+                if d.action == START_CONTAINER:
+                    continue  # re-probe at once: the run's own state decides what comes next
+                if o.once:
+                    return Outcome("once", "restarted" if restarted else st.state, d.reason)
+                self._sleep(o.interval - (time.monotonic() - tick))
+                continue
+            if o.once:
+                return Outcome("once", st.state, d.reason)
+            self._sleep(o.interval - (time.monotonic() - tick))
+        state = last.state if last else None
+        self.emit(
+            f"supervisor stopped by {self._signal or 'request'}; the run is left as it is"
+            + (f" ({last.state}, attempt {last.attempt})" if last and last.attempt is not None else "")
+        )
+        return Outcome("interrupted", state, self._signal or "")
+
+    def _recover(self, st: Status, d: Decision) -> bool:
+        """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""
+        from ops import session as run
+
+        now = self.clock()
+        path, inc = self._open if self._open is not None else (None, None)
+        if inc is None:
+            inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=self.opts)
+            path = self.incidents.path_for(inc, now)
+        assert path is not None
+        attempt = None
+        try:
+            remote = self._connect()
+            if d.action == START_CONTAINER:
+                if remote.container is None:
+                    raise errors.OpsError(f"{self.host.label} has no container to start")
+                remote.container.start()
+                self.emit(f"container {remote.container.vmid} started; re-probing")
+            else:
+                if d.action == STOP_THEN_RESTART:
+                    stack = save_stack(remote, st)
+                    inc["stack"] = stack
+                    if stack.get("saved"):
+                        self.emit(f"saved the hung process's stack to {stack['saved']}")
+                    else:
+                        self.emit(f"no stack saved: {stack.get('error')}")
+                # --replace only to stop a hung run: a crashed or lost one has no live process, and if
+                # one appeared since the probe (someone ran `dflashctl start`) the agent refuses.
+                out = run.start(remote, self.session, replace=d.action == STOP_THEN_RESTART)
+                attempt = out.get("attempt")
+                how = (
+                    f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; "
+                    if out.get("replaced")
+                    else ""
+                )
+                self.emit(
+                    f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}"
+                )
+        except (errors.NotDeployed, errors.ConfigError):
+            raise  # the supervisor cannot fix these (nothing deployed, a missing API token): say so and end (exit 1)
+        except errors.RunActive as e:
+            self.policy.cancel()
+            self._open = (path, inc)
+            self._close_open("cancelled", f"not restarted: a live run appeared meanwhile ({e}); re-probing", now)
+            return False
+        except Exception as e:  # OpsError, or an untyped library error: a failed try, never the end
+            if not isinstance(e, errors.OpsError):
+                logger.exception("%s failed", d.action)
+                self._drop()
+            if isinstance(e, (errors.UnreachableError, errors.ContainerDown, errors.CommandTimeout)):
+                self._drop()
+            delay = self.policy.recovered(now, d.action, ok=False, error=str(e))
+            inc.update(outcome="failed", error=str(e), done_at=iso(now))
+            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {_dur(delay)}" if delay else ""))
+            self._open = (path, inc)
+            self._announce(path, inc)
+            return False
+        self.policy.recovered(now, d.action, attempt=attempt, ok=True)
+        inc.update(outcome="done", next_attempt=attempt, done_at=iso(self.clock()), error=None)
+        self._open = None
+        self._announce(path, inc)
+        return attempt is not None
+
+    def _close_open(self, outcome: str, why: str, now: float) -> None:
+        self.emit(why)
+        if self._open is None:
+            return
+        path, inc = self._open
+        self._open = None
+        inc.update(outcome=outcome, reason=f"{inc['reason']}; {why}", done_at=iso(now))
+        self._announce(path, inc)
+
+    def _outage_over(self, now: float, lasted: float, tries: int) -> None:
+        self.emit(
+            f"reachable again after {_dur(lasted)} ({tries} reconnect tr{'y' if tries == 1 else 'ies'}); re-probed"
+        )
+        if self._outage is None:
+            return
+        path, inc = self._outage
+        self._outage = None
+        inc.update(outcome="recovered", done_at=iso(now), outage_seconds=round(lasted, 3))
+        self._record(path, inc)

@@ -1,0 +1,44 @@
+"""dflash's exit codes are decided in one place, ``dflash.__main__.main`` (README: 0 done, 1 failed,
+2 bad config or arguments; train's 128 + signal comes from the run)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import dflash.__main__ as entry
+from dflash.__main__ import main
+
+
+def test_no_command_exits_by_itself() -> None:
+    """Commands raise BadInput/Failed or return; only main turns that into a code (no SystemExit,
+    sys.exit or os._exit elsewhere in the module)."""
+    tree = ast.parse(inspect.getsource(entry))
+    main_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    allowed = {id(n) for n in ast.walk(main_fn)}
+    allowed |= {id(n) for n in tree.body if isinstance(n, ast.If) for n in ast.walk(n)}  # if __name__ == "__main__"
+    exits = []
+    for node in ast.walk(tree):
+        if id(node) in allowed:
+            continue
+        if isinstance(node, ast.Raise) and node.exc is not None and "SystemExit" in ast.unparse(node.exc):
+            exits.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "os._exit", "exit", "quit"):
+            exits.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert exits == []
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["prepare-data", "--in", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "store")])
+    assert rc == 2
+    assert capsys.readouterr().err == "prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH\n"
+
+
+def test_usage_errors_and_help_keep_clicks_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train"]) == 2  # missing --config: click's usage error
+    assert "Missing option '--config'" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "Train DFlash drafters" in capsys.readouterr().out

@@ -1,0 +1,303 @@
+"""Several nodes: real torchrun, real gloo on 127.0.0.1, two ``dflash train`` processes of 1 target + 1 drafter.
+
+Each node has its own output and checkpoint dir (no shared filesystem): rank 0 alone writes checkpoints and
+broadcasts the one it resumes from. Every process imports torch (~10 s each on this machine), so the
+cases are few and do several checks each.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing as t
+from pathlib import Path
+
+import pytest
+
+from dflash import checkpoint as ckpt
+from dflash.config import load_config
+from dflash.distributed import PEER_LOST
+from dflash.metrics import Metrics
+from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
+from dflash.train import Run, weights_digest
+from ops.testing import free_port, pid_alive, retry_until
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-random.toml"
+TIMEOUT = 20  # [distributed] timeout of these runs: a lost peer ends the others within it
+
+pytestmark = pytest.mark.timeout(420)
+
+
+class Node:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path, out: Path) -> None:
+        self.proc, self.log, self.out = proc, log, out
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def worker(self) -> int | None:
+        """The pid of the ``dflash train`` process torchrun started (its only child)."""
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            kids = (task / "children").read_text().split() if (task / "children").exists() else []
+            if kids:
+                return int(kids[0])
+        return None
+
+    def digests(self) -> list[str]:
+        return re.findall(r"weights sha256 (\w+)", self.text())
+
+
+def start_group(base: Path, *overrides: str, nodes: int = 2) -> list[Node]:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    for k in ("DFLASH_RUN_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    out = []
+    for n in range(nodes):
+        node_dir = base / f"node{n}"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nodes),
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"test-{port}",
+            "-m",
+            "dflash",
+            "train",
+            "--config",
+            str(TINY),
+        ]
+        for o in (
+            'devices.targets=["cpu"]',
+            'devices.drafters=["cpu"]',
+            "log_every=1",
+            "average_every=2",
+            "checkpoint.interval=4",
+            f"distributed.timeout={TIMEOUT}",
+            f"output_dir={node_dir / 'run'}",
+            f"checkpoint.dir={node_dir / 'ckpt'}",
+            *overrides,
+        ):
+            cmd += ["--set", o]
+        log = node_dir / f"train-{len(list(node_dir.glob('train-*.log')))}.log"
+        with log.open("wb") as f:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        out.append(Node(proc, log, node_dir))
+    return out
+
+
+def finish(nodes: t.Sequence[Node], seconds: float = 300) -> list[int]:
+    codes = []
+    for n in nodes:
+        try:
+            codes.append(n.proc.wait(timeout=seconds))
+        except subprocess.TimeoutExpired:
+            codes.append(-1)
+    return codes
+
+
+def stop_all(nodes: t.Sequence[Node]) -> None:
+    """Kill what the test started, by pid: each torchrun's own session (its worker is in it)."""
+    for n in nodes:
+        if n.proc.poll() is None:
+            os.killpg(n.proc.pid, signal.SIGKILL)
+            n.proc.wait(timeout=30)
+
+
+# --------------------------------------------------------------------------------------------
+# In process: how a node of a group counts steps and reads its shards (no torchrun)
+
+
+class _Drafter:
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> StepStats:
+        self.steps.append(step)
+        return StepStats(loss=1.0, acc=0.5, tau_tf=1.0)
+
+    def recover(self) -> None:
+        pass
+
+
+class _Target:
+    device = "cpu"
+
+    def produce(self, batch: t.Any) -> t.Any:
+        return batch.index
+
+
+class _Source:
+    def __init__(self, start: int, stride: int) -> None:
+        self.next, self.stride = start, stride
+
+    def __next__(self) -> t.Any:
+        g, self.next = self.next, self.next + self.stride
+        return types.SimpleNamespace(index=g, n_tokens=10)
+
+
+def test_a_node_of_three_counts_every_nodes_steps_and_reads_its_shard() -> None:
+    """Node 1 of 3 (1 target, 1 drafter): each local update is 3 global steps, the barriers fall on the
+    same local updates on every node whatever the stride, and the node reads batches 1, 4, 7, ..."""
+    events: list[SyncEvent] = []
+    drafter = _Drafter()
+    pipe = Pipeline(
+        targets=[_Target()],
+        sources=[_Source(1, 3)],
+        drafters=[drafter],
+        shard_starts=[1],
+        on_sync=events.append,
+        options=PipelineOptions(
+            max_steps=20, average_every=5, checkpoint_every=9, capacity=2, poll=0.01, step_stride=3, shard_stride=3
+        ),
+    )
+    result = pipe.run()
+    assert drafter.steps == [3, 6, 9, 12, 15, 18, 20]  # the lr schedule sees global steps; the last is short
+    assert result.steps == 20
+    # a barrier wherever a local update reaches or passes a multiple of the interval
+    assert [(e.step, e.average, e.checkpoint, e.final) for e in events] == [
+        (6, True, False, False),
+        (9, False, True, False),
+        (12, True, False, False),
+        (15, True, False, False),
+        (18, False, True, False),
+        (20, True, True, True),
+    ]
+    assert result.position == (22,)  # 7 batches read: 1, 4, ..., 19; the next one of this shard is 22
+
+
+def test_two_nodes_train_average_checkpoint_and_resume(tmp_path: Path) -> None:
+    nodes = start_group(tmp_path, "max_steps=8")
+    try:
+        codes = finish(nodes)
+    finally:
+        stop_all(nodes)
+    logs = [n.text() for n in nodes]
+    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
+    # every replica on every node holds the same bytes after the final averaging
+    d0, d1 = nodes[0].digests(), nodes[1].digests()
+    assert len(d0) == 1 and d0 == d1, (d0, d1)
+    # each node logs its own step lines (global step numbers: 2 nodes, each local update is 2 steps)
+    for text in logs:
+        assert re.search(r"^step 8 \| loss ", text, re.M), text[-2000:]
+    # rank 0 alone logs the group's throughput, and writes the checkpoints
+    assert re.search(r"nodes \| step 8 \| [\d.]+ Ktok/s \| node-0 [\d.]+ \| node-1 [\d.]+", logs[0]), logs[0][-2000:]
+    assert "nodes |" not in logs[1]
+    ck0 = tmp_path / "node0" / "ckpt"
+    assert sorted(p.name for p in ck0.glob("step-*")) == ["step-4", "step-8"]
+    assert not list((tmp_path / "node1" / "ckpt").glob("step-*"))
+    c = ckpt.load_checkpoint(ck0 / "step-8", map_location="cpu")
+    state = c.trainer_state or {}
+    assert state["nodes"] == 2 and state["targets"] == 2 and state["drafters"] == 2
+    nxt = state["data"]["next"]
+    # shard = (node, local target): node 0 reads the even batches, node 1 the odd ones; 8 steps = 8 batches
+    assert [g % 2 for g in nxt] == [0, 1] and min(nxt) >= 6, nxt
+    assert len(state["generators"]) == 2
+    saved = ckpt.load_drafter(ck0 / "step-8")
+    assert weights_digest(list(saved.parameters())) == d0[0]  # load_drafter freezes them all: every one trains
+
+    # resume: rank 0 reads its checkpoint and broadcasts it; node 1's dir has none
+    nodes = start_group(tmp_path, "max_steps=12")
+    try:
+        codes = finish(nodes)
+    finally:
+        stop_all(nodes)
+    logs = [n.text() for n in nodes]
+    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
+    for text in logs:
+        assert f"resuming from {ck0 / 'step-8'} at step 8" in text, text[-2000:]
+        assert not re.search(r"^step [2468] \|", text, re.M)  # no step trained twice
+        assert re.search(r"^step 12 \|", text, re.M)
+    assert nodes[0].digests() == nodes[1].digests()
+    assert (ck0 / "step-12").is_dir() and not list((tmp_path / "node1" / "ckpt").glob("step-*"))
+
+    # the same run on one node (no torchrun) continues from the group's checkpoint: no batch lost
+    resumed = ckpt.load_checkpoint(ck0 / "step-12", map_location="cpu")
+    nxt = (resumed.trainer_state or {})["data"]["next"]
+    cfg = load_config(
+        TINY,
+        [
+            'devices.targets=["cpu"]',
+            'devices.drafters=["cpu"]',
+            "max_steps=16",
+            f"output_dir={tmp_path / 'single'}",
+            f"checkpoint.dir={ck0}",
+        ],
+    )
+    run = Run(cfg, environ={})
+    assert run.group is None and run.start_step == 12
+    assert run.shard_starts == [min(nxt)]  # one shard from the earliest unseen batch: some repeat, none lost
+
+
+def test_a_killed_node_ends_the_other_with_peer_lost(tmp_path: Path) -> None:
+    nodes = start_group(tmp_path, "max_steps=2000", "checkpoint.interval=0")
+    try:
+        retry_until(lambda: re.search(r"^step 6 \|", nodes[1].text(), re.M), 240, interval=0.5)
+        pid = nodes[1].worker()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = nodes[0].proc.wait(timeout=TIMEOUT + 120)
+        waited = time.monotonic() - killed_at
+    finally:
+        stop_all(nodes)
+        for n in nodes:
+            w = n.worker()
+            assert w is None or not pid_alive(w)
+    text = nodes[0].text()
+    assert code != 0
+    print(f"node 0 exited {waited:.1f}s after node 1's worker was killed")  # a figure, not an assertion
+    # the exception line dflashctl's status classifies (peer-lost), with gloo's own text
+    line = next(x for x in text.splitlines() if x.startswith("dflash.distributed.PeerLost: "))
+    assert PEER_LOST in line and "node 0 of 2" in line, line
+    assert re.search(r"Connection (reset|closed) by peer|Timed out waiting", line), line
+
+
+def test_a_node_logs_a_step_line_when_its_stride_reaches_or_passes_log_every() -> None:
+    """Resumed at step 8 on 3 nodes, a node's steps are 11, 14, 17, ...: none is a multiple of 6."""
+    out = io.StringIO()
+    m = Metrics(log_every=6, stream=out, step_stride=3)
+    m.start()
+    for step in (11, 14, 17, 20, 23, 26):
+        m.record(step, StepStats(loss=1.0, acc=0.5, tau_tf=1.0), 100)
+    m.close()
+    assert re.findall(r"^step (\d+) \|", out.getvalue(), re.M) == ["11", "14", "20", "26"]
+
+
+def test_sigterm_on_one_node_stops_every_node_at_the_next_barrier_with_a_checkpoint(tmp_path: Path) -> None:
+    nodes = start_group(tmp_path, "max_steps=2000", "checkpoint.interval=0")
+    try:
+        retry_until(lambda: all(re.search(r"^step 6 \|", n.text(), re.M) for n in nodes), 240, interval=0.5)
+        pid = nodes[1].worker()
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        finish(nodes, seconds=120)
+    finally:
+        stop_all(nodes)
+    logs = [n.text() for n in nodes]
+    stops = [re.search(r"stopped at step (\d+) after a checkpoint", x) for x in logs]
+    assert all(stops), "\n\n".join(x[-3000:] for x in logs)
+    step = stops[0].group(1) if stops[0] else ""
+    assert stops[1] and stops[1].group(1) == step  # the same step on both nodes
+    for x in logs:
+        assert f"stop requested on node(s) 1: every node stops after the barrier at step {step}" in x
+    assert (tmp_path / "node0" / "ckpt" / f"step-{step}").is_dir()
+    assert nodes[0].digests() == nodes[1].digests() and nodes[0].digests()
