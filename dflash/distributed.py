@@ -151,12 +151,12 @@ class NodeGroup:
         self._call(lambda: dist.all_gather_object(out, obj))
         return out
 
-    def broadcast(self, obj: t.Any) -> t.Any:
-        """Rank 0's ``obj`` on every node (others pass anything, e.g. None)."""
+    def broadcast(self, obj: t.Any, *, src: int = 0) -> t.Any:
+        """Node ``src``'s ``obj`` on every node (others pass anything, e.g. None)."""
         import torch.distributed as dist
 
         box = [obj]
-        self._call(lambda: dist.broadcast_object_list(box, src=0))
+        self._call(lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     def exchange(self, header: Header, *, doing: str) -> Round:

@@ -102,6 +102,9 @@ def worker_window(w: WorkerState, prev: tuple[float, float, float, int] | None, 
         return round(min(1.0, max(0.0, x / interval)), 4)
 
     busy, wait, barrier = frac(w.busy_s - pb), frac(w.wait_s - pw), frac(w.sync_s - ps)
+    if busy + wait + barrier > 1.0:  # a phase closed a moment after the window's end: never more than all of it
+        total = busy + wait + barrier
+        busy, wait, barrier = (round(x / total, 4) for x in (busy, wait, barrier))
     batches = w.items - pi
     return {
         "name": w.name,

@@ -43,7 +43,8 @@ schedule reads them), meets the same barriers, and stops at ``max_steps`` after 
 node. Batch g belongs to shard g mod (targets of every node): shard = (node rank, local target). Every
 barrier exchanges a small header (the nodes must be at the same barrier), averages every live replica of
 every node (also before a checkpoint), and checkpoints: rank 0 writes, with every node's data position and
-anchor generators; at resume rank 0 loads and broadcasts. A SIGTERM on any node stops every node at the
+anchor generators; at resume every node looks in its own checkpoint dir and the node with the newest
+checkpoint sends it to the others (torchrun may give rank 0 to another box after a restart). A SIGTERM on any node stops every node at the
 next barrier (with a checkpoint). A dead or hung node: the next collective fails within
 ``[distributed] timeout`` and the others exit with ``PeerLost``.
 
@@ -631,11 +632,10 @@ class Run:
                         f"{every} is less than nodes x drafters per node ({need}); "
                         f"a run over {len(self.nodes)} nodes needs at least {need}",
                     )
-        if self.group is None or self.group.is_main:
+        if self.group is None:
             resume = self._find_resume()
-        if self.group is not None:  # rank 0 read the checkpoint: the others need no shared filesystem
-            self.group.doing = "resume"
-            self.run_id, resume = self.group.broadcast((self.run_id, resume) if self.group.is_main else None)
+        else:
+            resume = self._group_resume()
         self.targets = self._build_targets()
         t0 = self.targets[0].model
         self.vocab_size = t0.vocab_size
@@ -767,6 +767,36 @@ class Run:
         )
         self.cfg = cfg
         return cfg
+
+    def _group_resume(self) -> ckpt.Checkpoint | None:
+        """Every node looks in its own checkpoint dir; the newest checkpoint of any node (newest run, then
+        step) is sent to all. torchrun's c10d rendezvous may hand rank 0 to another box after a restart, and
+        with no shared filesystem the checkpoints are on whichever box was rank 0 when they were written."""
+        assert self.group is not None
+        group = self.group
+        group.doing = "resume"
+        mine: ckpt.Checkpoint | None = None
+        problem: str | None = None
+        try:
+            mine = self._find_resume()
+        except ConfigError as e:  # said to every node below, so none waits for a collective that never comes
+            problem = str(e)
+        key = (self.run_id or "", mine.step) if mine is not None else None
+        found = group.all_gather((key, problem))
+        have = [(k, rank) for rank, (k, _) in enumerate(found) if k is not None]
+        if not have:
+            problems = [p for _, p in found if p]
+            if problems:
+                raise ConfigError("checkpoint.resume", f"on every node: {problems[0]}")
+            self.run_id = group.broadcast(self.run_id)  # a fresh start: rank 0's run id for all
+            return None
+        src = max(have)[1]
+        if src != group.rank:
+            logger.info(
+                "resume: node %d holds the newest checkpoint (step %d); it is sent to this node", src, max(have)[0][1]
+            )
+        self.run_id, resume = group.broadcast((self.run_id, mine) if group.rank == src else None, src=src)
+        return t.cast("ckpt.Checkpoint | None", resume)
 
     def _find_resume(self) -> ckpt.Checkpoint | None:
         """The checkpoint to continue (loaded and verified), and this run's id (``self.run_id``)."""

@@ -54,7 +54,9 @@ class Node:
         return re.findall(r"weights sha256 (\w+)", self.text())
 
 
-def start_group(base: Path, *overrides: str, nodes: int = 2) -> list[Node]:
+def start_group(base: Path, *overrides: str, nodes: int = 2, ranks: t.Sequence[int] | None = None) -> list[Node]:
+    """``nodes`` torchrun agents (c10d rendezvous), or with ``ranks`` a static rendezvous where node n gets
+    rank ``ranks[n]`` (to put a checkpoint on the node that is not rank 0)."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
     for k in ("DFLASH_RUN_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
@@ -71,12 +73,11 @@ def start_group(base: Path, *overrides: str, nodes: int = 2) -> list[Node]:
             str(nodes),
             "--nproc-per-node",
             "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            f"test-{port}",
+            *(
+                ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test-{port}"]
+                if ranks is None
+                else ["--master-addr", "127.0.0.1", "--master-port", str(port), "--node-rank", str(ranks[n])]
+            ),
             "-m",
             "dflash",
             "train",
@@ -245,6 +246,33 @@ def test_two_nodes_train_average_checkpoint_and_resume(tmp_path: Path) -> None:
     run = Run(cfg, environ={})
     assert run.group is None and run.start_step == 12
     assert run.shard_starts == [min(nxt)]  # one shard from the earliest unseen batch: some repeat, none lost
+
+
+def test_a_restarted_group_resumes_from_the_node_that_holds_the_checkpoint_whatever_its_rank(tmp_path: Path) -> None:
+    """No shared filesystem and a rendezvous that may hand rank 0 to another box after a restart: the
+    checkpoint written by rank 0 is on node 0; the restarted group makes node 1 rank 0. Before, only rank 0
+    looked for a checkpoint, found none, and the run started over at step 0."""
+    nodes = start_group(tmp_path, "max_steps=8", ranks=[0, 1])
+    try:
+        codes = finish(nodes)
+    finally:
+        stop_all(nodes)
+    assert codes == [0, 0], "\n\n".join(n.text()[-3000:] for n in nodes)
+    ck0 = tmp_path / "node0" / "ckpt"
+    assert (ck0 / "step-8").is_dir() and not list((tmp_path / "node1" / "ckpt").glob("step-*"))
+    nodes = start_group(tmp_path, "max_steps=12", ranks=[1, 0])  # node 1 is rank 0 now
+    try:
+        codes = finish(nodes)
+    finally:
+        stop_all(nodes)
+    logs = [n.text() for n in nodes]
+    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
+    for text in logs:
+        assert f"resuming from {ck0 / 'step-8'} at step 8" in text, text[-2000:]
+        assert not re.search(r"^step [2468] \|", text, re.M)  # nothing trained again
+    assert "node 1 holds the newest checkpoint (step 8)" in logs[1]  # node 0 has rank 1 now
+    assert (tmp_path / "node1" / "ckpt" / "step-12").is_dir(), "the new rank 0 writes the next checkpoints"
+    assert nodes[0].digests() == nodes[1].digests()
 
 
 def test_a_killed_node_ends_the_other_with_peer_lost(tmp_path: Path) -> None:

@@ -204,3 +204,17 @@ def test_tensorboard_without_the_package_is_one_line_and_exit_2_before_loading(
     assert lines[-1] == "dflash: metrics.tensorboard: needs the tensorboard package: pip install 'dflash[tensorboard]'"
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_a_window_never_counts_more_than_all_of_its_time() -> None:
+    # CI saw busy + wait + barrier + other = 1.0104 on a loaded machine: the window's end and each worker's
+    # open phase were read from different clock readings, and a phase closed just after the end was counted.
+    from dflash.metrics import worker_window
+    from dflash.pipeline import WorkerState
+
+    w = WorkerState(role="target", index=1, device="cpu", busy_s=0.61, wait_s=0.45)
+    fig = worker_window(w, None, 1.0)
+    parts = [fig["busy"], fig["wait"], fig["barrier"], fig["other"]]
+    assert sum(parts) == pytest.approx(1.0, abs=0.001) and fig["busy"] > fig["wait"] > 0
+    late = WorkerState(role="target", index=1, device="cpu", busy_s=0.5, phase="wait", since=10.0)
+    assert late.settled(9.99).wait_s == 0.0, "a phase opened after the reading adds nothing (never negative)"
