@@ -45,6 +45,10 @@ class Group:
     nproc_per_node: int = 1
     max_restarts: int = DEFAULT_MAX_RESTARTS
     command: tuple[str, ...] | None = None  # None: torchrun around each host's own `python -m ...` command
+    # the host whose torchrun serves the rendezvous store: the first whose address is rdzv's host. Said
+    # explicitly: torchrun's own guess makes EVERY node on one machine (or one loopback) try to serve it,
+    # and two stores on one port split the rendezvous, which then waits forever (seen with two containers)
+    store_host: str | None = None
 
     def node_command(self, host: Host) -> tuple[str, ...]:
         """What ``host`` runs as its node of the group."""
@@ -58,11 +62,20 @@ class Group:
             run_id=self.name,
             max_restarts=self.max_restarts,
             where=f"groups.{self.name}.command",
+            is_host=None if self.store_host is None else host.name == self.store_host,
         )
 
 
 def torchrun_around(
-    command: t.Sequence[str], *, nnodes: int, nproc_per_node: int, rdzv: str, run_id: str, max_restarts: int, where: str
+    command: t.Sequence[str],
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rdzv: str,
+    run_id: str,
+    max_restarts: int,
+    where: str,
+    is_host: bool | None = None,
 ) -> tuple[str, ...]:
     """``python -m MOD ARGS`` -> ``python -m torch.distributed.run <rendezvous> -m MOD ARGS``: torchrun from
     the same interpreter (no second install to find on PATH), c10d rendezvous, one process per node."""
@@ -73,6 +86,7 @@ def torchrun_around(
             f"(got {' '.join(command)[:80]!r}); or set {where} yourself",
         )
     python, _, module, *args = command
+    conf = () if is_host is None else ("--rdzv-conf", f"is_host={'true' if is_host else 'false'}")
     return (
         python,
         "-m",
@@ -87,6 +101,7 @@ def torchrun_around(
         rdzv,
         "--rdzv-id",
         run_id,
+        *conf,
         "--max-restarts",
         str(max_restarts),
         "-m",
@@ -130,8 +145,15 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
         nproc = _int(table.get("nproc_per_node", 1), f"{p}.nproc_per_node", minimum=1, maximum=64)
         restarts = _int(table.get("max_restarts", DEFAULT_MAX_RESTARTS), f"{p}.max_restarts", minimum=0, maximum=1000)
         command = _argv(table["command"], f"{p}.command") if "command" in table else None
+        store = next((h for h in names if _address(hosts[h]) == host_part), None)
         group = Group(
-            name=name, hosts=tuple(names), rdzv=rdzv, nproc_per_node=nproc, max_restarts=restarts, command=command
+            name=name,
+            hosts=tuple(names),
+            rdzv=rdzv,
+            nproc_per_node=nproc,
+            max_restarts=restarts,
+            command=command,
+            store_host=store,
         )
         for h in names:  # a default command that cannot be built is an error now, not at start
             group.node_command(hosts[h])
@@ -139,9 +161,12 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
     return out
 
 
+def _address(host: Host) -> str:
+    return "127.0.0.1" if host.is_local or not host.address else host.address
+
+
 def _default_rdzv(first: Host) -> str:
-    address = "127.0.0.1" if first.is_local or not first.address else first.address
-    return f"{address}:{DEFAULT_RDZV_PORT}"
+    return f"{_address(first)}:{DEFAULT_RDZV_PORT}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def test_default_command_is_torchrun_around_each_hosts_own_command() -> None:
         "10.0.0.1:29400",
         "--rdzv-id",
         "big",
+        "--rdzv-conf",
+        "is_host=false",
         "--max-restarts",
         "0",
         "-m",
@@ -63,6 +65,13 @@ def test_default_command_is_torchrun_around_each_hosts_own_command() -> None:
         "--config",
         "configs/big.toml",
     )
+    assert g.node_command(HOSTS["pve1"])[13:15] == ("--rdzv-conf", "is_host=true"), "pve1 alone serves the store"
+    # two nodes on one loopback (the fake containers, or one machine): still exactly one serves it
+    same = {"a": host("a", address="127.0.0.1"), "b": host("b", address="127.0.0.1")}
+    pair = parse_groups({"p": {"hosts": ["a", "b"]}}, same)["p"]
+    assert [pair.node_command(h)[14] for h in same.values()] == ["is_host=true", "is_host=false"]
+    away = parse_groups({"x": {"hosts": ["pve1"], "rdzv": "elsewhere:29400"}}, HOSTS)["x"]
+    assert "--rdzv-conf" not in away.node_command(HOSTS["pve1"]), "an endpoint no host has: torchrun decides"
     own = parse_groups({"g": {"hosts": ["pve1"], "command": "run-it --now", "rdzv": "head:1234"}}, HOSTS)["g"]
     assert own.node_command(HOSTS["pve1"]) == ("run-it", "--now") and own.rdzv == "head:1234"
 
