@@ -168,7 +168,7 @@ def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerato
     from transformers import AutoModelForCausalLM
 
     from dflash.config import ConfigError
-    from dflash.target import TargetModel, tiny_target_config
+    from dflash.target import TargetModel, tiny_target_config_of
     from dflash.train import torch_dtype
 
     dtype = torch_dtype(cfg.target.dtype)
@@ -178,17 +178,7 @@ def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerato
             raise RegenError(f"regen: devices.targets names {dev}, but this torch has no CUDA device")
         if cfg.target.tiny is not None:  # a random-init target from the config (tests)
             tiny = cfg.target.tiny
-            tc = tiny_target_config(
-                vocab_size=tiny.vocab_size,
-                hidden_size=tiny.hidden_size,
-                num_hidden_layers=tiny.num_layers,
-                num_attention_heads=tiny.num_heads,
-                num_key_value_heads=tiny.num_kv_heads,
-                head_dim=tiny.head_dim,
-                intermediate_size=tiny.intermediate_size,
-                max_position_embeddings=tiny.max_position_embeddings,
-                initializer_range=tiny.initializer_range,
-            )
+            tc = tiny_target_config_of(tiny)
             model = TargetModel.from_config(tc, dtype=dtype, device=dev, seed=tiny.seed).model
             identity: dict[str, t.Any] = {"backend": "hf", "tiny": dataclasses.asdict(tiny), "dtype": cfg.target.dtype}
         else:

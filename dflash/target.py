@@ -23,6 +23,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if t.TYPE_CHECKING:
+    from dflash.config import TinyTargetConfig
+
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "build_target_layer_ids",
     "default_mask_token_id",
     "tiny_target_config",
+    "tiny_target_config_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -134,6 +139,21 @@ class TargetHead(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def tiny_target_config_of(tiny: TinyTargetConfig) -> Qwen3Config:
+    """``[target.tiny]`` of a run config -> the Qwen3 config of that random-init target (train and regen)."""
+    return tiny_target_config(
+        vocab_size=tiny.vocab_size,
+        hidden_size=tiny.hidden_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        head_dim=tiny.head_dim,
+        intermediate_size=tiny.intermediate_size,
+        max_position_embeddings=tiny.max_position_embeddings,
+        initializer_range=tiny.initializer_range,
+    )
 
 
 def _decoder_layers(lm: nn.Module) -> nn.ModuleList:

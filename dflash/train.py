@@ -81,7 +81,7 @@ from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_f
 from dflash.loss import drafter_loss
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
-from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_target_config
+from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_target_config_of
 
 logger = logging.getLogger(__name__)
 
@@ -879,17 +879,7 @@ class Run:
         for i, dev in enumerate(devices):
             if cfg.target.tiny is not None:
                 tiny = cfg.target.tiny
-                tc = tiny_target_config(
-                    vocab_size=tiny.vocab_size,
-                    hidden_size=tiny.hidden_size,
-                    num_hidden_layers=tiny.num_layers,
-                    num_attention_heads=tiny.num_heads,
-                    num_key_value_heads=tiny.num_kv_heads,
-                    head_dim=tiny.head_dim,
-                    intermediate_size=tiny.intermediate_size,
-                    max_position_embeddings=tiny.max_position_embeddings,
-                    initializer_range=tiny.initializer_range,
-                )
+                tc = tiny_target_config_of(tiny)
                 model = TargetModel.from_config(
                     tc,
                     dtype=dtype,
