@@ -80,7 +80,7 @@ def train(config_path: str, overrides: tuple[str, ...]) -> int:
 @click.option("--seed", default=0, show_default=True, type=int, help="Same seed, same bytes.")
 @click.option("--force", is_flag=True, help="Build again even when a complete output of the same spec is there.")
 @click.option(
-    "--target-steps", type=click.IntRange(0), default=None, help="Training steps of the tiny target (default 150)."
+    "--target-steps", type=click.IntRange(0), default=None, help="Training steps of the tiny target (default 300)."
 )
 @click.option(
     "--samples", type=click.IntRange(1), default=None, help="Training samples the target writes (default 1024)."

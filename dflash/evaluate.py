@@ -597,9 +597,9 @@ def load_setup(
     if template_kwargs is not None and not chat:
         raise EvalError("--template-kwargs goes with --chat")
     from dflash import checkpoint as ckpt
-    from dflash.config import load_config, to_dict
+    from dflash.config import TinyTargetConfig, load_config, to_dict
     from dflash.drafter import DFlashDraftConfig, draft_config_for
-    from dflash.target import TargetModel, default_mask_token_id, tiny_target_config
+    from dflash.target import TargetModel, default_mask_token_id, tiny_target_config_of
 
     if drafter is None and not (untrained and config):
         raise EvalError("give --drafter CHECKPOINT, or --untrained with --config RUN.toml")
@@ -647,17 +647,9 @@ def load_setup(
             )
         elif tcfg.get("tiny"):
             tiny = tcfg["tiny"]
-            tc = tiny_target_config(
-                vocab_size=tiny["vocab_size"],
-                hidden_size=tiny["hidden_size"],
-                num_hidden_layers=tiny["num_layers"],
-                num_attention_heads=tiny["num_heads"],
-                num_key_value_heads=tiny["num_kv_heads"],
-                head_dim=tiny["head_dim"],
-                intermediate_size=tiny["intermediate_size"],
-                max_position_embeddings=tiny["max_position_embeddings"],
-                initializer_range=tiny["initializer_range"],
-            )
+            # the saved config's [target.tiny], as the run parsed it (keys it did not have: their defaults)
+            fields = {f.name for f in dataclasses.fields(TinyTargetConfig)}
+            tc = tiny_target_config_of(TinyTargetConfig(**{k: v for k, v in tiny.items() if k in fields}))
             tm = TargetModel.from_config(
                 tc, dtype=dtype, device=device, seed=int(tiny["seed"]), layer_ids=layer_ids, num_draft_layers=n_layers
             )

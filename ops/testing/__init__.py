@@ -8,11 +8,13 @@ Nothing here is imported by dflashctl itself.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
 import time
 import typing as t
+from pathlib import Path
 
 T = t.TypeVar("T")
 
@@ -47,10 +49,28 @@ def retry_until(fn: t.Callable[[], T], seconds: float = 10.0, *, interval: float
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now (sshd cannot take port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nobody listens on right now (sshd cannot take port 0), below the
+    ephemeral range: a client that retries connecting to a port in that range before its server listens can
+    be given that very port as its own source port and connect to ITSELF (TCP simultaneous open); it then
+    waits for its own answers forever (a torchrun node did, in CI: both nodes of a group "running", silent)."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port below the ephemeral range ({low})")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def pid_alive(pid: int) -> bool:

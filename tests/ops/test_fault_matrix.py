@@ -207,8 +207,12 @@ class Rig:
         ckpt = int(m.group(1))
         assert ckpt % K == 0 and ckpt in before, (ckpt, before[-5:])
         assert after[0] == ckpt + 1  # starts right after the last checkpoint
-        assert before[-1] - K < ckpt <= before[-1]  # at most K-1 completed steps done again
-        assert after[0] >= before[-1] - K
+        # Checkpoints are written in the background, one at a time: when the run died, the last one due
+        # (at or before its last logged step) was either on disk or still being written, and then the one
+        # before it was on disk (the writer finishes one before it starts the next). CI once saw the
+        # write of step 10 cut short by the stop: resumed from 5 with step 10 logged.
+        due = before[-1] // K * K
+        assert ckpt in (due, due - K), (ckpt, before[-5:])
 
     def close(self) -> None:
         for s in self.supervisors:

@@ -39,7 +39,9 @@ def test_a_group_trains_on_two_containers_survives_a_dead_node_and_resumes(
         f"distributed.timeout={TIMEOUT}",
     ):
         command += ["--set", o]
-    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # LOGLEVEL=INFO: torchrun's agent logs its rendezvous steps into train.log (a failure then shows where
+    # a node waited: a CI run once ended with both nodes "running" and both logs empty)
+    env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
     first = dict(pve_hosts.pve_table, command=command, env=env, hang_after=600, startup_grace=600)
     second = dict(
         first,
