@@ -107,6 +107,14 @@ class NodeGroup:
                 f"torchrun started {local} processes on this node; dflash train runs one per node "
                 "(its drafter and target threads use every device of the node): --nproc-per-node 1"
             )
+        if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+            # torchrun reuses the workers' store across rendezvous rounds: a restarted round can read the last
+            # round's gloo addresses and time out connecting to dead ones (seen in CI). Refuse before training.
+            raise ValueError(
+                "torchrun --max-restarts with its shared rendezvous store can hand a restarted group the previous "
+                "round's addresses: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                "(dflashctl --group does)"
+            )
         import torch.distributed as dist
 
         # env:// also picks up torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of a new one.

@@ -97,13 +97,15 @@ class App:
         return self.inventory.get(self.host_name)
 
     def members(self) -> list[Host]:
-        """The hosts of ``--group``, each with the group's node command (torchrun around its own)."""
+        """The hosts of ``--group``, each with the group's node command (torchrun around its own) and env."""
         import dataclasses
 
         assert self.group_name is not None
         g = self.inventory.group(self.group_name)
         hosts = self.inventory.hosts
-        return [dataclasses.replace(hosts[n], command=g.node_command(hosts[n])) for n in g.hosts]
+        return [
+            dataclasses.replace(hosts[n], command=g.node_command(hosts[n]), env=g.node_env(hosts[n])) for n in g.hosts
+        ]
 
     def remote(self) -> t.Any:
         """The host's ``Remote`` (transport + container), connected once per CLI call."""

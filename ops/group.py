@@ -49,6 +49,16 @@ class Group:
     # explicitly: torchrun's own guess makes EVERY node on one machine (or one loopback) try to serve it,
     # and two stores on one port split the rendezvous, which then waits forever (seen with two containers)
     store_host: str | None = None
+    # torchrun --local-addr per host (hosts.toml `local_addrs`): how the other nodes reach this one, and half
+    # of its identity in the rendezvous, (address, pid). Left to torchrun, the address is the machine's FQDN:
+    # two containers with one hostname whose agents got the same pid (fresh pid namespaces started alike)
+    # are ONE node to the rendezvous, which then waits forever for the second (seen: both agents pid 16).
+    # On one loopback every node gets its own 127.0.0.N by default.
+    local_addrs: t.Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def node_env(self, host: Host) -> dict[str, str]:
+        """What ``host`` runs its node with: its own env, and a fresh worker store every rendezvous round."""
+        return {**host.env, **NODE_ENV}
 
     def node_command(self, host: Host) -> tuple[str, ...]:
         """What ``host`` runs as its node of the group."""
@@ -63,7 +73,15 @@ class Group:
             max_restarts=self.max_restarts,
             where=f"groups.{self.name}.command",
             is_host=None if self.store_host is None else host.name == self.store_host,
+            local_addr=self.local_addrs.get(host.name),
         )
+
+
+# torchrun keeps the store its workers meet in (the "shared rendezvous TCP store") across rendezvous rounds:
+# after a restart (--max-restarts) the new round's workers can read the previous round's addresses from it
+# and time out connecting to dead ones ("Gloo connectFullMesh failed ... Connection refused"). With this,
+# rank 0 of each round serves a fresh store. dflash train refuses restarts without it (dflash.distributed).
+NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def torchrun_around(
@@ -76,6 +94,7 @@ def torchrun_around(
     max_restarts: int,
     where: str,
     is_host: bool | None = None,
+    local_addr: str | None = None,
 ) -> tuple[str, ...]:
     """``python -m MOD ARGS`` -> ``python -m torch.distributed.run <rendezvous> -m MOD ARGS``: torchrun from
     the same interpreter (no second install to find on PATH), c10d rendezvous, one process per node."""
@@ -87,6 +106,7 @@ def torchrun_around(
         )
     python, _, module, *args = command
     conf = () if is_host is None else ("--rdzv-conf", f"is_host={'true' if is_host else 'false'}")
+    addr = () if local_addr is None else ("--local-addr", local_addr)
     return (
         python,
         "-m",
@@ -102,6 +122,7 @@ def torchrun_around(
         "--rdzv-id",
         run_id,
         *conf,
+        *addr,
         "--max-restarts",
         str(max_restarts),
         "-m",
@@ -126,7 +147,7 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
             raise ConfigError(p, f'"{name}" is also a host: a group needs a name of its own')
         if not isinstance(table, dict):
             raise ConfigError(p, "expected a table")
-        _only_keys(table, {"hosts", "rdzv", "nproc_per_node", "max_restarts", "command"}, p)
+        _only_keys(table, {"hosts", "rdzv", "nproc_per_node", "max_restarts", "command", "local_addrs"}, p)
         members = table.get("hosts")
         if not isinstance(members, list) or not members:
             raise ConfigError(f"{p}.hosts", "expected a list of host names, at least one")
@@ -146,6 +167,7 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
         restarts = _int(table.get("max_restarts", DEFAULT_MAX_RESTARTS), f"{p}.max_restarts", minimum=0, maximum=1000)
         command = _argv(table["command"], f"{p}.command") if "command" in table else None
         store = next((h for h in names if _address(hosts[h]) == host_part), None)
+        local_addrs = _local_addrs(table.get("local_addrs"), names, host_part, f"{p}.local_addrs")
         group = Group(
             name=name,
             hosts=tuple(names),
@@ -154,10 +176,30 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
             max_restarts=restarts,
             command=command,
             store_host=store,
+            local_addrs=local_addrs,
         )
         for h in names:  # a default command that cannot be built is an error now, not at start
             group.node_command(hosts[h])
         out[name] = group
+    return out
+
+
+def _local_addrs(raw: t.Any, names: t.Sequence[str], rdzv_host: str, p: str) -> dict[str, str]:
+    """``local_addrs = {host = "ADDR"}``; by default, on one loopback, 127.0.0.1, 127.0.0.2, ... in order."""
+    from ops.hosts import _str
+
+    if raw is None:
+        loopback = rdzv_host == "localhost" or rdzv_host.startswith("127.")
+        return {h: f"127.0.0.{i + 1}" for i, h in enumerate(names)} if loopback else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(p, 'expected a table such as {pve1 = "10.0.0.21"}')
+    out: dict[str, str] = {}
+    for h, addr in raw.items():
+        if h not in names:
+            raise ConfigError(f"{p}.{h}", f'"{h}" is not a host of this group ({", ".join(names)})')
+        out[h] = _str(addr, f"{p}.{h}", nonempty=True)
+    if len(set(out.values())) < len(out):
+        raise ConfigError(p, "two hosts have the same address: each node needs its own")
     return out
 
 

@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 
 from dflash import checkpoint as ckpt
-from dflash.config import load_config
-from dflash.distributed import PEER_LOST
+from dflash.config import ConfigError, load_config
+from dflash.distributed import PEER_LOST, NodeGroup
 from dflash.evaluate import evaluate, load_setup, untrained_drafter
 from dflash.metrics import Metrics
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 from dflash.tiny import TinySpec, make_tiny
 from dflash.train import Run, weights_digest
+from ops.group import NODE_ENV
 from ops.testing import free_port, pid_alive, retry_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +68,8 @@ def start_group(
     """``nodes`` torchrun agents (c10d rendezvous), or with ``ranks`` a static rendezvous where node n gets
     rank ``ranks[n]`` (to put a checkpoint on the node that is not rank 0)."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    # what dflashctl --group runs a node with (ops.group.NODE_ENV): a fresh worker store every round
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", **NODE_ENV}
     for k in ("DFLASH_RUN_DIR", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     out = []
@@ -332,6 +334,17 @@ def test_torchrun_restarts_re_form_the_group_which_resumes_from_its_checkpoint(t
         assert re.search(r"^step 40 \|", text, re.M)
     assert (ck0 / "step-40").is_dir()
     assert nodes[0].digests()[-1] == nodes[1].digests()[-1]  # the finished replicas agree across nodes
+
+
+def test_restarts_with_torchruns_shared_store_are_refused_in_one_line() -> None:
+    """torchrun keeps the workers' store across rendezvous rounds: a restarted round read the last round's
+    gloo addresses in CI ("connectFullMesh failed ... Connection refused") and the group died. A node under
+    torchrun restarts without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` stops before it joins anything."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        NodeGroup.from_env(env, timeout=5)
+    with pytest.raises(ConfigError, match=r"^distributed: .*dflashctl --group does"):
+        Run(load_config(TINY, ['devices.targets=["cpu"]', 'devices.drafters=["cpu"]']), environ=env)
 
 
 def test_a_node_logs_a_step_line_when_its_stride_reaches_or_passes_log_every() -> None:

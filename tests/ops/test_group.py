@@ -66,10 +66,24 @@ def test_default_command_is_torchrun_around_each_hosts_own_command() -> None:
         "configs/big.toml",
     )
     assert g.node_command(HOSTS["pve1"])[13:15] == ("--rdzv-conf", "is_host=true"), "pve1 alone serves the store"
+    # a fresh worker store every rendezvous round (torchrun's shared one keeps the last round's addresses),
+    # the host's own env kept
+    envd = host("e", env={"HF_HOME": "/data/hf", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    assert g.node_env(envd) == {"HF_HOME": "/data/hf", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # two nodes on one loopback (the fake containers, or one machine): still exactly one serves it
     same = {"a": host("a", address="127.0.0.1"), "b": host("b", address="127.0.0.1")}
     pair = parse_groups({"p": {"hosts": ["a", "b"]}}, same)["p"]
     assert [pair.node_command(h)[14] for h in same.values()] == ["is_host=true", "is_host=false"]
+    # ... and each node has its own address: torchrun names a node (address, pid), its address defaulting to
+    # the machine's FQDN, and two containers' agents with the same pid were ONE node: the rendezvous hung
+    assert [pair.node_command(h)[15:17] for h in same.values()] == [
+        ("--local-addr", "127.0.0.1"),
+        ("--local-addr", "127.0.0.2"),
+    ]
+    assert "--local-addr" not in g.node_command(HOSTS["pve1"]), "off loopback: torchrun's own guess ..."
+    named = parse_groups({"big": {"hosts": ["pve1", "pve2"], "local_addrs": {"pve2": "10.0.1.2"}}}, HOSTS)["big"]
+    assert "--local-addr" not in named.node_command(HOSTS["pve1"])
+    assert named.node_command(HOSTS["pve2"])[15:17] == ("--local-addr", "10.0.1.2"), "... or the one given"
     away = parse_groups({"x": {"hosts": ["pve1"], "rdzv": "elsewhere:29400"}}, HOSTS)["x"]
     assert "--rdzv-conf" not in away.node_command(HOSTS["pve1"]), "an endpoint no host has: torchrun decides"
     own = parse_groups({"g": {"hosts": ["pve1"], "command": "run-it --now", "rdzv": "head:1234"}}, HOSTS)["g"]
@@ -87,6 +101,17 @@ def test_default_command_is_torchrun_around_each_hosts_own_command() -> None:
         ({"big": {"hosts": ["pve1"], "nproc_per_node": 0}}, "groups.big.nproc_per_node", ""),
         ({"big": {"hosts": ["pve1"], "colour": "red"}}, "groups.big", "colour"),
         ({"pve1": {"hosts": ["pve1"]}}, "groups.pve1", "also a host"),
+        ({"big": {"hosts": ["pve1"], "local_addrs": "10.0.1.1"}}, "groups.big.local_addrs", "expected a table"),
+        (
+            {"big": {"hosts": ["pve1"], "local_addrs": {"pve2": "10.0.1.2"}}},
+            "groups.big.local_addrs.pve2",
+            "not a host",
+        ),
+        (
+            {"big": {"hosts": ["pve1", "pve2"], "local_addrs": {"pve1": "10.0.1.1", "pve2": "10.0.1.1"}}},
+            "groups.big.local_addrs",
+            "same address",
+        ),
     ],
 )
 def test_bad_groups_name_their_key_path(table: dict[str, t.Any], where: str, words: str) -> None:
