@@ -562,24 +562,15 @@ def regen(
 ) -> dict[str, t.Any]:
     """Regenerate ``spec.src`` into ``spec.out`` with one worker thread per generator; returns the summary.
     RegenError / ServerError: one line (the finished shards stay for the next run)."""
-    from dflash.store import StoreError, _json_array_to_jsonl, _pass_over, _rows_to_jsonl, _tabular_kind
+    from dflash.store import StoreError, _as_json_lines, _pass_over, _tabular_kind
 
     t0 = time.monotonic()
     head = check_io(spec)
     src, out = Path(spec.src), Path(spec.out)
     work = Path(str(out) + ".partial")
-    lines_src = src
     try:  # a JSON array, parquet or a datasets folder: to JSON lines first (record k is line k), as prepare-data
         tabular = _tabular_kind(src)
-        if tabular or head.startswith(b"["):
-            work.mkdir(parents=True, exist_ok=True)
-            lines_src = work / "input.jsonl"
-            if not lines_src.is_file():
-                if tabular:
-                    _rows_to_jsonl(src, tabular, work / "input.jsonl.tmp")
-                else:
-                    _json_array_to_jsonl(src, work / "input.jsonl.tmp")
-                os.replace(work / "input.jsonl.tmp", lines_src)
+        lines_src = _as_json_lines(src, tabular, head, work)
     except StoreError as e:
         raise RegenError(str(e).replace("prepare-data:", "regen:", 1)) from None
     if not lines_src.stat().st_size:

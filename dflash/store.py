@@ -321,6 +321,23 @@ def _pass_over(src: Path, shard_lines: int) -> tuple[str, int, list[tuple[int, i
     return h.hexdigest(), lines, ranges
 
 
+def _as_json_lines(src: Path, tabular: str | None, head: bytes, work: Path) -> Path:
+    """``src`` as JSON lines (record k is line k): itself, or a JSON array / parquet / datasets folder
+    converted once into ``work/input.jsonl`` (prepare-data and regen, both resumable, reuse it)."""
+    if not (tabular or head.startswith(b"[")):
+        return src
+    work.mkdir(parents=True, exist_ok=True)
+    lines = work / "input.jsonl"
+    if not lines.is_file():
+        tmp = work / "input.jsonl.tmp"
+        if tabular:
+            _rows_to_jsonl(src, tabular, tmp)
+        else:
+            _json_array_to_jsonl(src, tmp)
+        os.replace(tmp, lines)
+    return lines
+
+
 def _json_array_to_jsonl(src: Path, dest: Path) -> None:
     try:
         data = json.loads(src.read_bytes())
@@ -406,20 +423,12 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
     tabular = _tabular_kind(src)  # parquet / a datasets folder: rows, streamed to JSON lines like a JSON array
     work = Path(str(out) + ".partial")
     work.mkdir(parents=True, exist_ok=True)
-    lines_src = src
     head = b"" if tabular else src.open("rb").read(4096).lstrip()
     if not head and not tabular:
         raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
-    if tabular or head.startswith(b"["):
-        lines_src = work / "input.jsonl"
-        if not lines_src.is_file():
-            if tabular:
-                _rows_to_jsonl(src, tabular, work / "input.jsonl.tmp")
-            else:
-                _json_array_to_jsonl(src, work / "input.jsonl.tmp")
-            os.replace(work / "input.jsonl.tmp", lines_src)
-        if tabular and not lines_src.stat().st_size:
-            raise StoreError(f"prepare-data: --in {src} has no rows: no conversations")
+    lines_src = _as_json_lines(src, tabular, head, work)
+    if tabular and not lines_src.stat().st_size:
+        raise StoreError(f"prepare-data: --in {src} has no rows: no conversations")
     sha, nlines, ranges = _pass_over(lines_src, spec.shard_lines)
     tok_info: dict[str, t.Any] = {}
     if spec.tokenizer_path is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chat_templates import QWEN3, SPLIT, WORDS
 
 from dflash.chat import BadRecord, Renderer, messages_of
 from dflash.config import load_config
@@ -26,24 +27,6 @@ from dflash.store import DIE_AFTER_ENV, PrepareSpec, StoreError, TokenStore, pre
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 
-QWEN3 = (  # shaped like Qwen3's: text in string literals, so that {%- never eats a newline
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' or m.role == 'user' %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'assistant' %}"
-    "{%- set content = m.content %}{%- set reasoning = '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() %}"
-    "{%- set content = content.split('</think>')[-1].strip() %}{%- endif %}"
-    "{%- if loop.index0 > ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
 LLAMA3 = (
     "{{- bos_token }}{%- for m in messages %}"
     "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + (m.content | trim) + '<|eot_id|>' }}{%- endfor %}"
@@ -59,11 +42,6 @@ SPECIALS = [
     "<|end_header_id|>",
     "<|eot_id|>",
 ]
-SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-    r"\s+(?!\S)|\s+"
-)
-WORDS = "hello there how are you fine thanks and bye ok what is the plan today let me think about it sure".split()
 
 
 def make_tokenizer(template: str, eos: str, bos: str | None = None, vocab_size: int = 400) -> t.Any:

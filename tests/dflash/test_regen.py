@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,35 +20,12 @@ import typing as t
 from pathlib import Path
 
 import pytest
+from chat_templates import QWEN3, SPLIT, WORDS
 
-from ops.testing import retry_until
+from ops.testing import free_port, retry_until
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
-
-QWEN3 = (  # as tests/dflash/test_prepare_data.py: Qwen3's shape (think blocks, history stripping, enable_thinking)
-    "{%- set ns = namespace(last_query=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' or m.role == 'user' %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- elif m.role == 'assistant' %}"
-    "{%- set content = m.content %}{%- set reasoning = '' %}"
-    "{%- if '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip() %}"
-    "{%- set content = content.split('</think>')[-1].strip() %}{%- endif %}"
-    "{%- if loop.index0 > ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-    r"\s+(?!\S)|\s+"
-)
-WORDS = "hello there how are you fine thanks and bye ok what is the plan today let me think about it sure".split()
 
 
 def make_target(path: Path, seed: int = 0) -> Path:
@@ -329,12 +305,6 @@ def test_killed_regen_resumes_without_losing_or_redoing_a_conversation(
     assert new.read_text() == hf_run[0], "the same output as one uninterrupted run: nothing lost, nothing twice"
     assert not (tmp_path / "new.jsonl.partial").exists()
     assert "regen: 8 records -> 5 written, 7 assistant turns" in out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
