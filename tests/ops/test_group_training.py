@@ -51,7 +51,11 @@ def test_a_group_trains_on_two_containers_survives_a_dead_node_and_resumes(
         run_dir=str(pve.fs / "ct201" / "runs"),
     )
     text = dump_hosts("pve", {"pve": first, "pve2": second})
-    pve_hosts.path.write_text(text + f'[groups.two]\nhosts = ["pve", "pve2"]\nrdzv = "127.0.0.1:{free_port()}"\n')
+    # each node its own name for 127.0.0.1 (torchrun tells nodes apart by address and pid; both agents may
+    # get the same pid in the two fresh containers): the default on one loopback would be 127.0.0.2
+    group = f'[groups.two]\nhosts = ["pve", "pve2"]\nrdzv = "127.0.0.1:{free_port()}"\n'
+    group += 'local_addrs = { pve = "127.0.0.1", pve2 = "localhost" }\n'
+    pve_hosts.path.write_text(text + group)
     runs = {"pve": Path(str(first["run_dir"])) / "dflash", "pve2": Path(str(second["run_dir"])) / "dflash"}
 
     def ctl(*args: str) -> t.Any:
@@ -67,6 +71,7 @@ def test_a_group_trains_on_two_containers_survives_a_dead_node_and_resumes(
     assert r.exit_code == 0, r.output
     run = json.loads((runs["pve"] / "attempt-1" / "run.json").read_text())
     assert run["command"][1:3] == ["-m", "torch.distributed.run"], "torchrun around the host's own command"
+    assert run["command"][run["command"].index("--local-addr") + 1] == "127.0.0.1"
 
     def trained_past_a_checkpoint() -> bool:
         steps = [max(map(int, re.findall(r"^step (\d+) \|", log(n, 1), re.M)), default=0) for n in runs]
