@@ -441,6 +441,14 @@ def test_container_stopped_is_started_with_start_container(rig: Rig) -> None:
 # the ssh connection
 
 
+def _comm(pid: int) -> str:
+    """A process's name; "" once it is gone (a short-lived child can exit between listing and reading: CI)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 def _descendants(pid: int) -> list[int]:
     kids: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
@@ -465,7 +473,7 @@ def test_sshd_down_for_a_while_is_no_crash_and_the_supervisor_goes_on(rig: Rig) 
     sshd = rig.hosts.sshd
     assert sshd.pid is not None
     # The listener AND the session processes of the kept connection (ours, by pid): the connection drops.
-    sessions = [p for p in _descendants(sshd.pid) if Path(f"/proc/{p}/comm").read_text().strip().startswith("sshd")]
+    sessions = [p for p in _descendants(sshd.pid) if _comm(p).startswith("sshd")]
     sshd.stop()
     for p in sessions:
         try:

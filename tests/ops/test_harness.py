@@ -149,7 +149,9 @@ def test_close_kills_every_init_it_started() -> None:
     pve.create(201, start=True)
     pids = [pve.init_pid(200), pve.init_pid(201)]
     pve.close()
-    assert all(p is not None and not pid_alive(p) for p in pids)
+    assert all(p is not None for p in pids)
+    # SIGKILLed by close(); on a loaded machine a namespace full of processes can take a moment to go (CI)
+    retry_until(lambda: not any(pid_alive(p) for p in pids if p is not None), 30)
     assert not pve.root.exists()
 
 
