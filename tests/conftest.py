@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import typing as t
 
 import pytest
 
@@ -20,3 +22,15 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     except ImportError:  # ops-only environments
         pass
+
+
+@pytest.fixture(autouse=True)
+def _root_logging() -> t.Iterator[None]:
+    """Tests that call ``dflash.__main__.main`` in-process install a stderr handler bound to pytest's
+    captured stream, which pytest closes after the test: put the root logger back so later tests' log
+    lines do not end in "Logging error ... I/O operation on closed file"."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
