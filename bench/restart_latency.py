@@ -16,14 +16,13 @@ start and the trainer's first line. Goal: at most interval + 3 s on loopback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,14 +30,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from runkit import fake_release, reap_runs, train_command  # noqa: E402
+from runkit import bench_box, fake_release, reap_runs, train_command  # noqa: E402
 
-from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
+from ops.testing import retry_until  # noqa: E402
 from ops.testing.hostsfile import dflashctl_argv  # noqa: E402
 
 
 def attempts(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in (run_dir / "dflash").glob("attempt-*"))
+
+
+def ended_ts(exit_json: Path) -> float:
+    """When the attempt's exit record says it ended; 0 (falsy: retry) until the record is there."""
+    return float(json.loads(exit_json.read_text()).get("ended_ts") or 0) if exit_json.exists() else 0.0
 
 
 def first_line_seen(log: Path, deadline: float) -> float | None:
@@ -62,111 +66,103 @@ def main() -> int:
     intervals = [float(x) for x in args.intervals.split(",")]
     rng = random.Random(args.seed)
 
-    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
-    home = root / "home"
-    (home / ".ssh").mkdir(parents=True)
-    sshd = Sshd(root / "sshd").start()
-    pve = FakePve()
-    sup: subprocess.Popen[str] | None = None
-    hosts = None
-    try:
-        pve.create(200, start=True)
-        hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket="dflash-bench-restart")
-        shared = hosts.workdir.parent
-        shared.mkdir(parents=True, exist_ok=True)
-        finish, control = shared / "finish", shared / "control"
-        hosts.write(
-            command=train_command(
-                "--steps",
-                "1",
-                "--interval",
-                "0.1",
-                "--until",
-                str(finish),
-                "--checkpoint",
-                str(shared / "ckpt.json"),
-                "--every",
-                "5",
-                "--control",
-                str(control),
-            ),
-            hang_after=600,
-            startup_grace=0,
-        )
-        fake_release(hosts.workdir)
-        r = hosts.cli("start")
-        assert r.exit_code == 0, r.output
-        run_dir = hosts.run_dir
-
-        print(
-            f"restart latency: crash -> first log line of the restarted run (backoff {args.backoff:g}s, "
-            f"{args.trials} trials per interval)"
-        )
-        print(f"{'interval':>8} {'min':>6} {'median':>6} {'max':>6} {'goal':>6}  {'max - interval':>14}  trials")
-        ok = True
-        for interval in intervals:
-            sup = subprocess.Popen(
-                [
-                    *dflashctl_argv(),
-                    "--hosts",
-                    str(hosts.path),
-                    "restart-on-crash",
+    sup: subprocess.Popen[bytes] | None = None
+    with bench_box("dflash-bench-restart") as (root, _pve, hosts):
+        try:
+            shared = hosts.workdir.parent
+            finish, control = shared / "finish", shared / "control"
+            hosts.write(
+                command=train_command(
+                    "--steps",
+                    "1",
                     "--interval",
-                    str(interval),
-                    "--backoff",
-                    str(args.backoff),
-                    "--max-backoff",
-                    str(args.backoff),
-                    "--min-uptime",
-                    "0",
-                    "--max-restarts",
-                    "1000",
-                    "--state-dir",
-                    str(root / "state"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=hosts.env(),
-                cwd=hosts.root,
+                    "0.1",
+                    "--until",
+                    str(finish),
+                    "--checkpoint",
+                    str(shared / "ckpt.json"),
+                    "--every",
+                    "5",
+                    "--control",
+                    str(control),
+                ),
+                hang_after=600,
+                startup_grace=0,
             )
-            time.sleep(interval)  # the first probe is done
-            lat = []
-            for _ in range(args.trials):
-                n = attempts(run_dir)[-1]
-                log = run_dir / "dflash" / f"attempt-{n}" / "train.log"
-                retry_until(log.exists, 30)
-                time.sleep(rng.uniform(0.5, 0.5 + interval))  # a random phase of the poll cycle
-                tmp = control.with_name("control.tmp")
-                tmp.write_text("once:exception")
-                tmp.replace(control)
-                exit_json = run_dir / "dflash" / f"attempt-{n}" / "exit.json"
-                ended = retry_until(lambda ej=exit_json: ej.exists() and json.loads(ej.read_text()).get("ended_ts"), 30)
-                nxt = run_dir / "dflash" / f"attempt-{n + 1}" / "train.log"
-                seen = first_line_seen(nxt, time.time() + interval + 60)
-                assert seen is not None, f"attempt {n + 1} never logged (interval {interval})"
-                lat.append(seen - float(ended))
-            sup.send_signal(signal.SIGTERM)
-            sup.wait(timeout=60)
-            sup = None
-            goal = interval + 3.0
-            ok &= max(lat) <= goal
+            fake_release(hosts.workdir)
+            r = hosts.cli("start")
+            assert r.exit_code == 0, r.output
+            run_dir = hosts.run_dir
+
             print(
-                f"{interval:>7g}s {min(lat):>5.2f}s {statistics.median(lat):>5.2f}s {max(lat):>5.2f}s "
-                f"{goal:>5.1f}s  {max(lat) - interval:>13.2f}s  " + " ".join(f"{x:.2f}" for x in lat)
+                f"restart latency: crash -> first log line of the restarted run (backoff {args.backoff:g}s, "
+                f"{args.trials} trials per interval)"
             )
-        print("goal met (max <= interval + 3 s)" if ok else "GOAL MISSED: some restart took longer than interval + 3 s")
-        return 0 if ok else 1
-    finally:
-        if sup is not None and sup.poll() is None:
-            sup.kill()
-            sup.wait(timeout=10)
-        if hosts is not None:
+            print(f"{'interval':>8} {'min':>6} {'median':>6} {'max':>6} {'goal':>6}  {'max - interval':>14}  trials")
+            ok = True
+            for interval in intervals:
+                sup = proc = subprocess.Popen(
+                    [
+                        *dflashctl_argv(),
+                        "--hosts",
+                        str(hosts.path),
+                        "restart-on-crash",
+                        "--interval",
+                        str(interval),
+                        "--backoff",
+                        str(args.backoff),
+                        "--max-backoff",
+                        str(args.backoff),
+                        "--min-uptime",
+                        "0",
+                        "--max-restarts",
+                        "1000",
+                        "--state-dir",
+                        str(root / "state"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=hosts.env(),
+                    cwd=hosts.root,
+                )
+                time.sleep(interval)  # the first probe is done
+                lat = []
+                for _ in range(args.trials):
+                    n = attempts(run_dir)[-1]
+                    log = run_dir / "dflash" / f"attempt-{n}" / "train.log"
+                    retry_until(log.exists, 30)
+                    time.sleep(rng.uniform(0.5, 0.5 + interval))  # a random phase of the poll cycle
+                    tmp = control.with_name("control.tmp")
+                    tmp.write_text("once:exception")
+                    tmp.replace(control)
+                    exit_json = run_dir / "dflash" / f"attempt-{n}" / "exit.json"
+                    ended = retry_until(functools.partial(ended_ts, exit_json), 30)
+                    nxt = run_dir / "dflash" / f"attempt-{n + 1}" / "train.log"
+                    seen = first_line_seen(nxt, time.time() + interval + 60)
+                    assert seen is not None, f"attempt {n + 1} never logged (interval {interval})"
+                    lat.append(seen - ended)
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+                sup = None
+                goal = interval + 3.0
+                ok &= max(lat) <= goal
+                print(
+                    f"{interval:>7g}s {min(lat):>5.2f}s {statistics.median(lat):>5.2f}s {max(lat):>5.2f}s "
+                    f"{goal:>5.1f}s  {max(lat) - interval:>13.2f}s  " + " ".join(f"{x:.2f}" for x in lat)
+                )
+            print(
+                "goal met (max <= interval + 3 s)"
+                if ok
+                else "GOAL MISSED: some restart took longer than interval + 3 s"
+            )
+            return 0 if ok else 1
+        finally:
+            if sup is not None and sup.poll() is None:
+                sup.kill()
+                sup.wait(timeout=10)
             (hosts.workdir.parent / "finish").touch()
             reap_runs(hosts.run_dir)
             subprocess.run(["tmux", "-L", "dflash-bench-restart", "kill-server"], capture_output=True, timeout=10)
-        pve.close()
-        sshd.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ host's, not the sum. Prints the medians, the ratio, and one host alone for scale
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,16 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from runkit import fake_release, train_command  # noqa: E402
+from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
 
-from ops.testing import FakePve, PveHosts, Sshd  # noqa: E402
 from ops.testing.hostsfile import dflashctl_argv, dump_hosts  # noqa: E402
-
-
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess[str]]:
-    t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-    return time.perf_counter() - t0, p
 
 
 def main() -> int:
@@ -41,55 +32,45 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
-    home = root / "home"
-    (home / ".ssh").mkdir(parents=True)
-    sshd = Sshd(root / "sshd").start()
-    pve = FakePve()
-    try:
-        pve.create(200, start=True)
-        hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket="dflash-bench")
+    with bench_box("dflash-bench") as (_root, _pve, hosts):
         finish = hosts.workdir.parent / "finish"
-        finish.parent.mkdir(parents=True, exist_ok=True)
-        fake_release(hosts.workdir)
-        names = [f"pve{i}" for i in range(1, args.hosts + 1)]
-        command = train_command("--steps", "1", "--interval", "0.5", "--until", str(finish))
-        tables = {
-            n: dict(hosts.pve_table, session=f"run{i}", command=command, hang_after=600, startup_grace=0)
-            for i, n in enumerate(names, 1)
-        }
-        hosts.path.write_text(dump_hosts(names[0], tables))
-        env = hosts.env()
-        ctl = [*dflashctl_argv(), "--hosts", str(hosts.path)]
-        for n in names:
-            p = subprocess.run([*ctl, "--host", n, "start"], capture_output=True, text=True, env=env, timeout=120)
-            assert p.returncode == 0, p.stdout + p.stderr
-        timed([*ctl, "status", "--all"], env)  # warm-up
-        t_all, t_seq, t_one = [], [], []
-        for _ in range(args.rounds):
-            dt, p = timed([*ctl, "status", "--all"], env)
-            assert p.returncode == 0 and p.stdout.splitlines()[-1] == "all: running", p.stdout + p.stderr
-            t_all.append(dt)
-            t0 = time.perf_counter()
+        try:
+            fake_release(hosts.workdir)
+            names = [f"pve{i}" for i in range(1, args.hosts + 1)]
+            command = train_command("--steps", "1", "--interval", "0.5", "--until", str(finish))
+            tables = {
+                n: dict(hosts.pve_table, session=f"run{i}", command=command, hang_after=600, startup_grace=0)
+                for i, n in enumerate(names, 1)
+            }
+            hosts.path.write_text(dump_hosts(names[0], tables))
+            env = hosts.env()
+            ctl = [*dflashctl_argv(), "--hosts", str(hosts.path)]
             for n in names:
-                dt1, p = timed([*ctl, "--host", n, "status"], env)
+                p = subprocess.run([*ctl, "--host", n, "start"], capture_output=True, text=True, env=env, timeout=120)
                 assert p.returncode == 0, p.stdout + p.stderr
-                if n == names[0]:
-                    t_one.append(dt1)
-            t_seq.append(time.perf_counter() - t0)
-        a, s, o = statistics.median(t_all), statistics.median(t_seq), statistics.median(t_one)
-        print(f"{args.hosts} hosts, {args.rounds} rounds (medians, wall time of fresh dflashctl processes):")
-        print(f"  status --host (one host):         {o:6.2f} s")
-        print(f"  {args.hosts} x status --host, one by one:  {s:6.2f} s")
-        print(
-            f"  status --all ({args.hosts} at once):        {a:6.2f} s   ({s / a:.1f}x faster; {a / o:.2f}x one host)"
-        )
-        return 0
-    finally:
-        finish.touch()
-        pve.close()
-        sshd.stop()
-        shutil.rmtree(root, ignore_errors=True)
+            timed([*ctl, "status", "--all"], env)  # warm-up
+            t_all, t_seq, t_one = [], [], []
+            for _ in range(args.rounds):
+                dt, p = timed([*ctl, "status", "--all"], env)
+                assert p.returncode == 0 and p.stdout.splitlines()[-1] == "all: running", p.stdout + p.stderr
+                t_all.append(dt)
+                t0 = time.perf_counter()
+                for n in names:
+                    dt1, p = timed([*ctl, "--host", n, "status"], env)
+                    assert p.returncode == 0, p.stdout + p.stderr
+                    if n == names[0]:
+                        t_one.append(dt1)
+                t_seq.append(time.perf_counter() - t0)
+            a, s, o = statistics.median(t_all), statistics.median(t_seq), statistics.median(t_one)
+            print(f"{args.hosts} hosts, {args.rounds} rounds (medians, wall time of fresh dflashctl processes):")
+            print(f"  status --host (one host):         {o:6.2f} s")
+            print(f"  {args.hosts} x status --host, one by one:  {s:6.2f} s")
+            print(
+                f"  status --all ({args.hosts} at once):        {a:6.2f} s   ({s / a:.1f}x faster; {a / o:.2f}x one host)"
+            )
+            return 0
+        finally:
+            finish.touch()
 
 
 if __name__ == "__main__":

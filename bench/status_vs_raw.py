@@ -16,27 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from runkit import fake_release, train_command  # noqa: E402
+from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
 
-from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
-
-
-def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, subprocess.CompletedProcess[bytes]]:
-    t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, timeout=120, env=env)
-    return time.perf_counter() - t0, p
+from ops.testing import retry_until  # noqa: E402
 
 
 def main() -> int:
@@ -44,16 +34,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
-    home = root / "home"
-    (home / ".ssh").mkdir(parents=True)
-    sshd = Sshd(root / "sshd").start()
-    pve = FakePve()
-    try:
-        pve.create(200, start=True)
-        hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket="dflash-bench")
+    with bench_box("dflash-bench") as (_root, pve, hosts):
+        sshd = hosts.sshd
         finish = hosts.workdir.parent / "finish"
-        finish.parent.mkdir(parents=True, exist_ok=True)
         hosts.write(
             command=train_command("--steps", "1", "--interval", "0.5", "--until", str(finish)),
             hang_after=600,
@@ -94,16 +77,12 @@ def main() -> int:
         t_raw, t_status = [], []
         for _ in range(args.rounds):
             dt, p = timed(raw)
-            assert p.returncode == 0 and b"step" in p.stdout, p.stderr
+            assert p.returncode == 0 and "step" in p.stdout, p.stderr
             t_raw.append(dt)
             dt, p = timed(status, env)
             assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
             t_status.append(dt)
         finish.touch()
-    finally:
-        sshd.stop()
-        pve.close()
-        shutil.rmtree(root, ignore_errors=True)
 
     m_raw, m_status = statistics.median(t_raw), statistics.median(t_status)
     print(f"rounds: {args.rounds} (interleaved)")

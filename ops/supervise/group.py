@@ -23,7 +23,7 @@ from ops.hosts import Host
 from ops.probe import Status, iso
 from ops.states import Action, Cause, State
 from ops.supervise.loop import Supervisor, save_stack
-from ops.supervise.policy import Decision, Options, _dur
+from ops.supervise.policy import Decision, Options
 from ops.supervise.state import IncidentLog, Lock, _slug
 
 if t.TYPE_CHECKING:
@@ -149,73 +149,43 @@ class GroupSupervisor(Supervisor):
         logger.info("probe group %s/%s: %s", self.group.name, self.session, v.line())
         return st
 
-    def _recover(self, st: Status, d: Decision) -> bool:
-        """Stop the nodes still alive, then start every node (a new attempt each); or start the stopped
-        container of the node that is down."""
+    def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
+        """Stop the nodes still alive, then start every node (a new attempt each; the highest is returned);
+        or start the stopped container of the node that is down."""
         from ops import session as run
 
-        now = self.clock()
-        path, inc = self._open if self._open is not None else (None, None)
-        if inc is None:
-            from ops.supervise.state import incident_for
-
-            inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=self.opts)
-            path = self.incidents.path_for(inc, now)
-        assert path is not None
         hosts = {h.name: h for h in self.members}
+        if d.action == Action.START_CONTAINER:
+            for node in self._last:
+                if node.state == State.CONTAINER_DOWN:
+                    remote = self._remote_of(hosts[node.host])
+                    if remote.container is None:
+                        raise errors.OpsError(f"{hosts[node.host].label} has no container to start")
+                    remote.container.start()
+                    self.emit(f"{node.host}: container {remote.container.vmid} started; re-probing")
+            return None
+        if d.action == Action.STOP_THEN_RESTART:
+            for node in self._last:
+                if node.state == State.STALLED:
+                    inc.setdefault("stacks", {})[node.host] = save_stack(self._remote_of(hosts[node.host]), node)
+        live = [hosts[n.host] for n in self._last if n.state in _LIVE]
+        for o in fan_out(live, lambda h: run.stop(self._remote_of(h), self.session, grace=STOP_GRACE)):
+            if o.error is not None:
+                raise o.error
+            self.emit(f"{o.host}: stopped the survivor ({(o.value or {}).get('how')})")
+        started = fan_out(self.members, lambda h: run.start(self._remote_of(h), self.session))
         attempt = None
-        try:
-            if d.action == Action.START_CONTAINER:
-                for node in self._last:
-                    if node.state == State.CONTAINER_DOWN:
-                        remote = self._remote_of(hosts[node.host])
-                        if remote.container is None:
-                            raise errors.OpsError(f"{hosts[node.host].label} has no container to start")
-                        remote.container.start()
-                        self.emit(f"{node.host}: container {remote.container.vmid} started; re-probing")
-                return self._done(path, inc, now, d, None)
-            if d.action == Action.STOP_THEN_RESTART:
-                for node in self._last:
-                    if node.state == State.STALLED:
-                        inc.setdefault("stacks", {})[node.host] = save_stack(self._remote_of(hosts[node.host]), node)
-            live = [hosts[n.host] for n in self._last if n.state in _LIVE]
-            for o in fan_out(live, lambda h: run.stop(self._remote_of(h), self.session, grace=STOP_GRACE)):
-                if o.error is not None:
-                    raise o.error
-                self.emit(f"{o.host}: stopped the survivor ({(o.value or {}).get('how')})")
-            started = fan_out(self.members, lambda h: run.start(self._remote_of(h), self.session))
-            failed = [o for o in started if o.error is not None]
-            for o in started:
-                if o.value is not None:
-                    self.emit(
-                        f"{o.host}: restarted: attempt {o.value.get('attempt')} started "
-                        f"(command pid {o.value.get('child_pid')}); log {o.value.get('log')}"
-                    )
-                    attempt = max(attempt or 0, int(o.value.get("attempt") or 0)) or None
-            if failed:
-                raise failed[0].error or errors.OpsError("start failed")
-        except (errors.NotDeployed, errors.ConfigError):
-            raise
-        except errors.RunActive as e:
-            self.policy.cancel()
-            self._open = (path, inc)
-            self._close_open("cancelled", f"not restarted: a live run appeared meanwhile ({e}); re-probing", now)
-            return False
-        except Exception as e:  # a failed try, never the end (as for one host)
-            if not isinstance(e, errors.OpsError):
-                logger.exception("%s failed", d.action)
-            self._drop()
-            delay = self.policy.recovered(now, d.action, ok=False, error=str(e))
-            inc.update(outcome="failed", error=str(e), done_at=iso(now))
-            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {_dur(delay)}" if delay else ""))
-            self._open = (path, inc)
-            self._announce(path, inc)
-            return False
-        return self._done(path, inc, now, d, attempt)
+        for o in started:
+            if o.value is not None:
+                self.emit(
+                    f"{o.host}: restarted: attempt {o.value.get('attempt')} started "
+                    f"(command pid {o.value.get('child_pid')}); log {o.value.get('log')}"
+                )
+                attempt = max(attempt or 0, int(o.value.get("attempt") or 0)) or None
+        failed = [o for o in started if o.error is not None]
+        if failed:
+            raise failed[0].error or errors.OpsError("start failed")
+        return attempt
 
-    def _done(self, path: Path, inc: dict[str, t.Any], now: float, d: Decision, attempt: int | None) -> bool:
-        self.policy.recovered(now, d.action, attempt=attempt, ok=True)
-        inc.update(outcome="done", next_attempt=attempt, done_at=iso(self.clock()), error=None)
-        self._open = None
-        self._announce(path, inc)
-        return attempt is not None
+    def _drops_after(self, e: Exception) -> bool:
+        return True  # one node's failure may have left any of the connections half-used: reconnect them all

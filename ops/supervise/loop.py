@@ -356,42 +356,14 @@ class Supervisor:
 
     def _recover(self, st: Status, d: Decision) -> bool:
         """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""
-        from ops import session as run
-
         now = self.clock()
         path, inc = self._open if self._open is not None else (None, None)
         if inc is None:
             inc = incident_for(st, d, now, restarts=self.policy.restarts_in_window(now), opts=self.opts)
             path = self.incidents.path_for(inc, now)
         assert path is not None
-        attempt = None
         try:
-            remote = self._connect()
-            if d.action == START_CONTAINER:
-                if remote.container is None:
-                    raise errors.OpsError(f"{self.host.label} has no container to start")
-                remote.container.start()
-                self.emit(f"container {remote.container.vmid} started; re-probing")
-            else:
-                if d.action == STOP_THEN_RESTART:
-                    stack = save_stack(remote, st)
-                    inc["stack"] = stack
-                    if stack.get("saved"):
-                        self.emit(f"saved the hung process's stack to {stack['saved']}")
-                    else:
-                        self.emit(f"no stack saved: {stack.get('error')}")
-                # --replace only to stop a hung run: a crashed or lost one has no live process, and if
-                # one appeared since the probe (someone ran `dflashctl start`) the agent refuses.
-                out = run.start(remote, self.session, replace=d.action == STOP_THEN_RESTART)
-                attempt = out.get("attempt")
-                how = (
-                    f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; "
-                    if out.get("replaced")
-                    else ""
-                )
-                self.emit(
-                    f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}"
-                )
+            attempt = self._act(st, d, inc)
         except (errors.NotDeployed, errors.ConfigError):
             raise  # the supervisor cannot fix these (nothing deployed, a missing API token): say so and end (exit 1)
         except errors.RunActive as e:
@@ -402,8 +374,7 @@ class Supervisor:
         except Exception as e:  # OpsError, or an untyped library error: a failed try, never the end
             if not isinstance(e, errors.OpsError):
                 logger.exception("%s failed", d.action)
-                self._drop()
-            if isinstance(e, (errors.UnreachableError, errors.ContainerDown, errors.CommandTimeout)):
+            if self._drops_after(e):
                 self._drop()
             delay = self.policy.recovered(now, d.action, ok=False, error=str(e))
             inc.update(outcome="failed", error=str(e), done_at=iso(now))
@@ -416,6 +387,46 @@ class Supervisor:
         self._open = None
         self._announce(path, inc)
         return attempt is not None
+
+    def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
+        """The recovery itself (the incident's bookkeeping is ``_recover``'s): the attempt it started, or
+        None when it started none (a container start: the next probe decides)."""
+        from ops import session as run
+
+        remote = self._connect()
+        if d.action == START_CONTAINER:
+            if remote.container is None:
+                raise errors.OpsError(f"{self.host.label} has no container to start")
+            remote.container.start()
+            self.emit(f"container {remote.container.vmid} started; re-probing")
+            return None
+        if d.action == STOP_THEN_RESTART:
+            stack = save_stack(remote, st)
+            inc["stack"] = stack
+            if stack.get("saved"):
+                self.emit(f"saved the hung process's stack to {stack['saved']}")
+            else:
+                self.emit(f"no stack saved: {stack.get('error')}")
+        # --replace only to stop a hung run: a crashed or lost one has no live process, and if
+        # one appeared since the probe (someone ran `dflashctl start`) the agent refuses.
+        out = run.start(remote, self.session, replace=d.action == STOP_THEN_RESTART)
+        attempt = out.get("attempt")
+        how = (
+            f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; "
+            if out.get("replaced")
+            else ""
+        )
+        self.emit(
+            f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}"
+        )
+        return None if attempt is None else int(attempt)
+
+    def _drops_after(self, e: Exception) -> bool:
+        """Whether a failed recovery's connection is dropped (the next probe reconnects): after an untyped
+        error, or one that says the link or the container went."""
+        return not isinstance(e, errors.OpsError) or isinstance(
+            e, (errors.UnreachableError, errors.ContainerDown, errors.CommandTimeout)
+        )
 
     def _close_open(self, outcome: str, why: str, now: float) -> None:
         self.emit(why)

@@ -4,13 +4,19 @@ Imported by name (pytest puts tests/ops on sys.path): `from runkit import ...`."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
+import tempfile
+import time
+import typing as t
 from pathlib import Path
 
 from ops.runner import proc_stat
+from ops.testing import FakePve, PveHosts, Sshd
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_TRAIN = str(Path(__file__).with_name("fake_train.py"))
@@ -34,6 +40,36 @@ def fake_release(workdir: Path, release_id: str = "r0000000000000001") -> Path:
 def train_command(*args: str) -> list[str]:
     """The fake trainer, run by `python` found on PATH (the runner puts the venv's bin first)."""
     return ["python", FAKE_TRAIN, *args]
+
+
+def timed(
+    argv: list[str], env: dict[str, str] | None = None, timeout: float = 300
+) -> tuple[float, subprocess.CompletedProcess[str]]:
+    """Run a command to its end: (wall seconds, the finished process, its output as text)."""
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    return time.perf_counter() - t0, p
+
+
+@contextlib.contextmanager
+def bench_box(tmux_socket: str) -> t.Iterator[tuple[Path, FakePve, PveHosts]]:
+    """The benches' box, outside pytest: a test sshd on 127.0.0.1 and a fake Proxmox host with container
+    200 running, in a fresh folder under /var/tmp. Yields (that folder, the FakePve, the PveHosts whose
+    hosts.toml the bench writes); removes them all on the way out, the bench's runs with their container."""
+    root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
+    home = root / "home"
+    (home / ".ssh").mkdir(parents=True)
+    sshd = Sshd(root / "sshd").start()
+    pve = FakePve()
+    try:
+        pve.create(200, start=True)
+        hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket=tmux_socket)
+        hosts.workdir.parent.mkdir(parents=True, exist_ok=True)
+        yield root, pve, hosts
+    finally:
+        pve.close()
+        sshd.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def reap_runs(run_dir: Path) -> list[int]:
