@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -47,20 +46,9 @@ print(json.dumps({"n": len(ds), "open_s": t1 - t0, "first_batch_s": t2 - t0, "rs
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, object]]:
-    from test_prepare_data import WORDS
+    from chat_templates import random_conversations
 
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    out = []
-    for _ in range(n):
-        msgs = [{"role": "system", "content": text(3, 8)}]
-        for _ in range(rng.randint(2, 4)):
-            msgs += [{"role": "user", "content": text(5, 30)}, {"role": "assistant", "content": text(20, 120)}]
-        out.append({"messages": msgs})
-    return out
+    return random_conversations(n, seed, turns=(2, 4), reply=(20, 120))
 
 
 def dflash(*args: str) -> subprocess.CompletedProcess[str]:

@@ -18,8 +18,6 @@ import argparse
 import io
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,26 +30,9 @@ sys.path.insert(0, str(REPO / "tests" / "dflash"))
 
 
 def conversations(n: int, seed: int = 0) -> list[dict[str, object]]:
-    from test_regen import WORDS
+    from chat_templates import random_conversations
 
-    rng = random.Random(seed)
-
-    def text(lo: int, hi: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-
-    out = []
-    for _ in range(n):
-        msgs = [{"role": "system", "content": text(3, 8)}]
-        for _ in range(rng.randint(1, 3)):
-            msgs += [{"role": "user", "content": text(5, 30)}, {"role": "assistant", "content": "old"}]
-        out.append({"messages": msgs})
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return random_conversations(n, seed)
 
 
 def run(spec_kw: dict[str, object], gen: object, renderer: object, out: Path) -> tuple[float, dict[str, object]]:
@@ -120,6 +101,8 @@ def main() -> None:
         secs, s = run(spec_kw, gen, renderer, work / f"hf-{bs}.jsonl")
         rows.append((f"hf --batch-size {bs}", secs, s))  # the file: hf-<bs>.jsonl
     if not args.no_serve:
+        from ops.testing import free_port
+
         port = free_port()
         exe = Path(sys.executable).with_name("transformers")
         log = open(work / "serve.log", "wb")

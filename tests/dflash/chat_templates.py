@@ -26,3 +26,27 @@ SPLIT = (  # Qwen2/3's and Llama-3's pre-tokenizer regex
 )
 
 WORDS = "hello there how are you fine thanks and bye ok what is the plan today let me think about it sure".split()
+
+
+def random_conversations(
+    n: int, seed: int = 0, turns: tuple[int, int] = (1, 3), reply: tuple[int, int] | None = None
+) -> list[dict[str, object]]:
+    """``n`` multi-turn chats of WORDS (the benches' corpora): a system line, ``turns`` user/assistant pairs;
+    replies of ``reply`` words, or "old" (a placeholder that regen replaces) when None."""
+    import random
+
+    rng = random.Random(seed)
+
+    def text(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out: list[dict[str, object]] = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": text(3, 8)}]
+        for _ in range(rng.randint(*turns)):
+            msgs += [
+                {"role": "user", "content": text(5, 30)},
+                {"role": "assistant", "content": text(*reply) if reply else "old"},
+            ]
+        out.append({"messages": msgs})
+    return out
