@@ -27,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "dflash"))
 
+from chat_templates import random_conversations  # noqa: E402
+
 STARTUP = r"""
 import json, resource, sys, time
 from dflash.data import BatchPlan, JsonlDataset, Shard
@@ -43,12 +45,6 @@ print(json.dumps({"n": len(ds), "open_s": t1 - t0, "first_batch_s": t2 - t0, "rs
                   "rss_total_mb": rss1 / 1024, "batch": list(batch.input_ids.shape), "per_epoch": per_epoch,
                   "exact": exact}))
 """
-
-
-def conversations(n: int, seed: int = 0) -> list[dict[str, object]]:
-    from chat_templates import random_conversations
-
-    return random_conversations(n, seed, turns=(2, 4), reply=(20, 120))
 
 
 def dflash(*args: str) -> subprocess.CompletedProcess[str]:
@@ -124,7 +120,7 @@ def main() -> None:
         return
     make_tokenizer(QWEN3, "<|im_end|>").save_pretrained(work / "tok")
     raw = work / "chats.jsonl"
-    raw.write_text("".join(json.dumps(c) + "\n" for c in conversations(a.convs)))
+    raw.write_text("".join(json.dumps(c) + "\n" for c in random_conversations(a.convs, turns=(2, 4), reply=(20, 120))))
     common = [
         "--tokenizer",
         str(work / "tok"),

@@ -28,11 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "dflash"))
 
-
-def conversations(n: int, seed: int = 0) -> list[dict[str, object]]:
-    from chat_templates import random_conversations
-
-    return random_conversations(n, seed)
+from chat_templates import random_conversations  # noqa: E402
 
 
 def run(spec_kw: dict[str, object], gen: object, renderer: object, out: Path) -> tuple[float, dict[str, object]]:
@@ -78,7 +74,7 @@ def main() -> None:
     src = args.src
     if src is None:
         src = work / "raw.jsonl"
-        src.write_text("".join(json.dumps(r) + "\n" for r in conversations(args.convs)))
+        src.write_text("".join(json.dumps(r) + "\n" for r in random_conversations(args.convs)))
     n = sum(1 for line in src.read_text().splitlines() if line.strip())
     tok = load_tokenizer(str(target))
     renderer = Renderer(tok, kwargs)

@@ -67,7 +67,7 @@ def main() -> int:
     rng = random.Random(args.seed)
 
     sup: subprocess.Popen[bytes] | None = None
-    with bench_box("dflash-bench-restart") as (root, _pve, hosts):
+    with bench_box("dflash-bench-restart") as hosts:
         try:
             shared = hosts.workdir.parent
             finish, control = shared / "finish", shared / "control"
@@ -118,7 +118,7 @@ def main() -> int:
                         "--max-restarts",
                         "1000",
                         "--state-dir",
-                        str(root / "state"),
+                        str(hosts.root / "state"),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,

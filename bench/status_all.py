@@ -32,7 +32,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    with bench_box("dflash-bench") as (_root, _pve, hosts):
+    with bench_box("dflash-bench") as hosts:
         finish = hosts.workdir.parent / "finish"
         try:
             fake_release(hosts.workdir)

@@ -34,8 +34,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
 
-    with bench_box("dflash-bench") as (_root, pve, hosts):
-        sshd = hosts.sshd
+    with bench_box("dflash-bench") as hosts:
         finish = hosts.workdir.parent / "finish"
         hosts.write(
             command=train_command("--steps", "1", "--interval", "0.5", "--until", str(finish)),
@@ -47,10 +46,10 @@ def main() -> int:
         assert r.exit_code == 0, r.output
         retry_until(lambda: json.loads(hosts.cli("status", "--json").stdout)["state"] == "running", 30)
 
-        raw = sshd.ssh_argv(
+        raw = hosts.sshd.ssh_argv(
             shlex.join(
                 [
-                    str(pve.pct),
+                    str(hosts.pve.pct),
                     "exec",
                     "200",
                     "--",

@@ -52,10 +52,10 @@ def timed(
 
 
 @contextlib.contextmanager
-def bench_box(tmux_socket: str) -> t.Iterator[tuple[Path, FakePve, PveHosts]]:
+def bench_box(tmux_socket: str) -> t.Iterator[PveHosts]:
     """The benches' box, outside pytest: a test sshd on 127.0.0.1 and a fake Proxmox host with container
-    200 running, in a fresh folder under /var/tmp. Yields (that folder, the FakePve, the PveHosts whose
-    hosts.toml the bench writes); removes them all on the way out, the bench's runs with their container."""
+    200 running, in a fresh folder under /var/tmp. Yields the PveHosts whose hosts.toml the bench writes (its
+    ``pve`` and ``sshd`` are the box's); removes them all on the way out, the bench's runs with their container."""
     root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir="/var/tmp"))
     home = root / "home"
     (home / ".ssh").mkdir(parents=True)
@@ -65,7 +65,7 @@ def bench_box(tmux_socket: str) -> t.Iterator[tuple[Path, FakePve, PveHosts]]:
         pve.create(200, start=True)
         hosts = PveHosts(root / "inv", sshd=sshd, pve=pve, home=home, tmux_socket=tmux_socket)
         hosts.workdir.parent.mkdir(parents=True, exist_ok=True)
-        yield root, pve, hosts
+        yield hosts
     finally:
         pve.close()
         sshd.stop()
