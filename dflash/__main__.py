@@ -8,6 +8,7 @@
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
+                [--suite gsm8k,mt-bench,NAME=PATH [--suite-dir DIR]] [--temperature T --seed S] [--count zlab]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
@@ -436,13 +437,43 @@ def regen_cmd(
     help="With --chat: chat template kwargs (default: data.chat_template_kwargs), e.g. '{\"enable_thinking\": false}'.",
 )
 @click.option(
+    "--suite",
+    "suite_spec",
+    default=None,
+    metavar="NAMES",
+    help="The published tables' suites, comma-separated (gsm8k, math500, aime24, aime25, humaneval, mbpp, "
+    "livecodebench, swe-bench, mt-bench, alpaca, lbpp), from the hub, or NAME=PATH a local folder or file "
+    "(needs dflash[datasets]); z-lab's wording and samples; docs/evaluation.md.",
+)
+@click.option(
+    "--suite-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --suite: read suite NAME from DIR/NAME (a save_to_disk folder or a hub snapshot).",
+)
+@click.option(
     "--max-new-tokens",
     "--max-new",
     "max_new_tokens",
-    default=64,
-    show_default=True,
+    default=None,
     type=int,
-    help="New tokens per prompt at most (1..2048); decoding stops at EOS before.",
+    help="New tokens per prompt at most (1..2048; default 64, with --suite 2048); decoding stops at EOS before.",
+)
+@click.option(
+    "--temperature",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, max_open=False),
+    help="0: greedy. T > 0: the target's tokens sampled at T (seeded), drafts greedy, as z-lab's T=1 rows.",
+)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0), help="With --temperature > 0.")
+@click.option(
+    "--count",
+    type=click.Choice(["dflash", "zlab"]),
+    default="dflash",
+    show_default=True,
+    help="How tau counts steps: dflash (tokens in the output per target forward) or zlab (z-lab's "
+    "dflash_generate: full blocks past the budget and EOS counted; what its tables print).",
 )
 @click.option("--ignore-eos", is_flag=True, help="Decode exactly --max-new tokens, past EOS.")
 @click.option("--limit", type=click.IntRange(1), default=None, help="Only the first N prompts.")
@@ -478,7 +509,12 @@ def eval_cmd(
     prompts_path: str | None,
     chat: bool,
     template_kwargs: str | None,
-    max_new_tokens: int,
+    suite_spec: str | None,
+    suite_dir: str | None,
+    max_new_tokens: int | None,
+    temperature: float,
+    seed: int,
+    count: str,
     ignore_eos: bool,
     limit: int | None,
     ddtree_budget: int,
@@ -488,12 +524,24 @@ def eval_cmd(
     plot_path: str | None,
     compare_path: str | None,
 ) -> None:
-    """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
+    """Exact speculative decoding on held-out prompts or the published suites: tau, acceptance,
+    target-equivalence."""
     import json
 
     from dflash.evaluate import check_max_new
 
+    if max_new_tokens is None:
+        max_new_tokens = 2048 if suite_spec else 64
     check_max_new(max_new_tokens)  # said before loading anything
+    specs = None
+    if suite_spec is not None:  # said before loading anything
+        from dflash.suites import parse_suites
+
+        if plot_path:
+            raise click.BadParameter("draws one report: give --prompts, not --suite", param_hint="--plot")
+        specs = parse_suites(suite_spec, suite_dir)
+    elif suite_dir is not None:
+        raise click.BadParameter("goes with --suite", param_hint="--suite-dir")
     before = None
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")
@@ -525,9 +573,31 @@ def eval_cmd(
         template_kwargs=template_kwargs,
         max_new_tokens=max_new_tokens,
         ignore_eos=ignore_eos,
+        suite=specs is not None,
     )
+    decoding: dict[str, t.Any] = {"temperature": temperature, "seed": seed, "count": count}
+    if specs is not None:
+        from dflash.suite_report import run_suites
+
+        suite_report = run_suites(
+            s,
+            specs,
+            max_new_tokens=max_new_tokens,
+            limit=limit,
+            ddtree_budget=ddtree_budget or None,
+            log=lambda line: click.echo(line, err=True),
+            **decoding,
+        )
+        for line in suite_report.lines():
+            click.echo(line)
+        if json_path:
+            with open(json_path, "w") as f:
+                f.write(json.dumps(suite_report.to_json(), indent=1) + "\n")
+        if strict and not suite_report.all_equal:
+            raise Failed()  # the report above says which outputs differ
+        return
     if before is not None:  # said before the (long) eval, not after it
-        warning = eval_plot.protocol_warning(before, s.protocol(max_new_tokens), compare_path or "")
+        warning = eval_plot.protocol_warning(before, s.protocol(max_new_tokens, **decoding), compare_path or "")
         if warning:
             click.echo(warning, err=True)
     report = evaluate(
@@ -543,6 +613,7 @@ def eval_cmd(
         ddtree_budget=ddtree_budget or None,
         stop_token_ids=s.stop_token_ids,
         protocol=s.prompt_protocol,
+        **decoding,
     )
     for line in report.lines():
         click.echo(line)
@@ -731,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     from dflash.eval_plot import PlotError
     from dflash.evaluate import EvalError
     from dflash.export import ExportError
+    from dflash.suites import SuiteError
     from dflash.tiny import TinyError
 
     try:
@@ -758,6 +830,7 @@ def main(argv: list[str] | None = None) -> int:
         TinyError,
         CheckpointError,
         ExportError,
+        SuiteError,
     ) as e:  # bad input; the message names it
         click.echo(f"dflash: {e}", err=True)
         return EXIT_CONFIG

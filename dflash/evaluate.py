@@ -32,6 +32,19 @@ generation prompt as serving renders it: for a multi-turn record that is the sys
 as SpecForge's and z-lab's benchmarks take the first user turn. A step that reaches a stop token counts the
 tokens it committed (up to and including the stop token), not drafts accepted beyond it: tau is new tokens
 per target forward (z-lab's ``dflash_generate`` counts the whole accepted block of that last step).
+
+Two counting rules (``count``; ``dflash.spec_decode.step_credits``; docs/evaluation.md):
+
+- ``"dflash"`` (the default): the decode never drafts past ``max_new_tokens`` and each step is credited
+  with the tokens it put into the output (up to the budget and the first stop token);
+- ``"zlab"``: z-lab's loop and count: full blocks even past the budget, one more step when only the
+  anchor is left, each step credited with accepted + 1 whole (past the budget or the stop token too).
+  The output is the same; tau is what z-lab's benchmark prints for it.
+
+``temperature`` > 0 samples the target's tokens (seeded per prompt and position, ``spec_decode.Sampler``)
+and keeps the drafts greedy, as z-lab's benchmark does for its T = 1 rows; ``target_equal`` then checks
+the output against the target's own sampled decode with the same seed. A prompt may be deferred: a
+function of the outputs so far that returns its token ids (a second turn after the target's own first).
 """
 
 from __future__ import annotations
@@ -48,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.spec_decode import speculative_generate, target_greedy
+from dflash.spec_decode import COUNT_RULES, Sampler, speculative_generate, step_credits, target_greedy, target_sample
 
 if t.TYPE_CHECKING:
     from dflash.chat import Renderer
@@ -58,6 +71,7 @@ if t.TYPE_CHECKING:
 __all__ = [
     "MAX_NEW_TOKENS",
     "EvalError",
+    "DeferredPrompt",
     "EvalReport",
     "Setup",
     "check_max_new",
@@ -74,6 +88,8 @@ __all__ = [
 TOPK = (1, 2, 4, 8)
 DEFAULT_BUDGET = 32
 MAX_NEW_TOKENS = 2048  # the longest answers published DFlash figures decode
+# a prompt made once earlier outputs are known: outputs so far (new tokens per prompt) -> token ids
+DeferredPrompt = t.Callable[[t.Sequence[t.Sequence[int]]], t.Sequence[int]]
 
 
 def check_max_new(n: int) -> None:
@@ -326,6 +342,7 @@ class EvalReport:
     outputs: list[list[int]]  # per prompt, the new tokens speculative decoding produced
     seconds: float
     protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # how it was measured (module doc)
+    count: str = "dflash"  # the counting rule of tau and the histogram (module doc)
 
     @property
     def all_equal(self) -> bool:
@@ -351,7 +368,13 @@ class EvalReport:
             f"drafter: {name}",
             f"target:  {self.target}",
             f"prompts: {self.num_prompts} from {self.prompts}, {each}, block size {self.block_size}",
-            f"tau {self.tau:.2f}  (tokens per target forward; {self.new_tokens} tokens in {self.steps} verify steps)",
+            f"tau {self.tau:.2f}  ("
+            + (
+                "z-lab's count: accepted + 1 per step of its loop"
+                if self.count == "zlab"
+                else "tokens per target forward"
+            )
+            + f"; {self.new_tokens} tokens in {self.steps} verify steps)",
             "accepted drafts per step (0..B-1): " + " ".join(f"{k}:{n}" for k, n in enumerate(self.accept_histogram)),
             "acceptance by position (1..B-1):   " + " ".join(f"{a:.2f}" for a in self.position_acceptance),
         ]
@@ -366,9 +389,12 @@ class EvalReport:
         if self.ddtree:
             out.append(f"DDTree offline tau at {int(self.ddtree['budget'])} nodes: {self.ddtree['tau']:.2f}")
         verdict = "yes" if self.all_equal else f"NO for prompts {self.mismatched_prompts}"
-        out.append(
-            f"output identical to plain greedy decoding: {verdict} ({self.target_equal}/{self.num_prompts} prompts)"
+        plain = (
+            "plain greedy decoding"
+            if not p.get("temperature")
+            else f"the target's own sampling at T={p['temperature']:g} (seed {p.get('seed')})"
         )
+        out.append(f"output identical to {plain}: {verdict} ({self.target_equal}/{self.num_prompts} prompts)")
         return out
 
 
@@ -384,6 +410,9 @@ def protocol_of(
     num_prompts: int,
     max_new_tokens: int,
     stop_token_ids: t.Sequence[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+    count: str = "dflash",
 ) -> dict[str, t.Any]:
     """The full protocol: the prompts' part (``base``: format, template, source; Setup makes it) and
     the decoding's."""
@@ -402,8 +431,10 @@ def protocol_of(
             "max_new_tokens": max_new_tokens,
             "stop_at_eos": bool(stop_token_ids),
             "stop_token_ids": sorted(set(stop_token_ids)),
-            "decoding": "greedy",
-            "temperature": 0.0,
+            "decoding": "sampled" if temperature > 0 else "greedy",
+            "temperature": float(temperature),
+            "seed": seed if temperature > 0 else None,
+            "count": count,
             "block_size": drafter.block_size,
             "target_dtype": _dtype_name(target.dtype),
             "drafter_dtype": _dtype_name(next(drafter.parameters()).dtype),
@@ -415,7 +446,7 @@ def protocol_of(
 def evaluate(
     target: TargetModel,
     drafter: DFlashDraftModel,
-    prompts: t.Sequence[t.Sequence[int]],
+    prompts: t.Sequence[t.Sequence[int] | DeferredPrompt],
     *,
     max_new_tokens: int = 64,
     drafter_name: str = "",
@@ -427,10 +458,18 @@ def evaluate(
     progress: t.Callable[[int, int], None] | None = None,
     stop_token_ids: t.Sequence[int] = (),
     protocol: t.Mapping[str, t.Any] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    count: str = "dflash",
 ) -> EvalReport:
-    """Speculative decoding of every prompt, checked against plain greedy decoding; both stop after
-    the first of ``stop_token_ids`` (EOS)."""
+    """Speculative decoding of every prompt, checked against the target alone (greedy, or sampled with
+    the same seed at ``temperature`` > 0); both stop after the first of ``stop_token_ids`` (EOS).
+    ``count``: the counting rule (module doc)."""
     check_max_new(max_new_tokens)
+    if count not in COUNT_RULES:
+        raise EvalError(f"--count: expected one of {', '.join(COUNT_RULES)}, got {count!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise EvalError(f"--temperature: expected a number >= 0, got {temperature}")
     stops = list(stop_token_ids) or None
     t0 = time.monotonic()
     block = drafter.block_size
@@ -445,32 +484,55 @@ def evaluate(
     outputs: list[list[int]] = []
     tree_steps: list[int] = []
     steps = new_tokens = 0
-    for i, prompt in enumerate(prompts):
-        ids = torch.tensor([list(prompt)], dtype=torch.long)
+    overrun = count == "zlab"  # z-lab's count needs z-lab's loop (full blocks past the budget)
+    max_pos = getattr(target.model.config, "max_position_embeddings", None)
+    for i, item in enumerate(prompts):
+        prompt = list(item(outputs) if callable(item) else item)
+        room = max_new_tokens + (block - 1 if overrun else 0)
+        if isinstance(max_pos, int) and len(prompt) + room > max_pos:
+            raise EvalError(
+                f"prompt {i}: {len(prompt)} tokens + {room} to decode pass the target's max_position_embeddings ({max_pos})"
+            )
+        ids = torch.tensor([prompt], dtype=torch.long)
+        sampler = Sampler(temperature, seed, stream=i) if temperature > 0 else None
         res = speculative_generate(
-            target, drafter, ids, max_new_tokens=max_new_tokens, head=head, keep_draft_logits=True, stop_token_ids=stops
+            target,
+            drafter,
+            ids,
+            max_new_tokens=max_new_tokens,
+            head=head,
+            keep_draft_logits=True,
+            stop_token_ids=stops,
+            sampler=sampler,
+            overrun=overrun,
         )
-        plain = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        if sampler is None:
+            plain = target_greedy(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        else:
+            plain = target_sample(target, ids, max_new_tokens=max_new_tokens, sampler=sampler, stop_token_ids=stops)
         if not torch.equal(res.tokens.cpu(), plain.cpu()):
             mismatched.append(i)
         seq = res.tokens[0].tolist()
-        outputs.append(seq[res.num_prompt_tokens :])
-        # a step that reached a stop token yields the tokens up to it: drafts accepted past it do not count
-        accepts = [min(acc, len(seq) - start - 2) for start, acc in zip(res.block_starts, res.accept_lengths)]
-        taus.append(sum(a + 1 for a in accepts) / len(accepts) if accepts else 0.0)
-        steps += len(accepts)
-        new_tokens += len(seq) - res.num_prompt_tokens
-        logits_iter = iter(res.draft_logits or [])
-        for start, acc in zip(res.block_starts, accepts):
-            hist[acc] += 1
+        new = seq[res.num_prompt_tokens :]
+        outputs.append(new)
+        stop_at = len(new) - 1 if stops and new and new[-1] in stops else None
+        credits = step_credits(res.accept_lengths, max_new=max_new_tokens, stop_at=stop_at, rule=count)
+        assert len(credits) == len(res.accept_lengths), (credits, res.accept_lengths)  # the rule fits its loop
+        taus.append(sum(credits) / len(credits) if credits else 0.0)
+        steps += len(credits)
+        new_tokens += len(new)
+        for j, (start, c) in enumerate(zip(res.block_starts, credits)):
+            hist[c - 1] += 1
+            # acceptance by position counts inside the output, whatever the rule
+            acc = min(res.accept_lengths[j], len(seq) - start - 2)
             drafted = min(block, len(seq) - start - 1) - 1 if start + 1 < len(seq) else 0
-            drafted = max(drafted, acc)
             for k in range(1, drafted + 1):
                 drafted_at[k - 1] += 1
                 accepted_at[k - 1] += int(acc >= k)
             if drafted <= 0:
                 continue
-            logits = next(logits_iter, None)
+            # every step that drafted kept its logits (a last step of one verified token drafts none)
+            logits = res.draft_logits[j] if res.draft_logits is not None and j < len(res.draft_logits) else None
             if logits is None:
                 continue
             for k in range(1, min(logits.shape[0], len(seq) - start - 1) + 1):
@@ -516,7 +578,11 @@ def evaluate(
             num_prompts=len(prompts),
             max_new_tokens=max_new_tokens,
             stop_token_ids=stops or [],
+            temperature=temperature,
+            seed=seed,
+            count=count,
         ),
+        count=count,
     )
 
 
@@ -536,9 +602,11 @@ class Setup:
     untrained: bool
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # the prompts' part
+    renderer: Renderer | None = None  # --chat / --suite: the target's tokenizer and chat template
 
-    def protocol(self, max_new_tokens: int) -> dict[str, t.Any]:
-        """The protocol the report of this setup will carry (known before decoding)."""
+    def protocol(self, max_new_tokens: int, **decoding: t.Any) -> dict[str, t.Any]:
+        """The protocol the report of this setup will carry (known before decoding); ``decoding``:
+        ``temperature``, ``seed``, ``count`` as ``evaluate`` takes them."""
         return protocol_of(
             self.prompt_protocol,
             target=self.target,
@@ -546,6 +614,7 @@ class Setup:
             num_prompts=len(self.prompts),
             max_new_tokens=max_new_tokens,
             stop_token_ids=self.stop_token_ids,
+            **decoding,
         )
 
 
@@ -585,17 +654,22 @@ def load_setup(
     template_kwargs: str | None = None,
     max_new_tokens: int | None = None,
     ignore_eos: bool = False,
+    suite: bool = False,
 ) -> Setup:
     """Resolve the CLI's choices: the drafter (a checkpoint, or the untrained one of a run config), the
     target (``--target``, else the one the run trained against), the prompts (``--prompts``, else the
     ``eval.jsonl`` that make-tiny wrote next to the training data). With ``chat`` the prompts are
     rendered with the chat template of the run's tokenizer (``data.tokenizer``, else the target's) and
     ``template_kwargs`` (JSON; default: the run's ``data.chat_template_kwargs``). Decoding stops at EOS
-    unless ``ignore_eos``."""
+    unless ``ignore_eos``. With ``suite`` the prompts come from suites (``dflash.suite_report``): no
+    prompt file is read, and the chat renderer is made as with ``chat``."""
     if max_new_tokens is not None:
         check_max_new(max_new_tokens)
+    if suite and prompts is not None:
+        raise EvalError("--suite and --prompts: give one of them")
+    chat = chat or suite
     if template_kwargs is not None and not chat:
-        raise EvalError("--template-kwargs goes with --chat")
+        raise EvalError("--template-kwargs goes with --chat or --suite")
     from dflash import checkpoint as ckpt
     from dflash.config import TinyTargetConfig, load_config, to_dict
     from dflash.drafter import DFlashDraftConfig, draft_config_for
@@ -701,7 +775,7 @@ def load_setup(
         )
 
     # the prompts
-    if prompts is None:
+    if prompts is None and not suite:
         data_path = ((run or {}).get("data") or {}).get("path")
         if not data_path:
             raise EvalError("give --prompts FILE (no run config to find eval.jsonl next to the training data)")
@@ -715,6 +789,9 @@ def load_setup(
         renderer = _renderer((run or {}).get("data") or {}, path, template_kwargs)
         proto.update(_chat_protocol(renderer))
         sources.append(renderer.tokenizer)
+    if prompts is None:  # --suite: its prompts are rendered as it runs (dflash.suite_report)
+        stops = [] if ignore_eos else _eos_ids(*sources)
+        return Setup(tm, model, [], drafter_name, target_name, "", step, untrained, stops, proto, renderer)
     loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer)
     proto.update(prompts_source=str(Path(prompts).resolve()), prompts_sha256=_sha256_file(prompts))
     stops = [] if ignore_eos else _eos_ids(*sources)
@@ -726,7 +803,7 @@ def load_setup(
                 f"--max-new: the longest prompt has {longest} tokens; {longest} + {max_new_tokens} passes "
                 f"the target's max_position_embeddings ({limit_pos})"
             )
-    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained, stops, proto)
+    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained, stops, proto, renderer)
 
 
 def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwargs: str | None) -> Renderer:

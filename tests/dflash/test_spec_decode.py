@@ -9,8 +9,9 @@ import zlab_reference
 
 from dflash.checkpoint import save_checkpoint
 from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.evaluate import evaluate
 from dflash.loss import Anchors, block_inputs, drafter_loss, training_masks
-from dflash.spec_decode import speculative_generate, target_greedy
+from dflash.spec_decode import Sampler, speculative_generate, target_greedy, target_sample
 from dflash.target import TargetModel, tiny_target_config
 
 MASK = 511
@@ -146,3 +147,56 @@ def test_edge_cases(target: TargetModel) -> None:
     assert speculative_generate(target, drafter, p, max_new_tokens=1).tokens.shape == (1, 11)
     with pytest.raises(ValueError, match="batch 1"):
         speculative_generate(target, drafter, torch.zeros(2, 5, dtype=torch.long), max_new_tokens=3)
+
+
+def test_zlab_count_is_what_zlabs_loop_counts_on_the_same_output(
+    tmp_path, target: TargetModel, trained: DFlashDraftModel
+) -> None:
+    """``count="zlab"`` gives z-lab's ``dflash_generate`` figures (its loop re-read in zlab_reference,
+    on our checkpoint); ``"dflash"`` the same output with each step credited inside it."""
+    path = save_checkpoint(tmp_path, step=1, drafter=trained, trainer_state={})
+    reference = zlab_reference.DFlashDraftModel.from_pretrained(path).eval()
+    prompts = [prompt(s)[0].tolist() for s in (1, 2, 3, 5)]
+    full = target_greedy(target, torch.tensor([prompts[1]]), max_new_tokens=30)
+    stop = int(full[0, 10 + 17])  # a token of prompt 2's answer: its decode stops inside a block
+    kw = dict(max_new_tokens=30, ddtree_budget=None, stop_token_ids=[stop])
+    zlab = evaluate(target, trained, prompts, count="zlab", **kw)
+    ours = evaluate(target, trained, prompts, **kw)
+    assert zlab.all_equal and ours.all_equal and zlab.outputs == ours.outputs
+    assert zlab.protocol["count"] == "zlab" and ours.protocol["count"] == "dflash"
+    for i, p in enumerate(prompts):
+        ids, lengths = zlab_reference.reference_generate(
+            reference, target.model, torch.tensor([p]), 30, stop_token_ids=[stop]
+        )
+        assert ids[0, len(p) :].tolist() == zlab.outputs[i]
+        assert zlab.per_prompt_tau[i] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
+    # ours: each step credited with what it put into the output, so credits add up to it
+    assert sum((k + 1) * n for k, n in enumerate(ours.accept_histogram)) == ours.new_tokens - len(prompts)
+    assert sum((k + 1) * n for k, n in enumerate(zlab.accept_histogram)) > zlab.new_tokens - len(prompts)
+    assert zlab.tau > ours.tau
+    assert stop in zlab.outputs[1] and len(zlab.outputs[1]) < 30  # the stop case was exercised
+
+
+def test_sampled_decoding_is_seeded_and_is_the_targets_own_sampling(
+    target: TargetModel, trained: DFlashDraftModel
+) -> None:
+    p = prompt(1)
+    sampler = Sampler(1.0, seed=0, stream=0)
+    spec = speculative_generate(target, trained, p, max_new_tokens=40, sampler=sampler)
+    plain = target_sample(target, p, max_new_tokens=40, sampler=sampler)
+    greedy = target_greedy(target, p, max_new_tokens=40)
+    assert torch.equal(spec.tokens, plain) and not torch.equal(plain, greedy)
+    assert sum(a + 1 for a in spec.accept_lengths) == 39
+    prompts = [prompt(s)[0].tolist() for s in (1, 2)]
+    kw = dict(max_new_tokens=40, ddtree_budget=None, temperature=1.0)
+    a, b, c = (
+        evaluate(target, trained, prompts, seed=0, **kw),
+        evaluate(target, trained, prompts, seed=0, **kw),
+        evaluate(target, trained, prompts, seed=1, **kw),
+    )
+    assert a.all_equal and c.all_equal  # token for token the target's own sampling with that seed
+    assert a.outputs == b.outputs and a.tau == b.tau and a.outputs[0] == plain[0, 10:].tolist()
+    assert a.outputs != c.outputs
+    assert (a.protocol["decoding"], a.protocol["temperature"], a.protocol["seed"]) == ("sampled", 1.0, 0)
+    zlab = evaluate(target, trained, prompts, seed=0, count="zlab", **kw)
+    assert zlab.all_equal and zlab.outputs == a.outputs  # the same draws, whatever the loop

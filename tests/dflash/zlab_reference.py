@@ -170,8 +170,11 @@ def _crop_to(cache, length):
 
 
 @torch.no_grad()
-def reference_generate(model, target, input_ids, max_new_tokens, block_size=None):
-    """z-lab's greedy ``dflash_generate``: (output_ids [1, <= P + max_new], acceptance lengths incl. the bonus)."""
+def reference_generate(model, target, input_ids, max_new_tokens, block_size=None, stop_token_ids=None):
+    """z-lab's greedy ``dflash_generate``: (output_ids [1, <= P + max_new], acceptance lengths incl. the bonus).
+
+    With ``stop_token_ids`` its stop rule: after each step, the loop ends once a stop token is anywhere in
+    the new tokens (the prefill's one included); the output is cut after the first of them."""
     num_input = input_ids.shape[1]
     max_length = num_input + max_new_tokens
     block_size = model.block_size if block_size is None else block_size
@@ -221,4 +224,11 @@ def reference_generate(model, target, input_ids, max_new_tokens, block_size=None
         _crop_to(target_cache, start)
         acceptance_lengths.append(accepted + 1)
         target_hidden = extract_context_feature(out.hidden_states, model.target_layer_ids)[:, : accepted + 1, :]
-    return output_ids[:, : min(start + 1, max_length)], acceptance_lengths
+        if stop_token_ids is not None and any(s in output_ids[:, num_input:] for s in stop_token_ids):
+            break
+    output_ids = output_ids[:, : min(start + 1, max_length)]
+    if stop_token_ids is not None:
+        hits = torch.isin(output_ids[0, num_input:], torch.tensor(stop_token_ids)).nonzero(as_tuple=True)[0]
+        if hits.numel():
+            output_ids = output_ids[:, : num_input + int(hits[0]) + 1]
+    return output_ids, acceptance_lengths
