@@ -535,13 +535,13 @@ def eval_cmd(
     check_max_new(max_new_tokens)  # said before loading anything
     specs = None
     if suite_spec is not None:  # said before loading anything
-        from dflash.suites import parse_suites
+        from dflash.suites import SuiteError, parse_suites
 
         if plot_path:
-            raise click.BadParameter("draws one report: give --prompts, not --suite", param_hint="--plot")
+            raise SuiteError("--plot draws one report: give --prompts, not --suite")
         specs = parse_suites(suite_spec, suite_dir)
     elif suite_dir is not None:
-        raise click.BadParameter("goes with --suite", param_hint="--suite-dir")
+        raise BadInput("dflash: --suite-dir goes with --suite")
     before = None
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")

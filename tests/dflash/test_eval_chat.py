@@ -330,7 +330,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny: Tiny, tmp_path: Path, capsys: py
             ["--prompts", str(chat), "--chat", "--template-kwargs", "{nope"],
             "dflash: --template-kwargs: not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
         ),
-        (["--prompts", str(chat), "--template-kwargs", "{}"], "dflash: --template-kwargs goes with --chat"),
+        (["--prompts", str(chat), "--template-kwargs", "{}"], "dflash: --template-kwargs goes with --chat or --suite"),
     ]
     for args, line in cases:
         rc, out, err = run_cli(capsys, "--untrained", "--config", cfg, *args)
