@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ops import deploy as deploy_mod  # noqa: E402
 from ops.bundle import Bundle, build_bundle, source_root  # noqa: E402
 from ops.remote import connect  # noqa: E402
-from ops.testing import FakePve, PveHosts, Sshd, missing_requirement  # noqa: E402
+from testkit import FakePve, PveHosts, Sshd, missing_requirement  # noqa: E402
 
 
 def synthetic_checkout(root: Path, files: int, file_kb: int) -> Path:

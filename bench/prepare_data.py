@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "dflash"))
 
-from chat_templates import random_conversations  # noqa: E402
+from testkit.chat_templates import random_conversations  # noqa: E402
 
 STARTUP = r"""
 import json, resource, sys, time

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "dflash"))
 
-from chat_templates import random_conversations  # noqa: E402
+from testkit.chat_templates import random_conversations  # noqa: E402
 
 
 def run(spec_kw: dict[str, object], gen: object, renderer: object, out: Path) -> tuple[float, dict[str, object]]:
@@ -97,7 +97,7 @@ def main() -> None:
         secs, s = run(spec_kw, gen, renderer, work / f"hf-{bs}.jsonl")
         rows.append((f"hf --batch-size {bs}", secs, s))  # the file: hf-<bs>.jsonl
     if not args.no_serve:
-        from ops.testing import free_port
+        from testkit import free_port
 
         port = free_port()
         exe = Path(sys.executable).with_name("transformers")

@@ -1,6 +1,6 @@
 """N remote `true` calls: one reused SSHTransport (a channel per call) vs N fresh `ssh` processes.
 
-Both go to the same real sshd on 127.0.0.1 (started by ops.testing with throwaway keys).
+Both go to the same real sshd on 127.0.0.1 (started by testkit with throwaway keys).
 Usage: .venv/bin/python bench/ssh_reuse.py [-n 50]
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ops.hosts import parse_inventory  # noqa: E402
-from ops.testing import Sshd, missing_requirement  # noqa: E402
-from ops.testing.hostsfile import dump_hosts  # noqa: E402
 from ops.transport import SSHTransport  # noqa: E402
+from testkit import Sshd, missing_requirement  # noqa: E402
+from testkit.hostsfile import dump_hosts  # noqa: E402
 
 
 def main() -> int:

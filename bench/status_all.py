@@ -21,9 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
-
-from ops.testing.hostsfile import dflashctl_argv, dump_hosts  # noqa: E402
+from testkit.hostsfile import dflashctl_argv, dump_hosts  # noqa: E402
+from testkit.runkit import bench_box, fake_release, timed, train_command  # noqa: E402
 
 
 def main() -> int:

@@ -24,9 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "ops"))
 
-from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
-
-from ops.testing import retry_until  # noqa: E402
+from testkit import retry_until  # noqa: E402
+from testkit.runkit import bench_box, fake_release, timed, train_command  # noqa: E402
 
 
 def main() -> int:
@@ -65,7 +64,7 @@ def main() -> int:
                 ]
             )
         )
-        from ops.testing.hostsfile import dflashctl_argv
+        from testkit.hostsfile import dflashctl_argv
 
         status = [*dflashctl_argv(), "--hosts", str(hosts.path), "status", "--json"]
         env = hosts.env()

@@ -20,9 +20,9 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from chat_templates import QWEN3, SPLIT, WORDS
 
-from ops.testing import free_port, retry_until
+from testkit import free_port, retry_until
+from testkit.chat_templates import QWEN3, SPLIT, WORDS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)

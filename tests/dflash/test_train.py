@@ -25,7 +25,7 @@ from dflash.data import collate
 from dflash.loss import drafter_loss
 from dflash.pipeline import PipelineError
 from dflash.train import LRSchedule, Run
-from ops.testing import retry_until
+from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

@@ -11,13 +11,13 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 
 from ops import errors, session, tmux
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote
-from ops.testing import TmuxServers, pid_alive, retry_until
 from ops.transport import LocalTransport
+from testkit import TmuxServers, pid_alive, retry_until
+from testkit.runkit import fake_release, reap_runs, train_command
 
 
 def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) -> Host:
@@ -45,7 +45,7 @@ def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) 
 
 
 def dflashctl(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit.hostsfile import dflashctl_argv
 
     return subprocess.Popen(
         [*dflashctl_argv(), "--hosts", str(tmp_path / "hosts.toml"), *args],

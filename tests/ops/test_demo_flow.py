@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runkit import REPO, reap_runs
 
 from dflash.tiny import TinySpec, make_tiny
-from ops.testing import CliResult, retry_until
-from ops.testing.hostsfile import dflashctl_argv, dump_hosts
+from testkit import CliResult, retry_until
+from testkit.hostsfile import dflashctl_argv, dump_hosts
+from testkit.runkit import REPO, reap_runs
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -29,8 +29,8 @@ from ops.deploy import REMOTE_PROGRAM, Progress, deploy, rollback
 from ops.errors import DeployError, MissingDependencies, NotDeployed, OpsError, RunActive
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote, connect
-from ops.testing import retry_until
 from ops.transport import CommandResult
+from testkit import retry_until
 
 # --------------------------------------------------------------------------------------------
 # Fixtures

@@ -25,10 +25,10 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 
-from ops.testing import PveHosts, retry_until
-from ops.testing.hostsfile import dflashctl_argv
+from testkit import PveHosts, retry_until
+from testkit.hostsfile import dflashctl_argv
+from testkit.runkit import fake_release, reap_runs, train_command
 
 VMID = 200
 K = 5  # checkpoint every K steps

@@ -13,13 +13,13 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 from test_agent import attempt_dir, dflashctl, make_host, wait_state
 
 from ops import agent, errors, session
 from ops.remote import Remote
-from ops.testing import pid_alive, retry_until
 from ops.transport import LocalTransport
+from testkit import pid_alive, retry_until
+from testkit.runkit import fake_release, reap_runs, train_command
 
 
 @pytest.fixture(autouse=True)
@@ -305,10 +305,9 @@ print(json.dumps(out))
 
 
 def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux_socket: str) -> None:
-    from runkit import REPO
-
-    from ops.testing import missing_requirement
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit import missing_requirement
+    from testkit.hostsfile import dflashctl_argv
+    from testkit.runkit import REPO
 
     why = missing_requirement("namespaces")
     if why:

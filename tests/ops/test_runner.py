@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 from ops import runner
-from ops.testing import pid_alive, retry_until
-
-FAKE = str(Path(__file__).with_name("fake_train.py"))
+from testkit import pid_alive, retry_until
+from testkit.runkit import FAKE_TRAIN as FAKE
 
 
 def runner_argv(adir: Path, *command: str, env: tuple[str, ...] = (), python: str | None = None) -> list[str]:
