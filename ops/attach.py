@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ops import tmux
+from ops.far import tmux
 from ops.hosts import Host
 from ops.session import session_name
 

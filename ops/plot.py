@@ -1,8 +1,8 @@
 """`dflashctl plot`: the run's dashboard, from the metrics.jsonl of every attempt of a session.
 
-Fetching is incremental: ONE agent call (``read``, ops/agent.py) per round brings each attempt's
+Fetching is incremental: ONE agent call (``read``, ops/far/agent.py) per round brings each attempt's
 records (run.json, exit.json, stop.json), its metrics.jsonl from the offset this machine already has
-(complete lines, at most ``ops.agent.READ_CAP`` bytes per call: rounds go on while an attempt has
+(complete lines, at most ``ops.far.agent.READ_CAP`` bytes per call: rounds go on while an attempt has
 more), the log tail of an attempt that crashed (its cause, by ``ops.probe.diagnose``, once) and the
 checkpoints. What came is kept under the state dir (the one restart-on-crash uses)::
 

@@ -23,7 +23,7 @@ import signal as signal_mod
 import time
 import typing as t
 
-from ops import tmux as tmux_mod
+from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.

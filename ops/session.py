@@ -13,7 +13,8 @@ import re
 import time
 import typing as t
 
-from ops import errors, tmux
+from ops import errors
+from ops.far import tmux
 from ops.hosts import Host, check_name
 from ops.probe import Status, classify
 
@@ -102,7 +103,7 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
 
 
 def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
-    """The raw fallback: plain tmux through Remote.run, stderr read by ops.tmux's table."""
+    """The raw fallback: plain tmux through Remote.run, stderr read by ops.far.tmux's table."""
     from ops.far.protocol import RunResult, tmux_facts
 
     def run(argv: list[str]) -> RunResult:
@@ -254,7 +255,7 @@ def read(
     cap: int | None = None,
 ) -> dict[str, t.Any]:
     """One ``read`` call: ``attempts`` = {"<n>": {"offset", "run", "tail"}} of what the caller has;
-    ``tail``: the log tails wanted of the other attempts (``ops.agent.read``)."""
+    ``tail``: the log tails wanted of the other attempts (``ops.far.agent.read``)."""
     host = remote.host
     req = request(host, session)
     req.update(attempts={k: dict(v) for k, v in attempts.items()}, tail=tail)
@@ -274,7 +275,7 @@ def read(
 
 
 # --------------------------------------------------------------------------------------------
-# The agent protocol, operator side (the agent itself is ops/agent.py, run in the container)
+# The agent protocol, operator side (the agent itself is ops/far/agent.py, run in the container)
 
 
 class AgentUnavailable(Exception):
@@ -286,10 +287,10 @@ class AgentUnavailable(Exception):
         self.not_deployed = not_deployed
 
 
-AGENT_PROTOCOL = 1  # ops.agent.PROTOCOL of the agent this dflashctl understands
+AGENT_PROTOCOL = 1  # ops.far.agent.PROTOCOL of the agent this dflashctl understands
 
 # A constant program; the release path and the verb travel as argv items, never inside the code.
-BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.agent import main; sys.exit(main())"
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.far.agent import main; sys.exit(main())"
 
 
 def agent_argv(workdir: str, python: str, verb: str) -> list[str]:

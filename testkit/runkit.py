@@ -13,7 +13,7 @@ import time
 import typing as t
 from pathlib import Path
 
-from ops.runner import proc_stat
+from ops.far.runner import proc_stat
 from testkit import FakePve, PveHosts, Sshd
 
 REPO = Path(__file__).resolve().parents[1]

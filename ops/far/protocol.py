@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import typing as t
 
-from ops import tmux
+from ops.far import tmux
 from ops.far.procfs import ProcessFacts
 
 PROTOCOL = 1
@@ -33,7 +33,7 @@ class Envelope(t.TypedDict, total=False):
 # --------------------------------------------------------------------------------------------
 # The agent's facts (probe)
 
-Pane = dict[str, str]  # ops.tmux.PANE_FIELDS -> value
+Pane = dict[str, str]  # ops.far.tmux.PANE_FIELDS -> value
 
 
 class TmuxFacts(t.TypedDict):

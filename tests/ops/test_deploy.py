@@ -471,7 +471,7 @@ def write_run(
     pid_start: int | None = None,
     **extra: int | None,
 ) -> None:
-    """A run record as ops.runner writes it (the keys deploy reads)."""
+    """A run record as ops.far.runner writes it (the keys deploy reads)."""
     attempt = target.run_dir / target.host.session / "attempt-1"
     attempt.mkdir(parents=True)
     (target.run_dir / target.host.session / "current").symlink_to("attempt-1")
@@ -530,7 +530,7 @@ def test_an_ended_run_or_a_reused_pid_does_not_block(
     write_source(src, mark="v2")
     assert deploy(local.remote, local.host, source=str(src), echo=lambda s: None).action == "deployed"
     # The runner's pid_start (clock ticks since boot) decides when present: another start = another process.
-    from ops.runner import proc_stat
+    from ops.far.runner import proc_stat
 
     ticks = proc_stat(live_process.pid)[1]
     for pid_start, blocked in ((ticks + 1, False), (ticks, True)):
@@ -780,7 +780,7 @@ def test_a_command_that_outlived_its_runner_still_blocks(
     local: Target, src: Path, live_process: subprocess.Popen[bytes]
 ) -> None:
     # The runner was SIGKILLed (its pid is gone) but its keeper and the training command go on: still a live run.
-    from ops.runner import proc_stat
+    from ops.far.runner import proc_stat
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -140,7 +140,7 @@ def test_session_names_are_checked(bad: str) -> None:
 
 
 def test_operator_and_agent_speak_the_same_protocol() -> None:
-    from ops import agent
+    from ops.far import agent
 
     assert session.AGENT_PROTOCOL == agent.PROTOCOL
 

@@ -2,7 +2,7 @@
 
     <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read> --json  < request.json
 
-(``ops.session.agent_argv``; by hand, ``python -m ops.agent probe --json < request.json`` does the same.)
+(``ops.session.agent_argv``; by hand, ``python -m ops.far.agent probe --json < request.json`` does the same.)
 
 The request is ONE JSON object on stdin (session, socket, run_dir, workdir, python, command, env,
 options), so no user value is ever quoted into a command line. stdlib only (it runs with whatever
@@ -26,8 +26,7 @@ import sys
 import time
 import typing as t
 
-from ops import tmux
-from ops.far import lock, protocol, records
+from ops.far import lock, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -55,7 +54,7 @@ from ops.far.records import (
 )
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
-from ops.runner import DISK_FULL_BYTES, disk_free, iso, reserve
+from ops.far.runner import DISK_FULL_BYTES, disk_free, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read")
 TMUX_TIMEOUT = 10.0
@@ -511,7 +510,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     runner = [
         python,
         "-m",
-        "ops.runner",
+        "ops.far.runner",
         "--attempt-dir",
         adir,
         "--session",
@@ -891,7 +890,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     if len(args) != 1 or args[0] not in HANDLERS:
         print(
             json.dumps(
-                {"ok": False, "error": "usage", "message": f"usage: python -m ops.agent {{{','.join(VERBS)}}} --json"}
+                {
+                    "ok": False,
+                    "error": "usage",
+                    "message": f"usage: python -m ops.far.agent {{{','.join(VERBS)}}} --json",
+                }
             )
         )
         return 2

@@ -1,6 +1,6 @@
 """The runner: the wrapper tmux runs around the training command (DESIGN.md section 5). stdlib only.
 
-    python -m ops.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
+    python -m ops.far.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
                          [--release ID] [--env-file FILE] -- COMMAND ARGS...
 
 Three processes, so that no single kill takes the evidence or the training down:
@@ -180,7 +180,7 @@ def note(log_fd: int | None, pane: Pane | None, text: str) -> None:
 def parse_args(argv: t.Sequence[str]) -> t.Any:
     import argparse  # here: the agent imports this module too, and must start fast
 
-    p = argparse.ArgumentParser(prog="python -m ops.runner", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ops.far.runner", description=__doc__.split("\n\n")[0])
     p.add_argument("--attempt-dir", required=True)
     p.add_argument("--session", required=True)
     p.add_argument("--attempt", type=int, required=True)
