@@ -159,7 +159,7 @@ class Seconds(click.ParamType[float]):
 
 def _check_session(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """--session follows hosts.toml's rule for `session`, checked here once, before anything runs."""
-    from ops.hosts import check_name
+    from ops.keypath import check_name
 
     return None if value is None else check_name(value, "--session")
 

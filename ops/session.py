@@ -15,7 +15,8 @@ import typing as t
 
 from ops import errors
 from ops.far import tmux
-from ops.hosts import Host, check_name
+from ops.hosts import Host
+from ops.keypath import check_name
 from ops.probe import Status, classify
 
 if t.TYPE_CHECKING:
