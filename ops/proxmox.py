@@ -23,7 +23,7 @@ import time
 import typing as t
 
 from ops.errors import ConfigError, ContainerDown, RemoteCommandError
-from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, _seconds
+from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, timeout_arg
 
 if t.TYPE_CHECKING:
     from ops.hosts import ProxmoxApi
@@ -69,7 +69,7 @@ class Container:
     def run(self, argv: t.Sequence[str], *, stdin: Stdin = None, timeout: float = DEFAULT_TIMEOUT) -> CommandResult:
         """Run argv inside the container; ``ContainerDown`` when it is stopped or missing."""
         argv = tuple(str(a) for a in argv)
-        inner = ["timeout", "-k", str(KILL_AFTER), _seconds(timeout), *argv]
+        inner = ["timeout", "-k", str(KILL_AFTER), timeout_arg(timeout), *argv]
         started = time.monotonic()
         # The host-side deadline is later than the inner one, so the inner timeout fires first and
         # kills the command where it runs.

@@ -24,7 +24,7 @@ from ops.probe import Status, iso
 from ops.states import Action, Cause, State
 from ops.supervise.loop import Supervisor, save_stack
 from ops.supervise.policy import Decision, Options
-from ops.supervise.state import IncidentLog, Lock, _slug
+from ops.supervise.state import IncidentLog, Lock, slug
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -69,7 +69,7 @@ class GroupSupervisor(Supervisor):
         self.members = list(members)
         name = f"group-{group.name}"  # never a host's name: hosts.toml refuses a group named like a host
         self.incidents = IncidentLog(self.state_dir, name, self.session)
-        base = f"{_slug(name)}.{_slug(self.session)}"
+        base = f"{slug(name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{name}/{self.session}")
         self.memory_path = self.state_dir / "supervise" / f"{base}.json"
         self._remotes: dict[str, Remote] = {}

@@ -29,11 +29,11 @@ from ops.supervise.policy import (
     Decision,
     Options,
     Policy,
-    _dur,
     describe,
+    duration,
     reconnect_delay,
 )
-from ops.supervise.state import IncidentLog, Lock, _slug, default_state_dir, incident_for, private_dir, run_hook
+from ops.supervise.state import IncidentLog, Lock, default_state_dir, incident_for, private_dir, run_hook, slug
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -144,7 +144,7 @@ class Supervisor:
         self.rng = rng or random.Random()
         self.policy = Policy(opts, rng=self.rng)
         self.incidents = IncidentLog(self.state_dir, host.name, self.session)
-        base = f"{_slug(host.name)}.{_slug(self.session)}"
+        base = f"{slug(host.name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{host.name}/{self.session}")
         self.memory_path = self.state_dir / "supervise" / f"{base}.json"
         self._remote: Remote | None = None
@@ -378,7 +378,7 @@ class Supervisor:
                 self._drop()
             delay = self.policy.recovered(now, d.action, ok=False, error=str(e))
             inc.update(outcome="failed", error=str(e), done_at=iso(now))
-            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {_dur(delay)}" if delay else ""))
+            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {duration(delay)}" if delay else ""))
             self._open = (path, inc)
             self._announce(path, inc)
             return False
@@ -439,7 +439,7 @@ class Supervisor:
 
     def _outage_over(self, now: float, lasted: float, tries: int) -> None:
         self.emit(
-            f"reachable again after {_dur(lasted)} ({tries} reconnect tr{'y' if tries == 1 else 'ies'}); re-probed"
+            f"reachable again after {duration(lasted)} ({tries} reconnect tr{'y' if tries == 1 else 'ies'}); re-probed"
         )
         if self._outage is None:
             return

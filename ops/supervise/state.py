@@ -46,7 +46,7 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
@@ -115,7 +115,9 @@ class IncidentLog:
         self.count += 1
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
         att = f"attempt{incident['attempt']}" if incident.get("attempt") is not None else "noattempt"
-        name = f"{stamp}-{_slug(self.host)}-{_slug(self.session)}-{att}-{incident['state']}-{os.getpid()}-{self.count}.json"
+        name = (
+            f"{stamp}-{slug(self.host)}-{slug(self.session)}-{att}-{incident['state']}-{os.getpid()}-{self.count}.json"
+        )
         return self.dir / name
 
     def write(self, path: Path, incident: dict[str, t.Any]) -> None:

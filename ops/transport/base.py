@@ -94,7 +94,7 @@ def iter_stdin(stdin: Stdin) -> t.Iterator[bytes]:
             yield bytes(chunk)
 
 
-def _seconds(timeout: float) -> str:
+def timeout_arg(timeout: float) -> str:
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     return f"{timeout:.3f}".rstrip("0").rstrip(".")
