@@ -22,6 +22,9 @@ from ops.states import State
 
 logger = logging.getLogger("ops")
 
+# Each command imports what it uses inside its function: `dflashctl status` does not load deploy, doctor,
+# plot or supervise (importing all of them doubles the start-up, 0.23 s -> 0.47 s here).
+
 
 class ExitCode(enum.IntEnum):
     OK = 0

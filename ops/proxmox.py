@@ -22,7 +22,7 @@ import shlex
 import time
 import typing as t
 
-from ops.errors import ConfigError, ContainerDown, RemoteCommandError
+from ops.errors import ConfigError, ConnectionRefused, ContainerDown, RemoteCommandError
 from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, timeout_arg
 
 if t.TYPE_CHECKING:
@@ -166,7 +166,7 @@ class Container:
                     f"{self.config_key}.token_value_env",
                     f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)",
                 )
-            from proxmoxer import ProxmoxAPI
+            from proxmoxer import ProxmoxAPI  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
 
             self._api_client = ProxmoxAPI(
                 self.api.api_host,
@@ -181,7 +181,9 @@ class Container:
         return self._api_client
 
     def _api_current(self) -> dict[str, t.Any]:
-        from proxmoxer.core import ResourceException
+        from proxmoxer.core import (
+            ResourceException,  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
+        )
 
         assert self.api is not None
         try:
@@ -196,8 +198,6 @@ class Container:
                 what=f"PVE API status of {self.label}",
             ) from e
         except OSError as e:  # requests' connection errors are OSErrors
-            from ops.errors import ConnectionRefused
-
             raise ConnectionRefused(
                 self.label, f"PVE API at {self.api.api_host}:{self.api.port} unreachable: {e}"
             ) from e
@@ -207,7 +207,9 @@ class Container:
         return status if status in (RUNNING, MISSING) else STOPPED
 
     def _api_start(self, timeout: float) -> None:
-        from proxmoxer.core import ResourceException
+        from proxmoxer.core import (
+            ResourceException,  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
+        )
         from proxmoxer.tools import Tasks
 
         assert self.api is not None

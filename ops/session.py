@@ -13,8 +13,9 @@ import re
 import time
 import typing as t
 
-from ops import errors
+from ops import errors, far_call
 from ops.far import tmux
+from ops.far.protocol import RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
 from ops.probe import Status, classify
@@ -105,7 +106,6 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
 
 def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
     """The raw fallback: plain tmux through Remote.run, stderr read by ops.far.tmux's table."""
-    from ops.far.protocol import RunResult, tmux_facts
 
     def run(argv: list[str]) -> RunResult:
         res = remote.run(argv, timeout=TAIL_TIMEOUT)
@@ -312,8 +312,6 @@ def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: floa
     transport errors (unreachable, container down) pass through untouched."""
     host = remote.host
     argv = agent_argv(host.workdir, host.python, verb)
-    from ops import far_call  # the one operator-side call() and "cannot exec" test (deploy uses them too)
-
     reply = far_call.call(remote, argv, stdin=json.dumps(dict(req)).encode(), timeout=timeout)
     res = reply.result
     if res.timed_out:

@@ -15,6 +15,7 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
@@ -254,8 +255,6 @@ _GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu"
 
 
 def _start_gpus() -> subprocess.Popen[bytes] | None:
-    import shutil
-
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -786,8 +785,6 @@ def read(req: Request) -> dict[str, t.Any]:
     from the offset the caller already has (complete lines only, base64, at most ``cap`` bytes in all:
     the caller loops while an attempt says ``more``), the log tail of the attempts it asks one for
     (``tail``: true, or "crashed" = when it ended non-zero and not on request: to name the cause), and the checkpoints under ``<run_dir>/<session>/checkpoints``."""
-    import base64
-
     sdir = session_dir(req)
     known = req.get("attempts") or {}
     if not isinstance(known, dict):

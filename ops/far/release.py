@@ -195,7 +195,7 @@ def run_state(run_dir: str, session: str) -> dict[str, t.Any]:
 
 
 def inspect(workdir: str, run_dir: str, session: str, modules: t.Sequence[str]) -> dict[str, t.Any]:
-    import importlib.util
+    import importlib.util  # here: only inspect asks (the program runs one verb, on any python >= 3.7)
 
     missing = []
     for name in modules:
@@ -272,7 +272,7 @@ def sync_fs(path: str) -> None:
     """Flush the release's filesystem once (syncfs), not every file: one call instead of hundreds."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        import ctypes
+        import ctypes  # here, in the try: a minimal python may lack _ctypes (then os.sync())
 
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.syncfs(fd) != 0:

@@ -292,7 +292,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         try:
             code = _keep(args.command, env, attempt_dir, record, log_fd, ready_w, pane)
         except BaseException:
-            import traceback
+            import traceback  # here: only when the keeper fails (the agent imports this module and must start fast)
 
             note(log_fd, pane, "the keeper failed: " + traceback.format_exc().replace("\n", "\n[dflash runner] "))
         finally:
@@ -407,7 +407,7 @@ def _record(
 def _show_until_exit(keeper: int, ready_r: int, log_path: str, pane: Pane) -> int:
     """Copy the log into the pane until the keeper has exited (its end of ``ready_r`` closes then);
     returns the keeper's wait status."""
-    import selectors
+    import selectors  # here: the agent imports this module too, and must start fast
 
     sel = selectors.DefaultSelector()
     sel.register(ready_r, selectors.EVENT_READ)

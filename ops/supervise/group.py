@@ -18,6 +18,7 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
+from ops import session as run
 from ops.group import Group, fan_out, verdict
 from ops.hosts import Host
 from ops.probe import Status, iso
@@ -109,7 +110,6 @@ class GroupSupervisor(Supervisor):
     def probe(self) -> Status:
         """Every node at once; the group's status is the worst node's (the node named in the headline),
         or, when all run, the first node's; its attempt is the highest of the nodes'."""
-        from ops import session as run
 
         def one(host: Host) -> Status:
             st = run.status(host, self.session, lambda: self._remote_of(host))
@@ -152,8 +152,6 @@ class GroupSupervisor(Supervisor):
     def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
         """Stop the nodes still alive, then start every node (a new attempt each; the highest is returned);
         or start the stopped container of the node that is down."""
-        from ops import session as run
-
         hosts = {h.name: h for h in self.members}
         if d.action == Action.START_CONTAINER:
             for node in self._last:

@@ -16,10 +16,12 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
+from ops import session as run
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
 from ops.probe import Status, iso
+from ops.remote import connect as connect_remote
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.policy import (
     DONE,
@@ -125,8 +127,6 @@ class Supervisor:
         rng: random.Random | None = None,
         hide_env: t.Sequence[str] = (),
     ) -> None:
-        from ops import session as run
-
         self.host = host
         self.session = run.session_name(host, session)
         self.opts = opts
@@ -136,8 +136,6 @@ class Supervisor:
         self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
         self._emit = emit
         if connect is None:
-            from ops.remote import connect as connect_remote
-
             connect = connect_remote
         self._connect_fn = connect
         self.clock = clock
@@ -172,8 +170,6 @@ class Supervisor:
             self._remote = None
 
     def probe(self) -> Status:
-        from ops import session as run
-
         try:
             st = run.status(self.host, self.session, self._connect)
         except Exception as e:  # a bug or an untyped library error must not end an overnight watch
@@ -391,8 +387,6 @@ class Supervisor:
     def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
         """The recovery itself (the incident's bookkeeping is ``_recover``'s): the attempt it started, or
         None when it started none (a container start: the next probe decides)."""
-        from ops import session as run
-
         remote = self._connect()
         if d.action == START_CONTAINER:
             if remote.container is None:

@@ -20,6 +20,7 @@ from ops.far.atomic import write_json_atomic
 from ops.probe import Status, iso
 from ops.states import RECOVERY
 from ops.supervise.policy import Decision, Options
+from ops.transport import LocalTransport
 
 HOOK_TIMEOUT = 60.0
 
@@ -165,8 +166,6 @@ def run_hook(
     """``--on-event``: the incident as JSON on stdin, its gist in DFLASHCTL_* variables, without the
     secret variables named in ``hide_env`` (the inventory's API tokens). Through LocalTransport
     (its own session: a Ctrl-C meant for us does not reach it); never raises."""
-    from ops.transport import LocalTransport
-
     env = {
         "DFLASHCTL_STATE": incident.get("state") or "",
         "DFLASHCTL_CAUSE": incident.get("cause") or "",

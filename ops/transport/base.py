@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing as t
 
-from ops.errors import CommandTimeout
+from ops.errors import CommandTimeout, RemoteCommandError
 
 # What stdin may be: bytes, a binary file, or an iterator of chunks (streamed, never held whole).
 Stdin = bytes | t.BinaryIO | t.Iterable[bytes] | None
@@ -48,8 +48,6 @@ class CommandResult:
 
     def check(self, what: str | None = None) -> CommandResult:
         """Return self when the command succeeded, else raise ``RemoteCommandError``/``CommandTimeout``."""
-        from ops.errors import RemoteCommandError
-
         if self.timed_out:
             raise CommandTimeout(self.argv, self.timeout or 0.0)
         if self.exit_code != 0:

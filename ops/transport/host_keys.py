@@ -14,11 +14,9 @@ import secrets
 import typing as t
 from pathlib import Path
 
+from ops.errors import HostKeyRejected, HostKeyRevoked
 from ops.transport._paramiko import paramiko
 from ops.transport.ssh_config import SSHTarget
-
-if t.TYPE_CHECKING:
-    from ops.errors import HostKeyRevoked
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +185,6 @@ class HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # para
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        from ops.errors import HostKeyRejected
-
         verdict, entries = self.known.check(self.target.known_name, key)
         if verdict == "known":
             return
@@ -223,8 +219,6 @@ class HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # para
 
 def revoked_error(target: SSHTarget, key: paramiko.PKey, where: t.Sequence[str]) -> HostKeyRevoked:
     """The one refusal for a revoked key (connect, doctor and trust-host say the same)."""
-    from ops.errors import HostKeyRevoked
-
     fp = fingerprint(key)
     return HostKeyRevoked(
         target.label,

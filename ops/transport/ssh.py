@@ -14,6 +14,8 @@ import threading
 import time
 import typing as t
 
+from ops import errors
+from ops.errors import ConnectionLost
 from ops.transport._paramiko import paramiko
 from ops.transport.base import (
     CHUNK,
@@ -73,8 +75,6 @@ class _Transport(paramiko.Transport):  # type: ignore[misc]  # paramiko ships no
 
 def _unreachable(target: SSHTarget, exc: BaseException) -> BaseException:
     """Turn what paramiko/socket raised while connecting into our typed error (or return it as is)."""
-    from ops import errors
-
     where = f"{target.hostname}:{target.port}"
     if isinstance(exc, errors.OpsError):
         return exc
@@ -203,8 +203,6 @@ class SSHTransport(Transport):
         return bool(tr is not None and tr.is_active() and tr.is_authenticated())
 
     def _transport(self) -> paramiko.Transport:
-        from ops.errors import ConnectionLost
-
         tr = self._client.get_transport() if self._client is not None else None
         if tr is None or not tr.is_active():
             raise ConnectionLost(
@@ -313,8 +311,6 @@ def remote_command(argv: t.Sequence[str]) -> str:
 
 
 def _lost(target: SSHTarget, exc: BaseException) -> Exception:
-    from ops.errors import ConnectionLost
-
     return ConnectionLost(
         target.label, f"the ssh connection to {target.hostname}:{target.port} broke: {exc or type(exc).__name__}"
     )
