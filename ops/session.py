@@ -15,7 +15,7 @@ import typing as t
 
 from ops import errors, far_call
 from ops.far import tmux
-from ops.far.protocol import RunResult, tmux_facts
+from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
 from ops.probe import Status, classify
@@ -37,8 +37,10 @@ def session_name(host: Host, session: str | None) -> str:
 
 
 def request(host: Host, session: str | None = None) -> dict[str, t.Any]:
-    """What every agent verb needs to find the run: session, socket and the host's paths."""
+    """What every agent verb needs to find the run: session, socket and the host's paths; and the protocol
+    this dflashctl speaks, which the agent checks before it acts."""
     return {
+        "protocol": AGENT_PROTOCOL,
         "session": session_name(host, session),
         "socket": host.tmux_socket,
         "run_dir": host.run_dir,
@@ -280,7 +282,8 @@ def read(
 
 
 class AgentUnavailable(Exception):
-    """The agent could not run at all (no python, nothing deployed): ``reason`` says why."""
+    """The agent could not run at all (no python, nothing deployed, a release without this dflashctl's
+    agent): ``reason`` says why."""
 
     def __init__(self, reason: str, *, not_deployed: bool = False) -> None:
         super().__init__(reason)
@@ -288,9 +291,12 @@ class AgentUnavailable(Exception):
         self.not_deployed = not_deployed
 
 
-AGENT_PROTOCOL = 1  # ops.far.agent.PROTOCOL of the agent this dflashctl understands
+# The protocol this dflashctl speaks: the number its own far side answers with (ops/far/protocol.py), so
+# a release deployed by this dflashctl always agrees; another number means another dflashctl deployed it.
+AGENT_PROTOCOL = PROTOCOL
 
-# A constant program; the release path and the verb travel as argv items, never inside the code.
+# A constant program; the release path and the verb travel as argv items, never inside the code. Where it
+# finds the agent is part of the protocol: a release without ops/far/agent.py is another dflashctl's.
 BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.far.agent import main; sys.exit(main())"
 
 
@@ -320,8 +326,16 @@ def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: floa
     last = err.splitlines()[-1] if err else ""
     if far_call.cannot_exec(res):
         raise AgentUnavailable(f"cannot run {host.python}: {last or f'exit {res.exit_code}'}")
-    if re.search(r"No module named '?ops(\.agent|\.tmux|\.runner)?'?$", last):
-        raise AgentUnavailable(f"nothing is deployed at {os.path.join(host.workdir, 'current')}", not_deployed=True)
+    current = os.path.join(host.workdir, "current")
+    missing = re.search(r"No module named '?(ops(?:\.[\w.]+)?)'?$", last)
+    if missing and missing.group(1) == "ops":
+        raise AgentUnavailable(f"nothing is deployed at {current}", not_deployed=True)
+    if missing:
+        # Another dflashctl's layout, e.g. a release from before the agent moved (ops/agent.py, no ops/far/agent.py).
+        raise AgentUnavailable(
+            f"the release at {current} does not have this dflashctl's agent (no module {missing.group(1)}): "
+            "run `dflashctl deploy`"
+        )
     answer = reply.answer
     if answer is None:
         if res.exit_code != 0:

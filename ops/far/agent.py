@@ -913,6 +913,17 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(json.dumps({"ok": False, "error": "bad-request", "message": f"{verb}: bad request: {e}"}))
         return 2
+    if req.get("protocol", PROTOCOL) != PROTOCOL:
+        # Another dflashctl's request: refuse before acting (a start must not start a run it cannot report).
+        answer = {
+            "ok": False,
+            "protocol": PROTOCOL,
+            "verb": verb,
+            "error": "protocol",
+            "message": f"this agent speaks protocol {PROTOCOL}, the request {req['protocol']}: run `dflashctl deploy`",
+        }
+        sys.stdout.write(json.dumps(answer) + "\n")
+        return 0
     try:
         result = HANDLERS[verb](req)
         answer = {"ok": True, "protocol": PROTOCOL, "verb": verb, **result}

@@ -26,7 +26,7 @@ class Envelope(t.TypedDict, total=False):
     ok: t.Required[bool]
     protocol: int
     verb: str
-    error: str  # when not ok: the kind (usage, bad-request, busy, run-active, recheck, need-content...)
+    error: str  # when not ok: the kind (usage, bad-request, protocol, busy, run-active, recheck, need-content...)
     message: str  # when not ok: one line for a person
 
 
