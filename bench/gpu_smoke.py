@@ -1,7 +1,7 @@
 """GPU smoke test: the real training pipeline on every visible GPU, its figures, and a real CUDA OOM classified.
 
-    .venv/bin/python bench/gpu_smoke.py [--steps 60] [--json] [--keep] ...
-    .venv/bin/python bench/gpu_smoke.py --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
+    .venv/bin/python -m bench.gpu_smoke [--steps 60] [--json] [--keep] ...
+    .venv/bin/python -m bench.gpu_smoke --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
 
 On a CUDA machine (at most ~5 minutes):
 
@@ -64,8 +64,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 FLEX_WARNING = "flex_attention called without torch.compile"
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).

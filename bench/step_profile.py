@@ -1,7 +1,7 @@
 """Host time and host syncs of the hot loop: one target forward, one drafter step, one flex BlockMask.
 
-    .venv/bin/python bench/step_profile.py                         # hidden 128, 4 x 512 tokens, 32 anchors x 16
-    .venv/bin/python bench/step_profile.py --seq 1024 --steps 20 --json
+    .venv/bin/python -m bench.step_profile                         # hidden 128, 4 x 512 tokens, 32 anchors x 16
+    .venv/bin/python -m bench.step_profile --seq 1024 --steps 20 --json
 
 What it measures (one torch thread, CPU unless --device names another):
 
@@ -27,7 +27,6 @@ import collections
 import io
 import json
 import statistics
-import sys
 import time
 import types
 import typing as t
@@ -37,7 +36,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 # ops that read a device value on the host (a sync on CUDA)
 SYNC_OPS = {
