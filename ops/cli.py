@@ -41,7 +41,7 @@ class ExitCode(enum.IntEnum):
     CRASH_LOOP = 11
 
 
-# DESIGN.md section 6: the state a status reports -> the exit code of `status`.
+# docs/design.md section 6: the state a status reports -> the exit code of `status`.
 STATE_EXIT: dict[str, ExitCode] = {
     State.RUNNING: ExitCode.OK,
     State.STALLED: ExitCode.STALLED,
@@ -416,7 +416,7 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
 
 @cli.command("status")
 @_session_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (DESIGN.md section 6).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (docs/design.md section 6).")
 @click.option("--watch", type=Seconds(0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
 @click.option(
     "--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports)."

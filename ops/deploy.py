@@ -1,6 +1,6 @@
 """`dflashctl deploy`: content-addressed releases, incremental upload, atomic switch, rollback.
 
-Layout on the far side (DESIGN.md section 4)::
+Layout on the far side (docs/design.md section 4)::
 
     <workdir>/releases/<id>/            one per deploy; <id> = first 16 hex of the manifest's sha256
     <workdir>/releases/<id>/.release.json   the manifest (full id, per-file sha256/size/mode)

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 OK, FAIL, SKIP = "ok", "fail", "skip"
 MIN_FREE_BYTES = 1 << 30  # below 1 GiB a checkpoint write will fail
-TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (DESIGN.md section 6)
+TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (docs/design.md section 6)
 
 # One call inside the target: facts about the interpreter, printed as one JSON line.
 PYTHON_PROBE = r"""

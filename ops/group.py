@@ -1,4 +1,4 @@
-"""Host groups: one run on several hosts (DESIGN.md section 13).
+"""Host groups: one run on several hosts (docs/design.md section 13).
 
 ``[groups.NAME]`` in hosts.toml names hosts that train as one ``torchrun`` job: one ``dflash train``
 process per host, a c10d rendezvous at ``rdzv``. ``dflashctl --group NAME <verb>`` does the verb on every

@@ -1,4 +1,4 @@
-"""The inventory: hosts.toml read once into frozen dataclasses (DESIGN.md section 2).
+"""The inventory: hosts.toml read once into frozen dataclasses (docs/design.md section 2).
 
 Every unknown key and every bad value is a ``ConfigError`` that names its full key path,
 e.g. ``hosts.pve.port: expected an integer, got "x"``.

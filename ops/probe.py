@@ -1,4 +1,4 @@
-"""Facts -> ``Status``: the pure classification behind `dflashctl status` (DESIGN.md section 6).
+"""Facts -> ``Status``: the pure classification behind `dflashctl status` (docs/design.md section 6).
 
 No I/O. The input is one dict the operator side assembles (``ops.session.gather``):
 

@@ -30,7 +30,7 @@ if t.TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Status values a container can have (DESIGN.md section 11: container.status).
+# Status values a container can have (docs/design.md section 11: container.status).
 RUNNING, STOPPED, MISSING = "running", "stopped", "missing"
 
 

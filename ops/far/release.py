@@ -9,7 +9,7 @@ an old interpreter to report it. The request is one JSON object (an argv item, s
 stdin is the tar); the answer is one JSON object on stdout, the envelope every far-side verb uses
 (``ops.far.protocol``): ``{"ok": true, "protocol", "verb", ...}`` or ``{"ok": false, ..., "error", "message"}``.
 
-Layout (DESIGN.md section 4)::
+Layout (docs/design.md section 4)::
 
     <workdir>/releases/<id>/            one per deploy; <id> = first 16 hex of the manifest's sha256
     <workdir>/releases/<id>/.release.json   the manifest (full id, per-file sha256/size/mode)

@@ -1,4 +1,4 @@
-"""The runner: the wrapper tmux runs around the training command (DESIGN.md section 5). stdlib only.
+"""The runner: the wrapper tmux runs around the training command (docs/design.md section 5). stdlib only.
 
     python -m ops.far.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
                          [--release ID] [--env-file FILE] -- COMMAND ARGS...

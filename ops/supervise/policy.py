@@ -32,7 +32,7 @@ RECONNECT_CAP = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The command-line options of restart-on-crash (defaults: DESIGN.md section 11)."""
+    """The command-line options of restart-on-crash (defaults: docs/design.md section 11)."""
 
     interval: float = 30.0
     backoff: float = 10.0

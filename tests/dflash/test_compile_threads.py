@@ -1,4 +1,4 @@
-"""Compiled drafters in threads (DESIGN 16): compiled once, serially, for every shape; never recompiled
+"""Compiled drafters in threads (docs/design.md section 16): compiled once, serially, for every shape; never recompiled
 in a thread; flex attention never unfused.
 
 Three drafter threads on the CPU with the batch shapes of configs/tiny-cpu.toml (4 rows, up to 96
