@@ -136,3 +136,13 @@ def test_no_module_is_over_1000_lines() -> None:
         for p in (REPO / top).rglob("*.py")
     }
     assert {p: n for p, n in sizes.items() if n > 1000} == {}
+
+
+def test_every_bench_runs_as_a_module_of_the_bench_package() -> None:
+    """`python -m bench.NAME` from the repo root: the docstring says so, and nothing edits sys.path."""
+    benches = sorted(p for p in (REPO / "bench").glob("*.py") if p.name != "__init__.py")
+    assert benches and (REPO / "bench" / "__init__.py").is_file()
+    for path in benches:
+        text = path.read_text()
+        assert f"python -m bench.{path.stem}" in (ast.get_docstring(ast.parse(text)) or ""), path.name
+        assert "sys.path" not in text, path.name
