@@ -731,7 +731,7 @@ def test_after_deploying_this_checkout_the_agent_runs_from_current(pve_hosts: t.
     assert summary.startswith("deployed ") and " to pve (ct 200): " in summary
     release = summary.split()[1]
     assert os.readlink(pve_hosts.workdir / "current") == f"releases/{release}"
-    assert (pve_hosts.workdir / "current" / "ops" / "agent.py").is_file()
+    assert (pve_hosts.workdir / "current" / "ops" / "far" / "agent.py").is_file()
     after = pve_hosts.cli("status", "--json")
     assert json.loads(after.stdout)["mode"] == "agent", after.stdout  # the agent now runs from current
 
