@@ -523,7 +523,7 @@ def test_hung_process_is_stopped_and_restarted_with_restart_stalled(rig: Rig) ->
     if shutil.which("py-spy", path=os.path.dirname(sys.executable)):
         dump = (rig.attempt(1) / "py-spy-dump.txt").read_text()
         assert stack["saved"] == str(rig.attempt(1) / "py-spy-dump.txt") and stack["error"] is None
-        assert "fake_train.py" in dump and "end (fake_train.py" in stack["stack"]  # where it hangs
+        assert "fake_train.py" in dump and "end (testkit/fake_train.py" in stack["stack"]  # where it hangs
         assert sup.events(r"saved the hung process's stack to ")
     else:
         assert stack["saved"] is None and "py-spy is not installed" in stack["error"]
