@@ -250,6 +250,21 @@ def test_the_readme_links_every_docs_page() -> None:
     assert {p.resolve() for p in DOCS} <= linked
 
 
+def test_every_design_section_the_code_cites_exists() -> None:
+    """Code cites "docs/design.md section N" (or "sections 5-7", "6 and 8"); the numbers never change."""
+    have = {int(n) for n in re.findall(r"^## (\d+)\. ", _read(REPO / "docs" / "design.md"), re.M)}
+    assert have == set(range(1, max(have) + 1)), "design.md's sections are numbered 1..N without a gap"
+    cited: set[int] = set()
+    for folder in ("dflash", "ops", "bench", "tests", "testkit", "scripts"):
+        for path in (REPO / folder).rglob("*"):
+            if path.is_file() and path.suffix in (".py", "") and "__pycache__" not in path.parts:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                for m in re.finditer(r"design\.md sections? (\d+)(?:(?:-| and |, )(\d+))?", text, re.I):
+                    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+                    cited |= set(range(lo, hi + 1))
+    assert cited and cited <= have, sorted(cited - have)
+
+
 # --------------------------------------------------------------------------------------------
 # Tables and examples: the code's
 
