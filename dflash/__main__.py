@@ -24,17 +24,7 @@ import typing as t
 
 import click
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
-
-
-class BadInput(Exception):
-    """A command refuses its config, arguments or input: ``main`` prints the message as it is, exit 2."""
-
-
-class Failed(Exception):
-    """A command's work failed: ``main`` prints the message (if any) as it is, exit 1."""
+from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, BadInput, DflashError, Failed
 
 
 def init_logging(verbosity: int = 0) -> None:
@@ -724,25 +714,10 @@ def bench_pipeline(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; maps errors to the exit codes above (the only place that does)."""
-    from dflash.checkpoint import CheckpointError
-    from dflash.config import ConfigError
-    from dflash.data import DataError
-    from dflash.eval_plot import PlotError
-    from dflash.evaluate import EvalError
-    from dflash.export import ExportError
-    from dflash.tiny import TinyError
-
+    """Entry point; maps errors to the exit codes above (the only place that does: ``dflash.errors``)."""
     try:
         # a command's return value, or the code of a click ``Exit`` (``--help``: 0)
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
-    except BadInput as e:
-        click.echo(str(e), err=True)
-        return EXIT_CONFIG
-    except Failed as e:
-        if str(e):
-            click.echo(str(e), err=True)
-        return EXIT_FAILED
     except SystemExit as e:  # sys.exit() deep in a library
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_FAILED
     except click.exceptions.Abort:
@@ -751,19 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (
-        ConfigError,
-        DataError,
-        EvalError,
-        TinyError,
-        CheckpointError,
-        ExportError,
-    ) as e:  # bad input; the message names it
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_CONFIG
-    except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_FAILED
+    except DflashError as e:
+        if e.traceback:  # a run's failure: its traceback is what train.log and the crash report keep
+            raise
+        text = e.line()  # a user's mistake (exit 2) or a failure the message names (exit 1); one line
+        if text:
+            click.echo(text, err=True)
+        return e.exit_code
     return rv if type(rv) is int else EXIT_OK
 
 

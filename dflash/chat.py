@@ -29,10 +29,12 @@ import hashlib
 import json
 import typing as t
 
+from dflash.errors import InputError
+
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
 
 
-class BadRecord(ValueError):
+class BadRecord(InputError, ValueError):
     """A record that cannot be used; ``reason`` is a short key for the drop counts."""
 
     def __init__(self, reason: str, message: str) -> None:

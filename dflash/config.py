@@ -24,13 +24,15 @@ import types
 import typing as t
 from pathlib import Path
 
+from dflash.errors import InputError
+
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """The run config (file, ``--set`` or environment) is wrong; ``path`` names the key."""
 
     def __init__(self, path: str, message: str) -> None:

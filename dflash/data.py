@@ -48,12 +48,13 @@ from pathlib import Path
 
 import torch
 
+from dflash.errors import InputError
 from dflash.store import cut_window
 
 logger = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A sample or the data file is unusable; the message names the file, line and key."""
 
 

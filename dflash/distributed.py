@@ -34,17 +34,19 @@ import typing as t
 
 import torch
 
+from dflash.errors import DflashError
+
 logger = logging.getLogger(__name__)
 
 # The exception line a node writes when the group broke (dflashctl's status classifies it as peer-lost).
 PEER_LOST = "lost the node group"
 
 
-class PeerLost(RuntimeError):
+class PeerLost(DflashError, RuntimeError):
     """A collective failed: another node died, hangs, or the nodes fell out of step."""
 
 
-class Disagreement(RuntimeError):
+class Disagreement(DflashError, RuntimeError):
     """The nodes reached a barrier with different steps or plans (different configs)."""
 
 

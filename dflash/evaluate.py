@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.errors import InputError
 from dflash.spec_decode import speculative_generate, target_greedy
 
 if t.TYPE_CHECKING:
@@ -81,7 +82,7 @@ def check_max_new(n: int) -> None:
         raise EvalError(f"--max-new: expected 1 to {MAX_NEW_TOKENS} new tokens, got {n}")
 
 
-class EvalError(ValueError):
+class EvalError(InputError, ValueError):
     """The evaluation cannot run as asked (a missing file, a bad prompt); the message names it."""
 
 

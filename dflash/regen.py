@@ -47,6 +47,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash.chat import BadRecord, Renderer, messages_of, parse_record, template_hash, tokenizer_hash
+from dflash.errors import DflashError, InputError
 
 FORMAT = "dflash-regen/1"
 MAX_LINE_BYTES = 4 << 20  # as prepare-data: a longer line is dropped unparsed
@@ -54,12 +55,14 @@ DROP_LINES_KEPT = 100
 DIE_AFTER_ENV = "DFLASH_REGEN_DIE_AFTER_SHARDS"  # test hook: SIGKILL regen once N shards are done
 
 
-class RegenError(ValueError):
+class RegenError(InputError, ValueError):
     """Bad input or setting: one line for the user (exit 2)."""
 
 
-class ServerError(RuntimeError):
+class ServerError(DflashError, RuntimeError):
     """The server refused a request (4xx) or stayed unreachable after the retries: one line (exit 1)."""
+
+    traceback = False
 
 
 class _Stopped(ServerError):

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.chat import BadRecord, Renderer, parse_record, record_sequences, template_hash, tokenizer_hash
+from dflash.errors import InputError
 
 STORE_FORMAT = "dflash-token-store/1"
 MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
@@ -46,7 +47,7 @@ DROP_LINES_KEPT = 100  # line numbers kept per drop reason in meta.json
 DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL prepare once N shards are done
 
 
-class StoreError(ValueError):
+class StoreError(InputError, ValueError):
     """A store that cannot be made or used; one line for the user."""
 
 

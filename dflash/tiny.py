@@ -52,6 +52,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.errors import InputError
+
 __all__ = [
     "ChatTokens",
     "Language",
@@ -75,7 +77,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class TinyError(ValueError):
+class TinyError(InputError, ValueError):
     """make-tiny cannot do what it was asked (a bad spec value, an output dir that is not ours)."""
 
 
