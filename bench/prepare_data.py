@@ -31,7 +31,8 @@ from chat_templates import random_conversations  # noqa: E402
 
 STARTUP = r"""
 import json, resource, sys, time
-from dflash.data import BatchPlan, JsonlDataset, Shard
+from dflash.batching import BatchPlan
+from dflash.data import JsonlDataset, Shard
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 ds = JsonlDataset(sys.argv[1], max_length=4096)

@@ -40,6 +40,13 @@ class InputError(DflashError):
     traceback = False
 
 
+class DataError(InputError, ValueError):
+    """A sample or the data file is unusable; the message names the file, line and key.
+
+    Raised by dflash.data, dflash.batching and chat.load_tokenizer (so it lives below them all: chat cannot
+    import data, which opens token stores, which render chats)."""
+
+
 class BadInput(InputError):
     """A command refuses its config, arguments or input: ``main`` prints the message as it is, exit 2."""
 
@@ -56,4 +63,4 @@ class Failed(DflashError):
         return str(self)
 
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "BadInput", "DflashError", "Failed", "InputError"]
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "BadInput", "DataError", "DflashError", "Failed", "InputError"]

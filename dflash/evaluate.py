@@ -732,8 +732,8 @@ def load_setup(
 
 def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwargs: str | None) -> Renderer:
     """``--chat``: the run's tokenizer and chat template with the serving kwargs (one line when missing)."""
-    from dflash.chat import Renderer
-    from dflash.data import DataError, load_tokenizer
+    from dflash.chat import Renderer, load_tokenizer
+    from dflash.errors import DataError
 
     where = data.get("tokenizer") or target_path
     if not where:

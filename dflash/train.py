@@ -73,10 +73,13 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
+from dflash.batching import BatchPlan
+from dflash.chat import load_tokenizer
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
-from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
+from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import Header, NodeGroup
 from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.errors import DataError
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.loss import drafter_loss
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
