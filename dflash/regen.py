@@ -47,6 +47,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash.chat import BadRecord, Renderer, messages_of, parse_record, template_hash, tokenizer_hash
+from dflash.config import ConfigError
 from dflash.corpus import (
     LINE_TOO_LONG,
     CorpusError,
@@ -149,7 +150,7 @@ class HFGenerator:
         return [a for a in out if a is not None]
 
     def _batch(self, turns: list[Turn]) -> list[Answer]:
-        import torch
+        import torch  # the hf backend only: torch and transformers take seconds to import, openai needs neither
         from transformers import GenerationConfig
 
         prompts = [list(tn.prompt_ids or ()) for tn in turns]
@@ -182,12 +183,11 @@ class HFGenerator:
 
 def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerator]:
     """One generator per distinct device of ``devices.targets`` (a device named twice gets one replica)."""
-    import torch
+    import torch  # the hf backend only (as HFGenerator._batch): seconds to import, openai needs none of these
     from transformers import AutoModelForCausalLM
 
-    from dflash.config import ConfigError
+    from dflash.replicas import torch_dtype
     from dflash.target import TargetModel, tiny_target_config_of
-    from dflash.train import torch_dtype
 
     dtype = torch_dtype(cfg.target.dtype)
     gens = []
