@@ -25,7 +25,7 @@ class PlotError(DflashError):
 
 
 def require_matplotlib() -> t.Any:
-    try:
+    try:  # the optional [plot] extra
         import matplotlib
 
         matplotlib.use("Agg")
