@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 STARTUP = r"""
 import json, resource, sys, time
-from dflash.data import BatchPlan, JsonlDataset, Shard
+from dflash.batching import BatchPlan
+from dflash.data import JsonlDataset, Shard
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 ds = JsonlDataset(sys.argv[1], max_length=4096)

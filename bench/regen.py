@@ -55,8 +55,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from dflash.chat import Renderer
-    from dflash.data import load_tokenizer
+    from dflash.chat import Renderer, load_tokenizer
     from dflash.regen import HFGenerator, OpenAIGenerator
 
     hf_logging.disable_progress_bar()

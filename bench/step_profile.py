@@ -94,8 +94,8 @@ def build(args: argparse.Namespace) -> tuple[t.Any, t.Any, t.Any, t.Any]:
     from dflash.config import load_config
     from dflash.drafter import DFlashDraftModel, draft_config_for
     from dflash.metrics import Metrics
+    from dflash.replicas import DrafterReplica, LRSchedule, TargetReplica
     from dflash.target import TargetModel, tiny_target_config
-    from dflash.train import DrafterReplica, LRSchedule, TargetReplica
 
     heads = max(1, args.hidden // 32)
     tcfg = tiny_target_config(
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     from dflash.loss import sample_anchors, training_block_mask
-    from dflash.train import FeatureBatch
+    from dflash.replicas import FeatureBatch
 
     producer, replica, batch, metrics = build(args)
     payload: FeatureBatch = producer.produce(batch)

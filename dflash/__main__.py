@@ -18,23 +18,23 @@ checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second S
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
+import time
 import typing as t
 
 import click
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
+from dflash import eval_plot
+from dflash.chat import Renderer, load_tokenizer
+from dflash.config import ConfigError, load_config
+from dflash.corpus import drop_lines
+from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, BadInput, DataError, DflashError, Failed
 
-
-class BadInput(Exception):
-    """A command refuses its config, arguments or input: ``main`` prints the message as it is, exit 2."""
-
-
-class Failed(Exception):
-    """A command's work failed: ``main`` prints the message (if any) as it is, exit 1."""
+# The modules above import neither torch nor transformers. A command imports the rest inside its function:
+# they pull in torch and transformers (seconds), which `--help`, a usage error or another command need not pay.
 
 
 def init_logging(verbosity: int = 0) -> None:
@@ -66,7 +66,6 @@ def cli(verbose: int, quiet: int) -> None:
 )
 def train(config_path: str, overrides: tuple[str, ...]) -> int:
     """Train a drafter: target threads -> one shared queue -> drafter threads."""
-    from dflash.config import load_config
     from dflash.train import run_training
 
     cfg = load_config(config_path, overrides)
@@ -90,10 +89,7 @@ def make_tiny_cmd(
     out: str, seed: int, force: bool, target_steps: int | None, samples: int | None, eval_prompts: int | None
 ) -> None:
     """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
-    import dataclasses
-    import time
-
-    from dflash.tiny import TinySpec, make_tiny
+    from dflash.tiny import TinySpec, load_manifest, make_tiny
 
     spec = TinySpec(seed=seed)
     changes = {
@@ -107,8 +103,6 @@ def make_tiny_cmd(
     if not built:
         click.echo(f"make-tiny: {path} is already there (seed {seed}); --force builds it again")
         return
-    from dflash.tiny import load_manifest
-
     m = load_manifest(path) or {}
     click.echo(
         f"make-tiny: wrote {path} in {time.monotonic() - t0:.0f}s: target/ (loss {m.get('target_loss')}), "
@@ -163,9 +157,6 @@ def prepare_data_cmd(
     shard_lines: int,
 ) -> None:
     """Render a chat corpus with the target's chat template into a memory-mapped token store."""
-    import json
-
-    from dflash.data import DataError, load_tokenizer
     from dflash.store import PrepareSpec, StoreError, prepare
 
     def fail(msg: str) -> t.NoReturn:
@@ -177,8 +168,6 @@ def prepare_data_cmd(
     if config_path is not None:
         if template_kwargs is not None:
             fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
-        from dflash.config import ConfigError, load_config
-
         try:
             cfg = load_config(config_path, ())
         except ConfigError as e:
@@ -224,13 +213,8 @@ def prepare_data_cmd(
         click.echo(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
     if c["dropped_turns"]:
         click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
-    for reason, d in meta["drops"].items():
-        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
-        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
-        click.echo(
-            f"prepare-data: dropped {d['count']} {reason}: {d['message']} ({unit} "
-            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
-        )
+    for line in drop_lines("prepare-data", meta["drops"]):
+        click.echo(line)
 
 
 @cli.command("regen")
@@ -314,10 +298,7 @@ def regen_cmd(
     log_every: int,
 ) -> None:
     """The target rewrites every assistant turn (temperature 0, the serving chat template and kwargs)."""
-    from dflash.chat import Renderer
-    from dflash.config import load_config
-    from dflash.data import DataError, load_tokenizer
-    from dflash.regen import RegenError, RegenSpec, ServerError, check_io, regen
+    from dflash.regen import OpenAIGenerator, RegenError, RegenSpec, ServerError, check_io, load_hf, regen
 
     def fail(msg: str) -> t.NoReturn:
         raise BadInput(msg)
@@ -354,16 +335,12 @@ def regen_cmd(
     try:
         check_io(spec)
         if backend == "hf":
-            from transformers.utils import logging as hf_logging
-
-            from dflash.regen import load_hf
+            from transformers.utils import logging as hf_logging  # the hf backend only: seconds to import
 
             hf_logging.disable_progress_bar()
             assert renderer is not None
             gens = list(load_hf(cfg, renderer.tokenizer, batch_size=batch_size))
         else:
-            from dflash.regen import OpenAIGenerator
-
             assert server is not None
             gens = [
                 OpenAIGenerator(
@@ -395,13 +372,8 @@ def regen_cmd(
             f"regen: {c['cut_conversations']} conversations end before a turn whose prompt fills "
             f"max_length ({spec.max_len} tokens)"
         )
-    for reason, d in summary["drops"].items():
-        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
-        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
-        click.echo(
-            f"regen: dropped {d['count']} {reason}: {d['message']} ({unit} "
-            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
-        )
+    for line in drop_lines("regen", summary["drops"]):
+        click.echo(line)
 
 
 @cli.command("eval")
@@ -489,8 +461,6 @@ def eval_cmd(
     compare_path: str | None,
 ) -> None:
     """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
-    import json
-
     from dflash.evaluate import check_max_new
 
     check_max_new(max_new_tokens)  # said before loading anything
@@ -498,8 +468,6 @@ def eval_cmd(
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")
     if plot_path:  # said before the (long) eval, not after it
-        from dflash import eval_plot
-
         eval_plot.check_out(plot_path)
         eval_plot.require_matplotlib()
         before = eval_plot.load_report(compare_path) if compare_path else None
@@ -724,25 +692,10 @@ def bench_pipeline(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; maps errors to the exit codes above (the only place that does)."""
-    from dflash.checkpoint import CheckpointError
-    from dflash.config import ConfigError
-    from dflash.data import DataError
-    from dflash.eval_plot import PlotError
-    from dflash.evaluate import EvalError
-    from dflash.export import ExportError
-    from dflash.tiny import TinyError
-
+    """Entry point; maps errors to the exit codes above (the only place that does: ``dflash.errors``)."""
     try:
         # a command's return value, or the code of a click ``Exit`` (``--help``: 0)
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
-    except BadInput as e:
-        click.echo(str(e), err=True)
-        return EXIT_CONFIG
-    except Failed as e:
-        if str(e):
-            click.echo(str(e), err=True)
-        return EXIT_FAILED
     except SystemExit as e:  # sys.exit() deep in a library
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_FAILED
     except click.exceptions.Abort:
@@ -751,19 +704,13 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (
-        ConfigError,
-        DataError,
-        EvalError,
-        TinyError,
-        CheckpointError,
-        ExportError,
-    ) as e:  # bad input; the message names it
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_CONFIG
-    except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_FAILED
+    except DflashError as e:
+        if e.traceback:  # a run's failure: its traceback is what train.log and the crash report keep
+            raise
+        text = e.line()  # a user's mistake (exit 2) or a failure the message names (exit 1); one line
+        if text:
+            click.echo(text, err=True)
+        return e.exit_code
     return rv if type(rv) is int else EXIT_OK
 
 

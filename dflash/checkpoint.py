@@ -51,6 +51,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash import hf_remote
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+from dflash.errors import DflashError, InputError
 
 __all__ = [
     "Checkpoint",
@@ -85,11 +86,11 @@ _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A checkpoint directory is missing, incomplete, corrupted or not ours; the message names the path."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(DflashError, RuntimeError):
     """A background checkpoint write failed (disk full, ...): the run fails; earlier checkpoints stand."""
 
 

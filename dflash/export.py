@@ -27,13 +27,14 @@ from safetensors.torch import save_file
 
 from dflash import checkpoint as ckpt
 from dflash import hf_remote
+from dflash.errors import InputError
 
 __all__ = ["DTYPES", "ExportError", "export"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     """Bad input to export (no checkpoint, OUT in the way, an unreadable report): one line."""
 
 

@@ -25,10 +25,11 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
+from dflash.compile import warm_up, warm_up_shapes
 from dflash.config import load_config
 from dflash.drafter import CompileMissError
 from dflash.loss import drafter_loss
-from dflash.train import Run, warm_up, warm_up_shapes
+from dflash.train import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

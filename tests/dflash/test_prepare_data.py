@@ -386,7 +386,7 @@ def test_config_chat_template_kwargs(tmp_path: Path) -> None:
 
 
 def test_the_vectorized_plan_of_a_store_follows_the_list_plans_rules() -> None:
-    from dflash.data import BatchPlan
+    from dflash.batching import BatchPlan
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 300, size=3000)

@@ -163,8 +163,7 @@ def reference(target: Path, records: list[dict[str, t.Any]]) -> tuple[dict[int, 
     TargetModel.generate_greedy): an implementation independent of regen's batched ``generate``."""
     import torch
 
-    from dflash.chat import messages_of
-    from dflash.data import load_tokenizer
+    from dflash.chat import load_tokenizer, messages_of
     from dflash.target import TargetModel
 
     tok = load_tokenizer(str(target))
