@@ -4,7 +4,7 @@
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
-    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
+    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force] [--format zlab|speculators]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
@@ -574,12 +574,35 @@ def eval_cmd(
     help="A `dflash eval --json` report: its tau goes into the model card.",
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def export_cmd(source: str, out: str, dtype: str, eval_path: str | None, force: bool) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["zlab", "speculators"]),
+    default="zlab",
+    show_default=True,
+    help="zlab: what vLLM, SGLang and transformers read; speculators: vllm-project/speculators' layout "
+    "(`vllm serve OUT` alone starts target and drafter).",
+)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="TARGET",
+    help="With --format speculators: the target the config names (default: the run's target folder).",
+)
+def export_cmd(
+    source: str, out: str, dtype: str, eval_path: str | None, force: bool, fmt: str, verifier: str | None
+) -> None:
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
-    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force)
-    click.echo(f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))")
+    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force, fmt=fmt, verifier=verifier)
+    if fmt == "speculators":
+        click.echo(f"exported {dtype} drafter to {path} in the speculators layout (vllm serve {path}; README.md)")
+    else:
+        click.echo(
+            f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True); "
+            "README.md: the vLLM and SGLang command lines)"
+        )
 
 
 @cli.group()
