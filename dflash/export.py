@@ -97,7 +97,8 @@ def _target_facts(run: dict[str, t.Any]) -> contract.Target:
     """What the serving contract checks the drafter against: the target the run trained with."""
     data = _target_config(run)
     if data is not None:
-        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+        nested = data.get("text_config")
+        text: dict[str, t.Any] = nested if isinstance(nested, dict) else data
         return contract.Target(text.get("vocab_size"), text.get("hidden_size"), text.get("num_hidden_layers"))
     tiny = (run.get("target") or {}).get("tiny")
     if isinstance(tiny, dict):
