@@ -207,7 +207,9 @@ class EngineDouble:
 
     def start(self) -> EngineDouble:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._server.serve_forever, name="engine-double", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="engine-double", daemon=True
+        )
         self._thread.start()
         return self
 
