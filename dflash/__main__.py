@@ -601,8 +601,7 @@ def export_cmd(
         click.echo(f"exported {dtype} drafter to {path} in the speculators layout (vllm serve {path}; README.md)")
     else:
         click.echo(
-            f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True); "
-            "README.md: the vLLM and SGLang command lines)"
+            f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))"
         )
 
 

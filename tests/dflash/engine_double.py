@@ -36,6 +36,13 @@ import prometheus_client as prom
 __all__ = ["EngineDouble"]
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's listen backlog is 5: 32 requests at once would wait out SYN retries (1 s), which no
+    # engine makes its clients do (uvicorn listens with 2048)
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class EngineDouble:
     """``with EngineDouble("vllm") as engine: engine.url ...``; ``engine.requests`` lists the bodies it got."""
 
@@ -62,7 +69,7 @@ class EngineDouble:
         self._interval: list[int] = []  # SGLang: accepted drafts of the steps since the last log
         self.registry = prom.CollectorRegistry()
         self._metrics()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
     # ---- the engines' metrics -----------------------------------------------------------
@@ -206,7 +213,7 @@ class EngineDouble:
         return Handler
 
     def start(self) -> EngineDouble:
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="engine-double", daemon=True
         )
