@@ -97,7 +97,9 @@ def serving_keys(data: dict[str, t.Any]) -> dict[str, t.Any]:
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
         out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
     if isinstance(out.get("block_size"), int):
-        dflash["block_size"] = out["block_size"]
+        # a published config may carry its own (z-lab's Qwen3.5 drafters keep it only here): a different
+        # one stays, for ``check`` to refuse, rather than being overwritten without a word
+        dflash.setdefault("block_size", out["block_size"])
     out["dflash_config"] = dflash
     return out
 

@@ -178,7 +178,7 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
     lines += [
         "",
         "Acceptance where it is served: `dflash bench serve --server URL --prompts PROMPTS --eval REPORT.json` "
-        "(the engine's own counters, beside the offline tau below).",
+        "(the engine's own counters, beside `dflash eval`'s offline tau).",
     ]
     return lines
 

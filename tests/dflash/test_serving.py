@@ -293,3 +293,11 @@ def test_contract_names_unknown_and_missing_weights_by_layer_order() -> None:
         contract.ContractError, match=r"^weights outside z-lab's DFlashDraftModel names: lm_head\.weight, model\."
     ):
         contract.check(data, extra)
+
+
+def test_contract_keeps_and_refuses_a_dflash_config_block_size_that_differs() -> None:
+    data = {"block_size": 16, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [1], "block_size": 8}}
+    keyed = contract.serving_keys(data)
+    assert keyed["dflash_config"]["block_size"] == 8 and keyed["eagle_aux_hidden_state_layer_ids"] == [2]
+    with pytest.raises(contract.ContractError, match=r"^dflash_config\.block_size 8 differs from block_size 16: "):
+        contract.check({**keyed, "vocab_size": 4}, {})
