@@ -4,11 +4,12 @@
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
-    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
+    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force] [--format zlab|speculators]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
+    dflash bench serve --server URL --prompts FILE [--concurrency 1,8,32] [--eval eval.json] [--json bench.json]
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
@@ -542,12 +543,34 @@ def eval_cmd(
     help="A `dflash eval --json` report: its tau goes into the model card.",
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def export_cmd(source: str, out: str, dtype: str, eval_path: str | None, force: bool) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["zlab", "speculators"]),
+    default="zlab",
+    show_default=True,
+    help="zlab: what vLLM, SGLang and transformers read; speculators: vllm-project/speculators' layout "
+    "(`vllm serve OUT` alone starts target and drafter).",
+)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="TARGET",
+    help="With --format speculators: the target the config names (default: the run's target folder).",
+)
+def export_cmd(
+    source: str, out: str, dtype: str, eval_path: str | None, force: bool, fmt: str, verifier: str | None
+) -> None:
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
-    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force)
-    click.echo(f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))")
+    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force, fmt=fmt, verifier=verifier)
+    if fmt == "speculators":
+        click.echo(f"exported {dtype} drafter to {path} in the speculators layout (vllm serve {path}; README.md)")
+    else:
+        click.echo(
+            f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))"
+        )
 
 
 @cli.group()
@@ -689,6 +712,142 @@ def bench_pipeline(
     if json_path:
         with open(json_path, "w") as f:
             f.write(dump_json(res) + "\n")
+
+
+@bench.command("serve")
+@click.option(
+    "--server", required=True, metavar="URL", help="The OpenAI-compatible server, e.g. http://127.0.0.1:8000."
+)
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help='JSONL or JSON: chat records (messages / conversations), {"prompt": text} or {"input_ids": [...]}.',
+)
+@click.option(
+    "--concurrency", default="1,8,32", show_default=True, metavar="C1,C2,...", help="Requests in flight, per level."
+)
+@click.option("--model", default=None, help="The served model name (default: the one the server lists).")
+@click.option(
+    "--max-new-tokens",
+    "--max-new",
+    "max_new_tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="New tokens per prompt at most (default: the --eval report's, else 64).",
+)
+@click.option("--ignore-eos", is_flag=True, help="Decode --max-new tokens past EOS (default: as the --eval report).")
+@click.option(
+    "--template-kwargs",
+    default=None,
+    metavar="JSON",
+    help="chat_template_kwargs of chat requests (default: the --eval report's), e.g. '{\"enable_thinking\": false}'.",
+)
+@click.option(
+    "--eval",
+    "eval_path",
+    type=click.Path(dir_okay=False),
+    metavar="REPORT.json",
+    help="A `dflash eval --json` report on the same prompts: its tau is shown beside the server's.",
+)
+@click.option("--drafter", "drafter_path", type=click.Path(), help="Compute the offline tau here with this drafter.")
+@click.option("--target", "target_path", type=click.Path(), help="With --drafter: the target (default: the run's).")
+@click.option("--device", default="cpu", show_default=True, help="With --drafter: where dflash eval runs.")
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0), help="Requests sent before measuring.")
+@click.option(
+    "--timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Seconds per request."
+)
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(0), help="Retries of a 5xx/timeout.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
+def bench_serve(
+    server: str,
+    prompts_path: str,
+    concurrency: str,
+    model: str | None,
+    max_new_tokens: int | None,
+    ignore_eos: bool,
+    template_kwargs: str | None,
+    eval_path: str | None,
+    drafter_path: str | None,
+    target_path: str | None,
+    device: str,
+    warmup: int,
+    timeout: float,
+    retries: int,
+    json_path: str | None,
+) -> None:
+    """Acceptance, output tokens/s and latency of a running server (target + drafter), beside dflash eval's tau."""
+    import json
+    from pathlib import Path
+
+    from dflash.regen import ServerError
+    from dflash.serve_bench import (
+        ServeBenchError,
+        bench,
+        offline_computed,
+        offline_from_report,
+        parse_concurrency,
+        read_prompts,
+        sha256_file,
+    )
+
+    try:
+        levels = parse_concurrency(concurrency)
+        if eval_path and drafter_path:
+            raise ServeBenchError("bench serve: give --eval REPORT or --drafter CKPT, not both")
+        if target_path and not drafter_path:
+            raise ServeBenchError("bench serve: --target goes with --drafter")
+        # TODO(lead, at merge): `--suite NAME` gives its prompts here (bench() takes any list of Prompt)
+        prompts = read_prompts(prompts_path)
+        kwargs = None
+        if template_kwargs is not None:
+            try:
+                kwargs = json.loads(template_kwargs)
+            except ValueError as e:
+                raise ServeBenchError(f"bench serve: --template-kwargs: not valid JSON: {e}") from None
+            if not isinstance(kwargs, dict):
+                raise ServeBenchError("bench serve: --template-kwargs: expected a JSON object")
+        offline = offline_from_report(eval_path, prompts_path) if eval_path else None
+        if offline is not None:
+            max_new_tokens = max_new_tokens or offline.max_new_tokens
+            ignore_eos = ignore_eos or offline.stop_at_eos is False
+            kwargs = offline.chat_template_kwargs if kwargs is None else kwargs
+        max_new_tokens = max_new_tokens or 64
+        if drafter_path:  # before the server run: a drafter or target it cannot load is said first
+            offline = offline_computed(
+                drafter=drafter_path,
+                target=target_path,
+                prompts_path=prompts_path,
+                chat=any(p.messages is not None for p in prompts),
+                template_kwargs=None if kwargs is None else json.dumps(kwargs),
+                max_new_tokens=max_new_tokens,
+                ignore_eos=ignore_eos,
+                device=device,
+            )
+        report = bench(
+            server,
+            prompts,
+            levels,
+            prompts_name=prompts_path,
+            prompts_sha256=sha256_file(Path(prompts_path)),
+            model=model,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+            chat_template_kwargs=kwargs,
+            offline=offline,
+            warmup=warmup,
+            timeout=timeout,
+            retries=retries,
+            log=lambda m: click.echo(m, err=True),
+        )
+    except ServerError as e:  # a server that fails mid-run: one line, exit 1 (bad input is ServeBenchError: exit 2)
+        raise Failed(str(e)) from None
+    for line in report.lines():
+        click.echo(line)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(json.dumps(report.to_json(), indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,10 @@ __all__ = [
     "load_prompts",
     "load_setup",
     "prompt_messages",
+    "read_records",
     "resolve_checkpoint",
     "teacher_forced_walk",
+    "token_prompt",
     "untrained_drafter",
 ]
 
@@ -103,7 +105,7 @@ def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
     return msgs
 
 
-def _records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
+def read_records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
     """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both)."""
     if text.lstrip().startswith("["):
         try:
@@ -141,7 +143,7 @@ def load_prompts(
     except UnicodeDecodeError:
         raise EvalError(f"--prompts: {path} is not UTF-8 text") from None
     prompts: list[list[int]] = []
-    for where, rec in _records(text, path):
+    for where, rec in read_records(text, path):
         if isinstance(rec, dict) and ("messages" in rec or "conversations" in rec) and "input_ids" not in rec:
             if renderer is None:
                 raise EvalError(f"{where}: a chat record: give --chat to render it with the target's chat template")
@@ -157,7 +159,7 @@ def load_prompts(
                     f"{where}: pre-tokenized input_ids cannot be rendered with --chat "
                     "(give chat records, or leave --chat out)"
                 )
-            ids = _token_prompt(rec, where)
+            ids = token_prompt(rec, where)
         if vocab_size is not None and max(ids) >= vocab_size:
             raise EvalError(f"{where}: input_ids: token {max(ids)} is outside the target vocabulary ({vocab_size})")
         prompts.append(ids)
@@ -168,7 +170,7 @@ def load_prompts(
     return prompts
 
 
-def _token_prompt(rec: t.Any, where: str) -> list[int]:
+def token_prompt(rec: t.Any, where: str) -> list[int]:
     ids = rec.get("input_ids") if isinstance(rec, dict) else None
     if (
         not isinstance(ids, list)

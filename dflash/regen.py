@@ -269,7 +269,7 @@ class OpenAIGenerator:
         self._abort.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _request(self, path: str, body: dict[str, t.Any] | None) -> dict[str, t.Any]:
+    def request(self, path: str, body: dict[str, t.Any] | None) -> dict[str, t.Any]:
         """One call with the retries; ServerError (one line) on a 4xx or when the retries are spent."""
         url = self.base + path
         data = None if body is None else json.dumps(body).encode()
@@ -308,7 +308,7 @@ class OpenAIGenerator:
         raise ServerError(f"regen: {url}: {last} (gave up after {self.retries + 1} tries)")
 
     def _only_model(self) -> str:
-        ids = [m.get("id") for m in self._request("/models", None).get("data", []) if isinstance(m, dict)]
+        ids = [m.get("id") for m in self.request("/models", None).get("data", []) if isinstance(m, dict)]
         if len(ids) != 1 or not isinstance(ids[0], str):
             raise RegenError(
                 f"regen: {self.base}/models lists {len(ids)} models ({', '.join(map(str, ids[:5]))}): "
@@ -326,7 +326,7 @@ class OpenAIGenerator:
         }
         if self.kwargs:
             body["chat_template_kwargs"] = self.kwargs
-        out = self._request("/chat/completions", body)
+        out = self.request("/chat/completions", body)
         try:
             choice = out["choices"][0]
             msg = choice["message"]
