@@ -1,6 +1,6 @@
 """Issue 23 section 2: ``dflash bench serve`` against a server that speaks as vLLM and SGLang do.
 
-No GPU engine runs here: the server is ``EngineDouble`` (tests/dflash/engine_double.py), a real HTTP server
+No GPU engine runs here: the server is ``EngineDouble`` (testkit/engine_double.py), a real HTTP server
 on 127.0.0.1 whose /metrics are the engines' own names, label sets and exposition text (prometheus_client),
 with counters that move per request as the engines' do.
 """
@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_double import EngineDouble
 
 from dflash import engine_metrics
 from dflash.__main__ import main
 from dflash.serve_bench import percentile, sha256_file
-from ops.testing import free_port
+from testkit import free_port
+from testkit.engine_double import EngineDouble
 
 REPO = Path(__file__).resolve().parents[2]
 # the double's cycle (3, 1, 2, 0): requests of 1 + 2 * 10 tokens take 8 verify steps, accepting 12 drafts

@@ -78,7 +78,7 @@ class EngineDouble:
         r = self.registry
         if self.flavor == "vllm":
             labels = ["model_name", "engine"]
-            values = (self.model, "0")
+            values: tuple[str, ...] = (self.model, "0")
             self.generation = prom.Counter(
                 "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=r
             ).labels(*values)
