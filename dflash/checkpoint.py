@@ -272,6 +272,13 @@ def save_checkpoint(
     )
 
 
+def check_servable(drafter: torch.nn.Module, config: DFlashDraftConfig, *, vocab_size: int | None = None) -> None:
+    """The serving contract ``write_checkpoint`` applies, checked on a drafter before training starts: a run
+    whose checkpoints an engine would refuse fails at start in one line, not at its first checkpoint."""
+    shapes = {name.replace("_orig_mod.", ""): tuple(w.shape) for name, w in drafter.state_dict().items()}
+    contract.check(json.loads(config_json(config)), shapes, target=contract.Target(vocab_size=vocab_size))
+
+
 def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int | None = 3) -> Path:
     """Write a snapshot as ``<root>/step-<n>``: temp dir, fsync, rename; then prune the run's oldest."""
     step = snap.step

@@ -317,6 +317,7 @@ class Run:
         cfg = self.cfg
         dtype = torch_dtype(cfg.drafter.dtype)
         base = initial_drafter(self.draft_config, seed=cfg.seed, init=self.init_drafter)
+        ckpt.check_servable(base, self.draft_config, vocab_size=self.vocab_size)
         replica_cfg = ReplicaConfig.of(cfg)
         heads: dict[str, TargetHead] = {}
         out = []

@@ -12,7 +12,7 @@ from transformers import Qwen3ForCausalLM
 
 from dflash import contract
 from dflash.__main__ import main
-from dflash.checkpoint import CheckpointWriteError, CheckpointWriter, save_checkpoint, snapshot
+from dflash.checkpoint import CheckpointWriteError, CheckpointWriter, check_servable, save_checkpoint, snapshot
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.target import tiny_target_config
 
@@ -146,6 +146,9 @@ def test_checkpoint_save_refuses_what_an_engine_would_refuse_or_get_wrong(
         save_checkpoint(tmp_path / "ck", step=1, drafter=model, trainer_state={})
     assert str(caught.value) == line
     assert not (tmp_path / "ck").exists()  # refused before anything is written
+    with pytest.raises(contract.ContractError) as at_start:  # what dflash train checks before step 1
+        check_servable(model, model.config)
+    assert str(at_start.value) == line
 
     writer = CheckpointWriter(tmp_path / "bg")  # the trainer's background writer says the same line
     writer.submit(snapshot(model, step=2, trainer_state={}))
