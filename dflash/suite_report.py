@@ -17,11 +17,8 @@ import json
 import typing as t
 
 from dflash import published, suites
-from dflash.evaluate import DeferredPrompt, EvalError, EvalReport, evaluate
-
-if t.TYPE_CHECKING:
-    from dflash.chat import Renderer
-    from dflash.evaluate import Setup
+from dflash.chat import BadRecord, Renderer
+from dflash.evaluate import DeferredPrompt, EvalError, EvalReport, Setup, evaluate
 
 __all__ = ["SuiteReport", "SuiteResult", "run_suites"]
 
@@ -122,7 +119,6 @@ def _prompts(
     convs: list[list[str]], renderer: Renderer, vocab_size: int, name: str
 ) -> list[t.Sequence[int] | DeferredPrompt]:
     """One prompt per turn, in order; turn j > 1 after the target's own answers (the outputs so far)."""
-    from dflash.chat import BadRecord
 
     def ids(messages: list[dict[str, str]]) -> list[int]:
         try:

@@ -37,6 +37,8 @@ import os
 import typing as t
 from pathlib import Path
 
+from dflash.errors import InputError
+
 __all__ = ["DATASETS_HINT", "SUITES", "Suite", "SuiteError", "load", "parse_suites"]
 
 DATASETS_HINT = "pip install 'dflash[datasets]'"
@@ -52,8 +54,9 @@ LCB_SYSTEM = (
 LCB_FILES = ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.jsonl", "test6.jsonl")
 
 
-class SuiteError(ValueError):
-    """A suite that cannot be read as asked (unknown name, missing extra, wrong schema); one line."""
+class SuiteError(InputError, ValueError):
+    """A suite that cannot be read as asked (unknown name, missing extra, wrong schema): a user's mistake,
+    one line, exit 2."""
 
 
 def _text(row: t.Mapping[str, t.Any], field: str) -> str:
