@@ -11,6 +11,7 @@
                 [--suite gsm8k,mt-bench,NAME=PATH [--suite-dir DIR]] [--temperature T --seed S] [--count zlab]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
     dflash bench serve --server URL --prompts FILE [--concurrency 1,8,32] [--eval eval.json] [--json bench.json]
+    dflash bench serve --server URL --suite gsm8k,humaneval [--suite-dir DIR] [--limit N] [--drafter CKPT]
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
@@ -790,10 +791,25 @@ def bench_pipeline(
 @click.option(
     "--prompts",
     "prompts_path",
-    required=True,
+    default=None,
     type=click.Path(dir_okay=False),
     help='JSONL or JSON: chat records (messages / conversations), {"prompt": text} or {"input_ids": [...]}.',
 )
+@click.option(
+    "--suite",
+    "suite_spec",
+    default=None,
+    metavar="NAMES",
+    help="Instead of --prompts: the published tables' suites (as dflash eval --suite; NAME=PATH a local copy), "
+    "each conversation's first user turn (needs dflash[datasets]).",
+)
+@click.option(
+    "--suite-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --suite: read suite NAME from DIR/NAME.",
+)
+@click.option("--limit", type=click.IntRange(1), default=None, help="With --suite: the first N of each suite.")
 @click.option(
     "--concurrency", default="1,8,32", show_default=True, metavar="C1,C2,...", help="Requests in flight, per level."
 )
@@ -804,7 +820,7 @@ def bench_pipeline(
     "max_new_tokens",
     type=click.IntRange(1),
     default=None,
-    help="New tokens per prompt at most (default: the --eval report's, else 64).",
+    help="New tokens per prompt at most (default: the --eval report's, else 64; 2048 with --suite).",
 )
 @click.option("--ignore-eos", is_flag=True, help="Decode --max-new tokens past EOS (default: as the --eval report).")
 @click.option(
@@ -831,7 +847,10 @@ def bench_pipeline(
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
 def bench_serve(
     server: str,
-    prompts_path: str,
+    prompts_path: str | None,
+    suite_spec: str | None,
+    suite_dir: str | None,
+    limit: int | None,
     concurrency: str,
     model: str | None,
     max_new_tokens: int | None,
@@ -852,6 +871,7 @@ def bench_serve(
 
     from dflash.regen import ServerError
     from dflash.serve_bench import (
+        Prompt,
         ServeBenchError,
         bench,
         offline_computed,
@@ -859,6 +879,7 @@ def bench_serve(
         parse_concurrency,
         read_prompts,
         sha256_file,
+        suite_prompts,
     )
 
     try:
@@ -867,8 +888,20 @@ def bench_serve(
             raise ServeBenchError("bench serve: give --eval REPORT or --drafter CKPT, not both")
         if target_path and not drafter_path:
             raise ServeBenchError("bench serve: --target goes with --drafter")
-        # TODO(lead, at merge): `--suite NAME` gives its prompts here (bench() takes any list of Prompt)
-        prompts = read_prompts(prompts_path)
+        if (prompts_path is None) == (suite_spec is None):
+            raise ServeBenchError("bench serve: give --prompts FILE or --suite NAMES (one of them)")
+        if suite_spec is None and (suite_dir is not None or limit is not None):
+            raise ServeBenchError("bench serve: --suite-dir and --limit go with --suite")
+        suite: tuple[list[Prompt], str] | None = None
+        if suite_spec is not None:
+            prompts, prompts_name, prompts_sha256 = suite_prompts(
+                suites.parse_suites(suite_spec, suite_dir), limit=limit
+            )
+            suite = (prompts, prompts_sha256)
+        else:
+            assert prompts_path is not None
+            prompts, prompts_name = read_prompts(prompts_path), prompts_path
+            prompts_sha256 = sha256_file(Path(prompts_path))
         kwargs = None
         if template_kwargs is not None:
             try:
@@ -877,12 +910,12 @@ def bench_serve(
                 raise ServeBenchError(f"bench serve: --template-kwargs: not valid JSON: {e}") from None
             if not isinstance(kwargs, dict):
                 raise ServeBenchError("bench serve: --template-kwargs: expected a JSON object")
-        offline = offline_from_report(eval_path, prompts_path) if eval_path else None
+        offline = offline_from_report(eval_path, prompts_sha256) if eval_path else None
         if offline is not None:
             max_new_tokens = max_new_tokens or offline.max_new_tokens
             ignore_eos = ignore_eos or offline.stop_at_eos is False
             kwargs = offline.chat_template_kwargs if kwargs is None else kwargs
-        max_new_tokens = max_new_tokens or 64
+        max_new_tokens = max_new_tokens or (2048 if suite is not None else 64)  # the tables' figure, as eval --suite
         if drafter_path:  # before the server run: a drafter or target it cannot load is said first
             offline = offline_computed(
                 drafter=drafter_path,
@@ -893,13 +926,14 @@ def bench_serve(
                 max_new_tokens=max_new_tokens,
                 ignore_eos=ignore_eos,
                 device=device,
+                suite=suite,
             )
         report = bench(
             server,
             prompts,
             levels,
-            prompts_name=prompts_path,
-            prompts_sha256=sha256_file(Path(prompts_path)),
+            prompts_name=prompts_name,
+            prompts_sha256=prompts_sha256,
             model=model,
             max_new_tokens=max_new_tokens,
             ignore_eos=ignore_eos,

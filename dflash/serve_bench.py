@@ -19,7 +19,9 @@ report (``--eval``; its prompts file's sha256 says whether they are the same pro
 
 Prompts come from a function (``read_prompts(path)`` for ``--prompts FILE``): chat records (OpenAI
 ``messages`` / ShareGPT ``conversations``: the turns before the first assistant turn, sent to
-``/v1/chat/completions``), ``{"prompt": "text"}`` or ``{"input_ids": [...]}`` (sent to ``/v1/completions``).
+``/v1/chat/completions``), ``{"prompt": "text"}`` or ``{"input_ids": [...]}`` (sent to ``/v1/completions``);
+or ``suite_prompts(specs)`` for ``--suite NAMES``: the published tables' suites (``dflash.suites``), each
+conversation's first user turn as a chat request.
 
 Requests go through ``dflash.regen.OpenAIGenerator``'s client (its timeouts, retries and one-line
 errors). Bad input (a bad --concurrency, no prompts, a server that does not answer or has no
@@ -42,7 +44,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dflash import engine_metrics
+from dflash import engine_metrics, suites
 from dflash.errors import BadInput
 from dflash.regen import OpenAIGenerator, RegenError, ServerError
 
@@ -58,6 +60,7 @@ __all__ = [
     "percentile",
     "read_prompts",
     "sha256_file",
+    "suite_prompts",
 ]
 
 PREFIX = "bench serve: "
@@ -150,8 +153,31 @@ class Offline:
     chat_template_kwargs: dict[str, t.Any] | None
 
 
-def offline_from_report(path: str | os.PathLike[str], prompts_path: str | os.PathLike[str] | None) -> Offline:
-    """A ``dflash eval --json`` report; ``same_prompts``: its prompts file's sha256 against ours."""
+def suite_prompts(
+    specs: t.Sequence[tuple[str, str | None]], *, limit: int | None = None
+) -> tuple[list[Prompt], str, str]:
+    """``--suite``: the first user turn of each conversation of each suite, in z-lab's wording and selection
+    (``dflash.suites.load``), as chat requests; (prompts, their name, the sha256 of the selection).
+
+    A later turn (mt-bench's turn 2) follows the target's own answer to turn 1, which a server gives only
+    once turn 1 is answered: requests in flight at once cannot carry it, so only first turns are sent (as
+    SpecForge's and z-lab's server benchmarks send them). For one suite the sha256 is the one
+    ``dflash eval --suite`` records for it, so a report of that suite is recognised as the same selection."""
+    prompts: list[Prompt] = []
+    names: list[str] = []
+    selections: list[list[list[str]]] = []
+    for name, path in specs:
+        convs = suites.load(name, path, limit=limit)
+        selections.append(convs)
+        prompts += [Prompt(messages=[{"role": "user", "content": turns[0]}]) for turns in convs]
+        names.append(f"suite {name} ({path or suites.SUITES[name].repo})")
+    data = selections[0] if len(selections) == 1 else selections
+    return prompts, ", ".join(names), hashlib.sha256(json.dumps(data).encode()).hexdigest()
+
+
+def offline_from_report(path: str | os.PathLike[str], prompts_sha256: str | None) -> Offline:
+    """A ``dflash eval --json`` report (or a ``dflash eval --suite --json`` report of one suite);
+    ``same_prompts``: its prompts' sha256 against ``prompts_sha256``, ours."""
     path = Path(path)
     try:
         report = json.loads(path.read_text())
@@ -159,15 +185,22 @@ def offline_from_report(path: str | os.PathLike[str], prompts_path: str | os.Pat
         raise ServeBenchError(f"{PREFIX}--eval: {path} does not exist") from None
     except (OSError, ValueError) as e:
         raise ServeBenchError(f"{PREFIX}--eval: {path} is not JSON ({e})") from None
-    return _offline(report, str(path), prompts_path)
+    if isinstance(report, dict) and isinstance(report.get("results"), list):  # dflash eval --suite's report
+        results = report["results"]
+        if len(results) != 1 or not isinstance(results[0], dict):
+            raise ServeBenchError(
+                f"{PREFIX}--eval: {path} is a report of {len(results)} suites: give one of a single suite"
+            )
+        report = results[0].get("report")
+    return _offline(report, str(path), prompts_sha256)
 
 
-def _offline(report: t.Any, source: str, prompts_path: str | os.PathLike[str] | None) -> Offline:
+def _offline(report: t.Any, source: str, prompts_sha256: str | None) -> Offline:
     if not isinstance(report, dict) or not isinstance(report.get("tau"), (int, float)):
         raise ServeBenchError(f"{PREFIX}--eval: {source} is not a report of `dflash eval --json` (no tau)")
     proto = report.get("protocol") or {}
     sha = proto.get("prompts_sha256")
-    same = None if not sha or prompts_path is None else sha == sha256_file(Path(prompts_path))
+    same = None if not sha or prompts_sha256 is None else sha == prompts_sha256
     kwargs = proto.get("chat_template_kwargs")
     return Offline(
         tau=float(report["tau"]),
@@ -184,15 +217,17 @@ def offline_computed(
     *,
     drafter: str,
     target: str | None,
-    prompts_path: str,
+    prompts_path: str | None,
     chat: bool,
     template_kwargs: str | None,
     max_new_tokens: int,
     ignore_eos: bool,
     device: str,
+    suite: tuple[list[Prompt], str] | None = None,
 ) -> Offline:
-    """``dflash eval`` on the same prompts file, here (loads the target and the drafter: slow)."""
-    from dflash.evaluate import evaluate, load_setup
+    """``dflash eval`` on the same prompts, here (loads the target and the drafter: slow): the prompts
+    file, or ``suite`` (``suite_prompts``' prompts and sha256), rendered with the target's chat template."""
+    from dflash.evaluate import evaluate, load_setup  # torch and transformers: only --drafter needs them
 
     s = load_setup(
         drafter=drafter,
@@ -203,11 +238,20 @@ def offline_computed(
         template_kwargs=template_kwargs,
         max_new_tokens=max_new_tokens,
         ignore_eos=ignore_eos,
+        suite=suite is not None,
     )
+    prompts: t.Sequence[t.Sequence[int]] = s.prompts
+    protocol = dict(s.prompt_protocol)
+    sha = sha256_file(Path(prompts_path)) if prompts_path is not None else None
+    if suite is not None:
+        assert s.renderer is not None  # load_setup makes one for suites
+        prompts = [s.renderer.prompt_ids(p.messages or []) for p in suite[0]]
+        sha = suite[1]
+        protocol["prompts_sha256"] = sha
     report = evaluate(
         s.target,
         s.drafter,
-        s.prompts,
+        prompts,
         max_new_tokens=max_new_tokens,
         drafter_name=s.drafter_name,
         untrained=s.untrained,
@@ -216,9 +260,9 @@ def offline_computed(
         prompts_name=s.prompts_name,
         ddtree_budget=None,
         stop_token_ids=s.stop_token_ids,
-        protocol=s.prompt_protocol,
+        protocol=protocol,
     )
-    return _offline(report.to_json(), f"computed: dflash eval --drafter {drafter}", prompts_path)
+    return _offline(report.to_json(), f"computed: dflash eval --drafter {drafter}", sha)
 
 
 # --------------------------------------------------------------------------------------------

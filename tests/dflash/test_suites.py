@@ -27,8 +27,12 @@ from test_eval_chat import Tiny, run_cli, served, write_config
 from test_prepare_data import QWEN3, make_tokenizer
 
 from dflash import published, suites
+from dflash.__main__ import main
+from dflash.checkpoint import save_checkpoint
+from dflash.evaluate import load_setup
 from dflash.spec_decode import target_greedy
 from dflash.target import TargetModel, tiny_target_config
+from testkit.engine_double import EngineDouble
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -509,3 +513,82 @@ def test_without_the_datasets_extra_the_error_names_it(tiny: Tiny, folders: dict
         == "dflash: --suite reads its datasets with the datasets extra: pip install 'dflash[datasets]'"
     )
     assert "Traceback" not in r.stderr
+
+
+def test_bench_serve_sends_each_conversations_first_turn_beside_evals_tau_of_the_same_selection(
+    tiny: Tiny, folders: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dflash bench serve --suite``: the suites' selection in z-lab's wording as chat requests to a server
+    (EngineDouble: the engines' /metrics, no GPU engine), with eval's tau on the same selection beside it."""
+    s = load_setup(drafter=None, untrained=True, config=str(tiny.config), suite=True)
+    ck = str(save_checkpoint(tmp_path / "ck", step=0, drafter=s.drafter, trainer_state={}))
+    both = f"gsm8k={folders['gsm8k']},mt-bench={folders['mt-bench']}"
+    gsm = f"gsm8k={folders['gsm8k']}"
+    out = tmp_path / "bench.json"
+    with EngineDouble("vllm") as engine:
+        serve = ["bench", "serve", "--server", engine.url, "--concurrency", "1", "--warmup", "0"]
+        assert main([*serve, "--suite", both, "--limit", "2", "--json", str(out)]) == 0
+        sent = list(engine.requests)
+        # bad input: one line, exit 2, no request
+        capsys.readouterr()
+        assert main([*serve, "--suite", gsm, "--prompts", str(tmp_path / "p.jsonl")]) == 2
+        assert main([*serve, "--prompts", str(tmp_path / "p.jsonl"), "--limit", "2"]) == 2
+        assert main([*serve, "--suite", "gsm9k"]) == 2
+        assert len(engine.requests) == len(sent)
+    assert capsys.readouterr().err.splitlines() == [
+        "bench serve: give --prompts FILE or --suite NAMES (one of them)",
+        "bench serve: --suite-dir and --limit go with --suite",
+        "dflash: --suite: unknown suite 'gsm9k' (known: gsm8k, math500, aime24, aime25, humaneval, mbpp, "
+        "livecodebench, swe-bench, mt-bench, alpaca, lbpp)",
+    ]
+    # each conversation's first user turn, z-lab's wording and selection; the tables' 2048 new tokens
+    firsts = [c[0] for c in suites.load("gsm8k", folders["gsm8k"], limit=2)] + ["first turn 0", "first turn 1"]
+    assert [b["messages"] for b in sent] == [[{"role": "user", "content": x}] for x in firsts]
+    assert all(b["max_tokens"] == 2048 and b["temperature"] == 0 for b in sent)
+    got = json.loads(out.read_text())
+    assert got["num_prompts"] == 4
+    assert got["prompts"] == f"suite gsm8k ({folders['gsm8k']}), suite mt-bench ({folders['mt-bench']})"
+
+    # beside it, eval's tau on the same selection: from its --suite report, or computed here
+    rep, b1, b2 = tmp_path / "eval.json", tmp_path / "b1.json", tmp_path / "b2.json"
+    common = ["--suite", gsm, "--limit", "2", "--max-new", "8"]
+    rc, _, err = run_cli(capsys, "--drafter", ck, "--target", str(tiny.target), *common, "--json", str(rep))
+    assert rc == 0, err
+    evaluated = json.loads(rep.read_text())["results"][0]
+    with EngineDouble("vllm") as engine:
+        serve = ["bench", "serve", "--server", engine.url, "--concurrency", "1", "--warmup", "0"]
+        assert main([*serve, "--suite", gsm, "--limit", "2", "--eval", str(rep), "--json", str(b1)]) == 0
+        assert all(b["max_tokens"] == 8 for b in engine.requests)  # the report's --max-new
+        assert main([*serve, *common, "--drafter", ck, "--target", str(tiny.target), "--json", str(b2)]) == 0
+    for path in (b1, b2):
+        offline = json.loads(path.read_text())["offline"]
+        assert offline["same_prompts"] is True and offline["max_new_tokens"] == 8, path
+        assert (
+            offline["tau"] == evaluated["tau"]
+            and offline["position_acceptance"] == (evaluated["report"]["position_acceptance"])
+        )
+    # a report of two suites is not one figure
+    rc, _, err = run_cli(
+        capsys,
+        "--drafter",
+        ck,
+        "--target",
+        str(tiny.target),
+        "--suite",
+        both,
+        "--limit",
+        "1",
+        "--max-new",
+        "4",
+        "--json",
+        str(rep),
+    )
+    assert rc == 0, err
+    with EngineDouble("vllm") as engine:
+        capsys.readouterr()
+        assert main(["bench", "serve", "--server", engine.url, "--suite", gsm, "--eval", str(rep)]) == 2
+        assert engine.requests == []
+    assert (
+        capsys.readouterr().err.strip()
+        == f"bench serve: --eval: {rep} is a report of 2 suites: give one of a single suite"
+    )
