@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from testkit.machine import free_port
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -32,8 +34,6 @@ class Sshd:
     def __init__(
         self, root: Path, *, port: int | None = None, user: str = "root", login_shell: str | None = None
     ) -> None:
-        from testkit import free_port
-
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
