@@ -32,6 +32,7 @@ if t.TYPE_CHECKING:
     from ops.remote import Remote
 
 HISTORY_TIMEOUT = 60.0
+DETAIL_WIDTH = 160  # a crash's detail under its row in the table (--json has all of it)
 
 
 @dataclasses.dataclass
@@ -146,7 +147,8 @@ class History:
             )
             notes = [f"    {i.line()}" for i in r.incidents]
             if r.detail and r.state in (State.CRASHED, State.LOST):
-                notes.insert(0, f"    {r.host + ': ' if group else ''}{r.detail}")
+                detail = r.detail if len(r.detail) <= DETAIL_WIDTH else r.detail[: DETAIL_WIDTH - 3] + "..."
+                notes.insert(0, f"    {r.host + ': ' if group else ''}{detail}")
             if notes:
                 below[len(table) - 1] = notes
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]

@@ -1,6 +1,6 @@
 """The agent: runs inside the container (or on this machine) and answers one JSON object per call.
 
-    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read> --json  < request.json
+    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read|history> --json  < request.json
 
 (``ops.session.agent_argv``; by hand, ``python -m ops.far.agent probe --json < request.json`` does the same.)
 
