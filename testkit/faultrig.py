@@ -58,7 +58,9 @@ class Supervisor:
                 raise AssertionError(f"the supervisor exited ({self.proc.returncode}) before {pattern!r}:\n{self.text}")
             return hit
 
-        return retry_until(find, seconds, interval=0.1)
+        hit = retry_until(find, seconds, interval=0.1)
+        assert hit is not None  # retry_until returns only a truthy value
+        return hit
 
     def events(self, pattern: str) -> list[str]:
         return [line for line in list(self.out) if re.search(pattern, line)]
@@ -160,7 +162,7 @@ class Rig:
     def status(self) -> dict[str, t.Any]:
         r = self.cli("status", "--json")
         assert r.stdout.strip(), r.stderr
-        return json.loads(r.stdout)
+        return t.cast(dict[str, t.Any], json.loads(r.stdout))
 
     def attempt(self, n: int) -> Path:
         return self.hosts.run_dir / "dflash" / f"attempt-{n}"
@@ -176,10 +178,14 @@ class Rig:
         return [int(x) for x in re.findall(r"^step (\d+) \|", self.log(n), re.M)]
 
     def run_json(self, n: int) -> dict[str, t.Any]:
-        return retry_until(
-            lambda: (self.attempt(n) / "run.json").exists() and json.loads((self.attempt(n) / "run.json").read_text()),
-            30,
-        )
+        path = self.attempt(n) / "run.json"
+
+        def read() -> dict[str, t.Any] | None:
+            return t.cast(dict[str, t.Any], json.loads(path.read_text())) if path.exists() else None
+
+        found = retry_until(read, 30)
+        assert found is not None  # retry_until returns only a truthy value
+        return found
 
     def inside(self, *argv: str) -> subprocess.CompletedProcess[bytes]:
         return self.pve.run_in(VMID, list(argv))
