@@ -159,6 +159,11 @@ def test_history_after_the_container_restarted_reads_the_persistent_run_dir(rig:
     retry_until(lambda: len(rig.steps(2)) >= 2, 30)
     a1, a2 = history(rig)["attempts"]
     assert a1["cause"] == "container-restart" and a2["state"] == "running"
+    # ONE remote command for the whole history (-vv logs every command the transport runs)
+    r = rig.cli("-vv", "history", "--json", "--state-dir", str(rig.state_dir))
+    assert r.exit_code == 0, r.output
+    ran = [x for x in r.stderr.splitlines() if re.search(r"\bssh pve: ", x)]
+    assert len(ran) == 1 and "pct exec 200" in ran[0] and " history --json" in ran[0], r.stderr
     assert a2["resumed_from"]["step"] == resumed_step(rig, 2) and resumed_step(rig, 2) % K == 0
 
 
