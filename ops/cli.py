@@ -612,6 +612,14 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
     help="Run CMD for each incident: its JSON on stdin, DFLASHCTL_STATE/CAUSE/HOST/SESSION/ACTION set.",
 )
 @click.option(
+    "--notify",
+    "notify_urls",
+    metavar="URL",
+    multiple=True,
+    help="Send each incident (and the supervisor's start and stop) to this apprise URL: slack://, ntfy://, "
+    "json://host:port, mailto://...; repeatable. Needs the notify extra: pip install 'dflash[notify]'.",
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False),
     metavar="DIR",
@@ -632,6 +640,7 @@ def restart_on_crash_cmd(
     start_container: bool,
     retry_oom: bool,
     on_event: str | None,
+    notify_urls: tuple[str, ...],
     state_dir: str | None,
 ) -> ExitCode:
     """Watch the run and restart it after a crash (backoff, crash-loop guard, incident files).
@@ -656,19 +665,31 @@ def restart_on_crash_cmd(
         start_container=start_container,
         retry_oom=retry_oom,
     )
+    hook = supervise.parse_hook(on_event)
+    watched = app.members() if app.group_name is not None else [app.host]
+    notifier = None
+    if notify_urls:
+        import os
+
+        from ops.notify import Notifier, secret_values
+
+        # every host's env values and API tokens: a message carries log lines, which could hold any of them
+        secrets = secret_values([*watched, *app.inventory.hosts.values()], os.environ)
+        notifier = Notifier(notify_urls, secrets=secrets, say=click.echo)
     sup: supervise.Supervisor
     if app.group_name is not None:
         from ops.supervise.group import GroupSupervisor
 
         sup = GroupSupervisor(
             app.inventory.group(app.group_name),
-            app.members(),
+            watched,
             session,
             opts,
             state_dir=Path(state_dir).expanduser() if state_dir else None,
-            on_event=supervise.parse_hook(on_event),
+            on_event=hook,
             emit=click.echo,
             hide_env=app.inventory.secret_env,
+            notifier=notifier,
         )
     else:
         sup = supervise.Supervisor(
@@ -676,14 +697,52 @@ def restart_on_crash_cmd(
             session,
             opts,
             state_dir=Path(state_dir).expanduser() if state_dir else None,
-            on_event=supervise.parse_hook(on_event),
+            on_event=hook,
             emit=click.echo,
             hide_env=app.inventory.secret_env,
+            notifier=notifier,
         )
     outcome = sup.run()  # CrashLoop (exit 11) and SupervisorLocked (exit 1) are raised
     if outcome.kind != "once" or outcome.state in (None, "restarted", State.RUNNING, State.SUCCEEDED):
         return ExitCode.OK
     return exit_code_for_state(outcome.state)
+
+
+# --- history (issue 25): the records and the table are in ops/history.py ---------------------------
+
+
+@cli.command("history")
+@_session_option
+@click.option("--json", "as_json", is_flag=True, help="Print the history as one JSON object.")
+@click.option("-n", "--last", type=click.IntRange(min=1), default=None, metavar="N", help="Only the last N attempts.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="restart-on-crash's state dir, whose incidents are shown between the attempts (default: its default).",
+)
+@pass_app
+def history_cmd(app: App, session: str | None, as_json: bool, last: int | None, state_dir: str | None) -> ExitCode:
+    """Every attempt of the session, oldest first: when, how long, how it ended (state, cause, exit code or
+    signal), the step it reached, the checkpoint it resumed from, who started it and why, and the
+    supervisor's incidents between them. With --group: a row per node."""
+    import json
+    from pathlib import Path
+
+    from ops import history, supervise
+    from ops.remote import connect
+
+    if app.group_name is not None:
+        hosts, name = app.members(), f"group {app.group_name}"
+    else:
+        hosts, name = [app.host], app.host.name
+    state = Path(state_dir).expanduser() if state_dir else supervise.default_state_dir()
+    h = history.history(hosts, name, session, connect, state_dir=state, last=last)
+    if as_json:
+        click.echo(json.dumps(h.to_json()))
+    else:
+        click.echo("\n".join(h.lines()))
+    return ExitCode.ERROR if h.errors else ExitCode.OK
 
 
 # --- plot (issue 14): fetch + cache + draw are in ops/plot.py --------------------------------------

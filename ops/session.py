@@ -7,9 +7,11 @@ so a common `status` costs one connection and one remote command. When the agent
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
+import socket
 import time
 import typing as t
 
@@ -129,10 +131,36 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
 # start / stop
 
 
-def start(remote: Remote, session: str | None = None, *, replace: bool = False) -> dict[str, t.Any]:
+def operator_start(replace: bool = False) -> dict[str, t.Any]:
+    """run.json's ``started_by`` for a start by hand: who and where (``dflashctl history`` shows it)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container's bare uid)
+        user = str(os.getuid())
+    return {
+        "by": "operator",
+        "user": user,
+        "machine": socket.gethostname(),
+        "why": "dflashctl start --replace" if replace else "dflashctl start",
+    }
+
+
+def start(
+    remote: Remote,
+    session: str | None = None,
+    *,
+    replace: bool = False,
+    started_by: t.Mapping[str, t.Any] | None = None,
+) -> dict[str, t.Any]:
+    """A new attempt; ``started_by`` (default: the operator, ``operator_start``) goes into its run.json."""
     host = remote.host
     req = request(host, session)
-    req.update(command=list(host.command), env=dict(host.env), replace=replace)
+    req.update(
+        command=list(host.command),
+        env=dict(host.env),
+        replace=replace,
+        started_by=dict(started_by) if started_by is not None else operator_start(replace),
+    )
     try:
         answer = call(remote, "start", req, timeout=START_TIMEOUT)
     except AgentUnavailable as e:

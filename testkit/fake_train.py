@@ -54,6 +54,9 @@ def main() -> int:
     step = resume(a.checkpoint)
     if step:
         log(f"resumed from checkpoint at step {step}")
+        # the training core's own line (dflash/train.py, the log format of dflash/__main__.py): history reads it
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+        log(f"{stamp} INFO dflash.train: resuming from {a.checkpoint} at step {step} (run fake-{os.getpid()})")
     done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
         fault = control(a.control, done_here)

@@ -1,6 +1,6 @@
 """The agent: runs inside the container (or on this machine) and answers one JSON object per call.
 
-    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read> --json  < request.json
+    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read|history> --json  < request.json
 
 (``ops.session.agent_argv``; by hand, ``python -m ops.far.agent probe --json < request.json`` does the same.)
 
@@ -27,6 +27,7 @@ import sys
 import time
 import typing as t
 
+from ops.far import history as far_history
 from ops.far import lock, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
@@ -51,15 +52,17 @@ from ops.far.records import (
     METRICS,
     RUN_JSON,
     RUN_RESERVED,
+    STARTED_BY,
     STOP_JSON,
 )
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
 from ops.far.runner import DISK_FULL_BYTES, disk_free, iso, reserve
 
-VERBS = ("probe", "start", "stop", "tail", "read")
+VERBS = ("probe", "start", "stop", "tail", "read", "history")
 TMUX_TIMEOUT = 10.0
 DIAG_LINES = 200  # log lines the probe brings back for diagnosis
+STEP_LINES = 20  # `history`: log lines of an attempt that did not crash (its last step, when it wrote no metrics)
 FOLLOW_CHUNK = 1 << 20  # at most this many bytes per `tail -f` poll
 READ_CAP = 4 << 20  # `read`: at most this many bytes of metrics.jsonl per call, all attempts together
 TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
@@ -67,6 +70,7 @@ MAX_LINES = 10_000  # `tail -n` above this shows this many
 LOCK = ".lock"  # <run_dir>/<session>/.lock: start, stop and replace of one session, one at a time
 LOCK_WAIT = 30.0  # seconds a start or stop waits for another one on the same session
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+STARTED_BY_MAX = 2048  # run.json's room (RESERVE_BYTES) holds it beside a long command line
 
 Request = t.Mapping[str, t.Any]
 
@@ -214,8 +218,11 @@ def metrics_facts(path: str) -> MetricsFacts | None:
 
 def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
     adir = current_attempt(req)
-    if adir is None:
-        return None
+    return None if adir is None else facts_of(adir, lines)
+
+
+def facts_of(adir: str, lines: int = DIAG_LINES) -> AttemptFacts:
+    """One attempt dir's records, its processes' liveness, the log's last ``lines`` and the last metrics record."""
     errors: list[str] = []
     found: dict[str, dict[str, t.Any] | None] = {}
     for key, name in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
@@ -424,15 +431,21 @@ def _validate_start(req: Request) -> None:
             )
         if not isinstance(value, str) or "\0" in value:
             raise Refused("bad-request", f"env.{key}: expected a string without NUL bytes")
+    by = req.get("started_by")
+    if by is not None and (not isinstance(by, dict) or len(json.dumps(by)) > STARTED_BY_MAX):
+        raise Refused("bad-request", f"started_by: expected an object of at most {STARTED_BY_MAX} bytes as JSON")
 
 
-def _prepare_attempt(adir: str, env: t.Mapping[str, str]) -> str:
+def _prepare_attempt(adir: str, env: t.Mapping[str, str], started_by: t.Mapping[str, t.Any] | None = None) -> str:
     """What the runner needs before it starts: an empty log, room for run.json and exit.json (so a
-    disk that fills up later cannot lose them, and a full disk fails HERE, cleanly), and the run's
-    environment in a 0600 file it reads and unlinks. Returns that file's path."""
+    disk that fills up later cannot lose them, and a full disk fails HERE, cleanly), who started it
+    (for run.json's ``started_by``), and the run's environment in a 0600 file it reads and unlinks.
+    Returns that file's path."""
     os.close(os.open(os.path.join(adir, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
     reserve(os.path.join(adir, RUN_RESERVED))
     reserve(os.path.join(adir, EXIT_RESERVED))
+    if started_by is not None:
+        write_json_atomic(os.path.join(adir, STARTED_BY), dict(started_by))
     path = os.path.join(adir, ENV_FILE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -495,7 +508,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     except OSError as e:
         raise _disk_refusal(e, f"cannot create an attempt under {sdir}") from None
     try:
-        env_file = _prepare_attempt(adir, req.get("env") or {})
+        env_file = _prepare_attempt(adir, req.get("env") or {}, req.get("started_by"))
     except OSError as e:
         shutil.rmtree(adir, ignore_errors=True)
         raise _disk_refusal(e, f"cannot prepare {adir}") from None
@@ -865,12 +878,51 @@ def read(req: Request) -> dict[str, t.Any]:
     }
 
 
+def history(req: Request) -> dict[str, t.Any]:
+    """`dflashctl history`: every attempt's facts, oldest first (what `probe` gives of the current one),
+    with the checkpoint its log says it resumed from (``ops.far.history``); ``last``: only the last N.
+    The log tail that names a crash's cause comes only with the attempts that ended non-zero and not on
+    request; the others bring a few lines (their last step, when they wrote no metrics)."""
+    last = req.get("last")
+    if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+        raise Refused("bad-request", "last: expected a whole number >= 1")
+    sdir = session_dir(req)
+    try:
+        names = os.listdir(sdir)
+    except FileNotFoundError:
+        names = []
+    except OSError as e:
+        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
+    numbered = sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
+    attempts = []
+    for _, name in numbered[-last:] if last else numbered:
+        adir = os.path.join(sdir, name)
+        af = facts_of(adir, STEP_LINES)
+        ended = af.get("exit") or {}
+        if ended and ended.get("exit_code") != 0 and not af.get("stop"):
+            af["log"] = log_facts(os.path.join(adir, LOG), DIAG_LINES)
+        attempts.append({**af, "resumed_from": far_history.resumed_from(os.path.join(adir, LOG))})
+    boot, boot_ticks = pid1_start()
+    cur = current_attempt(req)
+    return {
+        "session_dir": sdir,
+        "current": _attempt_number(os.path.basename(cur)) if cur else None,
+        "total": len(numbered),
+        "attempts": attempts,
+        "now": time.time(),
+        "hostname": os.uname().nodename,
+        "pid1_start": boot,
+        "pid1_ticks": boot_ticks,
+    }
+
+
 HANDLERS: dict[str, t.Callable[[Request], t.Mapping[str, object]]] = {
     "probe": probe,
     "start": start,
     "stop": stop,
     "tail": tail,
     "read": read,
+    "history": history,
 }
 REQUIRED = {
     "probe": ("session", "socket", "run_dir"),
@@ -878,6 +930,7 @@ REQUIRED = {
     "stop": ("session", "socket", "run_dir"),
     "tail": ("session", "socket", "run_dir"),
     "read": ("session", "socket", "run_dir"),
+    "history": ("session", "socket", "run_dir"),
 }
 
 

@@ -21,6 +21,7 @@ METRICS = "metrics.jsonl"
 CURRENT = "current"  # <run_dir>/<session>/current -> attempt-<n>
 
 ENV_FILE = ".env.json"  # the run's environment: 0600, read and unlinked by the runner at once
+STARTED_BY = ".started_by.json"  # who started the attempt and why: the runner puts it in run.json (`started_by`)
 RUN_RESERVED = ".run.reserved"  # pre-allocated records, filled in place then renamed (a full disk
 EXIT_RESERVED = ".exit.reserved"  # cannot stop them): -> run.json, -> exit.json
 

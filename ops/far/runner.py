@@ -39,7 +39,7 @@ from ops.far.procfs import pid1_start as pid1_start
 from ops.far.procfs import proc_stat as proc_stat
 from ops.far.procfs import start_epoch as start_epoch
 from ops.far.records import ENV_FILE as ENV_FILE
-from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED
+from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED, STARTED_BY
 from ops.far.records import METRICS as METRICS
 from ops.far.records import STOP_JSON as STOP_JSON
 
@@ -126,6 +126,19 @@ def read_env_file(path: str) -> dict[str, str]:
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise ValueError("expected a JSON object of strings")
     return data
+
+
+def read_started_by(attempt_dir: str) -> dict[str, t.Any] | None:
+    """Who started this attempt and why (the agent's ``.started_by.json``, taken into run.json and
+    removed); None for a runner started by hand."""
+    path = os.path.join(attempt_dir, STARTED_BY)
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read().decode("utf-8"))
+        os.unlink(path)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +275,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "oom_kill": oom_kill_count(),
         "hostname": os.uname().nodename,
         "python": args.python or sys.executable,
+        "started_by": read_started_by(attempt_dir),
     }
     failure = env_error or (None if log_fd is not None else f"cannot open {log_path}")
     if failure is None and args.cwd:

@@ -28,6 +28,7 @@ from ops.supervise.policy import Decision, Options
 from ops.supervise.state import IncidentLog, Lock, slug
 
 if t.TYPE_CHECKING:
+    from ops.notify import Notifier
     from ops.remote import Remote
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,22 @@ class GroupSupervisor(Supervisor):
         on_event: t.Sequence[str] | None = None,
         emit: t.Callable[[str], None] = print,
         hide_env: t.Sequence[str] = (),
+        notifier: Notifier | None = None,
     ) -> None:
         secrets = [name for h in members for name in h.secret_env]
         super().__init__(
-            members[0], session, opts, state_dir=state_dir, on_event=on_event, emit=emit, hide_env=[*secrets, *hide_env]
+            members[0],
+            session,
+            opts,
+            state_dir=state_dir,
+            on_event=on_event,
+            emit=emit,
+            hide_env=[*secrets, *hide_env],
+            notifier=notifier,
         )
         self.group = group
         self.members = list(members)
+        self.label = f"group {group.name}"
         name = f"group-{group.name}"  # never a host's name: hosts.toml refuses a group named like a host
         self.incidents = IncidentLog(self.state_dir, name, self.session)
         base = f"{slug(name)}.{slug(self.session)}"
@@ -171,7 +181,8 @@ class GroupSupervisor(Supervisor):
             if o.error is not None:
                 raise o.error
             self.emit(f"{o.host}: stopped the survivor ({(o.value or {}).get('how')})")
-        started = fan_out(self.members, lambda h: run.start(self._remote_of(h), self.session))
+        by = self.started_by(st, d, inc)
+        started = fan_out(self.members, lambda h: run.start(self._remote_of(h), self.session, started_by=by))
         attempt = None
         for o in started:
             if o.value is not None:

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import threading
 import time
 import typing as t
@@ -38,6 +39,7 @@ from ops.supervise.policy import (
 from ops.supervise.state import IncidentLog, Lock, default_state_dir, incident_for, private_dir, run_hook, slug
 
 if t.TYPE_CHECKING:
+    from ops.notify import Notifier
     from ops.remote import Remote
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,10 @@ def save_stack(remote: Remote, st: Status) -> dict[str, t.Any]:
     }
 
 
+def _cut(text: str | None, n: int) -> str | None:
+    return text if text is None or len(text) <= n else text[: n - 3] + "..."
+
+
 # --------------------------------------------------------------------------------------------
 # The loop
 
@@ -126,12 +132,15 @@ class Supervisor:
         clock: t.Callable[[], float] = time.time,
         rng: random.Random | None = None,
         hide_env: t.Sequence[str] = (),
+        notifier: Notifier | None = None,
     ) -> None:
         self.host = host
         self.session = run.session_name(host, session)
         self.opts = opts
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
         self.on_event = list(on_event) if on_event else None
+        self.notifier = notifier  # --notify: queued, delivered in the background (ops/notify.py)
+        self.label = host.name  # how its messages name what it watches
         # Secrets the hook must not inherit: this host's API token variable, and any the caller names.
         self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
         self._emit = emit
@@ -228,9 +237,14 @@ class Supervisor:
         except OSError as e:
             self.emit(f"warning: cannot write the incident {path}: {e}")
 
+    def _notify(self, incident: dict[str, t.Any]) -> None:
+        if self.notifier is not None:
+            self.notifier.incident(incident)  # never blocks: a bounded queue per URL
+
     def _announce(self, path: Path, incident: dict[str, t.Any]) -> None:
-        """Write the incident, then hand it to --on-event (a failing hook is reported, never fatal)."""
+        """Write the incident, notify it, then hand it to --on-event (a failing hook is reported, never fatal)."""
         self._record(path, incident)
+        self._notify(incident)
         if self.on_event is None:
             return
         result = run_hook(self.on_event, incident, path, hide_env=self.hide_env)
@@ -249,13 +263,45 @@ class Supervisor:
         with self.lock:
             self._load_memory()
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            ended = "an error"
             try:
-                return self._loop()
+                outcome = self._loop()
+                ended = self._ending(outcome)
+                return outcome
+            except errors.CrashLoop as e:
+                ended = str(e)
+                raise
+            except BaseException as e:
+                ended = f"{type(e).__name__}: {e}"
+                raise
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
                 self._drop()
                 self._save_memory()
+                self._farewell(ended)
+
+    def _ending(self, outcome: Outcome) -> str:
+        if outcome.kind == "succeeded":
+            return f"the run succeeded: {outcome.message}"
+        if outcome.kind == "interrupted":
+            return f"stopped by {outcome.message or 'request'}; the run is left as it is ({outcome.state})"
+        return f"{outcome.kind}: {outcome.state}"
+
+    def _hello(self, st: Status) -> None:
+        """--notify: the supervisor started (not with --once: cron's every run would say it)."""
+        if self.notifier is not None and not self.opts.once:
+            self.notifier.supervisor(
+                "started", self.label, self.session, f"watching every {self.opts.interval:g}s: {describe(st)}"
+            )
+
+    def _farewell(self, ended: str) -> None:
+        """--notify: the supervisor stopped, and why; then its last messages get a bounded time to go."""
+        if self.notifier is None:
+            return
+        if not self.opts.once:
+            self.notifier.supervisor("stopped", self.label, self.session, ended)
+        self.notifier.close()
 
     def _loop(self) -> Outcome:
         o = self.opts
@@ -271,6 +317,7 @@ class Supervisor:
             if first:
                 mode = "once" if o.once else f"every {o.interval:g}s"
                 self.emit(f"watching ({mode}): {describe(st)}")
+                self._hello(st)
                 first = False
             elif d.new and st.state in (State.RUNNING,):
                 self.emit(f"{describe(st)}")
@@ -309,6 +356,7 @@ class Supervisor:
                 path = self.incidents.path_for(inc, now)
                 self._open = (path, inc)
                 self._record(path, inc)
+                self._notify(inc)  # the crash now; the restart (or its failure) when it is done
                 self.emit(f"{describe(st)} -> {d.reason}")
 
             if d.action == GIVE_UP:
@@ -403,7 +451,9 @@ class Supervisor:
                 self.emit(f"no stack saved: {stack.get('error')}")
         # --replace only to stop a hung run: a crashed or lost one has no live process, and if
         # one appeared since the probe (someone ran `dflashctl start`) the agent refuses.
-        out = run.start(remote, self.session, replace=d.action == STOP_THEN_RESTART)
+        out = run.start(
+            remote, self.session, replace=d.action == STOP_THEN_RESTART, started_by=self.started_by(st, d, inc)
+        )
         attempt = out.get("attempt")
         how = (
             f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; "
@@ -414,6 +464,26 @@ class Supervisor:
             f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}"
         )
         return None if attempt is None else int(attempt)
+
+    def started_by(self, st: Status, d: Decision, inc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+        """run.json's ``started_by`` of an attempt this supervisor starts: where it runs, and the failure it
+        answers (``after``: what it saw of the attempt before; ``dflashctl history`` reads it)."""
+        return {
+            "by": "supervisor",
+            "machine": socket.gethostname(),
+            "pid": os.getpid(),
+            "action": str(d.action),
+            "why": _cut(f"{describe(st)}: {inc.get('reason') or d.reason}", 300),
+            "after": {
+                "attempt": st.attempt,
+                "state": str(st.state),
+                "cause": st.cause,
+                "detail": _cut(st.detail, 200),
+                "exit_code": st.exit_code,
+                "signal": st.signal,
+                "seen_at": inc.get("time"),
+            },
+        }
 
     def _drops_after(self, e: Exception) -> bool:
         """Whether a failed recovery's connection is dropped (the next probe reconnects): after an untyped
@@ -441,3 +511,4 @@ class Supervisor:
         self._outage = None
         inc.update(outcome="recovered", done_at=iso(now), outage_seconds=round(lasted, 3))
         self._record(path, inc)
+        self._notify(inc)

@@ -26,6 +26,7 @@ from dflash.loss import drafter_loss
 from dflash.pipeline import PipelineError
 from dflash.replicas import LRSchedule
 from dflash.train import Run
+from ops.far.history import resumed_from
 from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -267,13 +268,18 @@ def test_kill_9_mid_checkpoint_keeps_the_previous_one_and_resume_goes_on(tmp_pat
     assert partial and (partial[0] / "model.safetensors").exists(), "it died in the middle of writing"
     latest = ckpt.latest_complete(root)
     assert latest is not None and 3 <= ckpt.load_checkpoint(latest).step < 6
-    killed_at = ckpt.load_checkpoint(latest).step
+    killed_at, run_id = ckpt.load_checkpoint(latest).step, ckpt.load_checkpoint(latest).run_id
 
     seen = len(metrics_steps(tmp_path))
     proc = dflash(tmp_path, "max_steps=12", "checkpoint.interval=3", env=env)  # same env: the marker stops a 2nd kill
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     assert f"resuming from {latest}" in err
+    # the line as the runner's train.log holds it is what `dflashctl history` reads (ops/far/history.py)
+    (tmp_path / "train.log").write_text(err)
+    found = resumed_from(str(tmp_path / "train.log"))
+    assert found is not None and (found["path"], found["step"]) == (str(latest), killed_at), found
+    assert run_id is not None and found["run"] == run_id, found  # the resumed run keeps its id (the pruned step's)
     resumed = metrics_steps(tmp_path)[seen:]
     assert resumed == list(range(killed_at + 1, 13)), "the step count continues from the checkpoint"
     assert ckpt.latest_complete(root).name == "step-12"

@@ -1,0 +1,419 @@
+"""`dflashctl history`: what happened to a session, attempt by attempt, in one table.
+
+ONE agent call (``history``, ops/far/agent.py) brings every attempt's records from the run dir (which
+outlives the container's restarts): run.json (with ``started_by``: an operator or a supervisor, and
+why), exit.json, stop.json, the last metrics record, the log's tail when the attempt crashed, and the
+checkpoint its log says it resumed from (ops/far/history.py). Each attempt is classified by the rules
+of `status` (``ops.probe.classify`` on that attempt's facts). An attempt that left no exit record (lost)
+takes the cause the supervisor saw when it restarted it (the next attempt's ``started_by.after``), else
+the cause of a local incident about it, else what the records tell (a container restarted since).
+
+The supervisor's incidents come from its state dir on this machine (restart-on-crash's, or --state-dir)
+and are placed between the attempts by time: under the attempt that was the newest when they happened.
+With ``--group``, one call per node at once, a row per node and attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing as t
+from pathlib import Path
+
+from ops import errors, probe
+from ops import session as run
+from ops.group import fan_out
+from ops.hosts import Host
+from ops.states import Cause, State
+from ops.supervise.policy import duration, parse_iso
+
+if t.TYPE_CHECKING:
+    from ops.remote import Remote
+
+HISTORY_TIMEOUT = 60.0
+DETAIL_WIDTH = 160  # a crash's detail under its row in the table (--json has all of it)
+
+
+@dataclasses.dataclass
+class Incident:
+    """The gist of one incident file of restart-on-crash."""
+
+    time: str | None
+    host: str | None
+    attempt: int | None
+    state: str | None
+    cause: str | None
+    action: str | None
+    outcome: str | None
+    reason: str | None
+    next_attempt: int | None
+
+    def line(self) -> str:
+        what = f"{self.state}" + (f" ({self.cause})" if self.cause else "")
+        if self.attempt is not None:
+            what += f" of attempt {self.attempt}"
+        out = f"{self.action}: {self.outcome}" if self.outcome not in (None, "noted") else f"{self.action}"
+        if self.next_attempt is not None:
+            out += f", attempt {self.next_attempt} started"
+        return f"{_clock(self.time)}  supervisor saw {what} -> {out}"
+
+
+@dataclasses.dataclass
+class Row:
+    """One attempt of one host."""
+
+    host: str
+    attempt: int | None
+    started_at: str | None
+    ended_at: str | None
+    last_seen_at: str | None  # a lost attempt's last log or metrics write (it left no end)
+    duration_s: float | None
+    state: str
+    cause: str | None
+    detail: str | None
+    gpu: int | None
+    exit_code: int | None
+    signal: int | None
+    step: int | None
+    resumed_from: dict[str, t.Any] | None
+    started_by: dict[str, t.Any] | None
+    cause_from: str | None  # where a lost attempt's cause comes from: records, supervisor, incident
+    log: str | None
+    incidents: list[Incident] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, t.Any]:
+        d = dataclasses.asdict(self)
+        d["incidents"] = [dataclasses.asdict(i) for i in self.incidents]
+        return d
+
+
+@dataclasses.dataclass
+class History:
+    """Every attempt shown (oldest first; with a group, a row per node), and the incidents before the first."""
+
+    name: str  # the host, or "group NAME"
+    session: str
+    hosts: list[str]
+    rows: list[Row]
+    total: dict[str, int]  # attempts on record per host (-n shows fewer)
+    before: list[Incident]
+    incidents_dir: str | None
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # a host that could not be read: why
+
+    def to_json(self) -> dict[str, t.Any]:
+        return {
+            "name": self.name,
+            "session": self.session,
+            "hosts": self.hosts,
+            "total": self.total,
+            "incidents_dir": self.incidents_dir,
+            "before": [dataclasses.asdict(i) for i in self.before],
+            "attempts": [r.to_json() for r in self.rows],
+            "errors": self.errors,
+        }
+
+    def lines(self) -> list[str]:
+        group = len(self.hosts) > 1 or self.name != (self.hosts[0] if self.hosts else self.name)
+        shown = len({(r.host, r.attempt) for r in self.rows})
+        on_record = sum(self.total.values())
+        head = f"history of {self.name}/{self.session}: {shown} attempt(s)"
+        if shown < on_record:
+            head += f" of {on_record}"
+        head += f"; supervisor incidents from {self.incidents_dir}" if self.incidents_dir else "; no incidents read"
+        out = [head]
+        for host, why in self.errors.items():
+            out.append(f"{host}: cannot read the history: {why}")
+        if not self.rows:
+            return [*out, "no attempt on record"]
+        cols = ["attempt", *(["node"] if group else []), "started", "ended", "lasted", "state", "exit", "step"]
+        cols += ["resumed from", "started by"]
+        table = [cols]
+        below: dict[int, list[str]] = {}
+        for r in self.rows:
+            table.append(
+                [
+                    str(r.attempt),
+                    *([r.host] if group else []),
+                    _stamp(r.started_at),
+                    _ended(r),
+                    duration(r.duration_s) if r.duration_s is not None else "?",
+                    _state(r),
+                    _exit(r),
+                    "-" if r.step is None else str(r.step),
+                    f"step {r.resumed_from['step']}" if r.resumed_from else "-",
+                    _by(r.started_by),
+                ]
+            )
+            notes = [f"    {i.line()}" for i in r.incidents]
+            if r.detail and r.state in (State.CRASHED, State.LOST):
+                detail = r.detail if len(r.detail) <= DETAIL_WIDTH else r.detail[: DETAIL_WIDTH - 3] + "..."
+                notes.insert(0, f"    {r.host + ': ' if group else ''}{detail}")
+            if notes:
+                below[len(table) - 1] = notes
+        widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+        for k, row in enumerate(table):
+            out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            out.extend(below.get(k, []))
+        if self.before:
+            out.insert(1, f"before attempt {self.rows[0].attempt}:")
+            for n, i in enumerate(self.before):
+                out.insert(2 + n, f"    {i.line()}")
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Human cells
+
+
+def _clock(ts: str | None) -> str:
+    return ts[11:19] if ts and len(ts) >= 19 else "?"
+
+
+def _stamp(ts: str | None) -> str:
+    return f"{ts[:10]} {ts[11:19]}" if ts and len(ts) >= 19 else "?"
+
+
+def _ended(r: Row) -> str:
+    if r.ended_at:
+        return _clock(r.ended_at) if (r.started_at or "")[:10] == r.ended_at[:10] else _stamp(r.ended_at)
+    if r.state in (State.RUNNING, State.STALLED):
+        return "-"
+    return f"~{_clock(r.last_seen_at)}" if r.last_seen_at else "?"
+
+
+def _state(r: Row) -> str:
+    if not r.cause:
+        return r.state
+    cause = f"{r.cause}, GPU {r.gpu}" if r.gpu is not None else r.cause
+    return f"{r.state} ({cause})"
+
+
+def _exit(r: Row) -> str:
+    if r.signal is not None and r.exit_code is None:
+        return f"signal {r.signal}"
+    if r.exit_code is not None:
+        return f"exit {r.exit_code}"
+    return "-"
+
+
+def _by(by: dict[str, t.Any] | None) -> str:
+    if not by:
+        return "?"
+    if by.get("by") == "operator":
+        who = "@".join(x for x in (by.get("user"), by.get("machine")) if x)
+        return f"operator {who}".strip() + (" (--replace)" if "--replace" in str(by.get("why")) else "")
+    if by.get("by") == "supervisor":
+        after = by.get("after") or {}
+        what = f"{after.get('state')}" + (f" {after.get('cause')}" if after.get("cause") else "")
+        return f"supervisor on {by.get('machine')}: {by.get('action')} after {what}"
+    return str(by.get("by"))
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def fetch(remote: Remote, session: str | None, last: int | None = None) -> dict[str, t.Any]:
+    """The agent's ``history`` answer (one call)."""
+    host = remote.host
+    req = run.request(host, session)
+    if last is not None:
+        req["last"] = last
+    try:
+        a = run.call(remote, "history", req, timeout=HISTORY_TIMEOUT)
+    except run.AgentUnavailable as e:
+        if e.not_deployed:
+            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
+        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+    if not a.get("ok"):
+        if a.get("error") == "usage":  # an agent older than this verb
+            raise errors.AgentError(f"{host.label}: the deployed agent has no history: run `dflashctl deploy`")
+        raise errors.OpsError(f"{host.label}: history: {a.get('message')}")
+    return a
+
+
+def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
+    """The incidents restart-on-crash wrote for ``name`` (a host, or ``group NAME``) and ``session``, by time."""
+    found = []
+    for p in sorted((state_dir / "incidents").glob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(d, dict) or d.get("host") != name or d.get("session") != session:
+            continue
+        found.append(
+            Incident(
+                time=d.get("time"),
+                host=d.get("host"),
+                attempt=d.get("attempt") if isinstance(d.get("attempt"), int) else None,
+                state=d.get("state"),
+                cause=d.get("cause"),
+                action=d.get("action"),
+                outcome=d.get("outcome"),
+                reason=d.get("reason"),
+                next_attempt=d.get("next_attempt") if isinstance(d.get("next_attempt"), int) else None,
+            )
+        )
+    return sorted(found, key=lambda i: parse_iso(i.time) or 0.0)
+
+
+def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: t.Sequence[Incident]) -> list[Row]:
+    """The agent's answer -> one Row per attempt, oldest first (incidents not placed yet)."""
+    attempts = [a for a in answer.get("attempts") or [] if isinstance(a, dict)]
+    rows = []
+    for k, af in enumerate(attempts):
+        st = _classify(host, session, answer, af)
+        nxt = attempts[k + 1] if k + 1 < len(attempts) else None
+        by = (af.get("run") or {}).get("started_by")
+        row = Row(
+            host=host.name,
+            attempt=af.get("attempt"),
+            started_at=st.started_at,
+            ended_at=st.ended_at,
+            last_seen_at=None,
+            duration_s=None,
+            state=st.state,
+            cause=st.cause,
+            detail=st.detail,
+            gpu=st.gpu,
+            exit_code=st.exit_code,
+            signal=st.signal,
+            step=st.progress.step if st.progress else None,
+            resumed_from=af.get("resumed_from"),
+            started_by=by if isinstance(by, dict) else None,
+            cause_from="records" if st.cause else None,
+            log=st.log,
+        )
+        if st.state == State.LOST:
+            _lost_cause(row, nxt, incidents)
+            marks = [m for m in ((af.get("log") or {}).get("mtime"), (af.get("metrics") or {}).get("mtime")) if m]
+            row.last_seen_at = probe.iso(max(marks)) if marks else None
+        start = parse_iso(row.started_at)
+        end = parse_iso(row.ended_at or row.last_seen_at)
+        if end is None and row.state in (State.RUNNING, State.STALLED):
+            end = answer.get("now")
+        row.duration_s = max(0.0, end - start) if start is not None and isinstance(end, (int, float)) else None
+        rows.append(row)
+    return rows
+
+
+def _classify(host: Host, session: str, answer: t.Mapping[str, t.Any], af: dict[str, t.Any]) -> probe.Status:
+    """``status``'s rules on one attempt's facts. There is no tmux view of a past attempt: a lost one's
+    cause is found by ``_lost_cause``, or from the container's PID 1 (restarted since)."""
+    facts = {
+        "host": host.name,
+        "session": session,
+        "socket": host.tmux_socket,
+        "container_id": None,
+        "hang_after": host.hang_after,
+        "startup_grace": host.startup_grace,
+        "checked_at": answer.get("now"),
+        "mode": "agent",
+        "agent": {
+            "now": answer.get("now"),
+            "pid1_start": answer.get("pid1_start"),
+            "pid1_ticks": answer.get("pid1_ticks"),
+            "tmux": None,
+            "attempt": af,
+            "disk": None,
+            "oom_kill": None,
+        },
+    }
+    if not af.get("run"):
+        # no run.json: the runner never wrote one (it died at once, or a run dir from elsewhere)
+        return probe.Status(
+            host=host.name, session=session, state=State.LOST, cause=Cause.UNKNOWN, attempt=af.get("attempt")
+        )
+    return probe.classify(facts)
+
+
+def _lost_cause(row: Row, nxt: t.Mapping[str, t.Any] | None, incidents: t.Sequence[Incident]) -> None:
+    """What the supervisor saw of a lost attempt outranks what the records can tell afterwards (a tmux
+    server killed leaves no trace on disk)."""
+    after = (((nxt or {}).get("run") or {}).get("started_by") or {}).get("after") or {}
+    if after.get("attempt") == row.attempt and after.get("state") == State.LOST and after.get("cause"):
+        row.cause, row.cause_from = after["cause"], "supervisor"
+        row.detail = after.get("detail") or row.detail
+        return
+    seen = [i for i in incidents if i.attempt == row.attempt and i.state == State.LOST and i.cause]
+    if seen:
+        row.cause, row.cause_from = seen[-1].cause, "incident"
+
+
+def place(rows: list[Row], incidents: t.Sequence[Incident]) -> list[Incident]:
+    """Each incident under the newest attempt started by its time (a group's: that attempt's last row);
+    returns those older than every attempt shown."""
+    starts = sorted(
+        ((parse_iso(r.started_at), k) for k, r in enumerate(rows) if parse_iso(r.started_at) is not None),
+        key=lambda x: (x[0], rows[x[1]].attempt or 0, x[1]),
+    )
+    before = []
+    for inc in incidents:
+        when = parse_iso(inc.time)
+        if when is None:
+            continue
+        owner = None
+        for start, k in starts:
+            if start is not None and start <= when:
+                owner = k
+        if owner is None:
+            before.append(inc)
+            continue
+        # a group's attempt: the block's last row (every node of that attempt)
+        same = [k for k, r in enumerate(rows) if r.attempt == rows[owner].attempt]
+        rows[max(same)].incidents.append(inc)
+    return before
+
+
+def history(
+    hosts: t.Sequence[Host],
+    name: str,
+    session: str | None,
+    connect: t.Callable[[Host], Remote],
+    *,
+    state_dir: Path | None,
+    last: int | None = None,
+) -> History:
+    """The history of one host (``name`` = its name) or a group's nodes (``name`` = ``group NAME``)."""
+    sess = run.session_name(hosts[0], session)
+
+    def one(h: Host) -> dict[str, t.Any]:
+        remote = connect(h)
+        try:
+            return fetch(remote, sess, last)
+        finally:
+            remote.close()
+
+    incidents: list[Incident] = []
+    if state_dir is not None:
+        for who in dict.fromkeys([name, *(h.name for h in hosts)]):
+            incidents.extend(load_incidents(state_dir, who, sess))
+        incidents.sort(key=lambda i: parse_iso(i.time) or 0.0)
+    rows: list[Row] = []
+    total: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    outcomes = fan_out(hosts, one)
+    for h, o in zip(hosts, outcomes):
+        if o.error is not None:
+            if not isinstance(o.error, errors.OpsError) or len(hosts) == 1:
+                raise o.error
+            failed[h.name] = str(o.error)
+            continue
+        answer = o.value or {}
+        total[h.name] = int(answer.get("total") or 0)
+        mine = [i for i in incidents if i.host in (h.name, name)]
+        rows.extend(rows_of(h, sess, answer, mine))
+    rows.sort(key=lambda r: (r.attempt if r.attempt is not None else math.inf, [x.name for x in hosts].index(r.host)))
+    before = place(rows, incidents)
+    return History(
+        name=name,
+        session=sess,
+        hosts=[h.name for h in hosts],
+        rows=rows,
+        total=total,
+        before=before,
+        incidents_dir=str(state_dir / "incidents") if state_dir is not None else None,
+        errors=failed,
+    )
