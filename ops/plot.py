@@ -163,9 +163,15 @@ def _class(value: t.Any) -> str:
     return type(value).__name__
 
 
+_EXACT: dict[str, type] = {"number": float, "text": str, "list": list, "object": dict}
+
+
 def typed(value: t.Any, kind: str, name: str, *, required: bool = False) -> t.Any:
     """THE typed reader: ``value`` as ``kind`` (number -> float, whole -> int in 0..2**63-1, text, list,
     object); None for null or absent unless ``required``; WrongType naming the field otherwise."""
+    cls = type(value)
+    if cls is _EXACT.get(kind) or (kind == "whole" and cls is int and 0 <= value <= MAX_STEP):
+        return value  # the common case, at once: a plot reads millions of fields
     if value is None:
         if required:
             raise WrongType(f"{name} is missing, expected {_WANTED[kind]}")
@@ -177,7 +183,7 @@ def typed(value: t.Any, kind: str, name: str, *, required: bool = False) -> t.An
             pass  # an integer no float holds: the wrong class for a drawn value
     elif kind == "whole" and isinstance(value, int) and not isinstance(value, bool):
         if 0 <= value <= MAX_STEP:
-            return value
+            return int(value)
     elif (
         (kind == "text" and isinstance(value, str))
         or (kind == "list" and isinstance(value, list))
@@ -212,8 +218,12 @@ SCALARS = (
 
 
 def at_seconds(at: t.Any) -> float | None:
+    """``at`` (``2026-01-01T00:00:00Z``, UTC) in seconds since the epoch; None: not such a time."""
+    text = str(at)
     try:
-        return dt.datetime.strptime(str(at), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
+        if len(text) == 20 and text[4] == "-" and text[10] == "T" and text[19] == "Z":  # the form we write: fast
+            return dt.datetime.fromisoformat(text[:19]).replace(tzinfo=dt.UTC).timestamp()
+        return dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC).timestamp()
     except ValueError:
         return None
 
@@ -234,7 +244,8 @@ def wait_fraction(wait: float | None, wait_s: float | None, interval: float | No
 
 
 def read_record(line: bytes) -> Row:
-    """One line of metrics.jsonl, every field through ``typed``: a Row, or WrongType saying which field."""
+    """One line of metrics.jsonl, every field through ``typed``: a Row, or WrongType saying which field
+    (the name of an item of a list is made only when it is wrong: a record has hundreds of them)."""
     try:
         obj = json.loads(line)
     except RecursionError:
@@ -252,23 +263,29 @@ def read_record(line: bytes) -> Row:
     for key in SCALARS:
         if (v := typed(rec.get(key), "number", key)) is not None:
             values.append((key, v))
-    for k, a in enumerate(typed(rec.get("acc_per_slot"), "list", "acc_per_slot") or []):
-        if (v := typed(a, "number", f"acc_per_slot[{k}]")) is not None:
+    for k, a in enumerate(typed(rec.get("acc_per_slot"), "list", "acc_per_slot") or ()):
+        try:
+            v = typed(a, "number", "")
+        except WrongType as e:
+            raise WrongType(f"acc_per_slot[{k}]{e}") from None
+        if v is not None:
             values.append((f"acc_slot_{k + 1}", v))
-    for i, item in enumerate(typed(rec.get("workers"), "list", "workers") or []):
-        w = typed(item, "object", f"workers[{i}]", required=True)
-        label = worker_label(
-            typed(w.get("name"), "text", f"workers[{i}].name"),
-            typed(w.get("role"), "text", f"workers[{i}].role"),
-            typed(w.get("index"), "whole", f"workers[{i}].index"),
-        )
-        if (busy := typed(w.get("busy"), "number", f"workers[{i}].busy")) is not None:
+    for i, item in enumerate(typed(rec.get("workers"), "list", "workers") or ()):
+        try:
+            w = typed(item, "object", "", required=True)
+            label = worker_label(
+                typed(w.get("name"), "text", ".name"),
+                typed(w.get("role"), "text", ".role"),
+                typed(w.get("index"), "whole", ".index"),
+            )
+            busy = typed(w.get("busy"), "number", ".busy")
+            wait = wait_fraction(
+                typed(w.get("wait"), "number", ".wait"), typed(w.get("wait_s"), "number", ".wait_s"), interval
+            )
+        except WrongType as e:
+            raise WrongType(f"workers[{i}]{e}") from None
+        if busy is not None:
             values.append((f"busy:{label}", busy))
-        wait = wait_fraction(
-            typed(w.get("wait"), "number", f"workers[{i}].wait"),
-            typed(w.get("wait_s"), "number", f"workers[{i}].wait_s"),
-            interval,
-        )
         if wait is not None:
             values.append((f"wait:{label}", wait))
     return Row(step, at, math.nan if interval is None else interval, values)
@@ -401,8 +418,7 @@ class Table:
         steps: list[int] = []
         ats: list[float] = []
         intervals: list[float] = []
-        cols: dict[int, tuple[list[int], list[float]]] = {}
-        where = {name: k for k, name in enumerate(idx.names)}
+        cols: dict[str, tuple[list[int], list[float]]] = {}
         for line in chunk.split(b"\n")[:-1]:
             idx.lines += 1
             if not line.strip():
@@ -419,14 +435,11 @@ class Table:
             ats.append(row.at)
             intervals.append(row.interval)
             for name, value in row.values:
-                k = where.get(name)
-                if k is None:
-                    k = where[name] = len(idx.names)
-                    idx.names.append(name)
-                    idx.counts.append(0)
-                rows, vals = cols.setdefault(k, ([], []))
-                rows.append(r)
-                vals.append(value)
+                pair = cols.get(name)
+                if pair is None:
+                    pair = cols[name] = ([], [])
+                pair[0].append(r)
+                pair[1].append(value)
 
         def put(name: str, data: t.Sequence[float] | t.Sequence[int], dtype: npt.DTypeLike) -> None:
             with open(self.dir / name, "ab") as f:
@@ -435,7 +448,13 @@ class Table:
         put("step.i8", steps, np.int64)
         put("at.f8", ats, np.float64)
         put("interval.f8", intervals, np.float64)
-        for k, (rows, vals) in cols.items():
+        where = {name: k for k, name in enumerate(idx.names)}
+        for name, (rows, vals) in cols.items():
+            k = where.get(name)
+            if k is None:
+                k = where[name] = len(idx.names)
+                idx.names.append(name)
+                idx.counts.append(0)
             put(f"{k}.row.u4", rows, np.uint32)
             put(f"{k}.val.f8", vals, np.float64)
             idx.counts[k] += len(rows)
