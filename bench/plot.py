@@ -7,7 +7,8 @@ Writes a metrics.jsonl of about ``--mb`` MB as `dflash train` writes it (every f
 running), on a local host with a fake release (the agent's real `read` verb). Then runs the real
 `dflashctl plot` three times with one state dir: the first run (everything fetched and parsed), the
 cached run (nothing new on the host), and after 1 % more was appended (a live run plotted again).
-Prints, for each, the wall time and the peak RSS of the dflashctl process (its largest process: os.wait4).
+Prints, for each, the wall time, the CPU time (user + system, the agent calls included) and the peak
+RSS of the dflashctl process (its largest process, os.wait4).
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def write_metrics(path: Path, first: int, count: int, workers: int, slots: int, 
     return path.stat().st_size
 
 
-def run(argv: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak RSS in MB of the process and the children it waited for, output)."""
+def run(argv: list[str]) -> tuple[float, float, float, str]:
+    """(wall seconds, CPU seconds, peak RSS in MB: of the process and the children it waited for, output).
+    CPU seconds say more than wall time on a machine that others share."""
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert p.stdout is not None
@@ -99,7 +101,7 @@ def run(argv: list[str]) -> tuple[float, float, str]:
     p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     assert p.returncode == 0, out
-    return wall, usage.ru_maxrss / 1024, out
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, out
 
 
 def main() -> int:
@@ -140,7 +142,6 @@ def main() -> int:
             f"metrics.jsonl: {size / 1e6:.1f} MB, {total} records in 2 attempts "
             f"({args.workers} workers, {args.slots} slots: {one_kb} bytes a record)"
         )
-        figures = []
         for what in ("first run", "cached run", "after +1 %"):
             if what == "after +1 %":
                 grown = write_metrics(
@@ -148,11 +149,10 @@ def main() -> int:
                     args.slots, mode="a",
                 )  # fmt: skip
                 print(f"  (appended to attempt 2: now {grown / 1e6:.1f} MB)")
-            wall, rss, out = run([*ctl, "--out", str(root / "dash.png")])
+            wall, cpu, rss, out = run([*ctl, "--out", str(root / "dash.png")])
             head = out.splitlines()[0] if out else ""
             tail = out.splitlines()[-1] if out else ""
-            print(f"  {what:<12} {wall:7.2f} s  peak RSS {rss:7.0f} MB   {head} | {tail}")
-            figures.append((what, wall, rss))
+            print(f"  {what:<12} {wall:7.2f} s wall {cpu:7.2f} s CPU  peak RSS {rss:6.0f} MB   {head} | {tail}")
         if args.keep:
             print(f"kept {root}")
     finally:
