@@ -352,7 +352,8 @@ def load_attempts(cache: Cache, meta: t.Mapping[str, t.Any]) -> list[Attempt]:
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """One series of one attempt as drawn: every point, or per x bucket its first, lowest, highest, last."""
+    """One series of one attempt as drawn: every point, or per x bucket its first, lowest, highest, last
+    (and first NaN: a gap stays a gap)."""
 
     attempt: int
     series: str
