@@ -207,18 +207,28 @@ class DrafterReplica:
         if self.separate_masters:
             torch._foreach_copy_(self.params, self.masters)  # type: ignore[arg-type]  # Parameters are Tensors; the stub's list is invariant
 
-    def _grads_to_masters(self) -> None:
-        """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
-        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
-        for m in self.masters:
-            m.grad = None
-        if not pairs:
-            return
-        flat = torch.empty(sum(g.numel() for _, g in pairs), dtype=torch.float32, device=pairs[0][1].device)
-        views = [v.view_as(g) for v, (_, g) in zip(flat.split([g.numel() for _, g in pairs]), pairs)]
-        torch._foreach_copy_(views, [g.detach() for _, g in pairs])
-        for (m, _), v in zip(pairs, views):
-            m.grad = v
+    def _fold_grads(self, acc: _GradSum | None) -> _GradSum:
+        """Add the model's (bf16/fp16) gradients of one micro-batch into the fp32 sum and free them.
+
+        Summing k micro-batches in the low-precision ``.grad`` rounds k times to 8 mantissa bits (bf16);
+        here every micro-batch is rounded once (its own backward) and the sum is fp32, as SpecForge's FSDP
+        keeps it. One flat fp32 buffer for all masters (allocated at the first micro-batch: the same peak as
+        one copy at the end), one for-each add per micro-batch.
+        """
+        if acc is None:
+            acc = _GradSum(self.masters)
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if idx:
+            torch._foreach_add_([acc.views[i] for i in idx], [t.cast(torch.Tensor, self.params[i].grad) for i in idx])
+            acc.seen.update(idx)
+            for i in idx:
+                self.params[i].grad = None
+        return acc
+
+    def _grads_to_masters(self, acc: _GradSum | None) -> None:
+        """The fp32 sum as the masters' grads (a master no micro-batch gave a gradient keeps none)."""
+        for i, m in enumerate(self.masters):
+            m.grad = acc.views[i] if acc is not None and i in acc.seen else None
 
     def recover(self) -> None:
         """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads.
@@ -258,6 +268,9 @@ class DrafterReplica:
         slots: torch.Tensor | None = None
         blocks = 0
         scale: torch.Tensor | None = None
+        grad_sum: _GradSum | None = None  # separate masters: the fp32 sum of the micro-batches' gradients
+        for m in self.masters:
+            m.grad = None
         for payload in payloads:
             feats = payload.take(torch.device(self.device))
             rows = payload.input_ids.shape[0]
@@ -286,6 +299,8 @@ class DrafterReplica:
                     out.loss.backward()
                 else:
                     (out.loss_sum / scale).backward()
+                if self.separate_masters:
+                    grad_sum = self._fold_grads(grad_sum)
                 share = (b - a) / rows_total
                 loss_sum = _add(loss_sum, out.loss_sum.detach().double())
                 weight_sum = _add(weight_sum, out.weight_sum.double())
@@ -296,7 +311,7 @@ class DrafterReplica:
                 slots = _add(slots, out.acc_per_slot * share)
         assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
         if self.separate_masters:
-            self._grads_to_masters()
+            self._grads_to_masters(grad_sum)
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:  # in fp32 on the masters: the one normalisation
             torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
@@ -324,6 +339,16 @@ class DrafterReplica:
             lr=lr,
             acc_per_slot=slots if slots is not None else (),
         )
+
+
+class _GradSum:
+    """The fp32 gradient sum of one update: one flat buffer, a view per master, which masters got a gradient."""
+
+    def __init__(self, masters: t.Sequence[torch.Tensor]) -> None:
+        sizes = [m.numel() for m in masters]
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=masters[0].device)
+        self.views = [v.view_as(m) for v, m in zip(self.flat.split(sizes), masters)]
+        self.seen: set[int] = set()
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:

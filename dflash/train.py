@@ -77,7 +77,7 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
-from dflash.compile import prepare_drafter, warm_up
+from dflash.compile import WarmUp, prepare_drafter, warm_up_replicas
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
@@ -161,6 +161,9 @@ class Run:
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
         self.signals: _Signals | None = None
+        # the (rows, seq, blocks) batches train() warms up; None: every class a batch of this config can fall in
+        self.warm_up_shapes: list[tuple[int, int, int]] | None = None
+        self.warmed: WarmUp | None = None  # what train()'s warm-up compiled
         # A node of a torchrun group (None: a plain run). Every node runs this same code; the collectives
         # happen at the same points on each (start-up, and every barrier: see on_sync).
         try:
@@ -489,17 +492,21 @@ class Run:
         compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
         if compiled:
             started = time.monotonic()
-            for r in self.drafters:
-                shapes = warm_up(
-                    r,
-                    feature_size=self.targets[0].model.feature_size,
-                    vocab_size=self.vocab_size,
-                    mask_token_id=self.mask_token_id,
-                )
+            # one recompile limit for every replica, from their distinct devices, set before the first warm-up
+            self.warmed = warm_up_replicas(
+                self.drafters,
+                feature_size=self.targets[0].model.feature_size,
+                vocab_size=self.vocab_size,
+                mask_token_id=self.mask_token_id,
+                shapes=self.warm_up_shapes,
+            )
             logger.info(
-                "compiled the drafter for %d batch shapes in %.0f s; a recompile from now on is an error",
-                len(shapes),
+                "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "
+                "now on is an error",
+                len(self.warmed.shapes),
                 time.monotonic() - started,
+                ", ".join(f"{k}: {n} cache entries" for k, n in self.warmed.entries.items()) or "no cache entries",
+                self.warmed.limit,
             )
         self.pipeline = Pipeline(
             targets=self.targets,
