@@ -262,7 +262,11 @@ class Run:
             self.target_offset : self.target_offset + len(self.targets)
         ]
         self.shard_starts = starts
-        self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards) for s in starts]
+        # pinned batches where a GPU copies them (asynchronous copies: no hidden stream sync)
+        pin = torch.cuda.is_available() and any(
+            torch.device(d).type == "cuda" for d in (*cfg.devices.targets, *cfg.devices.drafters)
+        )
+        self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards, pin=pin) for s in starts]
 
     def _derive_steps(self, cfg: RunConfig) -> RunConfig:
         """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
@@ -313,7 +317,10 @@ class Run:
                 dest = drafter_devices[0]
             else:
                 dest = "cpu"  # any drafter may take it: pinned host memory, each drafter copies it over
-            out.append(TargetReplica(model, dev, dest))
+            replica = TargetReplica(model, dev, dest)
+            # twice what the queue may hold (in use + cached): then the allocator's unused cached blocks go
+            replica.pinned_limit = 2 * cfg.queue.max_bytes
+            out.append(replica)
         return out
 
     def _build_drafters(self) -> list[DrafterReplica]:

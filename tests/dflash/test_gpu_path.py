@@ -4,7 +4,13 @@
   (their dtype) stand in for devices, as dynamo's tensor guards check both (a third device hit the limit);
 - warm-up covers every guard class of CUDA's flex lowering (``compile.shape_class``) that the batch
   planner can produce from a real token store (short answers made batches of 2-7 blocks over many keys);
-- gradients of accumulated bf16 micro-batches are summed in fp32 (they were summed in the bf16 ``.grad``).
+- gradients of accumulated bf16 micro-batches are summed in fp32 (they were summed in the bf16 ``.grad``);
+- a drafter's host waits for the micro-batch two back before launching the next (doubles of CUDA events);
+- the metrics read device figures outside their lock (a figure whose read blocks stands in for a busy GPU);
+- features a drafter holds count against ``queue.max_bytes``, and drafters holding more still progress;
+- slice k's cross-node all_reduce overlaps slice k+1's reduction (a double of the asynchronous hook);
+- a hybrid target's kernels: ``dflash train``'s warning and doctor's ``kernels`` check;
+- ``bench/device_check.sh``: one line without CUDA, its plumbing tiny on the CPU.
 
 The tests that need CUDA itself (the events, pinned memory, the fused kernels) are in bench/gpu_smoke.py.
 """
@@ -15,6 +21,7 @@ import copy
 import io
 import json
 import math
+import threading
 import typing as t
 from pathlib import Path
 
@@ -246,3 +253,211 @@ def test_eleven_bf16_micro_batches_sum_their_gradients_in_fp32(tmp_path: Path) -
     assert err < 1e-6, f"relative error {err:.2e}: the micro-batches were not summed in fp32"
     assert all(p.grad is None for p in r.params), "the bf16 gradients are freed after each micro-batch"
     assert not math.isnan(err)
+
+
+# --------------------------------------------------------------------------------------------
+# Item 5: the host runs at most two micro-batches ahead of the GPU
+
+
+class EventDouble:
+    """A CUDA event as ``LaunchFence`` uses it (a GPU cannot run here): ``record`` and ``synchronize`` are logged."""
+
+    log: list[tuple[str, int]] = []
+    made = 0
+
+    def __init__(self) -> None:
+        EventDouble.made += 1
+        self.id = EventDouble.made
+
+    def record(self) -> None:
+        self.log.append(("record", self.id))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.id))
+
+
+def test_a_drafter_waits_for_the_micro_batch_two_back_before_launching_the_next(tmp_path: Path) -> None:
+    """Without a bound the host ran ahead until CUDA's launch queue was full, then blocked inside launches
+    while holding the compiled-forward lock the other drafters wait on. With the fence, forward k starts only
+    after the end event of micro-batch k-2 was waited for, and never with more than 2 ends outstanding."""
+    from dflash.replicas import LaunchFence
+
+    run = tiny_run(tmp_path, 'devices.drafters=["cpu"]', 'devices.targets=["cpu"]')
+    r = run.drafters[0]
+    EventDouble.log, EventDouble.made = [], 0
+    r.fence = LaunchFence(2, EventDouble)
+    r.model.register_forward_pre_hook(lambda *_: EventDouble.log.append(("forward", 0)))
+    source = next(iter(run.sources))
+    r.step([run.targets[0].produce(next(source)) for _ in range(5)], step=1)
+    log = EventDouble.log
+    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
+    assert len(forwards) == 5
+    for k, at in enumerate(forwards):
+        recorded = {e[1] for e in log[:at] if e[0] == "record"}
+        waited = {e[1] for e in log[:at] if e[0] == "wait"}
+        assert len(recorded - waited) <= 1, (k, log[:at])  # this one and one more queued, at most
+        if k >= 2:
+            assert k - 1 in waited, (k, log[:at])  # micro-batch k-2's end (events count from 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Item 7: the metrics read device figures outside their lock
+
+
+class BlockingFigure:
+    """A step figure whose read blocks, as ``.tolist()`` of a busy GPU's tensor does (no GPU here)."""
+
+    def __init__(self, gate: threading.Event, entered: threading.Event) -> None:
+        self.gate, self.entered = gate, entered
+
+    def __float__(self) -> float:
+        self.entered.set()
+        self.gate.wait(120)
+        return 1.0
+
+
+def test_a_drafter_records_its_step_while_another_thread_reads_the_figures() -> None:
+    """``Metrics._emit`` read every device's figures while holding the metrics lock, so every drafter's
+    ``record`` waited for the slowest device; now an interval is closed under the lock and read outside it,
+    and the lines still come out in step order."""
+    from dflash.metrics import Metrics
+    from dflash.pipeline import StepStats
+    from testkit import retry_until
+
+    out = io.StringIO()
+    m = Metrics(log_every=1, stream=out)
+    m.start()
+    gate, entered, recorded = threading.Event(), threading.Event(), threading.Event()
+    slow = threading.Thread(
+        target=m.record,
+        args=(1, StepStats(loss=BlockingFigure(gate, entered), acc=0.5, tau_tf=2.0), 10),  # type: ignore[arg-type]
+    )
+    slow.start()
+    retry_until(entered.is_set, 30)
+
+    def other() -> None:
+        m.record(2, StepStats(loss=3.0, acc=0.5, tau_tf=2.0), 10)
+        recorded.set()
+
+    threading.Thread(target=other).start()
+    try:
+        retry_until(recorded.is_set, 30)  # before the fix: blocked on the lock the reader held
+    finally:
+        gate.set()
+        slow.join(60)
+    m.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(" |")[0] for ln in lines] == ["step 1", "step 2"]
+    assert "loss 3.000" in lines[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Item 9: features a drafter holds count against queue.max_bytes
+
+
+class CountedPipeline:
+    """The real Pipeline and FeatureQueue with a real TargetReplica (tiny target, CPU) whose features are
+    counted while alive, and drafters whose step holds its items a while (the target could run ahead)."""
+
+    def __init__(self, *, drafters: int, accumulate: int, max_items: int, steps: int) -> None:
+        import types
+        import weakref
+
+        from dflash.pipeline import Pipeline, PipelineOptions, StepStats
+        from dflash.replicas import TargetReplica
+        from dflash.target import TargetModel, tiny_target_config
+
+        target = TargetModel.from_config(tiny_target_config(), seed=0, num_draft_layers=2)
+        ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+        self.alive = {"now": 0, "peak": 0}
+        lock = threading.Lock()
+        alive = self.alive
+
+        def gone(n: int) -> None:
+            with lock:
+                alive["now"] -= n
+
+        class Counted(TargetReplica):
+            def produce(self, batch: t.Any) -> t.Any:
+                fb = super().produce(batch)
+                n = int(fb.features.nbytes)
+                with lock:
+                    alive["now"] += n
+                    alive["peak"] = max(alive["peak"], alive["now"])
+                weakref.finalize(fb.features, gone, n)
+                return fb
+
+        class Holding:
+            device = "cpu"
+
+            def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> StepStats:
+                threading.Event().wait(0.05)
+                return StepStats(loss=1.0, acc=0.5, tau_tf=2.0)
+
+            def recover(self) -> None:
+                pass
+
+        class Source:
+            def __init__(self) -> None:
+                self.i = 0
+
+            def __next__(self) -> t.Any:
+                self.i += 1
+                if self.i > steps * accumulate * 3:
+                    raise StopIteration
+                att = torch.ones_like(ids)
+                return types.SimpleNamespace(
+                    input_ids=ids, attention_mask=att, loss_mask=att, index=self.i, n_tokens=64
+                )
+
+        self.one = TargetReplica(target, "cpu", "cpu").produce(next(Source())).nbytes
+        self.feature_bytes = 2 * 32 * target.feature_size * 4
+        self.pipe = Pipeline(
+            targets=[Counted(target, "cpu", "cpu")],
+            sources=[Source()],
+            drafters=[Holding() for _ in range(drafters)],
+            options=PipelineOptions(
+                max_steps=steps, capacity=64, max_bytes=max_items * self.one, accumulate=accumulate
+            ),
+        )
+
+
+def test_features_taken_by_a_drafter_still_count_against_max_bytes() -> None:
+    """The queue counted an item's bytes only while it was queued: a drafter accumulating 3 items held them
+    outside the count, and the target made 3 more (6 alive against a bound of 3). The target now holds an
+    item's bytes before its forward allocates them, and they are freed after the step that used them."""
+    c = CountedPipeline(drafters=1, accumulate=3, max_items=3, steps=6)
+    c.pipe.run()
+    assert c.pipe.queues[0].peak_bytes <= 3 * c.one
+    peak = c.alive["peak"]
+    assert peak <= 3 * c.feature_bytes, f"{peak / c.feature_bytes:.0f} items alive against a bound of 3"
+    assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_drafters_holding_more_than_max_bytes_still_get_their_next_item() -> None:
+    """Counting taken items could stop the run: 2 drafters accumulating 3 items each hold up to 6 while they
+    wait, against a bound of 2, so no item was admitted and every worker waited forever (at the defaults, 3
+    drafters x 11 items of 2048 tokens of a 27B target already exceed 4 GiB). A starved drafter now gets one
+    item over the bound, one at a time."""
+    from testkit import retry_until
+
+    c = CountedPipeline(drafters=2, accumulate=3, max_items=2, steps=4)
+    result: list[t.Any] = []
+    runner = threading.Thread(target=lambda: result.append(c.pipe.run()), daemon=True)
+    runner.start()
+    try:
+        retry_until(lambda: result, 120)  # before the fix: never (every worker waits on the queue)
+    finally:
+        if not result:
+            c.pipe.request_stop()
+            runner.join(30)
+    assert result[0].steps == 4
+    # what the waiting drafters hold, plus one item being made over the bound at a time
+    assert c.alive["peak"] <= (2 * 3 + 1) * c.feature_bytes
+    assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
+    from dflash.replicas import pinned_block
+
+    assert [pinned_block(n) for n in (0, 1, 4096, 4097, 200 * 2**20)] == [0, 1, 4096, 8192, 256 * 2**20]
