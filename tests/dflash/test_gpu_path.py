@@ -461,3 +461,39 @@ def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
     from dflash.replicas import pinned_block
 
     assert [pinned_block(n) for n in (0, 1, 4096, 4097, 200 * 2**20)] == [0, 1, 4096, 8192, 256 * 2**20]
+
+
+# --------------------------------------------------------------------------------------------
+# Item 10: slice k's cross-node all_reduce overlaps slice k+1's copy and reduction
+
+
+def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduced() -> None:
+    """``NodeGroup.cross_reduce`` starts gloo's all_reduce and returns its finisher; the averager finishes
+    slice k (and scatters it) only after it has started slice k+1. Before, the hook ran synchronously
+    inside each slice: the all_reduce was on the critical path of every slice."""
+    from dflash.averaging import Averager
+
+    log: list[tuple[str, int]] = []
+
+    def other_node(local_mean: torch.Tensor, count: int) -> t.Callable[[], None]:
+        k = sum(1 for e in log if e[0] == "start")
+        log.append(("start", k))
+
+        def finish() -> None:  # another node with 2 replicas whose mean is 10 everywhere
+            log.append(("finish", k))
+            local_mean.mul_(count).add_(torch.full_like(local_mean, 10.0), alpha=2).div_(count + 2)
+
+        return finish
+
+    g = torch.Generator().manual_seed(1)
+    reps = [[torch.randn(250, generator=g), torch.randn(30, generator=g)] for _ in range(3)]
+    want = [(torch.stack([r[i] for r in reps]).sum(0) + 20.0) / 5 for i in range(2)]
+    Averager.for_replicas(reps, chunk_numel=100, cross_reduce=other_node).average(reps)
+    starts = [e[1] for e in log if e[0] == "start"]
+    assert starts == [0, 1, 2, 3]  # 250 = 100 + 100 + 50, then 30
+    for k in starts[:-1]:
+        assert log.index(("start", k + 1)) < log.index(("finish", k)), log
+    for r in reps:
+        for got, w in zip(r, want):
+            assert torch.allclose(got, w, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(r, reps[0]))
