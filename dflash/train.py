@@ -83,6 +83,7 @@ from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
+from dflash.kernels import missing_kernels_warning
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
 from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
@@ -210,6 +211,9 @@ class Run:
             resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
         self.targets = self._build_targets()
         t0 = self.targets[0].model
+        slow = missing_kernels_warning(t0.model.config)  # a hybrid target without its kernels: say so at start
+        if slow is not None:
+            logger.warning("%s", slow)
         self.vocab_size = t0.vocab_size
         spec = drafter_spec(cfg, t0)  # the MASK id and drafter config: dflash.models, as eval builds them
         self.init_drafter = spec.init

@@ -497,3 +497,84 @@ def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduc
         for got, w in zip(r, want):
             assert torch.allclose(got, w, atol=1e-5)
         assert all(torch.equal(a, b) for a, b in zip(r, reps[0]))
+
+
+# --------------------------------------------------------------------------------------------
+# Item 11: hybrid targets need flash-linear-attention and causal-conv1d
+
+
+def hybrid_target(root: Path, layer_types: list[str] | None) -> Path:
+    (root / "target").mkdir(parents=True)
+    text: dict[str, t.Any] = {"model_type": "qwen3_5_text", "num_hidden_layers": 4}
+    if layer_types is not None:
+        text["layer_types"] = layer_types
+    (root / "target" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    (root / "run.toml").write_text('[target]\npath = "target"\n')
+    return root
+
+
+def test_dflash_train_warns_in_one_line_when_a_hybrid_targets_kernels_are_missing() -> None:
+    from dflash.kernels import missing_kernels, missing_kernels_warning
+
+    hybrid = {"text_config": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
+    assert missing_kernels() == ["flash-linear-attention", "causal-conv1d"]  # not installed here
+    line = missing_kernels_warning(hybrid)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the target has 3 linear-attention (Gated DeltaNet) layers but flash-linear-attention")
+    assert line.endswith("pip install flash-linear-attention causal-conv1d")
+    assert missing_kernels_warning({"layer_types": ["full_attention"] * 4}) is None
+    assert missing_kernels_warning({"model_type": "qwen3"}) is None
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "stubs", "status", "words"),
+    [
+        (["linear_attention", "linear_attention", "linear_attention", "full_attention"], False, "fail", "3 linear"),
+        (["linear_attention", "full_attention"], True, "ok", "importable"),
+        (None, False, "skip", "no linear-attention layers"),
+    ],
+)
+def test_doctor_checks_the_kernels_of_a_hybrid_target(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    layer_types: list[str] | None,
+    stubs: bool,
+    status: str,
+    words: str,
+) -> None:
+    import sys
+
+    from ops import doctor
+    from ops.hosts import parse_inventory
+    from ops.transport import LocalTransport
+    from testkit.hostsfile import dump_hosts
+
+    work = hybrid_target(tmp_path / "w", layer_types)
+    if stubs:  # doubles of the two CUDA kernel packages (they need a GPU to build): importable modules
+        for mod in ("fla", "causal_conv1d"):
+            (tmp_path / "stubs" / mod).mkdir(parents=True)
+            (tmp_path / "stubs" / mod / "__init__.py").write_text("# a double of the kernel package\n")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stubs"))
+    text = dump_hosts(
+        None,
+        {
+            "l": {
+                "transport": "local",
+                "workdir": str(work),
+                "python": sys.executable,
+                "command": "python -m dflash train --config run.toml",
+            }
+        },
+    )
+    host = parse_inventory(text, path=None, base=tmp_path).get()
+    if status == "fail":  # once through the whole doctor: its place among the checks
+        report = doctor.diagnose(host)
+        assert [c.name for c in report.checks][4:7] == ["torch", "kernels", "disk"]
+        check = next(c for c in report.checks if c.name == "kernels")
+    else:
+        check = doctor.kernel_check(host, LocalTransport())
+    assert check.status == status and words in check.detail, check
+    if status == "fail":
+        assert check.detail.endswith("pip install flash-linear-attention causal-conv1d")
+        assert "flash-linear-attention, causal-conv1d" in check.detail
+    assert doctor.run_config(("python", "-m", "dflash", "train", "--config=x.toml")) == "x.toml"
