@@ -21,6 +21,9 @@ import copy
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import typing as t
 from pathlib import Path
@@ -578,3 +581,62 @@ def test_doctor_checks_the_kernels_of_a_hybrid_target(
         assert check.detail.endswith("pip install flash-linear-attention causal-conv1d")
         assert "flash-linear-attention, causal-conv1d" in check.detail
     assert doctor.run_config(("python", "-m", "dflash", "train", "--config=x.toml")) == "x.toml"
+
+
+# --------------------------------------------------------------------------------------------
+# bench/device_check.sh: the GPU check in one command
+
+
+def device_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(REPO / "bench" / "device_check.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=REPO,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check measures (minutes) instead")
+def test_device_check_without_cuda_says_so_in_one_line() -> None:
+    p = device_check()
+    assert (p.returncode, p.stdout, p.stderr) == (0, "device_check: no CUDA device: nothing to check\n", "")
+
+
+def tiny_wheel(folder: Path) -> Path:
+    """A pure-Python wheel as pip downloads one (a module, METADATA, WHEEL, RECORD)."""
+    import zipfile
+
+    folder.mkdir()
+    path = folder / "carried_probe-1.0-py3-none-any.whl"
+    files = {
+        "carried_probe.py": "CARRIED = True\n",
+        "carried_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: carried-probe\nVersion: 1.0\n",
+        "carried_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "carried_probe-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in {**files, "carried_probe-1.0.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    return path
+
+
+@pytest.mark.timeout(900)  # ~20 s on 2 idle cores (one tiny --cpu smoke); minutes on a shared, loaded box
+def test_device_check_installs_the_carried_wheels_and_writes_its_figures_under_out(tmp_path: Path) -> None:
+    """The whole check's plumbing, tiny on the CPU (``--cpu``; the OOM subprocess left out): carried wheels
+    installed into a folder of their own, the checkout imported without an install, the JSON under $OUT."""
+    tiny_wheel(tmp_path / "wheels")
+    out = tmp_path / "out"
+    p = device_check(
+        "--cpu", "--no-oom", "--steps", "1", env={"OUT": str(out), "DEVICE_CHECK_WHEELS": str(tmp_path / "wheels")}
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "device_check: installed 1 carried wheels: carried_probe-1.0-py3-none-any.whl"
+    assert lines[1].startswith(f"device_check: python {sys.version.split()[0]}, torch {torch.__version__}")
+    assert "device_check: ok   training exited 0" in lines
+    assert lines[-1] == f"device_check: figures in {out / 'gpu_smoke.json'} (exit 0)"
+    r = json.loads((out / "gpu_smoke.json").read_text())
+    assert r["vocab_size"] == 151936 and r["class_check"]["classes"] == 2 and all(c["ok"] for c in r["checks"])
+    assert "vocabulary 151936, MASK id 151669" in (out / "gpu_smoke.log").read_text()
