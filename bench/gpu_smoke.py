@@ -1,27 +1,35 @@
 """GPU smoke test: the real training pipeline on every visible GPU, its figures, and a real CUDA OOM classified.
 
-    .venv/bin/python -m bench.gpu_smoke [--steps 60] [--json] [--keep] ...
+    .venv/bin/python -m bench.gpu_smoke [--quick] [--steps 60] [--json] [--keep] ...
     .venv/bin/python -m bench.gpu_smoke --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
+    bench/device_check.sh                            # --quick on a lent GPU box, in one command (docs/gpu.md)
 
-On a CUDA machine (at most ~5 minutes):
+On a CUDA machine (``--quick``: at most ~6 minutes on one GPU, compile included):
 
 1. builds a Qwen3-shaped target of a few hundred million parameters (default: Qwen3-0.6B's width with 16
    layers, untied head: ~0.56B) from a config written in code, random init, bf16, nothing downloaded, and
    saves it to a temp dir, so the real ``Run`` loads it as it would a user's checkpoint; writes random
-   pre-tokenized data;
+   pre-tokenized data over Qwen3's vocabulary (151936 rows), never holding the MASK id the run's rule picks
+   (the published 151669: ``dflash.models.default_rule_mask_id``); prints the vocabulary and MASK id;
 2. trains it through the real pipeline (``dflash.train.Run`` from a ``RunConfig``): the visible GPUs split
-   into targets (first half) and drafters (the rest, at least one each; one GPU is shared), with
+   into targets (first half) and drafters (the rest, at least one each; one GPU is shared: the target then
+   runs on its own CUDA stream, so its kernels are not inside the drafter's step events), with
    ``compile = true`` (inductor), activation checkpointing and the compiled flex_attention BlockMask;
-3. prints: Ktok/s, drafter step time, the drafter step's MFU, peak memory per GPU, compile time (train()
-   start to the pipeline start: the warm-up), recompiles after warm-up (must be 0), the count of
-   "flex_attention called without torch.compile" warnings (must be 0), and an averaging round of the
-   drafter replicas (two on one drafter GPU: a copy is made) against the copy bound (bytes moved /
-   measured D2H + H2D bandwidth), with the replicas checked bit-identical and equal to a CPU mean;
-4. forces a real CUDA OOM on one GPU (the last drafter GPU; its allocator is capped with
-   ``torch.cuda.set_per_process_memory_fraction`` before ``dflash train`` runs) inside a real
-   ``dflash train`` subprocess under the real runner (``python -m ops.far.runner``) in a temp run dir, then
-   reads the run the way ``dflashctl status`` does (the agent's probe facts -> ``ops.probe.classify``) and
-   checks it says ``crashed`` / ``cuda-oom`` with that GPU's index.
+   ``--quick`` warms up only the shape classes the smoke's data makes (``dflash.compile.shape_class``);
+3. ``--quick``: the class check: a one-layer drafter of the same width is compiled for every shape class
+   (``dflash.compile.warm_up_shapes``), then one batch of each class, in other sizes than its warm-up's, is
+   trained under ``fail_on_recompile``: each must hit compiled code (item 3 of issue 20);
+4. prints: the vocabulary and MASK id, Ktok/s, drafter step time, the drafter step's MFU, peak memory per
+   GPU, compile time (train() start to the pipeline start: the warm-up), compiled cache entries per drafter
+   device, recompiles after warm-up (must be 0), eager (unfused) flex calls (must be 0), and an averaging
+   round of the drafter replicas (two on one drafter GPU: a copy is made) against the copy bound (bytes
+   moved / measured D2H + H2D bandwidth), with the replicas checked bit-identical and equal to a CPU mean;
+5. forces a real CUDA OOM in a drafter step on one GPU (the last drafter GPU) inside a real ``dflash train``
+   subprocess under the real runner (``python -m ops.far.runner``) in a temp run dir: once its warm-up is
+   done, that GPU's allocator is capped at what it holds plus ``--oom-margin-gib`` (room for the target's
+   forward on a shared GPU, not for a drafter step's logits), then reads the run the way ``dflashctl status``
+   does (the agent's probe facts -> ``ops.probe.classify``) and checks it says ``crashed`` / ``cuda-oom``
+   with that GPU's index.
 
 MFU of the drafter step: model FLOPs of one step / step time / (peak bf16 FLOP/s x drafter GPUs in
 parallel; ``--peak-tflops`` or a table of known GPUs). Per row of a batch (S context positions, A anchors,
@@ -36,12 +44,16 @@ width I; n target layers read; vocabulary V)::
     step    = 3 * (forward - lm_head) + 2 * lm_head       backward: 2x, no weight gradient for the frozen head
 
 with anchors spread evenly over the row (visible keys of a block at anchor a: a context + B block keys).
-Activation-checkpointing recompute is not counted (model FLOPs, not hardware FLOPs).
+Activation-checkpointing recompute is not counted (model FLOPs, not hardware FLOPs). The step time is the
+CUDA events around each drafter step on the drafter's stream; on one shared GPU the target's kernels run
+on the target's own stream beside it (not inside the events, but sharing the SMs): one-GPU figures.
 
 Without CUDA it prints "no CUDA device: nothing to measure" and exits 0, unless ``--cpu``: then the same
-path runs tiny on the CPU (compile off, two drafter threads so a real averaging round happens) and the OOM
-step uses the injected OOM (``DFLASH_FAULT=oom-at-step:1``, the allocator's text) under the same runner and
-probe, so the argument handling, the plumbing and the printing are tested here.
+path runs tiny on the CPU (compile off, two drafter threads so a real averaging round happens; the class
+check compiles with the ``eager`` backend and dense attention, whose only class is the rows) at Qwen3's
+vocabulary and MASK rule, and the OOM step uses the injected OOM (``DFLASH_FAULT=oom-at-step:1``, the
+allocator's text) under the same runner and probe, so the arguments, the data, the plumbing and the
+printing are tested here.
 
 Exit code: 0 when every check passed, 1 when one failed (the table says which), 2 for bad arguments.
 """
@@ -81,12 +93,10 @@ PEAK_BF16 = (
     ("4090", 165e12),
     ("3090", 71e12),
 )
-# `dflash train` with one GPU's allocator capped first: the OOM is the real allocator's, on that GPU.
-OOM_SHIM = (
-    "import sys, torch; g, cap = int(sys.argv[1]), float(sys.argv[2]); "
-    "torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(g).total_memory, g); "
-    "from dflash.__main__ import main; sys.exit(main(sys.argv[3:]))"
-)
+# `dflash train` whose last drafter GPU is capped once its warm-up is done (``oom_child``): the OOM is the real
+# allocator's, in a drafter step (a cap at start would hit the target's load on a shared GPU instead).
+OOM_CHILD = "import sys; from bench.gpu_smoke import oom_child; sys.exit(oom_child(sys.argv[1:]))"
+QWEN3_VOCAB = 151936  # the GPU configuration's vocabulary: --cpu runs it too, at a tiny width
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,6 +108,17 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
         prog="bench/gpu_smoke.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--cpu", action="store_true", help="no GPU: run the same path tiny on the CPU (compile off)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the lent-GPU check: 20 steps, warm-up of the data's shape classes only, then the class check",
+    )
+    ap.add_argument(
+        "--class-budget",
+        type=float,
+        default=150.0,
+        help="seconds the class check may spend compiling (default 150; classes past it are reported unchecked)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object (the figures and checks) on stdout")
     ap.add_argument("--steps", type=int, default=None, help="global training steps (default 60; --cpu 6)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; --cpu 64)")
@@ -120,10 +141,10 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
         help="dense bf16 peak per GPU in TFLOP/s for MFU (default: known GPUs by name)",
     )
     ap.add_argument(
-        "--oom-cap-gib",
+        "--oom-margin-gib",
         type=float,
-        default=1.0,
-        help="the OOM step caps the last drafter GPU's allocator at this many GiB (default 1)",
+        default=0.5,
+        help="the OOM step caps the last drafter GPU after warm-up at what it holds + this (default 0.5 GiB)",
     )
     ap.add_argument("--no-oom", action="store_true", help="skip the forced OOM")
     ap.add_argument("--oom-timeout", type=float, default=180.0, help="seconds the OOM run may take (default 180)")
@@ -131,7 +152,7 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     small = args.cpu
     defaults = {
-        "steps": (60, 6),
+        "steps": (20 if args.quick else 60, 6),
         "seq_len": (2048, 64),
         "batch": (4, 2),
         "target_layers": (16, 4),
@@ -151,6 +172,8 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
         ap.error(f"--seq-len must be at least twice --block-size ({2 * args.block_size}), got {args.seq_len}")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         ap.error(f"--peak-tflops must be positive, got {args.peak_tflops}")
+    if args.oom_margin_gib < 0:
+        ap.error(f"--oom-margin-gib must not be negative, got {args.oom_margin_gib}")
     return args
 
 
@@ -164,7 +187,7 @@ def target_shape(args: argparse.Namespace) -> dict[str, int]:
     head_dim = 128 if args.hidden >= 512 else 16
     heads = max(2, 2 * args.hidden // head_dim)
     return {
-        "vocab_size": 512 if args.cpu else 151936,
+        "vocab_size": QWEN3_VOCAB,  # --cpu too: the data and MASK rule the GPU run meets
         "hidden_size": args.hidden,
         "intermediate_size": 3 * args.hidden,
         "num_hidden_layers": args.target_layers,
@@ -194,12 +217,24 @@ def build_target(path: Path, shape: dict[str, int], *, cuda: bool) -> int:
     return count
 
 
-def write_data(path: Path, *, rows: int, seq_len: int, vocab: int) -> None:
+def expected_mask_id(target_dir: Path) -> int:
+    """The MASK id the run's rule picks for this target (no drafter.mask_token_id, no tokenizer): for Qwen3's
+    151936 rows the published 151669, not the last row (``dflash.models.default_rule_mask_id``)."""
+    from transformers import AutoConfig
+
+    from dflash.models import default_rule_mask_id
+
+    config = AutoConfig.from_pretrained(target_dir)
+    return default_rule_mask_id(config, int(config.vocab_size), None)
+
+
+def write_data(path: Path, *, rows: int, seq_len: int, vocab: int, mask_id: int) -> None:
+    """Random token rows over the whole vocabulary except ``mask_id`` (the dataset refuses a sample holding it)."""
     rng = random.Random(0)
     prompt = min(16, seq_len // 4)
     with path.open("w") as f:
         for _ in range(rows):
-            ids = [rng.randrange(vocab - 1) for _ in range(seq_len)]  # never the last row: the MASK
+            ids = [x + (x >= mask_id) for x in (rng.randrange(vocab - 1) for _ in range(seq_len))]
             f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (seq_len - prompt)}) + "\n")
 
 
@@ -352,6 +387,10 @@ def watch_logs() -> tuple[Watch, t.Callable[[], None]]:
             lg.removeHandler(watch)
             lg.setLevel(lvl)
         artifact.removeHandler(watch)
+        try:  # the class check compiles on purpose: its recompiles are not logged
+            torch._logging.set_logs()
+        except Exception:  # pragma: no cover - older torch
+            pass
 
     return watch, undo
 
@@ -477,6 +516,134 @@ def gpu_memory() -> list[dict[str, t.Any]]:
 
 
 # --------------------------------------------------------------------------------------------
+# --quick: warm-up of the data's classes; the class check (issue 20, item 3)
+
+
+def data_shapes(run: t.Any, args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """The warm-up shapes of the classes the run's own batches fall in (one epoch of its batch plan)."""
+    from dflash.compile import batch_shape, shape_class, shapes_for, uses_flex
+    from dflash.data import collate
+
+    flex = uses_flex(run.drafters[0].device)
+    met = set()
+    batches, _ = run.plan.batches_per_epoch()
+    for g in range(batches):
+        b = collate([run.dataset.read(i) for i in run.plan.batch(g)], index=g)
+        met.add(shape_class(*batch_shape(b.loss_mask, num_anchors=args.anchors), block_size=args.block_size, flex=flex))
+    return [s for s in shapes_for(run.drafters[0]) if shape_class(*s, block_size=args.block_size, flex=flex) in met]
+
+
+def other_size(shape: tuple[int, int, int], *, block_size: int, flex: bool, max_length: int) -> tuple[int, int, int]:
+    """A batch of the same class as ``shape`` in other sizes (so the check meets a size warm-up never ran)."""
+    from dflash.compile import shape_class
+
+    rows, seq, blocks = shape
+    want = shape_class(*shape, block_size=block_size, flex=flex)
+    more = rows if rows == 1 else rows + 1
+    for cand in (
+        (more, seq - 1, blocks),
+        (more, seq - 1, blocks - 1),
+        (more, seq - 2, blocks + 1),
+        (more, seq, blocks),
+    ):
+        r, s_, b = cand
+        if b >= 1 and b < s_ <= max_length and shape_class(*cand, block_size=block_size, flex=flex) == want:
+            return cand
+    return shape
+
+
+def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
+    """A one-layer drafter of the run's width on its drafter device, compiled for every shape class
+    (``dflash.compile.warm_up_shapes``) within ``--class-budget`` seconds, then one batch of each warmed
+    class in other sizes under ``fail_on_recompile``: each must run compiled code, and no cache entry may
+    be added by the batches."""
+    import torch
+
+    from dflash.compile import (
+        compiled_entries,
+        prepare_drafter,
+        set_recompile_limits,
+        shape_class,
+        shapes_for,
+        uses_flex,
+        warm_up,
+    )
+    from dflash.drafter import CompileMissError, DFlashDraftModel, draft_config_for
+    from dflash.replicas import DrafterReplica, ReplicaConfig
+
+    base = run.drafters[0]
+    target = run.targets[0].model
+    flex = uses_flex(base.device)
+    config = draft_config_for(
+        target.model.config,
+        num_layers=1,
+        block_size=args.block_size,
+        mask_token_id=run.mask_token_id,
+        target_layer_ids=target.layer_ids,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = DFlashDraftModel(config).to(device=base.device, dtype=base.model.dtype)
+    prepare_drafter(
+        model, activation_checkpointing=True, compile=True, backend="eager" if args.cpu else run.cfg.compile_backend
+    )
+    replica = DrafterReplica(
+        model,
+        base.head,
+        device=base.device,
+        cfg=ReplicaConfig.of(run.cfg),
+        schedule=run.schedule,
+        seed=0,
+        index=len(run.drafters),
+    )
+    kw = dict(feature_size=target.feature_size, vocab_size=run.vocab_size, mask_token_id=run.mask_token_id)
+    shapes = shapes_for(replica)
+    set_recompile_limits(len(shapes) + compiled_entries(), 1)  # room beside the run's own entries
+    t0 = time.perf_counter()
+    warmed: list[tuple[int, int, int]] = []
+    unchecked: list[tuple[int, int, int]] = []
+    for shape in shapes:
+        if time.perf_counter() - t0 > args.class_budget:
+            unchecked.append(shape)
+            continue
+        warm_up(replica, shapes=[shape], **kw)
+        warmed.append(shape)
+    compile_s = time.perf_counter() - t0
+    entries = compiled_entries()
+    fed: list[dict[str, t.Any]] = []
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        for shape in warmed:
+            probe = other_size(shape, block_size=args.block_size, flex=flex, max_length=args.seq_len)
+            try:  # warm_up's own batch maker, now under fail_on_recompile: a miss raises CompileMissError
+                warm_up(replica, shapes=[probe], **kw)
+                miss = None
+            except CompileMissError as e:
+                miss = str(e)
+            fed.append(
+                {
+                    "class": shape_class(*probe, block_size=args.block_size, flex=flex),
+                    "warmed": shape,
+                    "fed": probe,
+                    "ok": miss is None,
+                    "miss": miss,
+                }
+            )
+    finally:
+        torch.compiler.set_stance("default")
+    return {
+        "classes": len(shapes),
+        "warmed": len(warmed),
+        "unchecked": unchecked,
+        "compile_s": round(compile_s, 1),
+        "entries_after_warm_up": entries,
+        "entries_added_by_feed": compiled_entries() - entries,
+        "batches": fed,
+        "ok": all(f["ok"] for f in fed) and compiled_entries() == entries,
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # The forced OOM, read back the way `dflashctl status` reads a run
 
 
@@ -497,7 +664,42 @@ def end_leftovers(record: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], drafters: list[str]) -> dict[str, t.Any]:
+def oom_child(argv: t.Sequence[str]) -> int:
+    """``GPU MARGIN_BYTES SHAPES_JSON dflash-args...``: ``dflash train`` whose GPU is capped after its warm-up.
+
+    The run's warm-up (``dflash.train.warm_up_replicas``, wrapped here: the smoke's shapes only) compiles
+    and builds everything a step needs but the step's activations; then the allocator's cache is emptied and
+    the GPU capped at what it holds plus the margin, so the first drafter step's logits cannot fit."""
+    import torch
+
+    import dflash.train as train
+
+    gpu, margin, shapes = int(argv[0]), float(argv[1]), [tuple(s) for s in json.loads(argv[2])]
+    warm = train.warm_up_replicas
+
+    def warm_then_cap(replicas: t.Any, **kw: t.Any) -> t.Any:
+        out = warm(replicas, **{**kw, "shapes": shapes or kw.get("shapes")})
+        torch.cuda.synchronize(gpu)
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(gpu)
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + margin) / total), gpu)
+        print(f"gpu_smoke: GPU {gpu} capped at {(held + margin) / 2**30:.2f} GiB after warm-up", file=sys.stderr)
+        return out
+
+    train.warm_up_replicas = warm_then_cap  # type: ignore[assignment]  # the child's own module: a test hook
+    from dflash.__main__ import main as dflash_main
+
+    return int(dflash_main(list(argv[3:])) or 0)
+
+
+def forced_oom(
+    args: argparse.Namespace,
+    tmp: Path,
+    raw: dict[str, t.Any],
+    drafters: list[str],
+    shapes: t.Sequence[tuple[int, int, int]] | None,
+) -> dict[str, t.Any]:
     from ops import probe
     from ops.far import agent
 
@@ -520,14 +722,15 @@ def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], draft
         command = [
             sys.executable,
             "-c",
-            OOM_SHIM,
+            OOM_CHILD,
             str(gpu),
-            str(args.oom_cap_gib * 2**30),
+            str(args.oom_margin_gib * 2**30),
+            json.dumps([list(x) for x in shapes or []]),
             "train",
             "--config",
             str(cfg_path),
         ]
-        how = f"real: GPU {gpu}'s allocator capped at {args.oom_cap_gib:g} GiB"
+        how = f"real: GPU {gpu}'s allocator capped after warm-up at what it holds + {args.oom_margin_gib:g} GiB"
     session = "smoke"
     run_dir = tmp / "runs"
     attempt = run_dir / session / "attempt-1"
@@ -626,12 +829,15 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             f"target: Qwen3 {shape['num_hidden_layers']} layers x {shape['hidden_size']}, vocab {shape['vocab_size']}: "
             f"{n_params / 1e6:.0f}M params, built and saved in {build_s:.1f}s"
         )
+        mask_id = expected_mask_id(tmp / "target")
         write_data(
             tmp / "data.jsonl",
             rows=max(8, args.steps * args.batch * 2),
             seq_len=args.seq_len,
             vocab=shape["vocab_size"],
+            mask_id=mask_id,
         )
+        say(f"vocabulary {shape['vocab_size']}, MASK id {mask_id} (the run's rule); the data never holds it")
         targets, drafters = split_devices(args)
         raw = raw_config(args, tmp, targets, drafters)
         cfg = parse_config(raw, base=tmp)
@@ -648,6 +854,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             warnings.simplefilter("always")  # every flex warning, not the first per call site
             try:
                 run = Run(cfg, environ={**os.environ, "DFLASH_RUN_DIR": str(tmp / "run")}, stream=out)
+                if args.quick:  # compile only what the smoke's own batches need
+                    run.warm_up_shapes = data_shapes(run, args)
+                    say(f"warm-up shapes (the data's classes): {run.warm_up_shapes}")
                 t_train = time.perf_counter()
                 rc = run.train()
                 train_s = time.perf_counter() - t_train
@@ -666,16 +875,32 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         memory = gpu_memory()
         say(f"trained: exit {rc} in {train_s:.1f}s; averaging round next")
         avg = averaging_round(run)
+        classes = None
+        if args.quick:
+            say("class check: a one-layer drafter compiled for every shape class, then one batch of each")
+            class_flex, undo_class_flex = count_eager_flex()
+            try:
+                classes = class_check(args, run)
+            finally:
+                undo_class_flex()
+            classes["eager_flex_calls"] = class_flex[0]
         oom = None
         if not args.no_oom:
             say("forcing an OOM under the runner")
-            oom = forced_oom(args, tmp, raw, drafters)
+            oom = forced_oom(args, tmp, raw, drafters, run.warm_up_shapes)
         result = {
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
             "gpus": 0 if args.cpu else torch.cuda.device_count(),
             "targets": targets,
             "drafters": drafters,
             "target_params_m": round(n_params / 1e6, 1),
+            "vocab_size": shape["vocab_size"],
+            "mask_token_id": run.mask_token_id,
+            "mask_token_id_expected": mask_id,
+            "quick": args.quick,
+            "warm_up_shapes": run.warmed.shapes if run.warmed is not None else None,
+            "compiled_entries": run.warmed.entries if run.warmed is not None else None,
+            "recompile_limit": run.warmed.limit if run.warmed is not None else None,
             "target_build_s": round(build_s, 2),
             "train_exit": rc,
             "train_s": round(train_s, 2),
@@ -696,6 +921,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             "flex_eager_warnings": flex,
             "memory": memory,
             "averaging": avg,
+            "class_check": classes,
             "oom": oom,
             "total_s": round(time.perf_counter() - t_start, 1),
         }
@@ -720,10 +946,22 @@ def checks(args: argparse.Namespace, r: dict[str, t.Any]) -> list[dict[str, t.An
             "ok": r["recompiles_after_warmup"] == 0 and not r["dynamo_frames_after_warmup"],
         },
         {"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]},
+        {
+            "name": f"MASK id {r['mask_token_id']} is the rule's and not in the data",
+            "ok": r["mask_token_id"] == r["mask_token_id_expected"],
+        },
         {"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]},
     ]
     if not args.cpu:  # eager flex is the CPU path; on CUDA it is the OOM the issue is about
         out.append({"name": "no eager flex_attention warning", "ok": r["flex_eager_warnings"] == 0})
+    c = r.get("class_check")
+    if c is not None:
+        out.append(
+            {
+                "name": f"class check: {c['warmed']} of {c['classes']} shape classes fed after warm-up, all compiled",
+                "ok": c["ok"] and (args.cpu or c["eager_flex_calls"] == 0),
+            }
+        )
     if r["oom"] is not None:
         o = r["oom"]
         out.append(
@@ -743,7 +981,8 @@ def print_report(r: dict[str, t.Any]) -> None:
     a = r["averaging"]
     lines = [
         f"device              {r['device']} x {r['gpus']}   targets {r['targets']}  drafters {r['drafters']}",
-        f"target              {r['target_params_m']}M params (built + saved {r['target_build_s']}s)",
+        f"target              {r['target_params_m']}M params (built + saved {r['target_build_s']}s); "
+        f"vocabulary {r['vocab_size']}, MASK id {r['mask_token_id']}",
         f"throughput          {_fmt(r['ktok_s'], '.1f')} Ktok/s (steady intervals)",
         f"drafter step        {_fmt(r['drafter_step_s'], '.4f')} s, {r['drafter_step_tflop']:.2f} TFLOP/step "
         f"-> MFU {_fmt(r['mfu'] * 100 if r['mfu'] is not None else None, '.1f') + '%' if r['mfu'] is not None else 'n/a'} "
@@ -752,7 +991,19 @@ def print_report(r: dict[str, t.Any]) -> None:
         f"recompiles          {r['recompiles_after_warmup']} after warm-up (dynamo frames compiled after: "
         f"{r['dynamo_frames_after_warmup']}; {r['recompiles_in_warmup']} during warm-up)",
         f'eager flex calls    {r["flex_eager_warnings"]} ("flex_attention called without torch.compile")',
+        f"compiled entries    {r['compiled_entries']} (recompile limit {r['recompile_limit']}; "
+        f"warm-up shapes {r['warm_up_shapes']})",
     ]
+    c = r.get("class_check")
+    if c is not None:
+        lines.append(
+            f"class check         {c['warmed']}/{c['classes']} classes compiled in {c['compile_s']} s, "
+            f"{sum(b['ok'] for b in c['batches'])} fed batches hit compiled code, {c['entries_added_by_feed']} entries "
+            f"added, {c['eager_flex_calls']} eager flex calls; unchecked (budget) {c['unchecked']}"
+        )
+        for b in c["batches"]:
+            if not b["ok"]:
+                lines.append(f"                    MISS {b['fed']} ({b['miss']})")
     for m in r["memory"]:
         lines.append(
             f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "

@@ -11,7 +11,8 @@ element-wise and written back to every replica. One engine for every placement:
   cache-sized blocks (numpy ufuncs: they drop the GIL and never start a nested OpenMP team);
 - ``cross_reduce`` (optional) turns the local mean into the global one: the multi-node hook (all_reduce of
   the same slices across nodes, weighted by the live replicas per node), called once per slice, in the
-  same order on every node;
+  same order on every node; an asynchronous hook (``NodeGroup.cross_reduce``) returns a finisher, called
+  after the next slice's local reduction, so slice k's all_reduce overlaps slice k+1's copy and reduction;
 - the mean is *scattered* back: ``non_blocking`` H2D copies on a second copy stream, plain copies for CPU.
 
 Pipelined with two buffer slots: the D2H of slice k+1 runs while the host reduces slice k and the H2D of
@@ -49,8 +50,9 @@ MIN_SPLIT = 1 << 18  # slices smaller than this are reduced by the calling threa
 MAX_THREADS = 8
 
 # The multi-node hook: (local mean of one slice, on the host, fp32/fp64; number of local replicas) ->
-# overwrite the slice in place with the global mean.
-CrossReduce = t.Callable[[torch.Tensor, int], None]
+# overwrite the slice in place with the global mean; it may return a function that finishes the job
+# (an asynchronous all_reduce: the averager calls it after reducing the next slice, to overlap them).
+CrossReduce = t.Callable[[torch.Tensor, int], t.Callable[[], None] | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,13 +130,19 @@ class Averager:
             for a in range(0, g[0].numel(), self._capacity(g[0].dtype))
         ]
         devices = sorted({p.device for g in groups for p in g if p.device.type == "cuda"}, key=str)
-        self._ensure_slots(2 if devices or self._stage_host else 1, len(replicas), any_cuda=bool(devices))
+        # two slots whenever a slice's accumulator outlives the next slice's reduction: a device's copies, or
+        # the cross-node all_reduce still in flight while the next slice is reduced
+        two = bool(devices) or self._stage_host or self.cross_reduce is not None
+        self._ensure_slots(2 if two else 1, len(replicas), any_cuda=bool(devices))
         for dev in devices:  # the copies start after everything queued so far on the device
             start = torch.cuda.Event()
             start.record(torch.cuda.current_stream(dev))
             self._stream(dev)[0].wait_event(start)
         nslots = len(self._slots)
         srcs: list[list[torch.Tensor]] = []
+        # the slice whose cross-node all_reduce is in flight: (piece, slot, finish); scattered after the next
+        # slice's local reduction, so the all_reduce overlaps that reduction and the next slice's copies
+        pending: tuple[tuple[int, int, int], _Slot, t.Callable[[], torch.Tensor]] | None = None
         try:
             if plan:
                 srcs.append(self._gather(flats, plan[0], self._slots[0]))
@@ -149,9 +157,25 @@ class Averager:
                 k, a, b = piece
                 # Without a cross-node hook the host threads write CPU replicas straight from the cache.
                 fused = [fl[k][a:b] for fl in flats if fl[k].device.type != "cuda"] if self.cross_reduce is None else []
-                mean, done = self._reduce(srcs[i], slot, b - a, fused)
+                finish, done = self._reduce(srcs[i], slot, b - a, fused)
                 srcs[i] = []  # drop the views: the staging slot is free for slice i + 2
-                self._scatter(flats, piece, mean, slot, cpu_done=done)
+                if pending is not None:  # slice i - 1: its all_reduce ran while slice i was reduced
+                    self._scatter(flats, pending[0], pending[2](), pending[1], cpu_done=False)
+                    pending = None
+                if self.cross_reduce is None:
+                    self._scatter(flats, piece, finish(), slot, cpu_done=done)
+                else:
+                    pending = (piece, slot, finish)
+            if pending is not None:
+                self._scatter(flats, pending[0], pending[2](), pending[1], cpu_done=False)
+                pending = None
+        except BaseException:
+            if pending is not None:  # a later slice failed: the one in flight still lands if it can
+                try:
+                    self._scatter(flats, pending[0], pending[2](), pending[1], cpu_done=False)
+                except Exception:  # noqa: BLE001 - the first failure is the one raised
+                    pass
+            raise
         finally:  # also when a slice failed: later work on the devices must not race the copies in flight
             for dev in devices:
                 for ev in [s.h2d[dev] for s in self._slots if dev in s.h2d]:
@@ -213,10 +237,11 @@ class Averager:
 
     def _reduce(
         self, srcs: list[torch.Tensor], slot: _Slot, m: int, fused: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, bool]:
-        """The mean ``r0 + sum(r_i - r0) / n`` in the accumulator dtype, then the cross-node hook.
+    ) -> tuple[t.Callable[[], torch.Tensor], bool]:
+        """The mean ``r0 + sum(r_i - r0) / n`` in the accumulator dtype, then the cross-node hook started.
 
-        Returns the mean in the replicas' dtype, and whether ``fused`` (CPU destinations) already holds it.
+        Returns a function giving the mean in the replicas' dtype (it waits for an asynchronous hook's
+        all_reduce), and whether ``fused`` (CPU destinations) already holds it.
         """
         dtype = srcs[0].dtype
         acc_dtype = _acc_dtype(dtype)
@@ -228,22 +253,27 @@ class Averager:
             arrays, acc_np, outs = [s.numpy() for s in srcs], acc.numpy(), [f.numpy() for f in fused]
             self._parallel(m, lambda lo, hi, tmp: _mean_block(arrays, acc_np, lo, hi, tmp, outs))
             if self.cross_reduce is None:
-                return acc, True
+                return (lambda: acc), True
         else:  # bf16/fp16: rare (masters are fp32), torch in this thread with slice-sized temporaries
             base = srcs[0].to(acc_dtype)
             delta = torch.zeros(m, dtype=acc_dtype)
             for s in srcs[1:]:
                 delta.add_(s.to(acc_dtype).sub_(base))
             torch.add(base, delta, alpha=1.0 / n, out=acc)
-        if self.cross_reduce is not None:
-            self.cross_reduce(acc, n)
-        if dtype == acc_dtype:
-            return acc, False
-        if slot.out is None:
-            slot.out = self._bytes(self.chunk * 4)
-        out = slot.out.view(dtype)[:m]
-        out.copy_(acc)
-        return out, False
+        wait = self.cross_reduce(acc, n) if self.cross_reduce is not None else None
+
+        def finish() -> torch.Tensor:
+            if wait is not None:
+                wait()
+            if dtype == acc_dtype:
+                return acc
+            if slot.out is None:
+                slot.out = self._bytes(self.chunk * 4)
+            out = slot.out.view(dtype)[:m]
+            out.copy_(acc)
+            return out
+
+        return finish, False
 
     def _parallel(self, m: int, fn: t.Callable[[int, int, np.ndarray], None]) -> None:
         threads = min(self.threads, max(1, m // MIN_SPLIT))

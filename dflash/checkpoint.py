@@ -191,30 +191,58 @@ class Snapshot:
     optimizer_state: dict[str, t.Any] | None
 
 
-def _cpu_copy(value: t.Any, into: t.Any = None) -> t.Any:
+def _cpu_copy(value: t.Any, into: t.Any = None, copies: set[torch.device] | None = None) -> t.Any:
     """Tensors copied to CPU (a CPU tensor too: training goes on changing the original), containers rebuilt.
 
     ``into``: the same structure from an earlier snapshot whose write is done; its tensors of the same
     shape and dtype are written over instead of allocating (fresh memory's page faults cost more than the copy).
+    A GPU tensor goes into pinned host memory by a ``non_blocking`` copy (a DMA at full link speed, not a
+    staged pageable copy; the copies of one device queue up back to back); its device lands in ``copies``,
+    and the caller waits for them once (``_wait_copies``) before anyone reads the snapshot.
     """
     if isinstance(value, torch.Tensor):
         src = value.detach()
-        if (
-            isinstance(into, torch.Tensor)
-            and into.shape == src.shape
-            and into.dtype == src.dtype
-            and into.device.type == "cpu"
-            and into.is_contiguous()
-        ):
+        if src.device.type == "cuda" and copies is not None:
+            dst = into if _fits(into, src) and into.is_pinned() else _pinned_like(src)
+            dst.copy_(src, non_blocking=dst.is_pinned())
+            copies.add(src.device)
+            return dst
+        if _fits(into, src):
             return into.copy_(src)
         return src.to("cpu", copy=True).contiguous()
     if isinstance(value, dict):
         old = into if isinstance(into, dict) else {}
-        return {k: _cpu_copy(v, old.get(k)) for k, v in value.items()}
+        return {k: _cpu_copy(v, old.get(k), copies) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         olds = into if isinstance(into, (list, tuple)) and len(into) == len(value) else [None] * len(value)
-        return type(value)(_cpu_copy(v, o) for v, o in zip(value, olds))
+        return type(value)(_cpu_copy(v, o, copies) for v, o in zip(value, olds))
     return value
+
+
+def _fits(into: t.Any, src: torch.Tensor) -> bool:
+    return (
+        isinstance(into, torch.Tensor)
+        and into.shape == src.shape
+        and into.dtype == src.dtype
+        and into.device.type == "cpu"
+        and into.is_contiguous()
+    )
+
+
+def _pinned_like(src: torch.Tensor) -> torch.Tensor:
+    try:
+        return torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    except RuntimeError:  # pinned memory refused (a locked-memory limit): pageable, a blocking copy
+        return torch.empty(src.shape, dtype=src.dtype)
+
+
+def _wait_copies(devices: set[torch.device]) -> None:
+    """Wait for the snapshot's device-to-host copies: an event on each device's current stream, not a
+    device-wide sync (the other drafters' queued work on other streams is not waited for)."""
+    for dev in devices:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(dev))
+        ev.synchronize()
 
 
 @torch.no_grad()
@@ -233,14 +261,17 @@ def snapshot(
         raise ValueError(f"step: must be >= 0, got {step}")
     # A torch.compile wrapper adds "_orig_mod." to names; the file keeps z-lab's plain names.
     state = {name.replace("_orig_mod.", ""): tensor for name, tensor in drafter.state_dict().items()}
-    return Snapshot(
+    copies: set[torch.device] = set()
+    snap = Snapshot(
         step=step,
         run_id=run_id,
         config=drafter.config,
-        weights=_cpu_copy(state, reuse.weights if reuse else None),
-        trainer_state=_cpu_copy(trainer_state, reuse.trainer_state if reuse else None),
-        optimizer_state=_cpu_copy(optimizer_state, reuse.optimizer_state if reuse else None),
+        weights=_cpu_copy(state, reuse.weights if reuse else None, copies),
+        trainer_state=_cpu_copy(trainer_state, reuse.trainer_state if reuse else None, copies),
+        optimizer_state=_cpu_copy(optimizer_state, reuse.optimizer_state if reuse else None, copies),
     )
+    _wait_copies(copies)
+    return snap
 
 
 def _sha256(path: Path) -> str:

@@ -8,12 +8,13 @@ others. After the warm-up a recompile is an error (``Run.train`` sets ``fail_on_
 
 from __future__ import annotations
 
+import dataclasses
 import typing as t
 
 import torch
 
-from dflash.drafter import DFlashDraftModel
-from dflash.loss import drafter_loss
+from dflash.drafter import DFlashDraftModel, flex_attention
+from dflash.loss import candidate_counts, drafter_loss
 from dflash.replicas import DrafterReplica
 
 
@@ -38,38 +39,149 @@ def prepare_drafter(
             layer.compile(backend=backend, dynamic=dynamic, fullgraph=True)
 
 
-def warm_up(
-    replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int, attention: str = "auto"
-) -> list[tuple[int, int, int]]:
-    """Compile forward and backward for every shape a run can meet, serially, before threads exist.
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What ``warm_up_replicas`` compiled: the shapes, the recompile limit it set, and per replica's guard key
+    (``"cuda:1 bfloat16"``) the dynamo cache entries its warm-up added (the compiled layer and flex)."""
 
-    Returns the ``(rows, seq, blocks)`` it ran (``warm_up_shapes``). Throwaway data; the replica's
-    weights and optimizer are untouched (gradients are dropped). A drafter whose parameters need no
-    gradient (tests) runs forward only.
+    shapes: list[tuple[int, int, int]]
+    limit: int
+    entries: dict[str, int]
+
+
+def warm_up_replicas(
+    replicas: t.Sequence[DrafterReplica],
+    *,
+    feature_size: int,
+    vocab_size: int,
+    mask_token_id: int,
+    attention: str = "auto",
+    shapes: t.Sequence[tuple[int, int, int]] | None = None,
+) -> WarmUp:
+    """``warm_up`` every replica, serially, under ONE recompile limit set before the first (``recompile_limits``).
+
+    dynamo's cache of a compiled layer is shared by every layer of every replica (the code object is
+    ``Qwen3DFlashDecoderLayer.forward``), and each entry is guarded on its tensors' device and dtype, so
+    each distinct (device, dtype) of the replicas adds its own entries: the limit counts them.
+    ``shapes``: warm these only (default: ``warm_up_shapes`` for the replicas' config).
     """
+    if not replicas:
+        return WarmUp([], 0, {})
+    todo = list(shapes) if shapes is not None else shapes_for(replicas[0], attention=attention)
+    limit = set_recompile_limits(len(todo), guard_keys(replicas))
+    entries: dict[str, int] = {}
+    for r in replicas:
+        before = compiled_entries()
+        warm_up(
+            r,
+            feature_size=feature_size,
+            vocab_size=vocab_size,
+            mask_token_id=mask_token_id,
+            attention=attention,
+            shapes=todo,
+        )
+        key = f"{_device_key(r.device)} {str(r.model.dtype).removeprefix('torch.')}"
+        entries[key] = entries.get(key, 0) + compiled_entries() - before
+    return WarmUp(todo, limit, entries)
+
+
+def compiled_entries() -> int:
+    """dynamo cache entries of the compiled drafter layer and of ``compiled_flex`` (0 where torch has no
+    such debug hook): a warm-up adds them, and after it nothing may."""
+    from torch._dynamo import eval_frame  # dynamo is heavy to import: only a compiled run gets here
+
+    from dflash.drafter import Qwen3DFlashDecoderLayer
+
+    try:
+        codes = [Qwen3DFlashDecoderLayer.forward.__code__]
+        if flex_attention is not None:
+            codes.append(flex_attention.__code__)
+        return sum(len(eval_frame._debug_get_cache_entry_list(c)) for c in codes)
+    except (AttributeError, RuntimeError):  # another torch: no count
+        return 0
+
+
+def guard_keys(replicas: t.Sequence[DrafterReplica]) -> int:
+    """How many distinct sets of cache entries the replicas need: one per (device, dtype).
+
+    dynamo's tensor guards check device (with its index) and dtype, so two replicas on two GPUs are two
+    keys; replicas on one device in one dtype share their entries (tests stand another dtype in for a GPU).
+    """
+    return len({(_device_key(r.device), r.model.dtype) for r in replicas})
+
+
+def recompile_limits(shapes: int, keys: int) -> int:
+    """Cache entries one compiled code object may hold: per shape and per guard key, one entry for each
+    layer input kind (the first layer's input needs no grad, the others' do; ``compiled_flex`` has one),
+    doubled as margin. The fail-on-limit stance stays the safety net."""
+    return 2 * (2 * max(1, shapes) * max(1, keys))
+
+
+def set_recompile_limits(shapes: int, keys: int) -> int:
+    """Raise dynamo's per-code-object and accumulated limits to ``recompile_limits`` (never lower them)."""
     import torch._dynamo.config as dynamo_config  # dynamo is heavy to import: only a compiled run gets here
 
+    need = recompile_limits(shapes, keys)
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, need)
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, need)
+    return need
+
+
+def _device_key(device: str | torch.device) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def uses_flex(device: str | torch.device, attention: str = "auto") -> bool:
+    """Whether a drafter on ``device`` trains with flex attention (``loss.training_masks``' choice)."""
+    return attention == "flex" or (attention == "auto" and torch.device(device).type == "cuda")
+
+
+def shapes_for(replica: DrafterReplica, *, attention: str = "auto") -> list[tuple[int, int, int]]:
+    """``warm_up_shapes`` for a replica's config and model."""
     d = replica.cfg.drafter
-    flex = attention == "flex" or (attention == "auto" and torch.device(replica.device).type == "cuda")
-    shapes = warm_up_shapes(
+    return warm_up_shapes(
         rows=replica.cfg.data.batch_size,
         max_length=replica.cfg.data.max_length,
         num_anchors=d.num_anchors,
         block_size=d.block_size,
-        flex=flex,
+        flex=uses_flex(replica.device, attention),
         taken=_model_sizes(replica.model),
     )
+
+
+def warm_up(
+    replica: DrafterReplica,
+    *,
+    feature_size: int,
+    vocab_size: int,
+    mask_token_id: int,
+    attention: str = "auto",
+    shapes: t.Sequence[tuple[int, int, int]] | None = None,
+) -> list[tuple[int, int, int]]:
+    """Compile forward and backward for every shape a run can meet, serially, before threads exist.
+
+    Returns the ``(rows, seq, blocks)`` it ran (``shapes``, default ``warm_up_shapes``). Throwaway data; the
+    replica's weights and optimizer are untouched (gradients are dropped). A drafter whose parameters need
+    no gradient (tests) runs forward only. Several replicas: ``warm_up_replicas`` (it sets the recompile
+    limit for all of them first); alone, this sets it for one guard key.
+    """
+    import torch._dynamo.config as dynamo_config  # dynamo is heavy to import: only a compiled run gets here
+
+    d = replica.cfg.drafter
+    todo = list(shapes) if shapes is not None else shapes_for(replica, attention=attention)
     gen = torch.Generator().manual_seed(0)
-    # Each shape is a cache entry per layer input kind (the first layer's input needs no grad, the
-    # others' do); past the limit dynamo would run the layer eager. Hitting it anyway is an error.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes))
+    # Past the limit dynamo would run the layer eager; hitting it anyway is an error (never lowered here).
+    set_recompile_limits(len(todo), 1)
     # No duck sizing: a warm-up size equal to a model size (hidden 64 = 8 blocks x 8) would be tied to
     # it and specialised, and real batches would miss the cache.
     with (
         torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]  # set up by install_config_module
         dynamo_config.patch(fail_on_recompile_limit_hit=True),
     ):
-        for rows, seq, blocks in shapes:
+        for rows, seq, blocks in todo:
             ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
             ids[ids == mask_token_id] = 0
             mask = torch.zeros(rows, seq, dtype=torch.long)
@@ -90,22 +202,59 @@ def warm_up(
             if out.loss.requires_grad:
                 out.loss.backward()
     replica.model.zero_grad(set_to_none=True)
-    return shapes
+    return todo
 
 
 # flex_attention's tile: the BlockMask has ceil(Q/128) query and ceil(K/128) key tiles.
 _TILE = 128
+# flex_decoding's short-query bound: inductor picks the decode kernel below it (see shape_class).
+_SHORT_QUERY = 128
+
+# What decides which compiled code a batch needs: the guards dynamo and inductor's CUDA flex lowering put
+# on a compiled drafter layer, read in torch 2.13's torch/_inductor/kernel/flex/{flex_attention,
+# flex_decoding}.py (the same in pytorch main; torch 2.11-2.14 keep this logic; the CPU lowering, flex_cpu.py,
+# has other guards, so CPU tests cannot meet these):
+#   dynamo: every size of 0 or 1 is a constant (its own graph): rows (batch 1), blocks (one anchor: the
+#     anchor tensors' width), and the BlockMask's query and key tile counts (one tile: Q <= 128, K <= 128);
+#   flex_decoding._use_flex_decoding (called from the forward lowering for every graph, before it decides):
+#     evaluate_expr(Lt(q_len, 128)) -> a guard on the query length, whatever kernel it then picks;
+#     Gt(q_len, 0) (always true for a size >= 2); Eq(block-mask heads, 1) (ours: 1, a constant); the GQA
+#     ratio a power of two and static batch / heads (isinstance checks on constants: no guard); the decode
+#     kernel itself (rows == 1 and q_len < 128) adds guard_int of constants only;
+#   flex_attention lowering: head dims < 16 and Hq != Hkv (constants), guard_int of the sparse block
+#     sizes and kernel options (constants), Eq(Bq, Bkv) (one symbol), Gt(q_len, 0), Gt(kv_len, 0) (true);
+#     IS_DIVISIBLE by 128 and TMA use are statically_known_* (decided without a guard: False for a symbol);
+#   the backward lowering: the same constants, no length guard.
+# So with flex the classes are: rows == 1, blocks == 1, Q < 128, Q <= 128 (one query tile), K <= 128.
+
+
+def shape_class(rows: int, seq: int, blocks: int, *, block_size: int, flex: bool) -> tuple[bool, ...]:
+    """The guard outcomes of a ``(rows, seq, blocks)`` batch: two batches of one class run the same
+    compiled code (pure; the guards are listed above). Dense attention: only the rows can be 1."""
+    if not flex:
+        return (rows == 1,)
+    q = blocks * block_size
+    kv = seq + q
+    return (rows == 1, blocks == 1, q < _SHORT_QUERY, q <= _TILE, kv <= _TILE)
+
+
+def batch_shape(loss_mask: torch.Tensor, *, num_anchors: int) -> tuple[int, int, int]:
+    """``(rows, seq, blocks)`` of a collated batch as the drafter step sees it: ``drafter_loss`` trains
+    ``min(num_anchors, most anchor candidates of a row)`` blocks per row."""
+    rows, seq = loss_mask.shape
+    counts = candidate_counts(loss_mask.cpu()).tolist()
+    return int(rows), int(seq), min(num_anchors, max(counts, default=0))
 
 
 def warm_up_shapes(
     *, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool, taken: t.Collection[int] = ()
 ) -> list[tuple[int, int, int]]:
-    """``(rows, seq, blocks)`` batches that compile every graph a run can need.
+    """``(rows, seq, blocks)`` batches, one per ``shape_class`` a run's batches can fall in.
 
     dynamo compiles a size of 0 or 1 as a constant (a graph of its own) and any other size as a
-    symbol, so each size that can be 1 in a real batch is warmed up at 1 and at >= 2, in every
-    combination that can occur: rows (a batch of one sequence), and with flex attention the blocks (a
-    short sequence has one anchor), the query tiles and the key tiles (one tile up to 128 tokens).
+    symbol, and the CUDA flex lowering guards the query length against 128 (``shape_class``); so each
+    class that can occur is warmed: rows 1 and >= 2, and with flex attention one block or several,
+    short queries (< 128), one full query tile (exactly 128) or several, one key tile or several.
     Sizes >= 2 are kept apart from each other and from the model's sizes (``taken``) where possible.
     """
     avoid = set(taken) | {0, 1, block_size, _TILE}
@@ -121,21 +270,16 @@ def warm_up_shapes(
                 return seq, blocks
         return (seqs[0], blocks) if seqs else None
 
-    def kind(seq: int, blocks: int) -> tuple[bool, ...]:
-        if not flex:  # dense attention: blocks only change the (symbolic) query length
-            return ()
-        q, kv = blocks * block_size, seq + blocks * block_size
-        return blocks == 1, q <= _TILE, kv <= _TILE
-
-    one_tile = max(1, _TILE // block_size)  # most blocks whose queries fit one tile
+    # every blocks count at which a class boundary lies: 1, 2, the last short one, one full tile, one past it
+    short = max(1, -(-_SHORT_QUERY // block_size) - 1)  # most blocks whose queries are < 128
+    tile = _TILE // block_size  # blocks of exactly one query tile (when block_size divides 128)
+    candidates = {max_blocks, short, short + 1, tile, tile + 1, 3, 2, 1}
     cases: dict[tuple[bool, ...], tuple[int, int]] = {}
-    for blocks in sorted(
-        {max_blocks, min(max_blocks, one_tile), min(max_blocks, 3), min(max_blocks, 2), 1}, reverse=True
-    ):
+    for blocks in sorted({min(max_blocks, b) for b in candidates if b >= 1}, reverse=True):
         for hi in (max_length, _TILE - blocks * block_size):  # several key tiles, then one
             found = pick(blocks, hi)
             if found is not None:
-                cases.setdefault(kind(*found), found)
+                cases.setdefault(shape_class(2, *found, block_size=block_size, flex=flex)[1:], found)
     row_cases = [1, many_rows] if rows >= 2 else [1]
     return [(r, seq, blocks) for r in row_cases for seq, blocks in cases.values()]
 
@@ -145,4 +289,18 @@ def _model_sizes(model: torch.nn.Module) -> set[int]:
     return {int(n) for p in (*model.parameters(), *model.buffers()) for n in p.shape}
 
 
-__all__ = ["prepare_drafter", "warm_up", "warm_up_shapes"]
+__all__ = [
+    "WarmUp",
+    "batch_shape",
+    "compiled_entries",
+    "guard_keys",
+    "prepare_drafter",
+    "recompile_limits",
+    "set_recompile_limits",
+    "shape_class",
+    "shapes_for",
+    "uses_flex",
+    "warm_up",
+    "warm_up_replicas",
+    "warm_up_shapes",
+]

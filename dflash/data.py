@@ -305,8 +305,11 @@ class JsonlDataset:
 # Batches
 
 
-def collate(samples: t.Sequence[Sample], *, index: int, pad_id: int = 0) -> Batch:
-    """Right-pad to the longest sample; attention_mask and loss_mask are 0 on padding."""
+def collate(samples: t.Sequence[Sample], *, index: int, pad_id: int = 0, pin: bool = False) -> Batch:
+    """Right-pad to the longest sample; attention_mask and loss_mask are 0 on padding.
+
+    ``pin``: in pinned host memory (a run with CUDA devices): their ``non_blocking`` copies to a GPU (the
+    target's forward, the drafter's step) are then asynchronous, not a hidden sync of the copying stream."""
     width = max(len(s.input_ids) for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(samples), width), dtype=torch.long)
@@ -316,7 +319,10 @@ def collate(samples: t.Sequence[Sample], *, index: int, pad_id: int = 0) -> Batc
         ids[r, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         att[r, :n] = 1
         mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.long)
-    return Batch(ids, att, mask, index=index, n_tokens=int(att.sum()))
+    n_tokens = int(att.sum())
+    if pin:
+        ids, att, mask = ids.pin_memory(), att.pin_memory(), mask.pin_memory()
+    return Batch(ids, att, mask, index=index, n_tokens=n_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,12 +357,15 @@ def shard_starts(num_shards: int, saved: DataPosition | None = None) -> list[int
 class Shard:
     """The batches of one target thread: g = start, start + T, start + 2T, ... (endless)."""
 
-    def __init__(self, dataset: JsonlDataset, plan: BatchPlan, *, start: int, stride: int, pad_id: int = 0) -> None:
+    def __init__(
+        self, dataset: JsonlDataset, plan: BatchPlan, *, start: int, stride: int, pad_id: int = 0, pin: bool = False
+    ) -> None:
         self.dataset = dataset
         self.plan = plan
         self.next = start
         self.stride = stride
         self.pad_id = pad_id
+        self.pin = pin  # collate into pinned host memory (a run with CUDA devices)
 
     def __iter__(self) -> Shard:
         return self
@@ -365,7 +374,7 @@ class Shard:
         g = self.next
         self.next += self.stride
         samples = [self.dataset.read(i) for i in self.plan.batch(g)]
-        return collate(samples, index=g, pad_id=self.pad_id)
+        return collate(samples, index=g, pad_id=self.pad_id, pin=self.pin)
 
 
 __all__ = [

@@ -185,17 +185,24 @@ class NodeGroup:
         self.total_replicas = rnd.replicas
         return rnd
 
-    def cross_reduce(self, mean: torch.Tensor, count: int) -> None:
+    def cross_reduce(self, mean: torch.Tensor, count: int) -> t.Callable[[], None]:
         """The averager's hook: this slice's local mean over ``count`` replicas -> the mean over every node.
 
         In place: sum over nodes of mean * count, divided by the replicas of every node (``exchange``
         set it for the round). gloo's all_reduce hands every node the same bytes, so every replica on
-        every node ends the round bit-identical.
+        every node ends the round bit-identical. Asynchronous: the all_reduce starts here (gloo's own
+        threads carry it) and the returned function waits for it and divides, which the averager calls
+        once it has reduced the next slice (every node issues the same slices in the same order).
         """
         if count != 1:
             mean.mul_(count)
-        self._call(lambda: dist.all_reduce(mean, op=dist.ReduceOp.SUM))
-        mean.div_(self.total_replicas)
+        work = self._call(lambda: dist.all_reduce(mean, op=dist.ReduceOp.SUM, async_op=True))
+
+        def finish() -> None:
+            self._call(work.wait)
+            mean.div_(self.total_replicas)
+
+        return finish
 
 
 class GroupBarrier:

@@ -22,6 +22,8 @@ training step, so the attempts of one run continue one curve under ``tensorboard
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -125,6 +127,32 @@ def worker_window(w: WorkerState, prev: tuple[float, float, float, int] | None, 
     }
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Interval:
+    """A closed log interval, waiting to be read and written (``Metrics._emit``)."""
+
+    step: int
+    interval: float
+    steps: int
+    tokens: int
+    lr: float
+    pending: list[StepStats]
+    snapshot: Snapshot | None
+    workers: list[dict[str, t.Any]]
+
+
+_readers: dict[torch.device, t.Any] = {}
+_readers_lock = threading.Lock()
+
+
+def _reader_stream(dev: torch.device) -> t.Any:
+    """The metrics' own CUDA stream on ``dev`` (one per device, shared by whichever thread emits)."""
+    with _readers_lock:
+        if dev not in _readers:
+            _readers[dev] = torch.cuda.Stream(dev)
+        return _readers[dev]
+
+
 class Metrics:
     """Collects drafter steps (``record``, from any thread) and emits a line + record per interval."""
 
@@ -146,7 +174,9 @@ class Metrics:
         self.stream = stream if stream is not None else sys.stdout
         self.snapshot = snapshot
         self.records: list[dict[str, t.Any]] = []  # what was emitted (the last few; tests read them)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the counters and closing an interval (no device read under it)
+        self._emit_lock = threading.Lock()  # reading, printing and writing closed intervals, one at a time
+        self._outbox: collections.deque[_Interval] = collections.deque()  # closed, not yet emitted
         self._file: t.TextIO | None = None
         self._file_failed = False
         self._reset()
@@ -165,12 +195,13 @@ class Metrics:
     def _reset(self) -> None:
         self._n = 0
         self._tokens = 0
-        self._loss = self._acc = self._tau = 0.0
         self._lr = 0.0
-        self._slots: list[float] = []
         self._pending: list[StepStats] = []  # this interval's steps, read at its end
 
     def record(self, step: int, stats: StepStats, tokens: int) -> None:
+        """A drafter's finished step (any thread). Closing an interval happens under the lock (counters, the
+        workers' snapshot: no device sync); reading its device figures and writing the line happen outside
+        it, so the other drafters never wait for a device they do not use."""
         with self._lock:
             self._n += 1
             self._tokens += tokens
@@ -178,13 +209,45 @@ class Metrics:
             self._pending.append(stats)  # device figures are NOT read here: that would sync every step
             seen, self._seen = self._seen, max(self._seen, step)
             if step % self.log_every == 0 if self.step_stride == 1 else step // self.log_every > seen // self.log_every:
-                self._emit(step)
+                self._outbox.append(self._close(step))
+        self._publish()
 
-    def _read_pending(self) -> None:
-        """Sum the interval's figures: one host read per device (the only sync the metrics make)."""
+    def _close(self, step: int) -> _Interval:
+        now = time.monotonic()
+        if self._t_last is None:
+            self._t_last = now
+        snap = self.snapshot() if self.snapshot is not None else None
+        workers = []
+        interval = max(now - self._t_last, 1e-9)
+        if snap is not None:
+            for w in snap.workers:
+                workers.append(worker_window(w, self._prev.get(w.name), interval))
+                self._prev[w.name] = (w.busy_s, w.wait_s, w.sync_s, w.items)
+        closed = _Interval(step, interval, self._n, self._tokens, self._lr, self._pending, snap, workers)
+        self._t_last = now
+        self._reset()
+        return closed
+
+    def _publish(self) -> None:
+        """Emit every closed interval in order, by whichever thread gets the emit lock (never waiting for it:
+        the holder emits what is queued, and looks again after it lets go)."""
+        while self._outbox:
+            if not self._emit_lock.acquire(blocking=False):
+                return  # the holder emits it
+            try:
+                while self._outbox:
+                    self._emit(self._outbox.popleft())
+            finally:
+                self._emit_lock.release()
+
+    @staticmethod
+    def _read_pending(pending: t.Sequence[StepStats]) -> list[list[float]]:
+        """The interval's figures as rows of numbers: one read per device, on a reader stream of its own
+        after the steps' ``ready`` events (only those steps' work is waited for, not the device's queue)."""
         by_device: dict[torch.device, list[torch.Tensor]] = {}
+        events: dict[torch.device, t.Any] = {}
         rows: list[list[float]] = []
-        for s in self._pending:
+        for s in pending:
             parts = (s.loss, s.acc, s.tau_tf, s.acc_per_slot)
             dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
             if dev is None:
@@ -199,57 +262,59 @@ class Metrics:
                 for p in parts
             ]
             by_device.setdefault(dev, []).append(torch.cat(flat))
-        for vectors in by_device.values():
+            if s.ready is not None:
+                events[dev] = s.ready  # steps of one device finish in order: the last one covers them
+        for dev, vectors in by_device.items():
             width = max(v.numel() for v in vectors)
-            stacked = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
-            rows.extend(stacked.tolist())
-        self._pending = []
-        for loss, acc, tau, *slots in rows:
-            self._loss += loss
-            self._acc += acc
-            self._tau += tau
-            if slots:
-                if len(self._slots) != len(slots):
-                    self._slots = [0.0] * len(slots)
-                for k, a in enumerate(slots):
-                    self._slots[k] += a
+            if dev.type == "cuda" and dev in events:
+                reader = _reader_stream(dev)
+                with torch.cuda.stream(reader):
+                    reader.wait_event(events[dev])
+                    stacked = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
+                    rows.extend(stacked.tolist())  # syncs the reader stream only
+            else:
+                stacked = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
+                rows.extend(stacked.tolist())
+        return rows
 
-    def _emit(self, step: int) -> None:
-        self._read_pending()
-        now = time.monotonic()
-        if self._t_last is None:
-            self._t_last = now
-        interval = max(now - self._t_last, 1e-9)
-        n = max(self._n, 1)
-        ktok_s = self._tokens / interval / 1000.0
-        snap = self.snapshot() if self.snapshot is not None else None
-        workers = []
-        if snap is not None:
-            for w in snap.workers:
-                workers.append(worker_window(w, self._prev.get(w.name), interval))
-                self._prev[w.name] = (w.busy_s, w.wait_s, w.sync_s, w.items)
+    def _emit(self, iv: _Interval) -> None:
+        rows = self._read_pending(iv.pending)
+        loss_sum = acc_sum = tau_sum = 0.0
+        slots_sum: list[float] = []
+        for loss, acc, tau, *slots in rows:
+            loss_sum += loss
+            acc_sum += acc
+            tau_sum += tau
+            if slots:
+                if len(slots_sum) != len(slots):
+                    slots_sum = [0.0] * len(slots)
+                for k, a in enumerate(slots):
+                    slots_sum[k] += a
+        n = max(iv.steps, 1)
+        ktok_s = iv.tokens / iv.interval / 1000.0
+        snap, workers = iv.snapshot, iv.workers
         rec: dict[str, t.Any] = {
-            "step": step,
-            "loss": round(self._loss / n, 6),
-            "acc": round(self._acc / n, 6),
-            "tau_tf": round(self._tau / n, 6),
+            "step": iv.step,
+            "loss": round(loss_sum / n, 6),
+            "acc": round(acc_sum / n, 6),
+            "tau_tf": round(tau_sum / n, 6),
             "ktok_s": round(ktok_s, 4),
-            "tokens": self._tokens,
-            "steps": self._n,
-            "interval_s": round(interval, 4),
-            "lr": self._lr,
+            "tokens": iv.tokens,
+            "steps": iv.steps,
+            "interval_s": round(iv.interval, 4),
+            "lr": iv.lr,
             "queue_depth": snap.queue_depth if snap else None,
             "queue_capacity": snap.queue_capacity if snap else None,
             "drafters_live": snap.live("drafter") if snap else None,
             "drafters_total": snap.total("drafter") if snap else None,
             "targets_live": snap.live("target") if snap else None,
             "targets_total": snap.total("target") if snap else None,
-            "acc_per_slot": [round(a / n, 4) for a in self._slots],
+            "acc_per_slot": [round(a / n, 4) for a in slots_sum],
             "workers": workers,
             "at": utc_now(),
         }
         line = format_step_line(
-            step=step,
+            step=iv.step,
             loss=rec["loss"],
             acc=rec["acc"],
             tau_tf=rec["tau_tf"],
@@ -265,8 +330,6 @@ class Metrics:
         self._write_tensorboard(rec)
         self.records.append(rec)
         del self.records[:-100]
-        self._t_last = now
-        self._reset()
 
     def _write(self, rec: dict[str, t.Any]) -> None:
         if self.path is None or self._file_failed:
@@ -301,6 +364,9 @@ class Metrics:
             self._tb = None
 
     def close(self) -> None:
+        with self._emit_lock:  # every closed interval is out before the files close
+            while self._outbox:
+                self._emit(self._outbox.popleft())
         with self._lock:
             if self._file is not None:
                 self._file.close()

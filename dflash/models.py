@@ -129,14 +129,21 @@ def mask_token_id(cfg: RunConfig, target: TargetModel, tokenizer: t.Any, init: D
             )
         mask_id = init_mask
     elif mask_id is None:
-        published = published_mask_token_id(target.model.config)
-        if published is not None and (tokenizer is None or len(tokenizer) <= published):
-            mask_id = published  # what published drafters of this family use: warm starts and comparisons agree
-        else:
-            mask_id = default_mask_token_id(target.vocab_size, len(tokenizer) if tokenizer is not None else None)
+        mask_id = default_rule_mask_id(
+            target.model.config, target.vocab_size, len(tokenizer) if tokenizer is not None else None
+        )
     elif mask_id >= target.vocab_size:
         raise ConfigError("drafter.mask_token_id", f"{mask_id} is outside the target vocabulary ({target.vocab_size})")
     return mask_id
+
+
+def default_rule_mask_id(target_config: t.Any, vocab_size: int, tokenizer_len: int | None) -> int:
+    """The MASK id when neither ``drafter.mask_token_id`` nor a warm start sets it: the id published drafters
+    of the target's family use, when the tokenizer leaves that row unused; else the last row."""
+    published = published_mask_token_id(target_config)
+    if published is not None and (tokenizer_len is None or tokenizer_len <= published):
+        return published  # what published drafters of this family use: warm starts and comparisons agree
+    return default_mask_token_id(vocab_size, tokenizer_len)
 
 
 def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
@@ -167,6 +174,7 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
 
 __all__ = [
     "DrafterSpec",
+    "default_rule_mask_id",
     "drafter_spec",
     "init_drafter",
     "initial_drafter",

@@ -110,6 +110,9 @@ class StepStats:
     blocks: int = 0
     lr: float = 0.0
     acc_per_slot: tuple[float, ...] | torch.Tensor = ()
+    ready: t.Any = (
+        None  # CUDA: an event after the step's figures on its stream (the metrics wait on it, not the device)
+    )
 
 
 class TargetWork(t.Protocol):
@@ -453,6 +456,17 @@ class _Coordinator:
 # The queue
 
 
+def _pinned_peak() -> int:
+    """The caching host allocator's peak of pinned memory (in use + cached); 0 without CUDA or its stats."""
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return 0
+    return int(stats.get("allocated_bytes.peak", 0) or 0)
+
+
 def payload_bytes(payload: t.Any) -> int:
     """Bytes a queue item holds: ``payload.nbytes`` (FeatureBatch, a tensor), 0 for anything else."""
     n = getattr(payload, "nbytes", 0)
@@ -468,10 +482,20 @@ def format_bytes(n: float) -> str:
 
 
 class FeatureQueue:
-    """A FIFO bounded by items AND by bytes (``Item.nbytes``); ``queue.Queue``'s put/get/qsize/maxsize.
+    """A FIFO bounded by items AND by the bytes its items hold (``Item.nbytes``); ``queue.Queue``'s
+    put/get/qsize/maxsize.
 
-    ``put`` blocks while the item would overflow either bound; an empty queue takes any item, so a batch
+    Bytes are held from ``reserve`` (a target, before its forward allocates the features) or ``put`` until
+    the consumer's ``release`` (a drafter, after the step that used them): an item a drafter has taken still
+    holds its pinned host memory or GPU memory, so it still counts. ``put`` of an unreserved item and
+    ``reserve`` block while the bytes would overflow the bound; nothing held admits anything, so a batch
     larger than ``max_bytes`` still flows (alone). ``peak_bytes`` is the most it ever held.
+
+    Progress: drafters that accumulate hold items while they wait for more, so when what they hold already
+    fills the bound (drafters x accumulate items larger than ``max_bytes``: 3 x 11 items of 2048 tokens of
+    a 27B target's features are ~4.4 GB) nothing could be admitted and every worker would wait forever.
+    So while a consumer waits on an empty queue and no item is being made, one item is admitted over the
+    bound: the excess is one item at a time, beyond what the waiting drafters hold.
     """
 
     def __init__(self, maxsize: int, max_bytes: int | None = None) -> None:
@@ -481,41 +505,86 @@ class FeatureQueue:
         self.peak_bytes = 0
         self.queue: collections.deque[Item] = collections.deque()
         self._cond = threading.Condition(threading.Lock())
+        self._making = 0  # reservations not yet put (items being made)
+        self._starved = 0  # consumers waiting in ``get`` on an empty queue
 
     def qsize(self) -> int:
         with self._cond:
             return len(self.queue)
 
-    def _fits(self, item: Item) -> bool:
-        if not self.queue:
+    def _room(self, nbytes: int) -> bool:
+        if self.bytes == 0 or self.max_bytes is None or self.bytes + nbytes <= self.max_bytes:
             return True
-        if len(self.queue) >= self.maxsize:
-            return False
-        return self.max_bytes is None or self.bytes + item.nbytes <= self.max_bytes
+        # over the bound: only so that a starved consumer gets its next item (see the class's "Progress")
+        return not self.queue and self._making == 0 and self._starved > 0
 
-    def put(self, item: Item, timeout: float | None = None) -> None:
+    def _wait(self, ok: t.Callable[[], bool], timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        while not ok():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise queue.Full
+            self._cond.wait(left)
+
+    def _hold(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
+        """Hold ``nbytes`` for an item about to be made (``put(..., reserved=True)`` then adds no more)."""
         with self._cond:
-            while not self._fits(item):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise queue.Full
-                self._cond.wait(left)
-            self.queue.append(item)
-            self.bytes += item.nbytes
+            self._wait(lambda: self._room(nbytes), timeout)
+            self._hold(nbytes)
+            self._making += 1
+
+    def unreserve(self, nbytes: int) -> None:
+        """A reserved item will not be put (its forward failed, or the run stops): its bytes are free."""
+        with self._cond:
+            self._making = max(0, self._making - 1)
+            self.bytes = max(0, self.bytes - nbytes)
+            self._cond.notify_all()
+
+    def adjust(self, delta: int) -> None:
+        """A held item turned out ``delta`` bytes larger (or smaller) than reserved."""
+        with self._cond:
+            self.bytes = max(0, self.bytes + delta)
             self.peak_bytes = max(self.peak_bytes, self.bytes)
             self._cond.notify_all()
 
+    def release(self, nbytes: int) -> None:
+        """The consumer is done with an item: its bytes are free."""
+        if nbytes:
+            with self._cond:
+                self.bytes = max(0, self.bytes - nbytes)
+                self._cond.notify_all()
+
+    def put(self, item: Item, timeout: float | None = None, *, reserved: bool = False) -> None:
+        with self._cond:
+            if reserved:
+                self._wait(lambda: len(self.queue) < self.maxsize or not self.queue, timeout)
+                self._making = max(0, self._making - 1)
+            else:
+                self._wait(lambda: len(self.queue) < self.maxsize and self._room(item.nbytes), timeout)
+                self._hold(item.nbytes)
+            self.queue.append(item)
+            self._cond.notify_all()
+
     def get(self, timeout: float | None = None) -> Item:
+        """The next item; its bytes stay held until ``release``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self.queue:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise queue.Empty
-                self._cond.wait(left)
+            if not self.queue:
+                self._starved += 1
+                self._cond.notify_all()  # a producer held back by the bound may now admit one item
+                try:
+                    while not self.queue:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise queue.Empty
+                        self._cond.wait(left)
+                finally:
+                    self._starved -= 1
             item = self.queue.popleft()
-            self.bytes -= item.nbytes
             self._cond.notify_all()
             return item
 
@@ -694,7 +763,12 @@ class Pipeline:
             self._draining.set()
             self.coord.drain()
             hung = self._join()
-            logger.info("queue: peak %s of features in flight", format_bytes(sum(q.peak_bytes for q in self.queues)))
+            pinned = _pinned_peak()
+            logger.info(
+                "queue: peak %s of features held (queued or in a drafter step)%s",
+                format_bytes(sum(q.peak_bytes for q in self.queues)),
+                f"; pinned host memory peak {format_bytes(pinned)} (torch's caching host allocator)" if pinned else "",
+            )
         if self._fatal is not None:
             raise self._fatal.exc
         if hung:
@@ -753,11 +827,32 @@ class Pipeline:
                     batch = next(source)
                 except StopIteration:  # a finite source (tests, the bench): this target is done
                     break
-                payload = work.produce(batch)
+                # the bytes this item will hold, held BEFORE the forward allocates them (TargetReplica knows)
+                estimate = getattr(work, "payload_bytes", None)
+                reserved = int(estimate(batch)) if estimate is not None else None
+                if reserved is not None:
+                    if acct:
+                        ws.enter("wait", time.monotonic())
+                    if not self._reserve(q, reserved):
+                        break
+                    if acct:
+                        ws.enter("busy", time.monotonic())
+                try:
+                    payload = work.produce(batch)
+                except BaseException:
+                    if reserved is not None:
+                        q.unreserve(reserved)
+                    raise
+                nbytes = payload_bytes(payload)
+                if reserved is not None and nbytes != reserved:
+                    q.adjust(nbytes - reserved)  # count what it really holds
                 if acct:
                     ws.enter("wait", time.monotonic())
-                ok = self._put(q, Item(payload, int(batch.n_tokens), int(batch.index), i, i, payload_bytes(payload)))
+                item = Item(payload, int(batch.n_tokens), int(batch.index), i, i, nbytes)
+                ok = self._put(q, item, reserved=reserved is not None)
                 if not ok:
+                    if reserved is not None:
+                        q.unreserve(nbytes)
                     break
                 ws.items += 1
         except BaseException as e:
@@ -773,6 +868,8 @@ class Pipeline:
         acct = self.options.accounting
         timer = self._timers.get(j)  # CUDA: busy time from events (see _DeviceTimer), not the host clock
         step: int | None = None
+        q = self.queues[k]
+        items: list[Item] = []
         try:
             while True:
                 step = self.coord.next_step(j, ws)
@@ -780,13 +877,13 @@ class Pipeline:
                     break
                 if acct:
                     ws.enter("wait", time.monotonic())
-                items: list[Item] = []
                 while len(items) < self.options.accumulate:
                     got = self._get(k)
                     if got is None:
                         break
                     self.coord.took(got)
                     items.append(got)
+                got = None  # the items list holds them (released after the step)
                 if acct:  # on CUDA the host's part of the step is "other": the events say how busy the GPU was
                     ws.enter("busy" if timer is None else "", time.monotonic())
                 if not items:
@@ -796,18 +893,22 @@ class Pipeline:
                 start = timer.mark() if timer is not None else None
                 payload = items[0].payload if self.options.accumulate == 1 else [it.payload for it in items]
                 stats = self._train(j, work, payload, step)
+                del payload
                 if timer is not None and start is not None:
                     timer.done(start)
                 if acct:
                     ws.enter("", time.monotonic())
                 ws.items += len(items)
+                tokens = sum(it.tokens for it in items)
+                self._release(q, items)  # the step is launched: its features' memory is the allocator's again
                 n = self.coord.complete()
                 step = None
                 if self.on_step is not None:
-                    self.on_step(n, stats, sum(it.tokens for it in items))
+                    self.on_step(n, stats, tokens)
         except BaseException as e:
             if step is not None:
                 self.coord.unclaim()
+            self._release(q, items)
             self._fail("drafter", j, step, e)
         finally:
             if acct:
@@ -860,14 +961,30 @@ class Pipeline:
                     return None  # drained, and nothing can refill it
         return None
 
-    def _put(self, q: FeatureQueue, item: Item) -> bool:
+    def _put(self, q: FeatureQueue, item: Item, *, reserved: bool = False) -> bool:
         while not self._stop.is_set() and not self._draining.is_set():
             try:
-                q.put(item, timeout=self.options.poll)
+                q.put(item, timeout=self.options.poll, reserved=reserved)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def _reserve(self, q: FeatureQueue, nbytes: int) -> bool:
+        while not self._stop.is_set() and not self._draining.is_set():
+            try:
+                q.reserve(nbytes, timeout=self.options.poll)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    @staticmethod
+    def _release(q: FeatureQueue, items: list[Item]) -> None:
+        """Drop the drafter's references to its items, then free their bytes in the queue's count."""
+        held = sum(it.nbytes for it in items)
+        items.clear()
+        q.release(held)
 
     def _feeding(self, k: int) -> bool:
         with self._lock:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import typing as t
@@ -53,20 +54,44 @@ class LRSchedule:
         return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * scale)
 
 
+def held_bytes(x: torch.Tensor) -> int:
+    """Memory a tensor really holds: pinned host blocks come from torch's caching host allocator, which rounds
+    every block up to a power of two (and keeps it cached when freed)."""
+    n = int(x.nbytes)
+    return pinned_block(n) if x.device.type == "cpu" and x.is_pinned() else n
+
+
+def pinned_block(n: int) -> int:
+    """The caching host allocator's block for ``n`` bytes: the next power of two."""
+    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
+
+
 @dataclasses.dataclass(slots=True)
 class FeatureBatch:
     """A queue item's payload: target features and the tokens they belong to."""
 
-    input_ids: torch.Tensor  # [B, S] (CPU)
-    loss_mask: torch.Tensor  # [B, S] (CPU)
+    input_ids: torch.Tensor  # [B, S] (CPU; pinned when the run uses CUDA)
+    loss_mask: torch.Tensor  # [B, S] (CPU; pinned when the run uses CUDA)
     features: torch.Tensor  # [B, S, n*H] on the consumer's device, or (pinned) CPU
     index: int  # global batch index
-    ready: t.Any = None  # a CUDA event after the copy into the consumer's GPU (made on the target's own stream)
+    ready: t.Any = None  # a CUDA event after the features were made/copied on the target's own stream
+    prefetched: torch.Tensor | None = None  # the features' copy on the drafter's GPU (``prefetch``)
+    copied: t.Any = None  # a CUDA event after that copy (on the drafter's side stream)
 
     @property
     def nbytes(self) -> int:
-        """What the item holds in memory (the queue's byte bound counts it)."""
-        return int(self.features.nbytes + self.input_ids.nbytes + self.loss_mask.nbytes)
+        """What the item holds in memory, as allocated (the queue's byte bound counts it)."""
+        return held_bytes(self.features) + held_bytes(self.input_ids) + held_bytes(self.loss_mask)
+
+    def prefetch(self, device: torch.device, stream: t.Any) -> None:
+        """Start copying host features to ``device`` on ``stream`` (a side stream of the drafter): the copy of
+        the next item runs while the compute stream trains this one; ``take`` then only waits for it."""
+        if device.type != "cuda" or self.features.device == device or self.prefetched is not None:
+            return
+        with torch.cuda.stream(stream):
+            self.prefetched = self.features.to(device, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record(stream)
 
     def take(self, device: torch.device) -> torch.Tensor:
         """The features on ``device``, usable by the calling thread's current stream (no host sync)."""
@@ -77,48 +102,109 @@ class FeatureBatch:
             stream.wait_event(self.ready)
             self.features.record_stream(stream)  # allocated on the target's stream: no early reuse
             return self.features
+        if self.prefetched is not None and self.prefetched.device == device:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(self.copied)
+            self.prefetched.record_stream(stream)  # allocated on the side stream
+            feats, self.prefetched = self.prefetched, None  # the item hands it over once
+            return feats
         return self.features.to(device, non_blocking=True)
+
+
+class LaunchFence:
+    """At most ``depth`` micro-batches of one drafter queued on its GPU.
+
+    A drafter step makes no host sync, so without a bound its host thread runs ahead until CUDA's launch
+    queue is full, and from then on every launch blocks, also those inside the process-wide lock around
+    compiled forwards (``dflash.drafter._compiled_calls``): the other drafters would wait on a lock whose
+    holder waits on its own GPU. Before launching a micro-batch the host waits (a blocking-sync CUDA event:
+    the thread sleeps, the GIL is free) for the end of the one ``depth`` back, so the GPU always has work
+    queued and the lock is held for CPU work only. ``event``: the event type (None: no fence, the CPU).
+    """
+
+    def __init__(self, depth: int = 2, event: t.Callable[[], t.Any] | None = None) -> None:
+        self.depth = max(1, depth)
+        self.event = event
+        self.pending: collections.deque[t.Any] = collections.deque()
+
+    def wait(self) -> None:
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().synchronize()
+
+    def mark(self) -> None:
+        if self.event is not None:
+            ev = self.event()
+            ev.record()
+            self.pending.append(ev)
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+
+def _blocking_event() -> t.Any:
+    return torch.cuda.Event(blocking=True)
 
 
 # devices with a fused AdamW kernel (torch >= 2.4 has CPU and CUDA ones)
 _FUSED_ADAMW = ("cuda", "cpu")
 
 
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
 class TargetReplica:
     """One target thread's frozen model: batch -> FeatureBatch on ``dest``.
 
+    On CUDA the forward runs on a stream of this replica's own: a target sharing a GPU with a drafter (one
+    GPU for both) then never puts its kernels inside the drafter's stream, its step events or its waits.
     A copy to another GPU runs against a stream of this replica's own on that GPU: a copy between the
     CURRENT streams would wait for the drafter's queued work there (and make it wait for this
-    forward), i.e. targets and drafters in lock-step. The host waits for its own forward and copy only.
+    forward), i.e. targets and drafters in lock-step. The host waits for its own forward and copy only,
+    so its busy time is the forward's.
     """
 
     def __init__(self, model: TargetModel, device: str, dest: str) -> None:
         self.model = model
         self.device = device
         self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
-        self._dest_stream: t.Any = None  # created lazily, on the target's thread
+        self._stream: t.Any = None  # created lazily, on the target's thread
+        self._dest_stream: t.Any = None
+        self.pinned_limit: int | None = None  # host pinned memory (allocated + cached) above which the cache is trimmed
+
+    def payload_bytes(self, batch: t.Any) -> int:
+        """What ``produce(batch)`` will hold, as allocated, before it runs (the queue reserves it first)."""
+        rows, width = batch.input_ids.shape
+        feats = int(rows) * int(width) * self.model.feature_size * self.model.dtype.itemsize
+        if torch.device(self.dest).type == "cpu" and torch.device(self.device).type == "cuda":
+            feats = pinned_block(feats)
+        return feats + held_bytes(batch.input_ids) + held_bytes(batch.loss_mask)
 
     def produce(self, batch: t.Any) -> FeatureBatch:
         dev = torch.device(self.device)
+        if dev.type != "cuda":
+            feats = t.cast(torch.Tensor, self.model.features(batch.input_ids, batch.attention_mask))
+            if torch.device(self.dest) != dev:
+                feats = feats.to(self.dest)
+            return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index))
         ready = None
-        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
-            ids = batch.input_ids.to(dev, non_blocking=True)
-            att = batch.attention_mask.to(dev, non_blocking=True)
-            feats = t.cast(torch.Tensor, self.model.features(ids, att))
-            dest = torch.device(self.dest)
-            if dest != dev:
+        with torch.cuda.device(dev):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(dev)
+                self._stream.wait_stream(torch.cuda.current_stream(dev))  # after the weights' load
+            with torch.cuda.stream(self._stream):
+                ids = batch.input_ids.to(dev, non_blocking=True)
+                att = batch.attention_mask.to(dev, non_blocking=True)
+                feats = t.cast(torch.Tensor, self.model.features(ids, att))
+                dest = torch.device(self.dest)
                 if dest.type == "cpu":
+                    self._trim_host_cache()
                     out = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
                     out.copy_(feats, non_blocking=True)
-                    _sync_device(dev)  # the consumer must not read before the copy lands
-                else:
-                    out, ready = self._to_gpu(feats, dest)
-                feats = out
+                    self._stream.synchronize()  # the consumer must not read before the copy lands
+                    feats = out
+                elif dest != dev:
+                    feats, ready = self._to_gpu(feats, dest)
+                else:  # the drafter on this GPU waits for this event on its own stream (FeatureBatch.take)
+                    ready = torch.cuda.Event()
+                    ready.record(self._stream)
+                    ready.synchronize()
         return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index), ready)
 
     def _to_gpu(self, feats: torch.Tensor, dest: torch.device) -> tuple[torch.Tensor, t.Any]:
@@ -131,6 +217,31 @@ class TargetReplica:
             ready.record(self._dest_stream)
         ready.synchronize()  # the host waits for this forward and copy, never for the drafter
         return out, ready
+
+    def _trim_host_cache(self) -> None:
+        """torch's caching host allocator keeps every freed pinned block for reuse, per power-of-two size:
+        batches of other widths leave blocks no later one fits. Above ``pinned_limit`` the unused ones go."""
+        if self.pinned_limit is not None and pinned_host_bytes() > self.pinned_limit:
+            empty_host_cache()
+
+
+def pinned_host_bytes(peak: bool = False) -> int:
+    """Pinned host memory torch's caching host allocator holds (in use + cached), or its peak; 0 if unknown."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):  # a torch without host stats, or no CUDA
+        return 0
+    key = "allocated_bytes.peak" if peak else "allocated_bytes.current"
+    return int(stats.get(key, stats.get(f"allocated_bytes.all.{'peak' if peak else 'current'}", 0)) or 0)
+
+
+def empty_host_cache() -> None:
+    """Free the caching host allocator's unused pinned blocks (no-op where torch has no such call)."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if fn is not None:
+        fn()
 
 
 class _nullcontext:
@@ -197,6 +308,10 @@ class DrafterReplica:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
+        cuda = torch.device(device).type == "cuda"
+        # at most 2 micro-batches queued on the GPU (see LaunchFence); the next item's features copy on a side stream
+        self.fence = LaunchFence(2, _blocking_event if cuda else None)
+        self._copy_stream: t.Any = None
 
     def trainable(self) -> list[torch.Tensor]:
         """What averaging averages: the fp32 masters (the parameters themselves in fp32)."""
@@ -207,21 +322,32 @@ class DrafterReplica:
         if self.separate_masters:
             torch._foreach_copy_(self.params, self.masters)  # type: ignore[arg-type]  # Parameters are Tensors; the stub's list is invariant
 
-    def _grads_to_masters(self) -> None:
-        """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
-        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
-        for m in self.masters:
-            m.grad = None
-        if not pairs:
-            return
-        flat = torch.empty(sum(g.numel() for _, g in pairs), dtype=torch.float32, device=pairs[0][1].device)
-        views = [v.view_as(g) for v, (_, g) in zip(flat.split([g.numel() for _, g in pairs]), pairs)]
-        torch._foreach_copy_(views, [g.detach() for _, g in pairs])
-        for (m, _), v in zip(pairs, views):
-            m.grad = v
+    def _fold_grads(self, acc: _GradSum | None) -> _GradSum:
+        """Add the model's (bf16/fp16) gradients of one micro-batch into the fp32 sum and free them.
+
+        Summing k micro-batches in the low-precision ``.grad`` rounds k times to 8 mantissa bits (bf16);
+        here every micro-batch is rounded once (its own backward) and the sum is fp32, as SpecForge's FSDP
+        keeps it. One flat fp32 buffer for all masters (allocated at the first micro-batch: the same peak as
+        one copy at the end), one for-each add per micro-batch.
+        """
+        if acc is None:
+            acc = _GradSum(self.masters)
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if idx:
+            torch._foreach_add_([acc.views[i] for i in idx], [t.cast(torch.Tensor, self.params[i].grad) for i in idx])
+            acc.seen.update(idx)
+            for i in idx:
+                self.params[i].grad = None
+        return acc
+
+    def _grads_to_masters(self, acc: _GradSum | None) -> None:
+        """The fp32 sum as the masters' grads (a master no micro-batch gave a gradient keeps none)."""
+        for i, m in enumerate(self.masters):
+            m.grad = acc.views[i] if acc is not None and i in acc.seen else None
 
     def recover(self) -> None:
-        """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads.
+        """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads (and
+        the fence's events of the failed attempt).
 
         No ``torch.cuda.empty_cache()``: it empties the cache of EVERY GPU (stalling the other threads),
         and the caching allocator already frees this device's cached blocks and retries before it
@@ -229,6 +355,7 @@ class DrafterReplica:
         """
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
+        self.fence.clear()
 
     def step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int = 1) -> StepStats:
         """One optimizer update on one batch, or on several (gradient accumulation: the pipeline hands
@@ -258,8 +385,14 @@ class DrafterReplica:
         slots: torch.Tensor | None = None
         blocks = 0
         scale: torch.Tensor | None = None
-        for payload in payloads:
-            feats = payload.take(torch.device(self.device))
+        grad_sum: _GradSum | None = None  # separate masters: the fp32 sum of the micro-batches' gradients
+        for m in self.masters:
+            m.grad = None
+        dev = torch.device(self.device)
+        self._prefetch(payloads, 0)
+        for k, payload in enumerate(payloads):
+            self._prefetch(payloads, k + 1)  # its copy overlaps this item's compute
+            feats = payload.take(dev)
             rows = payload.input_ids.shape[0]
             anchors = d.num_anchors
             if micro_batches > 1 and rows >= 2:
@@ -270,6 +403,7 @@ class DrafterReplica:
                     anchors = max(1, anchors // micro_batches)
             # The step's figures stay on the device (float64): no host sync here; the metrics read them.
             for a, b in cuts:
+                self.fence.wait()  # the host never runs more than the fence's depth ahead of the GPU
                 out = drafter_loss(
                     self.model,
                     self.head,
@@ -286,6 +420,9 @@ class DrafterReplica:
                     out.loss.backward()
                 else:
                     (out.loss_sum / scale).backward()
+                if self.separate_masters:
+                    grad_sum = self._fold_grads(grad_sum)
+                self.fence.mark()
                 share = (b - a) / rows_total
                 loss_sum = _add(loss_sum, out.loss_sum.detach().double())
                 weight_sum = _add(weight_sum, out.weight_sum.double())
@@ -296,11 +433,21 @@ class DrafterReplica:
                 slots = _add(slots, out.acc_per_slot * share)
         assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
         if self.separate_masters:
-            self._grads_to_masters()
+            self._grads_to_masters(grad_sum)
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:  # in fp32 on the masters: the one normalisation
             torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
         return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
+
+    def _prefetch(self, payloads: t.Sequence[FeatureBatch], k: int) -> None:
+        dev = torch.device(self.device)
+        if k >= len(payloads) or dev.type != "cuda" or not isinstance(payloads[k], FeatureBatch):
+            return
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(dev)
+        payloads[k].prefetch(dev, self._copy_stream)
 
     def _step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int) -> StepStats:
         payloads = [payload] if isinstance(payload, FeatureBatch) else list(payload)
@@ -316,6 +463,10 @@ class DrafterReplica:
         self.sync_from_masters()
         self.trained.extend(p.index for p in payloads)
         tau_sum, blocks, slots = fig["tau_sum"], fig["blocks"], fig["slots"]
+        ready = None
+        if torch.device(self.device).type == "cuda":  # the figures are read after this, never by a device sync
+            ready = torch.cuda.Event()
+            ready.record()
         return StepStats(
             loss=fig["loss"],
             acc=fig["acc"],
@@ -323,7 +474,18 @@ class DrafterReplica:
             blocks=blocks,
             lr=lr,
             acc_per_slot=slots if slots is not None else (),
+            ready=ready,
         )
+
+
+class _GradSum:
+    """The fp32 gradient sum of one update: one flat buffer, a view per master, which masters got a gradient."""
+
+    def __init__(self, masters: t.Sequence[torch.Tensor]) -> None:
+        sizes = [m.numel() for m in masters]
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=masters[0].device)
+        self.views = [v.view_as(m) for v, m in zip(self.flat.split(sizes), masters)]
+        self.seen: set[int] = set()
 
 
 def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
@@ -335,7 +497,12 @@ __all__ = [
     "DrafterReplica",
     "FeatureBatch",
     "LRSchedule",
+    "LaunchFence",
     "ReplicaConfig",
     "TargetReplica",
+    "empty_host_cache",
+    "held_bytes",
+    "pinned_block",
+    "pinned_host_bytes",
     "torch_dtype",
 ]

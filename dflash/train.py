@@ -77,12 +77,13 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
-from dflash.compile import prepare_drafter, warm_up
+from dflash.compile import WarmUp, prepare_drafter, warm_up_replicas
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
+from dflash.kernels import missing_kernels_warning
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
 from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
@@ -161,6 +162,9 @@ class Run:
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
         self.signals: _Signals | None = None
+        # the (rows, seq, blocks) batches train() warms up; None: every class a batch of this config can fall in
+        self.warm_up_shapes: list[tuple[int, int, int]] | None = None
+        self.warmed: WarmUp | None = None  # what train()'s warm-up compiled
         # A node of a torchrun group (None: a plain run). Every node runs this same code; the collectives
         # happen at the same points on each (start-up, and every barrier: see on_sync).
         try:
@@ -207,6 +211,9 @@ class Run:
             resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
         self.targets = self._build_targets()
         t0 = self.targets[0].model
+        slow = missing_kernels_warning(t0.model.config)  # a hybrid target without its kernels: say so at start
+        if slow is not None:
+            logger.warning("%s", slow)
         self.vocab_size = t0.vocab_size
         spec = drafter_spec(cfg, t0)  # the MASK id and drafter config: dflash.models, as eval builds them
         self.init_drafter = spec.init
@@ -259,7 +266,11 @@ class Run:
             self.target_offset : self.target_offset + len(self.targets)
         ]
         self.shard_starts = starts
-        self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards) for s in starts]
+        # pinned batches where a GPU copies them (asynchronous copies: no hidden stream sync)
+        pin = torch.cuda.is_available() and any(
+            torch.device(d).type == "cuda" for d in (*cfg.devices.targets, *cfg.devices.drafters)
+        )
+        self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards, pin=pin) for s in starts]
 
     def _derive_steps(self, cfg: RunConfig) -> RunConfig:
         """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
@@ -310,7 +321,10 @@ class Run:
                 dest = drafter_devices[0]
             else:
                 dest = "cpu"  # any drafter may take it: pinned host memory, each drafter copies it over
-            out.append(TargetReplica(model, dev, dest))
+            replica = TargetReplica(model, dev, dest)
+            # twice what the queue may hold (in use + cached): then the allocator's unused cached blocks go
+            replica.pinned_limit = 2 * cfg.queue.max_bytes
+            out.append(replica)
         return out
 
     def _build_drafters(self) -> list[DrafterReplica]:
@@ -490,17 +504,21 @@ class Run:
         compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
         if compiled:
             started = time.monotonic()
-            for r in self.drafters:
-                shapes = warm_up(
-                    r,
-                    feature_size=self.targets[0].model.feature_size,
-                    vocab_size=self.vocab_size,
-                    mask_token_id=self.mask_token_id,
-                )
+            # one recompile limit for every replica, from their distinct devices, set before the first warm-up
+            self.warmed = warm_up_replicas(
+                self.drafters,
+                feature_size=self.targets[0].model.feature_size,
+                vocab_size=self.vocab_size,
+                mask_token_id=self.mask_token_id,
+                shapes=self.warm_up_shapes,
+            )
             logger.info(
-                "compiled the drafter for %d batch shapes in %.0f s; a recompile from now on is an error",
-                len(shapes),
+                "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "
+                "now on is an error",
+                len(self.warmed.shapes),
                 time.monotonic() - started,
+                ", ".join(f"{k}: {n} cache entries" for k, n in self.warmed.entries.items()) or "no cache entries",
+                self.warmed.limit,
             )
         self.pipeline = Pipeline(
             targets=self.targets,

@@ -2,8 +2,8 @@
 
 Each check is ``ok``, ``fail`` (with the reason and, where one exists, the typed error that decides
 the exit code) or ``skip`` (not applicable, or an earlier failure makes it moot). The order is
-from the most basic up: reachable, host-key, login, container, tmux, python, packages, torch, disk,
-nvidia-smi. Diagnosing never raises because something is down: down is a failed check.
+from the most basic up: reachable, host-key, login, container, tmux, python, packages, torch, kernels
+(a hybrid target's linear-attention kernels), disk, nvidia-smi. Diagnosing never raises because something is down: down is a failed check.
 """
 
 from __future__ import annotations
@@ -45,6 +45,43 @@ except Exception as e:
     facts["torch_error"] = f"{type(e).__name__}: {e}"
 print(json.dumps(facts))
 """
+
+# The run's target and the kernels its linear-attention (Gated DeltaNet) layers need: the same rule as
+# dflash/kernels.py, stdlib only (the far side has no dflash to import). argv: the run config as the command
+# names it, the host's workdir (the command runs in <workdir>/current). One JSON line.
+KERNEL_PROBE = r"""
+import importlib.util, json, os, sys
+def out(**kw):
+    print(json.dumps(kw))
+    sys.exit(0)
+name, workdir = sys.argv[1], sys.argv[2]
+cwd = os.path.join(workdir, "current") if os.path.isdir(os.path.join(workdir, "current")) else workdir
+path = os.path.join(cwd, os.path.expanduser(name))
+try:
+    import tomllib
+    with open(path, "rb") as f:
+        cfg = tomllib.load(f)
+except (ImportError, OSError, ValueError) as e:
+    out(skip=f"cannot read the run config {path}: {e}")
+target = cfg.get("target")
+if not isinstance(target, dict) or not isinstance(target.get("path"), str):
+    out(skip="the run builds its target from [target.tiny]")
+tp = os.path.expanduser(target["path"])
+if not os.path.isabs(tp):  # dflash's rule: next to the config first, then the working directory
+    beside = os.path.join(os.path.dirname(path), tp)
+    tp = beside if os.path.exists(beside) else os.path.join(cwd, tp)
+try:
+    with open(os.path.join(tp, "config.json")) as f:
+        c = json.load(f)
+except (OSError, ValueError) as e:
+    out(skip=f"cannot read the target's config.json in {tp}: {e}")
+text = c.get("text_config") if isinstance(c.get("text_config"), dict) else {}
+types = c.get("layer_types") or text.get("layer_types") or []
+linear = sum(1 for kind in types if kind == "linear_attention")
+kernels = (("flash-linear-attention", "fla"), ("causal-conv1d", "causal_conv1d"))
+out(target=tp, linear=linear, missing=[pip for pip, mod in kernels if importlib.util.find_spec(mod) is None])
+"""
+KERNELS_HINT = "pip install flash-linear-attention causal-conv1d"
 
 # Free space where the run directory is (or would be): df of its nearest existing ancestor.
 # A constant script; the path arrives as "$1", never spliced into the text.
@@ -114,7 +151,7 @@ class _Report:
             self.add(n, SKIP, self.blocked or "not checked")
 
 
-INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "disk", "nvidia-smi")
+INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "kernels", "disk", "nvidia-smi")
 
 
 def diagnose(host: Host) -> HostReport:
@@ -273,6 +310,8 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
         else:
             rep.fail("torch", f"{host.python} cannot import torch ({facts.get('torch_error')})")
 
+    _kernels(rep, host, where, facts)
+
     # disk
     res = _run(where, ["sh", "-c", DISK_PROBE, "sh", host.run_dir], timeout=30)
     if isinstance(res, errors.OpsError):
@@ -297,6 +336,57 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
         rep.add("nvidia-smi", SKIP, "not installed (no NVIDIA GPU visible here)")
     else:
         rep.fail("nvidia-smi", f"nvidia-smi failed: {_why(res)}")
+
+
+def run_config(command: t.Sequence[str]) -> str | None:
+    """The run config a training command names (``--config PATH`` or ``--config=PATH``), else None."""
+    for i, arg in enumerate(command):
+        if arg == "--config" and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _kernels(rep: _Report, host: Host, where: Transport | Container, facts: dict[str, t.Any] | None) -> None:
+    if facts is None:
+        rep.add("kernels", SKIP, "python failed")
+        return
+    rep.report.checks.append(kernel_check(host, where))
+
+
+def kernel_check(host: Host, where: Transport | Container) -> Check:
+    """A target with linear-attention (Gated DeltaNet) layers needs flash-linear-attention and causal-conv1d:
+    the run config the host's command names, its target's config.json, and the host python's imports."""
+    config = run_config(host.command)
+    if config is None:
+        return Check("kernels", SKIP, f"hosts.{host.name}.command names no --config: no target to look at")
+    res = _run(where, [host.python, "-c", KERNEL_PROBE, config, host.workdir], timeout=60)
+    if isinstance(res, errors.OpsError):
+        return Check("kernels", FAIL, str(res), res)
+    try:
+        got = json.loads(res.out.strip().splitlines()[-1]) if res.exit_code == 0 else None
+    except (ValueError, IndexError):
+        got = None
+    if not isinstance(got, dict):
+        return Check("kernels", FAIL, f"cannot look at the run's target: {_why(res)}")
+    if "skip" in got:
+        return Check("kernels", SKIP, str(got["skip"]))
+    if not got.get("linear"):
+        return Check("kernels", SKIP, f"the target in {got.get('target')} has no linear-attention layers")
+    if got.get("missing"):
+        return Check(
+            "kernels",
+            FAIL,
+            f"the target in {got.get('target')} has {got['linear']} linear-attention (Gated DeltaNet) layers but "
+            f"{host.python} cannot import {', '.join(got['missing'])}: transformers would run them as a slow Python "
+            f"loop; {KERNELS_HINT}",
+        )
+    return Check(
+        "kernels",
+        OK,
+        f"the target's {got['linear']} linear-attention layers: flash-linear-attention and causal-conv1d importable",
+    )
 
 
 def _why(res: CommandResult) -> str:

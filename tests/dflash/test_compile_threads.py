@@ -25,7 +25,7 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
-from dflash.compile import warm_up, warm_up_shapes
+from dflash.compile import shape_class, warm_up, warm_up_shapes
 from dflash.config import load_config
 from dflash.drafter import CompileMissError
 from dflash.loss import drafter_loss
@@ -181,19 +181,19 @@ def test_warm_up_shapes_cover_every_size_that_can_be_one() -> None:
     kinds = set()
     for rows, seq, blocks in shapes:
         assert 1 <= blocks < seq <= 8192 and blocks <= 512
-        q, kv = blocks * 16, seq + blocks * 16
-        kinds.add((rows == 1, blocks == 1, q <= 128, kv <= 128))
-    # every combination a real batch can have, each once
-    assert len(kinds) == len(shapes) == 10
+        kinds.add(shape_class(rows, seq, blocks, block_size=16, flex=True))
+    # every combination a real batch can have, each once: (rows 1, blocks 1, Q < 128, Q <= 128, K <= 128)
+    assert len(kinds) == len(shapes) == 12
     assert {
-        (r, b, q, k)
+        (r, b, short, one_q, one_k)
         for r in (True, False)
-        for b, q, k in [
-            (True, True, True),
-            (True, True, False),
-            (False, True, True),
-            (False, True, False),
-            (False, False, False),
+        for b, short, one_q, one_k in [
+            (True, True, True, True),
+            (True, True, True, False),
+            (False, True, True, True),
+            (False, True, True, False),  # 2-7 blocks over many keys: the short-query guard (issue 20)
+            (False, False, True, False),  # exactly one query tile (8 blocks)
+            (False, False, False, False),
         ]
     } == kinds
     # dense attention: only the rows can be 1

@@ -32,10 +32,16 @@ def smoke(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 
 
 def test_cpu_run_reports_every_figure_and_status_reads_the_oom() -> None:
-    p = smoke("--cpu", "--json", "--steps", "4")
+    p = smoke("--cpu", "--quick", "--json", "--steps", "4")
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     assert r["train_exit"] == 0 and r["steps"] == 4
+    # the GPU configuration's vocabulary and MASK rule (issue 20: the data held the published MASK id)
+    assert (r["vocab_size"], r["mask_token_id"], r["mask_token_id_expected"]) == (151936, 151669, 151669)
+    assert "vocabulary 151936, MASK id 151669" in p.stderr
+    c = r["class_check"]  # dense attention on the CPU: the classes are the rows (1 and 2)
+    assert c["classes"] == c["warmed"] == 2 and c["unchecked"] == [] and c["entries_added_by_feed"] == 0
+    assert [b["ok"] for b in c["batches"]] == [True, True] and all(b["fed"] != b["warmed"] for b in c["batches"])
     assert r["ktok_s"] > 0 and r["drafter_step_s"] > 0 and r["drafter_step_tflop"] > 0
     assert r["mfu"] is None and r["peak_from"] == "cpu"  # no peak known for a CPU
     assert r["recompiles_after_warmup"] == 0 and r["compile_s"] is not None
@@ -73,5 +79,15 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], message: str) ->
 def test_help_documents_the_options() -> None:
     p = smoke("--help")
     assert p.returncode == 0
-    for opt in ("--cpu", "--json", "--steps", "--peak-tflops", "--oom-cap-gib", "--no-oom", "--keep", "MFU"):
+    for opt in (
+        "--cpu",
+        "--quick",
+        "--json",
+        "--steps",
+        "--peak-tflops",
+        "--oom-margin-gib",
+        "--no-oom",
+        "--keep",
+        "MFU",
+    ):
         assert opt in p.stdout, opt

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU check of issue 20 in one command, for a lent one-GPU box (docs/gpu.md, "Checking a GPU box"):
+#
+#     bench/device_check.sh [gpu_smoke options...]
+#
+# Runs `python -m bench.gpu_smoke --quick --json` from this checkout WITHOUT `pip install -e .` (the box's
+# own torch and transformers are the ones checked; an install would fetch the pinned ones), after
+# installing the wheels carried in .wheels/ (ignored by git; bench/fetch_wheels.sh fills it here, for the
+# box's Python 3.12) into a folder of their own. With $OUT set, the JSON figures go to $OUT/gpu_smoke.json
+# and the log to $OUT/gpu_smoke.log. Exits within DEVICE_CHECK_LIMIT_S seconds (default 450: inside 8
+# minutes with the start), with gpu_smoke's exit code (0: every check passed, 1: one failed; 124: too slow).
+# Without CUDA it says so in one line and exits 0 (with --cpu: the same path tiny on the CPU). PYTHON: the
+# interpreter (default python3); DEVICE_CHECK_WHEELS: the wheels' folder (default .wheels).
+set -u
+ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+LIMIT=${DEVICE_CHECK_LIMIT_S:-450}
+cd -- "$ROOT" || exit 1
+
+cpu=0
+for a in "$@"; do [ "$a" = --cpu ] && cpu=1; done  # the same path tiny on the CPU (tests/dflash/test_gpu_path.py)
+if [ "$cpu" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null; then
+    if "$PY" -c 'import torch' 2>/dev/null; then
+        echo "device_check: no CUDA device: nothing to check"
+        exit 0
+    fi
+    echo "device_check: $PY cannot import torch: nothing to check" >&2
+    exit 1
+fi
+
+shopt -s nullglob
+wheels=("${DEVICE_CHECK_WHEELS:-.wheels}"/*.whl)
+if ((${#wheels[@]})); then
+    site=$(mktemp -d "${TMPDIR:-/tmp}/dflash-wheels.XXXXXX")
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+        "${wheels[@]}"; then
+        echo "device_check: installing the ${#wheels[@]} carried wheels of .wheels/ failed" >&2
+        exit 1
+    fi
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "device_check: installed ${#wheels[@]} carried wheels: ${wheels[*]##*/}"
+fi
+# the checkout itself is the package (no install): dflash, ops and bench import from here
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" -c 'import platform, torch, transformers
+gpu = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else "no GPU (--cpu)"
+print(f"device_check: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, {gpu}")' ||
+    exit 1
+
+if [ -n "${OUT:-}" ]; then
+    mkdir -p -- "$OUT"
+    json=$OUT/gpu_smoke.json
+    log=$OUT/gpu_smoke.log
+else
+    json=$(mktemp "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX.json")
+    log=/dev/null
+fi
+set -o pipefail
+# the report goes to stderr (and the log), the JSON to its file; -k: a smoke that ignores TERM is killed
+{ timeout -k 15 "$LIMIT" "$PY" -m bench.gpu_smoke --quick --json "$@" 2>&1 >"$json"; } | tee -- "$log" >&2
+rc=${PIPESTATUS[0]}
+if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "device_check: FAIL: the quick smoke ran past ${LIMIT}s" >&2
+elif [ -s "$json" ]; then
+    # the checks, one line each, from the JSON (the figures are in the file)
+    "$PY" - "$json" <<'PYEOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for c in r.get("checks", []):
+    print(f"device_check: {'ok  ' if c['ok'] else 'FAIL'} {c['name']}")
+keys = ("ktok_s", "drafter_step_s", "mfu", "compile_s", "compiled_entries", "recompiles_after_warmup",
+        "flex_eager_warnings", "memory", "total_s")
+print("device_check: " + ", ".join(f"{k} {json.dumps(r.get(k), default=str)}" for k in keys))
+avg, oom = r.get("averaging") or {}, r.get("oom") or {}
+print(f"device_check: averaging round {avg.get('round_s')} s against the copy bound {avg.get('copy_bound_s')} s; "
+      f"forced OOM: {oom.get('state')} / {oom.get('cause')} / gpu {oom.get('gpu')}")
+PYEOF
+    echo "device_check: figures in $json (exit $rc)"
+else
+    echo "device_check: FAIL: the quick smoke exited $rc without figures" >&2
+fi
+exit "$rc"

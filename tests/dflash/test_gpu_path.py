@@ -1,0 +1,642 @@
+"""Issue 20: the GPU path, each CUDA-only mechanism reproduced on the CPU.
+
+- the recompile limit counts every distinct drafter device: replicas that differ in a guarded property
+  (their dtype) stand in for devices, as dynamo's tensor guards check both (a third device hit the limit);
+- warm-up covers every guard class of CUDA's flex lowering (``compile.shape_class``) that the batch
+  planner can produce from a real token store (short answers made batches of 2-7 blocks over many keys);
+- gradients of accumulated bf16 micro-batches are summed in fp32 (they were summed in the bf16 ``.grad``);
+- a drafter's host waits for the micro-batch two back before launching the next (doubles of CUDA events);
+- the metrics read device figures outside their lock (a figure whose read blocks stands in for a busy GPU);
+- features a drafter holds count against ``queue.max_bytes``, and drafters holding more still progress;
+- slice k's cross-node all_reduce overlaps slice k+1's reduction (a double of the asynchronous hook);
+- a hybrid target's kernels: ``dflash train``'s warning and doctor's ``kernels`` check;
+- ``bench/device_check.sh``: one line without CUDA, its plumbing tiny on the CPU.
+
+The tests that need CUDA itself (the events, pinned memory, the fused kernels) are in bench/gpu_smoke.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import typing as t
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.batching import BatchPlan
+from dflash.compile import batch_shape, guard_keys, shape_class, warm_up_replicas, warm_up_shapes
+from dflash.config import load_config
+from dflash.data import JsonlDataset, collate
+from dflash.store import PrepareSpec, prepare
+from dflash.train import Run
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def tiny_run(tmp_path: Path, *overrides: str) -> Run:
+    cfg = load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            "checkpoint.interval=0",
+            "checkpoint.resume=never",
+            *overrides,
+        ],
+    )
+    return Run(cfg, environ={}, stream=io.StringIO())
+
+
+# --------------------------------------------------------------------------------------------
+# Item 1: gpu_smoke's data and the MASK rule at Qwen3's vocabulary
+
+
+def test_the_smokes_gpu_data_never_holds_the_mask_id_the_run_picks(tmp_path: Path) -> None:
+    """At Qwen3's 151936 rows the run's rule picks the published MASK id 151669, not the last row; the smoke
+    drew ids from range(vocab - 1), so its seeded GPU data held 151669 (line 206, position 1256) and
+    ``JsonlDataset`` refused it. The GPU defaults' data (480 rows x 2048) now loads."""
+    from bench.gpu_smoke import expected_mask_id, parse_args, target_shape, write_data
+    from dflash.target import tiny_target_config
+
+    args = parse_args([])  # the GPU configuration
+    shape = target_shape(args)
+    tiny_target_config(max_position_embeddings=32768, **shape).save_pretrained(tmp_path / "target")
+    mask = expected_mask_id(tmp_path / "target")
+    assert (shape["vocab_size"], mask) == (151936, 151669)
+    write_data(tmp_path / "d.jsonl", rows=480, seq_len=2048, vocab=shape["vocab_size"], mask_id=mask)
+    ds = JsonlDataset(tmp_path / "d.jsonl", format="tokens", max_length=2048, vocab_size=151936, mask_token_id=mask)
+    assert len(ds.lengths) == 480
+    assert max(max(ds.read(i).input_ids) for i in range(480)) > 151669  # the ids past MASK are drawn too
+
+
+# --------------------------------------------------------------------------------------------
+# Item 2: the recompile limit and several drafter devices
+
+
+@pytest.fixture
+def dynamo_limits() -> t.Iterator[None]:
+    import torch._dynamo.config as dc
+
+    old = (dc.recompile_limit, dc.accumulated_recompile_limit)
+    torch._dynamo.reset()
+    yield
+    dc.recompile_limit, dc.accumulated_recompile_limit = old
+    torch._dynamo.reset()
+
+
+def test_three_drafter_devices_warm_up_inside_the_recompile_limit(tmp_path: Path, dynamo_limits: None) -> None:
+    """dynamo's entries for the compiled layer are shared by every replica and guarded on device and dtype:
+    three replicas in three dtypes need three sets, as three GPUs do. Warming them one by one with a limit
+    of 4 per shape (the old rule) failed on the third: "Hard failure due to fail_on_recompile_limit_hit"."""
+    import torch._dynamo.config as dc
+
+    run = tiny_run(
+        tmp_path,
+        'devices.drafters=["cpu", "cpu", "cpu"]',
+        "compile=true",
+        "compile_backend=eager",
+        "activation_checkpointing=true",
+    )
+    for r, dtype in zip(run.drafters, (torch.float32, torch.bfloat16, torch.float16)):
+        r.model.to(dtype)
+    assert guard_keys(run.drafters) == 3
+    dc.recompile_limit = dc.accumulated_recompile_limit = 8  # dynamo's default, as a fresh process has it
+    warmed = warm_up_replicas(
+        run.drafters,
+        feature_size=run.targets[0].model.feature_size,
+        vocab_size=run.vocab_size,
+        mask_token_id=run.mask_token_id,
+    )
+    assert len(warmed.shapes) == 2  # dense attention on the CPU: one row, several rows
+    assert len(warmed.entries) == 3 and all(n == 4 for n in warmed.entries.values()), warmed.entries
+    # 2 layer input kinds x 2 shapes x 3 keys = 12 entries, more than the 8 the old rule allowed
+    assert dc.recompile_limit >= 12 and dc.accumulated_recompile_limit >= 12
+
+
+# --------------------------------------------------------------------------------------------
+# Item 3: the warmed shape classes cover every batch the planner makes
+
+
+def store_records(n: int, *, max_len: int, seed: int) -> list[dict[str, t.Any]]:
+    """Chat-like token records: short and long prompts, answers of 2 to hundreds of tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = int(rng.integers(4, max_len // 2))
+        answer = int(rng.choice([2, 3, 5, 8, 40, 200, max_len])) if i % 3 else int(rng.integers(2, 9))
+        k = min(max_len, prompt + answer)
+        ids = rng.integers(1, 1000, size=k).tolist()
+        out.append({"input_ids": ids, "loss_mask": [0] * (k - min(answer, k - 1)) + [1] * min(answer, k - 1)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("store")
+    src = root / "d.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in store_records(400, max_len=2048, seed=3)))
+    prepare(
+        PrepareSpec(src=str(src), out=str(root / "s"), tokenizer_path=None, kwargs={}, max_len=2048),
+        log=lambda m: None,
+    )
+    return root / "s"
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+@pytest.mark.parametrize(("block_size", "num_anchors"), [(16, 512), (16, 256), (8, 16), (10, 64)])
+def test_every_planned_batch_falls_in_a_warmed_class(
+    chat_store: Path, batch_size: int, block_size: int, num_anchors: int
+) -> None:
+    ds = JsonlDataset(chat_store, max_length=2048)
+    plan = BatchPlan(ds.lengths, batch_size=batch_size, bucket_window=8, seed=0)
+    warmed = {
+        shape_class(*s, block_size=block_size, flex=True)
+        for s in warm_up_shapes(
+            rows=batch_size, max_length=2048, num_anchors=num_anchors, block_size=block_size, flex=True
+        )
+    }
+    met: dict[tuple[bool, ...], tuple[int, int, int]] = {}
+    batches, _ = plan.batches_per_epoch()
+    for g in range(batches):
+        b = collate([ds.read(i) for i in plan.batch(g)], index=g)
+        shape = batch_shape(b.loss_mask, num_anchors=num_anchors)
+        met.setdefault(shape_class(*shape, block_size=block_size, flex=True), shape)
+        # the OOM retry's half batch (two micro-batches; one sequence keeps half the anchors)
+        rows, seq, blocks = shape
+        half = (max(1, rows // 2), seq, blocks) if rows >= 2 else (1, seq, min(blocks, max(1, num_anchors // 2)))
+        met.setdefault(shape_class(*half, block_size=block_size, flex=True), half)
+    missing = {c: s for c, s in met.items() if c not in warmed}
+    assert not missing, f"batches with no warmed class (rows==1, blocks==1, q<128, q<=128, kv<=128): {missing}"
+    # the data makes the class the old warm-up lacked: several blocks of short queries over many keys
+    short_many_keys = (batch_size == 1, False, True, True, False)
+    if block_size * 2 < 128:
+        assert short_many_keys in met
+
+
+def test_shape_class_follows_the_cuda_guards() -> None:
+    c = lambda rows, seq, blocks: shape_class(rows, seq, blocks, block_size=16, flex=True)  # noqa: E731
+    assert c(1, 2048, 3) == (True, False, True, True, False)  # 48 queries: the short-query (decode) guard
+    assert c(1, 2048, 8) == (True, False, False, True, False)  # exactly one query tile, not short
+    assert c(1, 2048, 3) != c(1, 2048, 8)  # the pair the old warm-up took as one ("q <= 128")
+    assert c(2, 2048, 9) == c(5, 300, 512)  # several of everything: one class
+    assert c(2, 50, 2) == (False, False, True, True, True)  # one key tile
+    assert shape_class(3, 2048, 3, block_size=16, flex=False) == shape_class(3, 10, 1, block_size=16, flex=False)
+
+
+def test_warm_up_shapes_lie_in_distinct_classes_and_inside_the_config() -> None:
+    shapes = warm_up_shapes(rows=4, max_length=8192, num_anchors=512, block_size=16, flex=True, taken={5120, 128})
+    classes = [shape_class(*s, block_size=16, flex=True) for s in shapes]
+    assert len(set(classes)) == len(shapes) == 12
+    for _rows, seq, blocks in shapes:
+        assert 1 <= blocks < seq <= 8192 and blocks <= 512
+
+
+# --------------------------------------------------------------------------------------------
+# Item 4: fp32 accumulation of bf16 micro-batches
+
+
+def test_eleven_bf16_micro_batches_sum_their_gradients_in_fp32(tmp_path: Path) -> None:
+    """k = 11 micro-batches (the default accumulation at batch size 1): the masters' gradient equals the fp32
+    sum of the 11 bf16 micro-batch gradients to fp32 precision. Summed in the bf16 ``.grad`` (before the fix)
+    it was off by ~1e-3 relative, bf16's 8 mantissa bits compounded over 11 additions."""
+    run = tiny_run(tmp_path, 'devices.drafters=["cpu"]', "drafter.dtype=bfloat16")
+    r = run.drafters[0]
+    assert r.separate_masters
+    source = next(iter(run.sources))
+    payloads = [run.targets[0].produce(next(source)) for _ in range(11)]
+    state = copy.deepcopy(r.generator.get_state())
+
+    # the reference: each micro-batch's bf16 gradient on its own, summed in fp64, scaled as accumulate does
+    from dflash.loss import drafter_loss
+
+    r.generator.set_state(state)
+    d = r.cfg.drafter
+    total = [torch.zeros(p.shape, dtype=torch.float64) for p in r.params]
+    scale = None
+    weight_sum = torch.zeros((), dtype=torch.float64)
+    for p in payloads:
+        r.model.zero_grad(set_to_none=True)
+        out = drafter_loss(
+            r.model,
+            r.head,
+            p.input_ids,
+            p.loss_mask,
+            p.features,
+            num_anchors=d.num_anchors,
+            gamma=d.loss_gamma,
+            generator=r.generator,
+            chunk_size=d.loss_chunk,
+        )
+        if scale is None:
+            scale = out.weight_sum.detach()
+            out.loss.backward()
+        else:
+            (out.loss_sum / scale).backward()
+        weight_sum += out.weight_sum.double()
+        for acc, q in zip(total, r.params):
+            acc += q.grad.double()
+    assert scale is not None
+    want = [(g * (scale.double() / weight_sum)) for g in total]
+
+    r.generator.set_state(state)
+    r.accumulate(payloads)
+    got = [m.grad.double() for m in r.masters]
+    err = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(got, want))
+    assert err < 1e-6, f"relative error {err:.2e}: the micro-batches were not summed in fp32"
+    assert all(p.grad is None for p in r.params), "the bf16 gradients are freed after each micro-batch"
+    assert not math.isnan(err)
+
+
+# --------------------------------------------------------------------------------------------
+# Item 5: the host runs at most two micro-batches ahead of the GPU
+
+
+class EventDouble:
+    """A CUDA event as ``LaunchFence`` uses it (a GPU cannot run here): ``record`` and ``synchronize`` are logged."""
+
+    log: list[tuple[str, int]] = []
+    made = 0
+
+    def __init__(self) -> None:
+        EventDouble.made += 1
+        self.id = EventDouble.made
+
+    def record(self) -> None:
+        self.log.append(("record", self.id))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.id))
+
+
+def test_a_drafter_waits_for_the_micro_batch_two_back_before_launching_the_next(tmp_path: Path) -> None:
+    """Without a bound the host ran ahead until CUDA's launch queue was full, then blocked inside launches
+    while holding the compiled-forward lock the other drafters wait on. With the fence, forward k starts only
+    after the end event of micro-batch k-2 was waited for, and never with more than 2 ends outstanding."""
+    from dflash.replicas import LaunchFence
+
+    run = tiny_run(tmp_path, 'devices.drafters=["cpu"]', 'devices.targets=["cpu"]')
+    r = run.drafters[0]
+    EventDouble.log, EventDouble.made = [], 0
+    r.fence = LaunchFence(2, EventDouble)
+    r.model.register_forward_pre_hook(lambda *_: EventDouble.log.append(("forward", 0)))
+    source = next(iter(run.sources))
+    r.step([run.targets[0].produce(next(source)) for _ in range(5)], step=1)
+    log = EventDouble.log
+    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
+    assert len(forwards) == 5
+    for k, at in enumerate(forwards):
+        recorded = {e[1] for e in log[:at] if e[0] == "record"}
+        waited = {e[1] for e in log[:at] if e[0] == "wait"}
+        assert len(recorded - waited) <= 1, (k, log[:at])  # this one and one more queued, at most
+        if k >= 2:
+            assert k - 1 in waited, (k, log[:at])  # micro-batch k-2's end (events count from 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Item 7: the metrics read device figures outside their lock
+
+
+class BlockingFigure:
+    """A step figure whose read blocks, as ``.tolist()`` of a busy GPU's tensor does (no GPU here)."""
+
+    def __init__(self, gate: threading.Event, entered: threading.Event) -> None:
+        self.gate, self.entered = gate, entered
+
+    def __float__(self) -> float:
+        self.entered.set()
+        self.gate.wait(120)
+        return 1.0
+
+
+def test_a_drafter_records_its_step_while_another_thread_reads_the_figures() -> None:
+    """``Metrics._emit`` read every device's figures while holding the metrics lock, so every drafter's
+    ``record`` waited for the slowest device; now an interval is closed under the lock and read outside it,
+    and the lines still come out in step order."""
+    from dflash.metrics import Metrics
+    from dflash.pipeline import StepStats
+    from testkit import retry_until
+
+    out = io.StringIO()
+    m = Metrics(log_every=1, stream=out)
+    m.start()
+    gate, entered, recorded = threading.Event(), threading.Event(), threading.Event()
+    slow = threading.Thread(
+        target=m.record,
+        args=(1, StepStats(loss=BlockingFigure(gate, entered), acc=0.5, tau_tf=2.0), 10),  # type: ignore[arg-type]
+    )
+    slow.start()
+    retry_until(entered.is_set, 30)
+
+    def other() -> None:
+        m.record(2, StepStats(loss=3.0, acc=0.5, tau_tf=2.0), 10)
+        recorded.set()
+
+    threading.Thread(target=other).start()
+    try:
+        retry_until(recorded.is_set, 30)  # before the fix: blocked on the lock the reader held
+    finally:
+        gate.set()
+        slow.join(60)
+    m.close()
+    lines = out.getvalue().splitlines()
+    assert [ln.split(" |")[0] for ln in lines] == ["step 1", "step 2"]
+    assert "loss 3.000" in lines[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Item 9: features a drafter holds count against queue.max_bytes
+
+
+class CountedPipeline:
+    """The real Pipeline and FeatureQueue with a real TargetReplica (tiny target, CPU) whose features are
+    counted while alive, and drafters whose step holds its items a while (the target could run ahead)."""
+
+    def __init__(self, *, drafters: int, accumulate: int, max_items: int, steps: int) -> None:
+        import types
+        import weakref
+
+        from dflash.pipeline import Pipeline, PipelineOptions, StepStats
+        from dflash.replicas import TargetReplica
+        from dflash.target import TargetModel, tiny_target_config
+
+        target = TargetModel.from_config(tiny_target_config(), seed=0, num_draft_layers=2)
+        ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+        self.alive = {"now": 0, "peak": 0}
+        lock = threading.Lock()
+        alive = self.alive
+
+        def gone(n: int) -> None:
+            with lock:
+                alive["now"] -= n
+
+        class Counted(TargetReplica):
+            def produce(self, batch: t.Any) -> t.Any:
+                fb = super().produce(batch)
+                n = int(fb.features.nbytes)
+                with lock:
+                    alive["now"] += n
+                    alive["peak"] = max(alive["peak"], alive["now"])
+                weakref.finalize(fb.features, gone, n)
+                return fb
+
+        class Holding:
+            device = "cpu"
+
+            def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> StepStats:
+                threading.Event().wait(0.05)
+                return StepStats(loss=1.0, acc=0.5, tau_tf=2.0)
+
+            def recover(self) -> None:
+                pass
+
+        class Source:
+            def __init__(self) -> None:
+                self.i = 0
+
+            def __next__(self) -> t.Any:
+                self.i += 1
+                if self.i > steps * accumulate * 3:
+                    raise StopIteration
+                att = torch.ones_like(ids)
+                return types.SimpleNamespace(
+                    input_ids=ids, attention_mask=att, loss_mask=att, index=self.i, n_tokens=64
+                )
+
+        self.one = TargetReplica(target, "cpu", "cpu").produce(next(Source())).nbytes
+        self.feature_bytes = 2 * 32 * target.feature_size * 4
+        self.pipe = Pipeline(
+            targets=[Counted(target, "cpu", "cpu")],
+            sources=[Source()],
+            drafters=[Holding() for _ in range(drafters)],
+            options=PipelineOptions(
+                max_steps=steps, capacity=64, max_bytes=max_items * self.one, accumulate=accumulate
+            ),
+        )
+
+
+def test_features_taken_by_a_drafter_still_count_against_max_bytes() -> None:
+    """The queue counted an item's bytes only while it was queued: a drafter accumulating 3 items held them
+    outside the count, and the target made 3 more (6 alive against a bound of 3). The target now holds an
+    item's bytes before its forward allocates them, and they are freed after the step that used them."""
+    c = CountedPipeline(drafters=1, accumulate=3, max_items=3, steps=6)
+    c.pipe.run()
+    assert c.pipe.queues[0].peak_bytes <= 3 * c.one
+    peak = c.alive["peak"]
+    assert peak <= 3 * c.feature_bytes, f"{peak / c.feature_bytes:.0f} items alive against a bound of 3"
+    assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_drafters_holding_more_than_max_bytes_still_get_their_next_item() -> None:
+    """Counting taken items could stop the run: 2 drafters accumulating 3 items each hold up to 6 while they
+    wait, against a bound of 2, so no item was admitted and every worker waited forever (at the defaults, 3
+    drafters x 11 items of 2048 tokens of a 27B target already exceed 4 GiB). A starved drafter now gets one
+    item over the bound, one at a time."""
+    from testkit import retry_until
+
+    c = CountedPipeline(drafters=2, accumulate=3, max_items=2, steps=4)
+    result: list[t.Any] = []
+    runner = threading.Thread(target=lambda: result.append(c.pipe.run()), daemon=True)
+    runner.start()
+    try:
+        retry_until(lambda: result, 120)  # before the fix: never (every worker waits on the queue)
+    finally:
+        if not result:
+            c.pipe.request_stop()
+            runner.join(30)
+    assert result[0].steps == 4
+    # what the waiting drafters hold, plus one item being made over the bound at a time
+    assert c.alive["peak"] <= (2 * 3 + 1) * c.feature_bytes
+    assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
+    from dflash.replicas import pinned_block
+
+    assert [pinned_block(n) for n in (0, 1, 4096, 4097, 200 * 2**20)] == [0, 1, 4096, 8192, 256 * 2**20]
+
+
+# --------------------------------------------------------------------------------------------
+# Item 10: slice k's cross-node all_reduce overlaps slice k+1's copy and reduction
+
+
+def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduced() -> None:
+    """``NodeGroup.cross_reduce`` starts gloo's all_reduce and returns its finisher; the averager finishes
+    slice k (and scatters it) only after it has started slice k+1. Before, the hook ran synchronously
+    inside each slice: the all_reduce was on the critical path of every slice."""
+    from dflash.averaging import Averager
+
+    log: list[tuple[str, int]] = []
+
+    def other_node(local_mean: torch.Tensor, count: int) -> t.Callable[[], None]:
+        k = sum(1 for e in log if e[0] == "start")
+        log.append(("start", k))
+
+        def finish() -> None:  # another node with 2 replicas whose mean is 10 everywhere
+            log.append(("finish", k))
+            local_mean.mul_(count).add_(torch.full_like(local_mean, 10.0), alpha=2).div_(count + 2)
+
+        return finish
+
+    g = torch.Generator().manual_seed(1)
+    reps = [[torch.randn(250, generator=g), torch.randn(30, generator=g)] for _ in range(3)]
+    want = [(torch.stack([r[i] for r in reps]).sum(0) + 20.0) / 5 for i in range(2)]
+    Averager.for_replicas(reps, chunk_numel=100, cross_reduce=other_node).average(reps)
+    starts = [e[1] for e in log if e[0] == "start"]
+    assert starts == [0, 1, 2, 3]  # 250 = 100 + 100 + 50, then 30
+    for k in starts[:-1]:
+        assert log.index(("start", k + 1)) < log.index(("finish", k)), log
+    for r in reps:
+        for got, w in zip(r, want):
+            assert torch.allclose(got, w, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(r, reps[0]))
+
+
+# --------------------------------------------------------------------------------------------
+# Item 11: hybrid targets need flash-linear-attention and causal-conv1d
+
+
+def hybrid_target(root: Path, layer_types: list[str] | None) -> Path:
+    (root / "target").mkdir(parents=True)
+    text: dict[str, t.Any] = {"model_type": "qwen3_5_text", "num_hidden_layers": 4}
+    if layer_types is not None:
+        text["layer_types"] = layer_types
+    (root / "target" / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text}))
+    (root / "run.toml").write_text('[target]\npath = "target"\n')
+    return root
+
+
+def test_dflash_train_warns_in_one_line_when_a_hybrid_targets_kernels_are_missing() -> None:
+    from dflash.kernels import missing_kernels, missing_kernels_warning
+
+    hybrid = {"text_config": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
+    assert missing_kernels() == ["flash-linear-attention", "causal-conv1d"]  # not installed here
+    line = missing_kernels_warning(hybrid)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the target has 3 linear-attention (Gated DeltaNet) layers but flash-linear-attention")
+    assert line.endswith("pip install flash-linear-attention causal-conv1d")
+    assert missing_kernels_warning({"layer_types": ["full_attention"] * 4}) is None
+    assert missing_kernels_warning({"model_type": "qwen3"}) is None
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "stubs", "status", "words"),
+    [
+        (["linear_attention", "linear_attention", "linear_attention", "full_attention"], False, "fail", "3 linear"),
+        (["linear_attention", "full_attention"], True, "ok", "importable"),
+        (None, False, "skip", "no linear-attention layers"),
+    ],
+)
+def test_doctor_checks_the_kernels_of_a_hybrid_target(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    layer_types: list[str] | None,
+    stubs: bool,
+    status: str,
+    words: str,
+) -> None:
+    import sys
+
+    from ops import doctor
+    from ops.hosts import parse_inventory
+    from ops.transport import LocalTransport
+    from testkit.hostsfile import dump_hosts
+
+    work = hybrid_target(tmp_path / "w", layer_types)
+    if stubs:  # doubles of the two CUDA kernel packages (they need a GPU to build): importable modules
+        for mod in ("fla", "causal_conv1d"):
+            (tmp_path / "stubs" / mod).mkdir(parents=True)
+            (tmp_path / "stubs" / mod / "__init__.py").write_text("# a double of the kernel package\n")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "stubs"))
+    text = dump_hosts(
+        None,
+        {
+            "l": {
+                "transport": "local",
+                "workdir": str(work),
+                "python": sys.executable,
+                "command": "python -m dflash train --config run.toml",
+            }
+        },
+    )
+    host = parse_inventory(text, path=None, base=tmp_path).get()
+    if status == "fail":  # once through the whole doctor: its place among the checks
+        report = doctor.diagnose(host)
+        assert [c.name for c in report.checks][4:7] == ["torch", "kernels", "disk"]
+        check = next(c for c in report.checks if c.name == "kernels")
+    else:
+        check = doctor.kernel_check(host, LocalTransport())
+    assert check.status == status and words in check.detail, check
+    if status == "fail":
+        assert check.detail.endswith("pip install flash-linear-attention causal-conv1d")
+        assert "flash-linear-attention, causal-conv1d" in check.detail
+    assert doctor.run_config(("python", "-m", "dflash", "train", "--config=x.toml")) == "x.toml"
+
+
+# --------------------------------------------------------------------------------------------
+# bench/device_check.sh: the GPU check in one command
+
+
+def device_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(REPO / "bench" / "device_check.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=REPO,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the check measures (minutes) instead")
+def test_device_check_without_cuda_says_so_in_one_line() -> None:
+    p = device_check()
+    assert (p.returncode, p.stdout, p.stderr) == (0, "device_check: no CUDA device: nothing to check\n", "")
+
+
+def tiny_wheel(folder: Path) -> Path:
+    """A pure-Python wheel as pip downloads one (a module, METADATA, WHEEL, RECORD)."""
+    import zipfile
+
+    folder.mkdir()
+    path = folder / "carried_probe-1.0-py3-none-any.whl"
+    files = {
+        "carried_probe.py": "CARRIED = True\n",
+        "carried_probe-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: carried-probe\nVersion: 1.0\n",
+        "carried_probe-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "carried_probe-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in {**files, "carried_probe-1.0.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    return path
+
+
+@pytest.mark.timeout(900)  # ~20 s on 2 idle cores (one tiny --cpu smoke); minutes on a shared, loaded box
+def test_device_check_installs_the_carried_wheels_and_writes_its_figures_under_out(tmp_path: Path) -> None:
+    """The whole check's plumbing, tiny on the CPU (``--cpu``; the OOM subprocess left out): carried wheels
+    installed into a folder of their own, the checkout imported without an install, the JSON under $OUT."""
+    tiny_wheel(tmp_path / "wheels")
+    out = tmp_path / "out"
+    p = device_check(
+        "--cpu", "--no-oom", "--steps", "1", env={"OUT": str(out), "DEVICE_CHECK_WHEELS": str(tmp_path / "wheels")}
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "device_check: installed 1 carried wheels: carried_probe-1.0-py3-none-any.whl"
+    assert lines[1].startswith(f"device_check: python {sys.version.split()[0]}, torch {torch.__version__}")
+    assert "device_check: ok   training exited 0" in lines
+    assert lines[-1] == f"device_check: figures in {out / 'gpu_smoke.json'} (exit 0)"
+    r = json.loads((out / "gpu_smoke.json").read_text())
+    assert r["vocab_size"] == 151936 and r["class_check"]["classes"] == 2 and all(c["ok"] for c in r["checks"])
+    assert "vocabulary 151936, MASK id 151669" in (out / "gpu_smoke.log").read_text()
