@@ -730,26 +730,8 @@ def supervise_install_cmd(app: App, /, session: str | None, notify: tuple[str, .
     from ops.session import session_name
     from ops.supervise import install
 
-    opts = supervise.Options(**policy)
-    out = install.install(app.host, session, opts, notify=notify, echo=click.echo)
-    name = session_name(app.host, session)
-    how = (
-        f"systemd unit {out['unit']}"
-        if out.get("mode") == "systemd"
-        else f"tmux session on socket {out.get('tmux_socket')}"
-    )
-    verb = "updated" if out.get("updated") else "installed"
-    click.echo(f"{verb} the supervisor of {app.host.name}/{name} on {app.host.name}: {how}, pid {out.get('pid')}")
-    replaced = out.get("replaced") or {}
-    if replaced.get("was_running"):
-        click.echo(f"  replaced:    the supervisor that ran before (pid {replaced.get('pid')})")
-    click.echo(f"  command:     {' '.join(out.get('command') or [])}")
-    first = out.get("first_probe") or {}
-    if first:
-        click.echo(f"  first probe: {first.get('headline')} -> {first.get('decision')}")
-    else:
-        click.echo("  first probe: not yet (see `dflashctl supervise status`)")
-    click.echo(f"  log:         {out.get('log')} (dflashctl supervise logs)")
+    out = install.install(app.host, session, supervise.Options(**policy), notify=notify, echo=click.echo)
+    click.echo("\n".join(install.installed_lines(app.host.name, session_name(app.host, session), out)))
     for note in out.get("notes") or []:
         click.echo(f"note: {note}", err=True)
     return ExitCode.OK
@@ -793,15 +775,13 @@ def supervise_stop_cmd(app: App, session: str | None) -> ExitCode:
 
     out = install.call(app.host, "stop", session)
     name = f"{app.host.name}/{session_name(app.host, session)}"
-    if not out.get("was_running"):
-        click.echo(f"the supervisor of {name} was not running; the run is left as it is")
-    elif out.get("stopped"):
-        click.echo(
-            f"stopped the supervisor of {name} ({out.get('mode')}, pid {out.get('pid')}); the run is left as it is"
-        )
-    else:
+    if out.get("was_running") and not out.get("stopped"):
         click.echo(f"the supervisor of {name} (pid {out.get('pid')}) did not stop", err=True)
         return ExitCode.ERROR
+    how = f"stopped the supervisor of {name} ({out.get('mode')}, pid {out.get('pid')})"
+    click.echo(
+        f"{how if out.get('was_running') else f'the supervisor of {name} was not running'}; the run is left as it is"
+    )
     return ExitCode.OK
 
 
@@ -830,12 +810,7 @@ def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
     from ops.supervise import install
 
     out = install.call(app.host, "uninstall", session)
-    name = f"{app.host.name}/{session_name(app.host, session)}"
-    was = f" (it ran as pid {out.get('pid')})" if out.get("was_running") else ""
-    click.echo(f"uninstalled the supervisor of {name}{was}; the run is left as it is")
-    for path in out.get("removed") or []:
-        click.echo(f"  removed {path}")
-    click.echo(f"  kept    {out.get('kept')} (incidents, memory, supervisor.log)")
+    click.echo("\n".join(install.uninstalled_lines(app.host.name, session_name(app.host, session), out)))
     return ExitCode.OK
 
 

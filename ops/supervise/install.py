@@ -236,3 +236,34 @@ def status_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[st
         )
     lines.append(f"  log:         {out.get('log')} (dflashctl supervise logs)")
     return lines
+
+
+def installed_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[str]:
+    """What `supervise install` prints."""
+    where = (
+        f"systemd unit {out['unit']}"
+        if out.get("mode") == "systemd"
+        else f"tmux session on socket {out.get('tmux_socket')}"
+    )
+    verb = "updated" if out.get("updated") else "installed"
+    lines = [f"{verb} the supervisor of {host}/{session} on {host}: {where}, pid {out.get('pid')}"]
+    replaced = out.get("replaced") or {}
+    if replaced.get("was_running"):
+        lines.append(f"  replaced:    the supervisor that ran before (pid {replaced.get('pid')})")
+    lines.append(f"  command:     {' '.join(out.get('command') or [])}")
+    first = out.get("first_probe") or {}
+    if first:
+        lines.append(f"  first probe: {first.get('headline')} -> {first.get('decision')}")
+    else:
+        lines.append("  first probe: not yet (see `dflashctl supervise status`)")
+    lines.append(f"  log:         {out.get('log')} (dflashctl supervise logs)")
+    return lines
+
+
+def uninstalled_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[str]:
+    """What `supervise uninstall` prints."""
+    was = f" (it ran as pid {out.get('pid')})" if out.get("was_running") else ""
+    lines = [f"uninstalled the supervisor of {host}/{session}{was}; the run is left as it is"]
+    lines += [f"  removed {path}" for path in out.get("removed") or []]
+    lines.append(f"  kept    {out.get('kept')} (incidents, memory, supervisor.log)")
+    return lines
