@@ -217,9 +217,10 @@ def status_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[st
     act = st.get("last_action") or {}
     if act:
         nxt = f", attempt {act['next_attempt']} started" if act.get("next_attempt") is not None else ""
+        att = f", attempt {act['attempt']}" if act.get("attempt") is not None else ""
         lines.append(
             f"  last action: {act.get('at')}: {act.get('action')} ({act.get('outcome')}) after {act.get('state')}"
-            f"{' (' + str(act['cause']) + ')' if act.get('cause') else ''}, attempt {act.get('attempt')}{nxt}"
+            f"{' (' + str(act['cause']) + ')' if act.get('cause') else ''}{att}{nxt}"
         )
     else:
         lines.append("  last action: none")
@@ -231,9 +232,8 @@ def status_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[st
     for i in newest:
         nxt = f" -> attempt {i['next_attempt']}" if i.get("next_attempt") is not None else ""
         cause = f" ({i['cause']})" if i.get("cause") else ""
-        lines.append(
-            f"    {i.get('time')}  attempt {i.get('attempt')} {i.get('state')}{cause}: {i.get('action')} {i.get('outcome')}{nxt}"
-        )
+        att = f"attempt {i['attempt']} " if i.get("attempt") is not None else ""
+        lines.append(f"    {i.get('time')}  {att}{i.get('state')}{cause}: {i.get('action')} {i.get('outcome')}{nxt}")
     lines.append(f"  log:         {out.get('log')} (dflashctl supervise logs)")
     return lines
 

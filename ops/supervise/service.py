@@ -504,6 +504,9 @@ def serve(root: str, session: str, argv: list[str]) -> int:
         id=str(service.get("id")),
         status_file=Path(place.path(unit.STATUS_JSON)),
     )
+    newest = _incidents(place, 1)["newest"]
+    if newest:  # its last action survives its own restarts (supervise status, the heartbeat status shows)
+        heartbeat.acted(newest[-1])
     try:
         inventory = load_inventory(place.path(unit.HOSTS_TOML))
         host = inventory.get(by)

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import typing as t
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from testkit.runkit import fake_release, reap_runs, train_command
 VMID = 200
 K = 5  # the fake trainer checkpoints every K steps
 FAST = ("--interval", "1", "--backoff", "0.2", "--max-backoff", "1")
+NOTIFY = "json://127.0.0.1:9/hook?token=s3cret"  # a port nothing listens on: only where the URL is kept matters here
 
 
 class Night:
@@ -123,9 +125,11 @@ class Night:
         reap_runs(self.hosts.run_dir)
 
 
-def _python() -> str:
-    import sys
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
+
+def _python() -> str:
     return sys.executable
 
 
@@ -140,7 +144,7 @@ def night(pve_hosts: PveHosts, tmux_servers: TmuxServers, tmp_path: Path) -> t.I
 
 def test_installed_supervisor_restarts_a_killed_run_and_recovers_the_container(night: Night) -> None:
     night.start()
-    r = night.install("--start-container")
+    r = night.install("--start-container", "--notify", NOTIFY)
     # the operator's CLI has exited (subprocess.run returned): the supervisor lives on the host
     assert re.search(r"installed the supervisor of pve/dflash on pve: tmux session on socket \S+, pid \d+", r.stdout)
     assert "first probe: running: " in r.stdout, r.stdout
@@ -149,6 +153,11 @@ def test_installed_supervisor_restarts_a_killed_run_and_recovers_the_container(n
     service = json.loads((night.sdir / "service.json").read_text())
     assert (service["mode"], service["by"], service["options"]["interval"]) == ("tmux", "pve", 1.0)
     assert (night.sdir / "env.json").stat().st_mode & 0o777 == 0o600
+    # a --notify URL (it may hold a token) is in the 0600 env.json only: never on a command line or in a message
+    assert json.loads((night.sdir / "env.json").read_text())["notify"] == [NOTIFY]
+    seen = [r.output, (night.sdir / "service.json").read_text(), (night.sdir / "hosts.toml").read_text()]
+    seen += [Path(f"/proc/{p}/cmdline").read_bytes().decode() for p in (pid, _parent(pid))]
+    assert not [s for s in seen if "s3cret" in s]
     # the host entry it watches through: the container as a local host, no ssh
     entry = (night.sdir / "hosts.toml").read_text()
     assert 'transport = "local"' in entry and "container = 200" in entry and "address" not in entry
@@ -197,12 +206,21 @@ def test_installed_supervisor_restarts_a_killed_run_and_recovers_the_container(n
         st.stdout,
     ), st.stdout
     assert re.search(r"  incidents:   \d+ \(newest last\)", st.stdout)
+    assert re.search(r"\n    \S+  container-down \(stopped\): start-container done\n", st.stdout), st.stdout
     logs = night.cli("supervise", "logs", "-n", "200")
     assert logs.exit_code == 0
     assert "restarted: attempt 2 started" in logs.stdout and "container 200 started; re-probing" in logs.stdout
     assert "restarted: attempt 4 started" in logs.stdout
     doc = json.loads(night.cli("supervise", "status", "--json").stdout)
     assert doc["running"] and doc["status"]["last_action"]["next_attempt"] == 4
+    assert "s3cret" not in logs.output + st.output + json.dumps(doc)
+
+    # the supervisor started again (an update here; systemd's or the loop's restart alike) still knows its
+    # last action: the newest incident, from its state dir
+    night.install("--start-container")
+    again = night.cli("supervise", "status")
+    assert night.supervisor_pid() not in (None, pid)
+    assert "  last action: " in again.stdout and "attempt 3, attempt 4 started" in again.stdout, again.stdout
 
 
 def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(night: Night) -> None:
@@ -222,7 +240,7 @@ def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(nig
     assert night.status()["supervisor"]["pid"] == second  # the same installed supervisor took its lease back
 
     # killed for good (the loop too): stale, and it stays stale
-    loop = int(Path(f"/proc/{second}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent: the sh loop
+    loop = _parent(second)  # the sh loop of the launcher
     os.kill(loop, signal.SIGKILL)
     os.kill(second, signal.SIGKILL)
     retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 12)
@@ -330,3 +348,18 @@ def test_the_launcher_and_the_options_round_trip() -> None:
     r = subprocess.run(["sh", "-n", "-c", sh], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "dir='/var/lib/it'\"'\"'s'" in sh
+
+
+def test_the_host_side_loads_nothing_but_the_stdlib_and_ops() -> None:
+    """What the supervisor on the Proxmox host really loads, with no site-packages at all (-I -S): the
+    host's python needs nothing installed (no click, no paramiko, no proxmoxer)."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1])\n"
+        "import ops.supervise.service\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(repo)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ours = [m for m in json.loads(p.stdout) if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
+    assert "ops.supervise.loop" in ours and all(m == "ops" or m.startswith("ops.") for m in ours), ours
