@@ -79,14 +79,7 @@ class HostSide:
         body = {"dir": place.dir, **req}
         reply = far_call.call(self.remote(), argv, stdin=json.dumps(body).encode(), timeout=timeout)
         res = reply.result
-        last = (res.err.strip().splitlines() or [""])[-1]
-        if res.timed_out:
-            raise errors.SuperviseError(f"{self.host.name}: supervise {verb} did not answer within {timeout:g}s")
-        if far_call.cannot_exec(res):
-            raise errors.SuperviseError(
-                f"{self.host.name}: cannot run {place.python!r} there ({last or 'not found'}); "
-                f"set hosts.{self.host.name}.supervise.python"
-            )
+        last = self._ran(reply, f"supervise {verb}", timeout)
         if reply.answer is None:
             if "No module named 'ops" in last:
                 raise errors.NotInstalled(
@@ -102,6 +95,38 @@ class HostSide:
             raise errors.SuperviseError(f"{self.host.name}: {message}")
         return reply.answer
 
+    def _ran(self, reply: far_call.Reply, doing: str, timeout: float) -> str:
+        """The last line of stderr, once the host's python could be run and answered in time."""
+        res, python = reply.result, self.host.supervise.python
+        last = (res.err.strip().splitlines() or [""])[-1]
+        if res.timed_out:
+            raise errors.SuperviseError(f"{self.host.name}: {doing} did not answer within {timeout:g}s")
+        if far_call.cannot_exec(res):
+            raise errors.SuperviseError(
+                f"{self.host.name}: cannot run {python!r} there ({last or 'not found'}); "
+                f"set hosts.{self.host.name}.supervise.python"
+            )
+        return last
+
+    def check_python(self) -> None:
+        """The host's python can run the supervisor (deploy.MIN_PYTHON): asked before anything is sent, so an
+        old Proxmox host gets one line naming supervise.python (deploy's own check names the container's)."""
+        python = self.host.supervise.python
+        argv = [python, "-I", "-c", unit.PYTHON_CHECK]
+        reply = far_call.call(self.remote(), argv, timeout=CALL_TIMEOUT)
+        last = self._ran(reply, f"{python} (its version)", CALL_TIMEOUT)
+        version = (reply.answer or {}).get("version")
+        if not (isinstance(version, list) and version and all(isinstance(v, int) for v in version)):
+            raise errors.SuperviseError(
+                f"{self.host.name}: {python!r} there did not say its version: {last or f'exit {reply.result.exit_code}'}"
+            )
+        if tuple(version) < deploy.MIN_PYTHON:
+            need = ".".join(map(str, deploy.MIN_PYTHON))
+            raise errors.SuperviseError(
+                f"{self.host.name}: {python} on the host is Python {'.'.join(map(str, version))}: the supervisor "
+                f"needs Python {need} or newer (Proxmox VE 8 has it); set hosts.{self.host.name}.supervise.python"
+            )
+
 
 def install(
     host: Host,
@@ -115,6 +140,7 @@ def install(
     name = run.session_name(host, session)
     side = HostSide(host)
     try:
+        side.check_python()
         outcome = deploy.deploy(side.remote(), side.target, modules=(), echo=echo)
         echo(outcome.summary)
         _refuse_foreign(side, name)

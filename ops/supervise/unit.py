@@ -30,6 +30,9 @@ RESTART_SEC = 10  # seconds before a supervisor that ended is started again (bot
 # The supervisor's program: the release path and the verb travel as argv items, never inside the code.
 BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.supervise.service import main; sys.exit(main())"
 MARK = "dflashctl-supervise"  # argv[0] of an installed supervisor (its lock file names it so)
+# The host's python must run ops/ (deploy.MIN_PYTHON: Proxmox VE 8 has 3.11, VE 7 has 3.9): install asks
+# its version with this before anything is sent. It runs on any python, 2.7 included.
+PYTHON_CHECK = "import json, sys; print(json.dumps({'ok': True, 'version': list(sys.version_info[:3])}))"
 
 HOSTS_TOML = "hosts.toml"
 SERVICE_JSON = "service.json"

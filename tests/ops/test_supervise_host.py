@@ -313,6 +313,41 @@ def test_install_is_refused_while_another_supervisor_watches_and_so_is_a_laptop_
     assert "stop it first (`dflashctl supervise stop`)" in again.stderr
 
 
+def test_install_refuses_a_host_python_too_old_or_missing_before_sending_anything(night: Night, tmp_path: Path) -> None:
+    # A DOUBLE of Python 3.9 (Proxmox VE 7's python3; this machine has none): the real interpreter running
+    # the -c program it is given, with 3.9's sys.version_info.
+    old = tmp_path / "python3.9"
+    old.write_text(
+        f"#!{sys.executable} -S\n"
+        "import sys\n"
+        "args = sys.argv[1:]\n"
+        "code = args[args.index('-c') + 1]\n"
+        "sys.argv = ['-c', *args[args.index('-c') + 2:]]\n"
+        "sys.version_info = (3, 9, 2, 'final', 0)\n"
+        "exec(compile(code, '<string>', 'exec'), {'__name__': '__main__'})\n"
+    )
+    old.chmod(0o755)
+    place = {"dir": str(night.dir), "mode": "tmux", "tmux_socket": night.socket}
+    night.hosts.write(supervise={**place, "python": str(old)})
+    r = night.cli("supervise", "install")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line == (
+        f"dflashctl: pve: {old} on the host is Python 3.9.2: the supervisor needs Python 3.11 or newer "
+        "(Proxmox VE 8 has it); set hosts.pve.supervise.python"
+    ), r.output
+    assert not night.dir.exists()  # no release was sent
+
+    night.hosts.write(supervise={**place, "python": str(tmp_path / "no-python")})
+    r = night.cli("supervise", "install")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"dflashctl: pve: cannot run '{tmp_path / 'no-python'}' there (") and line.endswith(
+        "); set hosts.pve.supervise.python"
+    ), r.output
+    assert not night.dir.exists()
+
+
 def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     tool = shutil.which("systemd-analyze")
     if tool is None:
