@@ -15,10 +15,11 @@ def attach_argv(host: Host, session: str | None = None) -> list[str]:
     """The command that attaches an interactive terminal to the session's pane."""
     session = session_name(host, session)
     inner = tmux.attach_argv(host.tmux_socket, session)
-    if host.is_local:
-        return ["env", "-u", "TMUX", *inner]
     if host.container is not None:
         inner = [*host.pct, "exec", str(host.container), "--", *inner]
+    if host.is_local:
+        # pct exec keeps the environment: a $TMUX of ours would reach the container's tmux too
+        return ["env", "-u", "TMUX", *inner]
     from ops.transport import remote_command, ssh_config_word  # here: paramiko, for ssh hosts only
 
     ssh = ["ssh", "-t", "-o", "StrictHostKeyChecking=yes"]

@@ -546,66 +546,81 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
 # --- restart-on-crash (issue 5): thin; the policy and the loop are in ops/supervise/ -------------
 
 
+# restart-on-crash's policy, on restart-on-crash itself and on `supervise install` (which forwards it to the
+# supervisor on the host): one declaration, so both take the same options with the same defaults.
+_POLICY_OPTIONS: tuple[t.Callable[[t.Any], t.Any], ...] = (
+    click.option(
+        "--interval",
+        type=Seconds(0, min_open=True),
+        default=30.0,
+        show_default=True,
+        metavar="S",
+        help="Seconds between probes.",
+    ),
+    click.option(
+        "--backoff",
+        type=Seconds(0),
+        default=10.0,
+        show_default=True,
+        metavar="S",
+        help="First wait before a restart; doubles (with jitter) per restart.",
+    ),
+    click.option(
+        "--max-backoff",
+        type=Seconds(0),
+        default=900.0,
+        show_default=True,
+        metavar="S",
+        help="Longest wait before a restart.",
+    ),
+    click.option(
+        "--min-uptime",
+        type=Seconds(0),
+        default=600.0,
+        show_default=True,
+        metavar="S",
+        help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.",
+    ),
+    click.option(
+        "--max-restarts",
+        type=click.IntRange(min=0),
+        default=5,
+        show_default=True,
+        metavar="N",
+        help="Give up after more than N restarts within --window.",
+    ),
+    click.option(
+        "--window",
+        type=Seconds(0, min_open=True),
+        default=3600.0,
+        show_default=True,
+        metavar="S",
+        help="The time window of --max-restarts.",
+    ),
+    click.option(
+        "--restart-stalled",
+        is_flag=True,
+        help="Also restart a stalled run (stop it first, stack saved if py-spy is there).",
+    ),
+    click.option(
+        "--start-container", is_flag=True, help="Start a stopped container (pct or the PVE API), then restart the run."
+    ),
+    click.option(
+        "--retry-oom", is_flag=True, help="Also restart after a CUDA out-of-memory crash (it usually repeats)."
+    ),
+)
+
+
+def _policy_options(f: t.Any) -> t.Any:
+    for option in reversed(_POLICY_OPTIONS):
+        f = option(f)
+    return f
+
+
 @cli.command("restart-on-crash")
 @_session_option
-@click.option(
-    "--interval",
-    type=Seconds(0, min_open=True),
-    default=30.0,
-    show_default=True,
-    metavar="S",
-    help="Seconds between probes.",
-)
-@click.option(
-    "--backoff",
-    type=Seconds(0),
-    default=10.0,
-    show_default=True,
-    metavar="S",
-    help="First wait before a restart; doubles (with jitter) per restart.",
-)
-@click.option(
-    "--max-backoff",
-    type=Seconds(0),
-    default=900.0,
-    show_default=True,
-    metavar="S",
-    help="Longest wait before a restart.",
-)
-@click.option(
-    "--min-uptime",
-    type=Seconds(0),
-    default=600.0,
-    show_default=True,
-    metavar="S",
-    help="A run that lives this long resets the backoff; a repeat crash sooner is a crash loop.",
-)
-@click.option(
-    "--max-restarts",
-    type=click.IntRange(min=0),
-    default=5,
-    show_default=True,
-    metavar="N",
-    help="Give up after more than N restarts within --window.",
-)
-@click.option(
-    "--window",
-    type=Seconds(0, min_open=True),
-    default=3600.0,
-    show_default=True,
-    metavar="S",
-    help="The time window of --max-restarts.",
-)
+@_policy_options
 @click.option("--once", is_flag=True, help="One probe and at most one restart (for cron and systemd timers).")
-@click.option(
-    "--restart-stalled",
-    is_flag=True,
-    help="Also restart a stalled run (stop it first, stack saved if py-spy is there).",
-)
-@click.option(
-    "--start-container", is_flag=True, help="Start a stopped container (pct or the PVE API), then restart the run."
-)
-@click.option("--retry-oom", is_flag=True, help="Also restart after a CUDA out-of-memory crash (it usually repeats).")
 @click.option(
     "--on-event",
     metavar="CMD",
@@ -743,6 +758,119 @@ def history_cmd(app: App, session: str | None, as_json: bool, last: int | None, 
     else:
         click.echo("\n".join(h.lines()))
     return ExitCode.ERROR if h.errors else ExitCode.OK
+
+
+# --- supervise (issue 25): the supervisor on the Proxmox host; the work is in ops/supervise/install.py ---
+
+
+@cli.group("supervise")
+def supervise_group() -> None:
+    """Put restart-on-crash on the Proxmox host that runs the container (it never sleeps), and look at it.
+
+    install, status, stop, logs, uninstall: each acts on the host of --host over its ssh connection.
+    """
+
+
+@supervise_group.command("install")
+@_session_option
+@_policy_options
+@click.option(
+    "--notify",
+    "notify",
+    multiple=True,
+    metavar="URL",
+    help="Where incidents are announced (repeatable; kept in a 0600 file on the host, never on a command line).",
+)
+@pass_app
+def supervise_install_cmd(app: App, /, session: str | None, notify: tuple[str, ...], **policy: t.Any) -> ExitCode:
+    """Install (or update) the supervisor of the run on the host and start it: a systemd unit where
+    systemd is PID 1, else a tmux session there. Installing again replaces it with the new options."""
+    from ops import supervise
+    from ops.session import session_name
+    from ops.supervise import install
+
+    out = install.install(app.host, session, supervise.Options(**policy), notify=notify, echo=click.echo)
+    click.echo("\n".join(install.installed_lines(app.host.name, session_name(app.host, session), out)))
+    for note in out.get("notes") or []:
+        click.echo(f"note: {note}", err=True)
+    return ExitCode.OK
+
+
+@supervise_group.command("status")
+@_session_option
+@click.option("--json", "as_json", is_flag=True, help="Print what the host says as one JSON object.")
+@click.option("-n", "--incidents", type=click.IntRange(min=0), default=5, show_default=True, help="Incidents shown.")
+@pass_app
+def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents: int) -> ExitCode:
+    """Is the supervisor running, since when, its last probe, its last action, its incidents.
+
+    Exit 0 when it runs, 8 when it is installed but not running, 7 when none is installed."""
+    import json
+
+    from ops.session import session_name
+    from ops.supervise import install
+
+    try:
+        out = install.call(app.host, "status", session, incidents=incidents)
+    except errors.NotInstalled as e:
+        out = {"installed": False, "message": str(e)}
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo("\n".join(install.status_lines(app.host.name, session_name(app.host, session), out)))
+    if not out.get("installed"):
+        return ExitCode.NOT_STARTED
+    return ExitCode.OK if out.get("running") else ExitCode.STOPPED
+
+
+@supervise_group.command("stop")
+@_session_option
+@pass_app
+def supervise_stop_cmd(app: App, session: str | None) -> ExitCode:
+    """Stop the supervisor on the host (the run goes on, unwatched). systemd starts it again at the next
+    boot; `supervise install` starts it now, `supervise uninstall` removes it."""
+    from ops.session import session_name
+    from ops.supervise import install
+
+    out = install.call(app.host, "stop", session)
+    name = f"{app.host.name}/{session_name(app.host, session)}"
+    if out.get("was_running") and not out.get("stopped"):
+        click.echo(f"the supervisor of {name} (pid {out.get('pid')}) did not stop", err=True)
+        return ExitCode.ERROR
+    how = f"stopped the supervisor of {name} ({out.get('mode')}, pid {out.get('pid')})"
+    click.echo(
+        f"{how if out.get('was_running') else f'the supervisor of {name} was not running'}; the run is left as it is"
+    )
+    return ExitCode.OK
+
+
+@supervise_group.command("logs")
+@_session_option
+@click.option("-n", "--lines", type=click.IntRange(min=1), default=50, show_default=True, help="How many lines.")
+@pass_app
+def supervise_logs_cmd(app: App, session: str | None, lines: int) -> ExitCode:
+    """The supervisor's own log (what it saw and did), last lines; the run's log is `dflashctl tail`."""
+    from ops.supervise import install
+
+    out = install.call(app.host, "logs", session, lines=lines)
+    click.echo(f"[{out.get('log')}]", err=True)
+    for line in out.get("lines") or []:
+        click.echo(line)
+    return ExitCode.OK
+
+
+@supervise_group.command("uninstall")
+@_session_option
+@pass_app
+def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
+    """Stop the supervisor and remove it from the host (its unit, its entry, its secrets); its incidents
+    and log stay. The run is left as it is."""
+    from ops.session import session_name
+    from ops.supervise import install
+
+    out = install.call(app.host, "uninstall", session)
+    click.echo("\n".join(install.uninstalled_lines(app.host.name, session_name(app.host, session), out)))
+    return ExitCode.OK
 
 
 # --- plot (issue 14): fetch + cache + draw are in ops/plot.py --------------------------------------

@@ -160,9 +160,14 @@ def _program(host: Host, verb: str, req: t.Mapping[str, t.Any], *, isolated: boo
     return [host.python, *flags, "-c", REMOTE_PROGRAM, verb, json.dumps({"workdir": host.workdir, **req})]
 
 
-def _checks(host: Host) -> dict[str, t.Any]:
-    """What the release program needs to look at the host (``inspect``, and ``install`` in one trip)."""
-    return {"run_dir": host.run_dir, "session": host.session, "modules": list(REQUIRED_MODULES)}
+def _checks(host: Host, modules: t.Sequence[str] | None = None) -> dict[str, t.Any]:
+    """What the release program needs to look at the host (``inspect``, and ``install`` in one trip).
+    ``modules``: what the python there must import (default: training's, REQUIRED_MODULES)."""
+    return {
+        "run_dir": host.run_dir,
+        "session": host.session,
+        "modules": list(REQUIRED_MODULES if modules is None else modules),
+    }
 
 
 def _fail(host: Host, reply: Reply, doing: str) -> DeployError:
@@ -193,9 +198,9 @@ def _answer(host: Host, reply: Reply, doing: str) -> dict[str, t.Any]:
     return reply.answer
 
 
-def inspect(remote: Remote, host: Host) -> Facts:
+def inspect(remote: Remote, host: Host, *, modules: t.Sequence[str] | None = None) -> Facts:
     """One call: the current release, the hashes kept releases hold, a live run, missing modules."""
-    reply = call(remote, _program(host, "inspect", _checks(host), isolated=False), timeout=INSPECT_TIMEOUT)
+    reply = call(remote, _program(host, "inspect", _checks(host, modules), isolated=False), timeout=INSPECT_TIMEOUT)
     return _checked(host, Facts(_answer(host, reply, "reading the deployed releases")))
 
 
@@ -333,21 +338,24 @@ def deploy(
     echo: t.Callable[[str], None] = print,
     progress: t.TextIO | None = None,
     state_dir: Path | None = None,
+    modules: t.Sequence[str] | None = None,
 ) -> Outcome:
-    """Bundle the source, compare with what the host has, send only what it lacks, switch ``current``."""
+    """Bundle the source, compare with what the host has, send only what it lacks, switch ``current``.
+    ``modules``: what the python there must import (default: training's; the supervisor's release on a
+    Proxmox host needs none)."""
     started = time.monotonic()
     bundle = build_bundle(source)
     cache = Cache(host, state_dir)
     where = host.label
     meta = {"built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "source": str(bundle.root)}
     if dry_run:
-        facts = inspect(remote, host)
+        facts = inspect(remote, host, modules=modules)
     else:
         # One round trip: plan from the cache, and let the far side check the cache before it reads the upload.
         guess = cache.load()
         plan = make_plan(bundle, guess["files"], guess["current"][:16] if guess["current"] else None, guess["hashes"])
         req = {
-            **_checks(host),
+            **_checks(host, modules),
             "id": bundle.full_id,
             "keep": host.keep_releases,
             "expect": state_digest(guess["current"], guess["hashes"]),

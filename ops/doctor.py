@@ -18,6 +18,7 @@ from ops import errors
 from ops.deploy import REQUIRED_MODULES
 from ops.hosts import Host
 from ops.proxmox import Container
+from ops.remote import container_of
 from ops.transport import CommandResult, LocalTransport, Transport
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,14 @@ def diagnose(host: Host) -> HostReport:
     rep = _Report(HostReport(host.name, host.label))
     if host.is_local:
         rep.add("reachable", OK, "this machine (transport = local)")
-        _inside(rep, host, LocalTransport())
+        local = LocalTransport()
+        ct = container_of(host, local)  # dflashctl on the Proxmox host itself: pct exec, no ssh
+        if ct is None:
+            _inside(rep, host, local)
+        elif _container(rep, host, ct):
+            _inside(rep, host, ct)
+        else:
+            rep.skip_rest(INSIDE_CHECKS)
         return rep.report
 
     from ops.transport import SSHTransport, scan_host_key  # here: paramiko, for ssh hosts only
@@ -216,15 +224,8 @@ def diagnose(host: Host) -> HostReport:
         keys = ", ".join(tgt.key_files) or "ssh-agent/default keys"
         rep.add("login", OK, f"{tgt.where} with {keys}")
         where: Transport | Container = transport
-        if host.container is not None:
-            ct = Container(
-                transport,
-                host.container,
-                pct=host.pct,
-                api=host.proxmox,
-                label=host.label,
-                config_key=f"hosts.{host.name}.proxmox",
-            )
+        ct = container_of(host, transport)
+        if ct is not None:
             if not _container(rep, host, ct):
                 rep.skip_rest(INSIDE_CHECKS)
                 return rep.report

@@ -152,3 +152,11 @@ class CrashLoop(OpsError):
 
 class SupervisorLocked(OpsError):
     """Another restart-on-crash already watches this host and session."""
+
+
+class SuperviseError(OpsError):
+    """`dflashctl supervise` could not do what was asked on the Proxmox host (one line: why)."""
+
+
+class NotInstalled(SuperviseError):
+    """No supervisor is installed on the host for this session."""

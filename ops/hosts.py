@@ -46,6 +46,17 @@ class ProxmoxApi:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SupervisePlace:
+    """``[hosts.NAME.supervise]``: where `dflashctl supervise install` puts the supervisor on the Proxmox
+    host that runs the container (docs/design.md section 18)."""
+
+    dir: str = "/var/lib/dflashctl"  # on the host: dflashctl's release, the launcher, one folder per session
+    python: str = "python3"  # the host's interpreter (stdlib only: nothing is installed there)
+    mode: t.Literal["auto", "systemd", "tmux"] = "auto"  # auto: systemd when it is PID 1, else tmux
+    tmux_socket: str = "dflashctl-supervise"  # tmux mode: `tmux -L NAME` on the host
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Host:
     """One machine dflashctl manages: where it is, how to get in, and what runs there."""
 
@@ -72,6 +83,7 @@ class Host:
     container: int | None = None
     pct: tuple[str, ...] = ("pct",)
     proxmox: ProxmoxApi | None = None
+    supervise: SupervisePlace = dataclasses.field(default_factory=SupervisePlace)
 
     @property
     def is_local(self) -> bool:
@@ -205,10 +217,10 @@ _SSH = {
     "known_hosts",
     "ssh_config",
     "connect_timeout",
-    "container",
-    "pct",
-    "proxmox",
 }
+# A Proxmox container: reached over ssh, or with transport = "local" by dflashctl running on the Proxmox
+# host itself (pct exec directly, no ssh: the supervisor `dflashctl supervise install` puts there).
+_CONTAINER = {"container", "pct", "proxmox", "supervise"}
 
 
 def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
@@ -219,13 +231,24 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
     if transport not in ("local", "ssh"):
         got = "nothing" if transport is None else keypath.show(transport)
         raise ConfigError(f"{p}.transport", f'expected "local" or "ssh", got {got}')
-    allowed = _COMMON | (_SSH if transport == "ssh" else set())
+    allowed = _COMMON | _CONTAINER | (_SSH if transport == "ssh" else set())
     for key in raw:
         if key not in allowed:
             hint = ' (only for transport = "ssh")' if key in _SSH else ""
             raise ConfigError(f"{p}.{key}", f"unknown key{hint}")
+    container = "container" in raw
+    for key in ("pct", "proxmox", "supervise"):
+        # (an ssh host always took pct and proxmox; they do nothing there without a container)
+        if key in raw and not container and (transport == "local" or key == "supervise"):
+            raise ConfigError(f"{p}.{key}", "only for a host with a container (set container = N)")
 
     kw: dict[str, t.Any] = {"name": name, "transport": transport}
+    if container:
+        kw["container"] = keypath.integer(raw["container"], f"{p}.container", minimum=100)
+    if "pct" in raw:
+        kw["pct"] = keypath.argv(raw["pct"], f"{p}.pct")
+    if "supervise" in raw:
+        kw["supervise"] = _parse_supervise(raw["supervise"], f"{p}.supervise")
     for key in ("python", "session", "tmux_socket"):
         if key in raw:
             kw[key] = keypath.string(raw[key], f"{p}.{key}", nonempty=True)
@@ -252,12 +275,19 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
         if key in kw:
             keypath.check_name(kw[key], f"{p}.{key}")
 
-    if transport == "local":
+    if transport == "local" and not container:
         workdir = keypath.local_path(raw.get("workdir", ".dflash"), f"{p}.workdir", base)
         kw["workdir"] = workdir
         kw["run_dir"] = keypath.local_path(raw.get("run_dir", f"{workdir}/runs"), f"{p}.run_dir", base)
         if "python" in kw and "/" in kw["python"]:
             kw["python"] = keypath.local_path(kw["python"], f"{p}.python", base)
+        return Host(**kw)
+    # The run lives in a container (paths and python are the container's, never this file's folder),
+    # or on an ssh host: absolute paths, the same defaults.
+    _far_paths(raw, kw, p)
+    if transport == "local":
+        if "proxmox" in raw:  # dflashctl on the Proxmox host itself: the API is this machine's
+            kw["proxmox"] = _parse_proxmox(raw["proxmox"], f"{p}.proxmox", default_host="localhost")
         return Host(**kw)
 
     if "address" not in raw:
@@ -281,21 +311,46 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
             keypath.ssh_path(kw[key], f"{p}.{key}")
     if "connect_timeout" in raw:
         kw["connect_timeout"] = keypath.number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
-    if "container" in raw:
-        kw["container"] = keypath.integer(raw["container"], f"{p}.container", minimum=100)
-    if "pct" in raw:
-        kw["pct"] = keypath.argv(raw["pct"], f"{p}.pct")
+    if "proxmox" in raw:
+        kw["proxmox"] = _parse_proxmox(raw["proxmox"], f"{p}.proxmox", default_host=kw["address"])
+    return Host(**kw)
+
+
+def _far_paths(raw: dict[str, t.Any], kw: dict[str, t.Any], p: str) -> None:
+    """workdir and run_dir of an ssh host or a container: absolute, where the run lives."""
+    where = "in the container" if "container" in kw else "on the host"
     for key in ("workdir", "run_dir"):
         if key in raw:
             value = keypath.string(raw[key], f"{p}.{key}", nonempty=True)
             if not value.startswith("/"):
-                raise ConfigError(f"{p}.{key}", f"expected an absolute path on the host, got {keypath.show(value)}")
+                raise ConfigError(f"{p}.{key}", f"expected an absolute path {where}, got {keypath.show(value)}")
             kw[key] = value
     kw.setdefault("workdir", "/root/dflash")
     kw.setdefault("run_dir", f"{kw['workdir']}/runs")
-    if "proxmox" in raw:
-        kw["proxmox"] = _parse_proxmox(raw["proxmox"], f"{p}.proxmox", default_host=kw["address"])
-    return Host(**kw)
+
+
+def _parse_supervise(raw: t.Any, p: str) -> SupervisePlace:
+    if not isinstance(raw, dict):
+        raise ConfigError(p, f"expected a table, got {keypath.show(raw)}")
+    keypath.only_keys(raw, {"dir", "python", "mode", "tmux_socket"}, f"{p}.")
+    kw: dict[str, t.Any] = {}
+    if "dir" in raw:
+        value = keypath.string(raw["dir"], f"{p}.dir", nonempty=True)
+        if not value.startswith("/") or "\0" in value:
+            raise ConfigError(f"{p}.dir", f"expected an absolute path on the Proxmox host, got {keypath.show(value)}")
+        kw["dir"] = value.rstrip("/") or "/"
+    if "python" in raw:
+        kw["python"] = keypath.string(raw["python"], f"{p}.python", nonempty=True)
+    if "mode" in raw:
+        mode = keypath.string(raw["mode"], f"{p}.mode")
+        if mode not in ("auto", "systemd", "tmux"):
+            raise ConfigError(f"{p}.mode", f'expected "auto", "systemd" or "tmux", got {keypath.show(mode)}')
+        kw["mode"] = mode
+    if "tmux_socket" in raw:
+        kw["tmux_socket"] = keypath.check_name(
+            keypath.string(raw["tmux_socket"], f"{p}.tmux_socket", nonempty=True), f"{p}.tmux_socket"
+        )
+    return SupervisePlace(**kw)
 
 
 def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:

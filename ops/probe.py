@@ -24,6 +24,7 @@ import time
 import typing as t
 
 from ops.far import tmux as tmux_mod
+from ops.far import watch
 from ops.states import Cause, State
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
@@ -60,6 +61,83 @@ class Progress:
 
 
 @dataclasses.dataclass(slots=True)
+class SupervisorView:
+    """Who watches the run, from the heartbeat its supervisor's probes leave (ops/far/watch.py).
+
+    ``state``: ``none`` (no supervisor ever probed this session), ``watching``, ``stale`` (silent for more
+    than 3 of its intervals: it is not watching any more, whatever it thinks) or ``stopped`` (it stopped on
+    purpose). A stale supervisor is a fault shown in the evidence; it never changes the run's state."""
+
+    state: str
+    by: str | None = None  # the name it goes by: the inventory's host name on the Proxmox host, else the machine's
+    where: str | None = None  # the machine it runs on (its hostname)
+    mode: str | None = None  # "systemd", "tmux" (installed on the host) or "foreground" (restart-on-crash)
+    pid: int | None = None
+    interval: float | None = None
+    started_at: str | None = None
+    last_probe: str | None = None
+    silent_for: float | None = None  # seconds since its last probe, on the container's clock
+    last_action: dict[str, t.Any] | None = None
+    id: str | None = None
+
+    def phrase(self) -> str:
+        """``supervised by pve (systemd, last probe 12 s ago)``, ``not supervised``, ..."""
+        name, mode = self.by or self.where or "?", self.mode or "?"
+        ago = _ago(self.silent_for)
+        if self.state == "watching":
+            return f"supervised by {name} ({mode}, last probe {ago} ago)"
+        pid = f", pid {self.pid}" if self.pid else ""
+        if self.state == "stale":
+            return (
+                f"STALE: the supervisor {name} ({mode}{pid}) has been silent for {ago} (more than "
+                f"{watch.STALE_AFTER} of its {_ago(self.interval)} intervals): nothing watches this run"
+            )
+        if self.state == "stopped":
+            return f"not supervised (the supervisor {name} ({mode}) stopped {ago} ago)"
+        return "not supervised"
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return _dur(seconds)
+
+
+def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> SupervisorView:
+    if not rec:
+        return SupervisorView("none")
+    quiet = watch.silent_for(rec, now) if now is not None else None
+    if rec.get("stopped"):
+        state = "stopped"
+    elif now is not None and watch.live(rec, now):
+        state = "watching"
+    else:
+        state = "stale"
+
+    def text(key: str) -> str | None:
+        v = rec.get(key)
+        return v if isinstance(v, str) else None
+
+    interval = rec.get("interval")
+    action = rec.get("last_action")
+    return SupervisorView(
+        state=state,
+        by=text("by"),
+        where=text("where"),
+        mode=text("mode"),
+        pid=_int(rec.get("pid")),
+        interval=float(interval) if isinstance(interval, (int, float)) else None,
+        started_at=iso(rec["started_at"]) if isinstance(rec.get("started_at"), (int, float)) else None,
+        last_probe=iso(rec["at"]) if isinstance(rec.get("at"), (int, float)) else None,
+        silent_for=None if quiet is None else round(quiet, 1),
+        last_action=dict(action) if isinstance(action, dict) else None,
+        id=text("id"),
+    )
+
+
+@dataclasses.dataclass(slots=True)
 class Status:
     host: str
     session: str
@@ -84,6 +162,8 @@ class Status:
     gpus: list[dict[str, t.Any]] | None = None
     # per worker, from the last metrics.jsonl record (see ``workers_of``); None when unknown
     workers: list[dict[str, t.Any]] | None = None
+    # who watches the run (its supervisor's heartbeat); None when the agent could not be asked
+    supervisor: SupervisorView | None = None
     # not part of the JSON: the last log lines, for incident reports
     tail: list[str] = dataclasses.field(default_factory=list)
 
@@ -92,6 +172,7 @@ class Status:
         d["tmux"] = dataclasses.asdict(self.tmux)
         d["container"] = dataclasses.asdict(self.container) if self.container else None
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
+        d["supervisor"] = dataclasses.asdict(self.supervisor) if self.supervisor else None
         d["evidence"] = list(self.evidence)
         return d
 
@@ -164,6 +245,8 @@ class Status:
                 )
         if self.log:
             out.append(f"  log:       {self.log}")
+        if self.supervisor is not None:
+            out.append(f"  watch:     {self.supervisor.phrase()}")
         if self.mode != "agent":
             out.append(f"  mode:      {self.mode}")
         if self.evidence:
@@ -562,6 +645,10 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
         _classify_run(s, facts, agent, af)
     else:
         _classify_by_tmux(s, agent.get("tmux"), agent.get("pane_capture"), attempt=af)
+    if "supervisor" in agent:  # an agent older than the heartbeat does not say (None: unknown)
+        s.supervisor = supervisor_view(agent.get("supervisor"), agent.get("now"))
+        if s.supervisor.state == "stale":
+            s.evidence.append(f"supervisor: {s.supervisor.phrase()} (last probe at {s.supervisor.last_probe})")
     return s
 
 

@@ -33,22 +33,35 @@ class Remote:
 
 
 def connect(host: Host) -> Remote:
-    """Open the host's transport (raises ``UnreachableError`` subclasses) and wrap its container."""
+    """Open the host's transport (raises ``UnreachableError`` subclasses) and wrap its container. A local
+    host with a container is dflashctl on the Proxmox host itself: ``pct exec`` straight, no ssh."""
+    return wrap(host, connect_host(host))
+
+
+def connect_host(host: Host) -> Transport:
+    """The transport to the machine itself (the Proxmox host, not its container): this machine for a
+    local host, else one ssh connection."""
     if host.is_local:
-        return Remote(host, LocalTransport())
+        return LocalTransport()
     from ops.transport import SSHTransport  # here: paramiko is imported for ssh hosts only
 
-    transport = SSHTransport.connect(host)
-    container = (
-        Container(
-            transport,
-            host.container,
-            pct=host.pct,
-            api=host.proxmox,
-            label=host.label,
-            config_key=f"hosts.{host.name}.proxmox",
-        )
-        if host.container is not None
-        else None
+    return SSHTransport.connect(host)
+
+
+def wrap(host: Host, transport: Transport) -> Remote:
+    """``transport`` with the host's container (when it has one) in front."""
+    return Remote(host, transport, container_of(host, transport))
+
+
+def container_of(host: Host, transport: Transport) -> Container | None:
+    """The host's container behind ``transport``, or None for a host without one."""
+    if host.container is None:
+        return None
+    return Container(
+        transport,
+        host.container,
+        pct=host.pct,
+        api=host.proxmox,
+        label=host.label,
+        config_key=f"hosts.{host.name}.proxmox",
     )
-    return Remote(host, transport, container)

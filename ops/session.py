@@ -55,8 +55,15 @@ def request(host: Host, session: str | None = None) -> dict[str, t.Any]:
 # status
 
 
-def gather(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> dict[str, t.Any]:
-    """Every fact for ``ops.probe.classify``; never raises because something is down."""
+def gather(
+    host: Host,
+    session: str | None,
+    connect: t.Callable[[], Remote],
+    *,
+    heartbeat: t.Mapping[str, t.Any] | None = None,
+) -> dict[str, t.Any]:
+    """Every fact for ``ops.probe.classify``; never raises because something is down. ``heartbeat``: a
+    supervisor's (ops/far/watch.py), written by the agent in the same call."""
     session = session_name(host, session)
     facts: dict[str, t.Any] = {
         "host": host.name,
@@ -70,7 +77,10 @@ def gather(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
     }
     try:
         remote = connect()
-        answer = call(remote, "probe", request(host, session), timeout=PROBE_TIMEOUT)
+        req = request(host, session)
+        if heartbeat is not None:
+            req["heartbeat"] = dict(heartbeat)
+        answer = call(remote, "probe", req, timeout=PROBE_TIMEOUT)
         if not answer.get("ok"):
             raise errors.AgentError(f"agent probe: {answer.get('message')}")
         facts["agent"] = answer

@@ -309,11 +309,17 @@ def _fields(cls: type, drop: t.Iterable[str] = ()) -> set[str]:
 
 def test_hosts_md_documents_every_key_and_no_other() -> None:
     from ops.group import Group
-    from ops.hosts import Host, ProxmoxApi
+    from ops.hosts import Host, ProxmoxApi, SupervisePlace
 
     text = _read(REPO / "docs" / "hosts.md")
-    hosts = _section(text, "`[hosts.NAME]`: every host") + _section(text, "`[hosts.NAME]`: ssh hosts only")
+    hosts = (
+        _section(text, "`[hosts.NAME]`: every host")
+        + _section(text, "`[hosts.NAME]`: ssh hosts only")
+        + _section(text, "`[hosts.NAME]`: a Proxmox container (ssh, or local on the Proxmox host itself)")
+    )
     assert _table_keys(hosts) == _fields(Host, drop={"name"})
+    supervise = _section(text, "`[hosts.NAME.supervise]`: the supervisor on the Proxmox host")
+    assert _table_keys(supervise) == _fields(SupervisePlace)
     proxmox = _section(text, "`[hosts.NAME.proxmox]`: container status and start through the Proxmox API")
     assert _table_keys(proxmox) == _fields(ProxmoxApi)
     assert _table_keys(_section(text, "`[groups.NAME]`")) == _fields(Group, drop={"name", "store_host"})

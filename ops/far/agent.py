@@ -28,7 +28,7 @@ import time
 import typing as t
 
 from ops.far import history as far_history
-from ops.far import lock, protocol, records, tmux
+from ops.far import lock, protocol, records, tmux, watch
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -326,9 +326,14 @@ def probe(req: Request) -> ProbeFacts:
         # no run record (a session started by hand): the pane is the only log there is
         pane_capture = capture(req, lines)
     boot, boot_ticks = pid1_start()
+    now = time.time()
+    # Who watches the run (ops/far/watch.py): a supervisor's probe carries its heartbeat, written here.
+    heartbeat = watch.beat(session_dir(req), req["heartbeat"], now) if req.get("heartbeat") is not None else None
     return {
         "disk": disk_facts(req["run_dir"]),
-        "now": time.time(),
+        "now": now,
+        "supervisor": watch.read(session_dir(req)),
+        "heartbeat": heartbeat,
         "hostname": os.uname().nodename,
         "pid1_start": boot,
         "pid1_ticks": boot_ticks,

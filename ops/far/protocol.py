@@ -100,6 +100,8 @@ class ProbeFacts(t.TypedDict):
 
     disk: DiskFacts | None
     now: float
+    supervisor: dict[str, t.Any] | None  # the heartbeat record of who watches the run (ops/far/watch.py)
+    heartbeat: dict[str, t.Any] | None  # what became of the request's heartbeat (None: it carried none)
     hostname: str
     pid1_start: float | None
     pid1_ticks: int | None

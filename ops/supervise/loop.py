@@ -21,9 +21,10 @@ from ops import session as run
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
-from ops.probe import Status, iso
+from ops.probe import Status, classify, iso
 from ops.remote import connect as connect_remote
 from ops.states import RECOVERY, Cause, State
+from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.policy import (
     DONE,
     GIVE_UP,
@@ -133,6 +134,8 @@ class Supervisor:
         rng: random.Random | None = None,
         hide_env: t.Sequence[str] = (),
         notifier: Notifier | None = None,
+        heartbeat: Heartbeat | None = None,
+        keep_watching: bool = False,
     ) -> None:
         self.host = host
         self.session = run.session_name(host, session)
@@ -149,7 +152,13 @@ class Supervisor:
         self._connect_fn = connect
         self.clock = clock
         self.rng = rng or random.Random()
-        self.policy = Policy(opts, rng=self.rng)
+        # keep_watching (the supervisor installed on the host): a run that succeeded, or a crash loop it
+        # gave up on, is watched on, never left unwatched: a later `dflashctl start` is supervised again.
+        self.keep_watching = keep_watching
+        self.policy = Policy(opts, rng=self.rng, keep_watching=keep_watching)
+        # Who watches, written with every probe (docs/design.md section 18); --once only reads the lease.
+        self.heartbeat = heartbeat or Heartbeat(interval=opts.interval, clock=clock)
+        self._beating = False  # a heartbeat went out (then a stop on purpose says so: _end_lease)
         self.incidents = IncidentLog(self.state_dir, host.name, self.session)
         base = f"{slug(host.name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{host.name}/{self.session}")
@@ -179,8 +188,10 @@ class Supervisor:
             self._remote = None
 
     def probe(self) -> Status:
+        beat = None if self.opts.once else self.heartbeat.request()
         try:
-            st = run.status(self.host, self.session, self._connect)
+            facts = run.gather(self.host, self.session, self._connect, heartbeat=beat)
+            st = classify(facts)
         except Exception as e:  # a bug or an untyped library error must not end an overnight watch
             logger.exception("probe failed")
             self._drop()
@@ -193,8 +204,25 @@ class Supervisor:
                 checked_at=iso(self.clock()),
                 evidence=[f"probe error: {type(e).__name__}: {e}"],
             )
+        else:
+            self._beating = self._beating or beat is not None
+            # Another live supervisor's lease: SupervisorLocked, before anything is decided or done.
+            note = self.heartbeat.check(facts, f"{self.host.name}/{self.session}", wrote=beat is not None)
+            if note:
+                self.emit(note)
         logger.info("probe %s/%s: %s", self.host.name, self.session, st.headline())
         return st
+
+    def _end_lease(self) -> None:
+        """A supervisor that stops on purpose says so in its heartbeat: its lease ends at once, and
+        `dflashctl status` says `not supervised` rather than, later, stale. Best effort."""
+        if not self._beating:
+            return  # it never sent one (--once, a group's supervisor): nothing to end
+        try:
+            run.gather(self.host, self.session, self._connect, heartbeat=self.heartbeat.request(stopped=True))
+        except Exception:  # leaving must never fail: a heartbeat left behind turns stale by itself
+            logger.debug("the farewell heartbeat failed", exc_info=True)
+        self.heartbeat.ended()
 
     def _sleep(self, seconds: float) -> None:
         if seconds > 0:
@@ -243,6 +271,7 @@ class Supervisor:
 
     def _announce(self, path: Path, incident: dict[str, t.Any]) -> None:
         """Write the incident, notify it, then hand it to --on-event (a failing hook is reported, never fatal)."""
+        self.heartbeat.acted(incident)
         self._record(path, incident)
         self._notify(incident)
         if self.on_event is None:
@@ -262,14 +291,22 @@ class Supervisor:
             self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         with self.lock:
             self._load_memory()
-            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            # SIGHUP too: a closed terminal, or the tmux session of an installed supervisor killed
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            end_lease = True
             ended = "an error"
             try:
                 outcome = self._loop()
                 ended = self._ending(outcome)
                 return outcome
-            except errors.CrashLoop as e:
+            except errors.SupervisorLocked as e:
+                end_lease = False  # the lease is another supervisor's: not ours to end
                 ended = str(e)
+                self.heartbeat.failed(str(e))
+                raise
+            except errors.OpsError as e:  # CrashLoop among them
+                ended = str(e) if isinstance(e, errors.CrashLoop) else f"{type(e).__name__}: {e}"
+                self.heartbeat.failed(str(e))
                 raise
             except BaseException as e:
                 ended = f"{type(e).__name__}: {e}"
@@ -277,6 +314,8 @@ class Supervisor:
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
+                if end_lease:
+                    self._end_lease()
                 self._drop()
                 self._save_memory()
                 self._farewell(ended)
@@ -313,6 +352,7 @@ class Supervisor:
             st = self.probe()
             now = self.clock()
             d = self.policy.observe(st, now)
+            self.heartbeat.probed(st, d)
             last = st
             if first:
                 mode = "once" if o.once else f"every {o.interval:g}s"
@@ -359,14 +399,20 @@ class Supervisor:
                 self._notify(inc)  # the crash now; the restart (or its failure) when it is done
                 self.emit(f"{describe(st)} -> {d.reason}")
 
-            if d.action == GIVE_UP:
+            if d.action == GIVE_UP and self.keep_watching:
+                self._save_memory()
+                self.emit(
+                    "gave up on this run; still watching: fix the cause, then `dflashctl start` "
+                    "(a run started by hand is supervised afresh)"
+                )
+            elif d.action == GIVE_UP:
                 self._save_memory()
                 raise errors.CrashLoop(
                     f"{self.host.name}/{self.session}: gave up: {d.reason}. The run is left "
                     "crashed: fix the cause, then `dflashctl start` (a run started by hand is "
                     "supervised afresh)"
                 )
-            if d.action == DONE:
+            if d.action == DONE and not self.keep_watching:
                 return Outcome("succeeded", st.state, d.reason)
             if d.action in RECOVERY:
                 wait = 0.0 if o.once else d.delay

@@ -151,9 +151,13 @@ class Policy:
     supervisor itself (for ``--once`` from cron and supervisors restarted by systemd).
     """
 
-    def __init__(self, opts: Options, *, rng: random.Random | None = None) -> None:
+    def __init__(self, opts: Options, *, rng: random.Random | None = None, keep_watching: bool = False) -> None:
         self.opts = opts
         self.rng = rng or random.Random()
+        # A supervisor that never ends (installed on the host, restarted by systemd): after a give-up it
+        # watches the crashed attempt without acting, until a run started by hand.
+        self.keep_watching = keep_watching
+        self.gave_up: int | None = None  # the attempt the last give-up was about (memory)
         # crash-loop memory
         self.restarts: list[float] = []  # when recoveries of the run happened (window guard)
         self.streak = 0  # recoveries since a run last survived min_uptime (the backoff exponent)
@@ -180,6 +184,7 @@ class Policy:
             "last_failure_attempt": self.last_failure_attempt,
             "last_started": self.last_started,
             "seen": list(self.seen) if self.seen else None,
+            "gave_up": self.gave_up,
         }
 
     def load(self, mem: t.Mapping[str, t.Any]) -> None:
@@ -195,11 +200,14 @@ class Policy:
             self.last_failure_attempt = mem["last_failure_attempt"]
         if isinstance(mem.get("last_started"), int):
             self.last_started = mem["last_started"]
+        if isinstance(mem.get("gave_up"), int):
+            self.gave_up = mem["gave_up"]
         seen = mem.get("seen")
         if isinstance(seen, list) and len(seen) == 3 and all(x is None or isinstance(x, (str, int)) for x in seen):
             self.seen = tuple(seen)
 
     def reset(self) -> None:
+        self.gave_up = None
         self.restarts.clear()
         self.streak = 0
         self.last_fingerprint = None
@@ -229,6 +237,8 @@ class Policy:
         note = self._track_attempt(st)
         cancelled = self._cancel_stale(st)
         d = self._decide(st, now)
+        if d.action == GIVE_UP:
+            self.gave_up = st.attempt
         key = (st.state, st.cause, st.attempt)
         new = d.new or (key != self.seen and d.action in (WAIT, DONE, GIVE_UP))
         if d.action not in RECOVERY or d.new:
@@ -318,6 +328,13 @@ class Policy:
             if st.cause == Cause.MISSING:
                 return Decision(WAIT, "the container does not exist: nothing to start; waiting")
             return self._container(now)
+        if s in (State.CRASHED, State.LOST) and self.keep_watching and st.attempt is not None:
+            if st.attempt == self.gave_up:
+                return Decision(
+                    WAIT,
+                    f"gave up on attempt {st.attempt} (crash loop): not restarted; still watching, a new "
+                    "`dflashctl start` is supervised afresh",
+                )
         if s == State.CRASHED:
             if st.cause == Cause.CUDA_OOM and not o.retry_oom:
                 return Decision(

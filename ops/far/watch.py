@@ -1,0 +1,100 @@
+"""Who watches a run: the supervisor's heartbeat, ``<run_dir>/<session>/supervisor.json``. stdlib only.
+
+Every probe of a supervisor (restart-on-crash, on the operator's machine or installed on the Proxmox host
+by `dflashctl supervise install`) carries a heartbeat; the agent writes it here, next to the run's own
+records, so `dflashctl status` from anywhere reads who watches in the same call that reads the run, on the
+container's one clock. The record is also a lease: a supervisor with another ``id`` is refused while the
+holder is live (not stopped, and heard from within ``STALE_AFTER`` of its intervals), so two supervisors,
+on two machines, never restart one run twice. A supervisor that stops on purpose says so (``stopped``):
+its lease ends at once. (docs/design.md sections 4 and 18.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing as t
+
+from ops.far import lock
+from ops.far.atomic import write_json_atomic
+
+HEARTBEAT = "supervisor.json"
+LOCK = ".supervisor.lock"
+STALE_AFTER = 3  # intervals without a heartbeat before a supervisor is called stale (and its lease ends)
+
+# The heartbeat's keys and their types: anything else in a request is dropped (nothing unbounded lands on disk).
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,),
+    "by": (str,),
+    "where": (str,),
+    "mode": (str,),
+    "pid": (int,),
+    "interval": (int, float),
+    "started_at": (int, float),
+    "stopped": (bool,),
+    "last_action": (dict,),
+}
+MAX_TEXT = 400  # characters of one string value
+MAX_ACTION = 4096  # bytes of last_action as JSON
+
+
+def clean(beat: t.Any) -> dict[str, t.Any] | None:
+    """The heartbeat of a request, reduced to the known keys; None when it is not one (no ``id``)."""
+    if not isinstance(beat, dict) or not isinstance(beat.get("id"), str) or not beat["id"]:
+        return None
+    out: dict[str, t.Any] = {}
+    for key, types in _FIELDS.items():
+        value = beat.get(key)
+        if isinstance(value, bool) and bool not in types:
+            continue
+        if isinstance(value, types):
+            out[key] = value[:MAX_TEXT] if isinstance(value, str) else value
+    if "last_action" in out and len(json.dumps(out["last_action"])) > MAX_ACTION:
+        out["last_action"] = {"note": "last action too large to keep"}
+    return out
+
+
+def read(session_dir: str) -> dict[str, t.Any] | None:
+    """The heartbeat record, None when there is none (or it is unreadable)."""
+    try:
+        with open(os.path.join(session_dir, HEARTBEAT), encoding="utf-8") as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def silent_for(rec: t.Mapping[str, t.Any], now: float) -> float | None:
+    at = rec.get("at")
+    return max(0.0, now - float(at)) if isinstance(at, (int, float)) else None
+
+
+def live(rec: t.Mapping[str, t.Any] | None, now: float) -> bool:
+    """Whether the supervisor of ``rec`` still holds its lease: not stopped, heard from within STALE_AFTER
+    intervals."""
+    if not rec or rec.get("stopped"):
+        return False
+    quiet, interval = silent_for(rec, now), rec.get("interval")
+    if quiet is None or not isinstance(interval, (int, float)) or interval <= 0:
+        return False
+    return quiet <= STALE_AFTER * float(interval)
+
+
+def beat(session_dir: str, heartbeat: t.Any, now: float) -> dict[str, t.Any]:
+    """Write ``heartbeat`` unless another live supervisor holds the lease; never raises.
+
+    Returns ``{"written": bool, "refused": bool, "holder": the live record that refused it | None,
+    "error": why it could not be written | None}``."""
+    hb = clean(heartbeat)
+    if hb is None:
+        return {"written": False, "refused": False, "holder": None, "error": "not a heartbeat (no id)"}
+    try:
+        os.makedirs(session_dir, exist_ok=True)
+        with lock.Lock(os.path.join(session_dir, LOCK), wait=5.0, holder=f"heartbeat by pid {os.getpid()}"):
+            prev = read(session_dir)
+            if prev is not None and prev.get("id") != hb["id"] and live(prev, now):
+                return {"written": False, "refused": True, "holder": prev, "error": None}
+            write_json_atomic(os.path.join(session_dir, HEARTBEAT), {**hb, "at": now}, mode=0o644)
+    except (OSError, lock.Busy) as e:
+        return {"written": False, "refused": False, "holder": None, "error": str(e)}
+    return {"written": True, "refused": False, "holder": None, "error": None}

@@ -1,0 +1,208 @@
+"""Issue 25 section 1: dflashctl on the Proxmox host itself. ``transport = "local"`` with ``container = N``
+reaches the container with ``pct exec`` directly, no ssh; every verb works that way.
+
+Real parts: the REAL dflashctl executable, the fake Proxmox host's ``pct`` on this machine (its
+containers are real pid+mount namespaces), real tmux inside the container, a real deploy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+import pytest
+
+from ops.attach import attach_argv
+from ops.errors import ConfigError
+from ops.hosts import parse_inventory
+from testkit import FakePve, TmuxServers, retry_until
+from testkit.hostsfile import CliResult, dflashctl_argv, dump_hosts
+from testkit.runkit import reap_runs, train_command
+
+VMID = 200
+
+
+class OnTheHost:
+    """hosts.toml with one host ``ct``: this machine is the Proxmox host, the run is in container 200."""
+
+    def __init__(self, pve: FakePve, socket: str, root: Path) -> None:
+        self.pve = pve
+        self.root = root
+        work = pve.fs / f"ct{VMID}"
+        self.workdir, self.run_dir = work / "dflash", work / "runs"
+        self.shared = work / "shared"
+        self.shared.mkdir(parents=True)
+        self.finish = self.shared / "finish"
+        self.table: dict[str, t.Any] = {
+            "transport": "local",
+            "container": VMID,
+            "pct": str(pve.pct),
+            "workdir": str(self.workdir),
+            "run_dir": str(self.run_dir),
+            "python": sys.executable,
+            "tmux_socket": socket,
+            "startup_grace": 0,
+            "command": train_command("--steps", "1000000", "--interval", "0.1", "--until", str(self.finish)),
+        }
+        self.path = root / "hosts.toml"
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(dump_hosts("ct", {"ct": self.table}))
+
+    def cli(self, *args: str, timeout: float = 300) -> CliResult:
+        env = {k: v for k, v in os.environ.items() if k not in ("SSH_AUTH_SOCK", "TMUX")}
+        env["HOME"] = str(self.root / "home")
+        p = subprocess.run(
+            [*dflashctl_argv(), "--hosts", str(self.path), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=self.root,
+        )
+        return CliResult(p.returncode, p.stdout, p.stderr)
+
+    def log(self, n: int) -> str:
+        p = self.run_dir / "dflash" / f"attempt-{n}" / "train.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+
+@pytest.fixture
+def on_host(fake_pve: FakePve, tmux_servers: TmuxServers, tmp_path: Path) -> t.Iterator[OnTheHost]:
+    fake_pve.create(VMID, start=True)
+    h = OnTheHost(fake_pve, tmux_servers.new(), tmp_path)
+    try:
+        yield h
+    finally:
+        h.finish.touch()
+        reap_runs(h.run_dir)
+
+
+def test_every_verb_reaches_the_container_with_pct_and_no_ssh(on_host: OnTheHost) -> None:
+    # deploy: the real bundle, into the container (its python has the training packages: the venv's)
+    r = on_host.cli("deploy")
+    assert r.exit_code == 0, r.output
+    assert re.search(r"deployed \w{16} to ct \(ct 200\)", r.stdout), r.stdout
+    rel = on_host.workdir / "current"
+    assert (rel / "ops" / "far" / "agent.py").is_file()
+
+    r = on_host.cli("start")
+    assert r.exit_code == 0, r.output
+    assert "started attempt 1 of session 'dflash' on ct (ct 200)" in r.stdout
+    retry_until(lambda: "step 3 |" in on_host.log(1), 60)
+    # the run lives in the container: its pid namespace, not ours
+    run = json.loads((on_host.run_dir / "dflash" / "attempt-1" / "run.json").read_text())
+    inside = on_host.pve.run_in(VMID, ["cat", f"/proc/{run['child_pid']}/cmdline"])
+    assert inside.returncode == 0 and b"fake_train" in inside.stdout
+
+    st = on_host.cli("status", "--json")
+    assert st.exit_code == 0, st.output
+    doc = st.json()
+    assert (doc["state"], doc["container"]["id"], doc["container"]["status"], doc["mode"]) == (
+        "running",
+        VMID,
+        "running",
+        "agent",
+    )
+    assert doc["supervisor"] == {**doc["supervisor"], "state": "none"}  # nobody watches it yet
+    assert "  watch:     not supervised" in on_host.cli("status").stdout
+
+    tail = on_host.cli("tail", "-n", "3")
+    assert tail.exit_code == 0 and re.search(r"^step \d+ \|", tail.stdout, re.M), tail.output
+
+    # restart-on-crash: a crash restarted through local pct
+    assert on_host.pve.run_in(VMID, ["kill", "-KILL", str(run["child_pid"])]).returncode == 0
+    retry_until(lambda: (on_host.run_dir / "dflash" / "attempt-1" / "exit.json").exists(), 30)
+    once = on_host.cli("restart-on-crash", "--once", "--state-dir", str(on_host.root / "state"))
+    assert once.exit_code == 0, once.output
+    assert "crashed: killed by signal 9 (SIGKILL)" in once.stdout and "restarted: attempt 2 started" in once.stdout
+    retry_until(lambda: "step 2 |" in on_host.log(2), 60)
+
+    # a stopped container: container-down from pct; --start-container starts it, locally
+    on_host.pve.stop(VMID)
+    down = on_host.cli("status", "--json")
+    assert (down.exit_code, down.json()["state"], down.json()["cause"]) == (9, "container-down", "stopped")
+    once = on_host.cli("restart-on-crash", "--once", "--start-container", "--state-dir", str(on_host.root / "state"))
+    assert "container 200 started; re-probing" in once.stdout, once.output
+    assert on_host.pve.init_pid(VMID) is not None
+
+    doctor = on_host.cli("doctor", "--json")
+    checks = {c["check"]: c["status"] for c in json.loads(doctor.stdout)["hosts"][0]["checks"]}
+    assert checks["reachable"] == checks["container"] == checks["tmux"] == checks["python"] == "ok", doctor.stdout
+
+    assert on_host.cli("stop", "--grace", "5").exit_code == 0
+
+
+def test_doctor_says_the_container_is_stopped_and_stops_there(on_host: OnTheHost) -> None:
+    on_host.pve.stop(VMID)
+    r = on_host.cli("doctor")
+    assert r.exit_code == 9, r.output
+    assert "FAIL  container   ct 200 is stopped; start it on the host with" in r.stdout
+    assert re.search(r"skip\s+tmux\s+container failed", r.stdout), r.stdout
+
+
+def test_attach_is_pct_exec_without_ssh(on_host: OnTheHost) -> None:
+    host = parse_inventory(on_host.path.read_text(), path=on_host.path, base=on_host.root).get("ct")
+    argv = attach_argv(host)
+    assert argv[:3] == ["env", "-u", "TMUX"] and argv[3:7] == [str(on_host.pve.pct), "exec", "200", "--"]
+    assert argv[7:] == ["tmux", "-L", str(on_host.table["tmux_socket"]), "attach-session", "-t", "=dflash"]
+    assert "ssh" not in argv
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "words"),
+    [
+        ({"workdir": "rel/dflash"}, "hosts.h.workdir", "absolute path in the container"),
+        ({"address": "x"}, "hosts.h.address", 'only for transport = "ssh"'),
+    ],
+)
+def test_a_local_container_host_takes_container_paths(extra: dict[str, str], path: str, words: str) -> None:
+    table = {"transport": "local", "container": 200, "command": "x", **extra}
+    with pytest.raises(ConfigError) as e:
+        parse_inventory(dump_hosts(None, {"h": table}), path=None, base=Path("/somewhere"))
+    assert e.value.path == path and words in str(e.value)
+
+
+def test_a_local_container_host_keeps_the_container_s_python_and_defaults() -> None:
+    text = dump_hosts(None, {"h": {"transport": "local", "container": 201, "command": "x", "python": ".venv/bin/py"}})
+    h = parse_inventory(text, path=None, base=Path("/somewhere")).get("h")
+    assert (h.is_local, h.container, h.python, h.workdir, h.run_dir) == (
+        True,
+        201,
+        ".venv/bin/py",  # the container's, never resolved against this file's folder
+        "/root/dflash",
+        "/root/dflash/runs",
+    )
+    without = dump_hosts(None, {"h": {"transport": "local", "command": "x", "pct": "sudo pct"}})
+    with pytest.raises(ConfigError) as e:
+        parse_inventory(without, path=None, base=Path("/somewhere"))
+    assert e.value.path == "hosts.h.pct" and "only for a host with a container" in str(e.value)
+
+
+def test_on_the_host_the_api_is_this_machine_s() -> None:
+    text = dump_hosts(
+        None,
+        {
+            "h": {
+                "transport": "local",
+                "container": 200,
+                "command": "x",
+                "proxmox": {"node": "pve", "token_name": "t", "token_value_env": "PVE_TOKEN"},
+            }
+        },
+    )
+    api = parse_inventory(text, path=None, base=Path("/x")).get("h").proxmox
+    assert api is not None and api.api_host == "localhost"
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_hosts_lists_a_local_container_host(on_host: OnTheHost) -> None:
+    r = on_host.cli("hosts")
+    assert r.exit_code == 0 and re.search(r"\* ct\s+local\s+this machine, ct 200", r.stdout), r.output

@@ -1,0 +1,400 @@
+"""Issue 25 section 2: `dflashctl supervise install` puts the supervisor on the Proxmox host, where it
+cannot fall asleep.
+
+Real parts: the REAL dflashctl on "the laptop" (a subprocess with its own HOME), the real sshd on
+127.0.0.1 as "the Proxmox host" (this machine), the fake Proxmox host's pct and container 200 (a real
+pid+mount namespace), a real deploy of dflashctl's code onto the host, the supervisor in a real tmux
+session on its own socket on the host (systemd is not PID 1 here), the resuming fake trainer in the
+container. Faults from outside, as on a real box: kill -9, pct reboot, pct stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+import pytest
+
+from ops.supervise import unit
+from ops.supervise.policy import Options
+from testkit import PveHosts, TmuxServers, pid_alive, retry_until
+from testkit.hostsfile import dflashctl_argv
+from testkit.runkit import fake_release, reap_runs, train_command
+
+VMID = 200
+K = 5  # the fake trainer checkpoints every K steps
+FAST = ("--interval", "1", "--backoff", "0.2", "--max-backoff", "1")
+NOTIFY = "json://127.0.0.1:9/hook?token=s3cret"  # a port nothing listens on: only where the URL is kept matters here
+
+
+class Night:
+    """The laptop's hosts.toml (host ``pve`` with ``[hosts.pve.supervise]`` in a test folder), the
+    training run in container 200, and the supervisor's files on the host."""
+
+    def __init__(self, hosts: PveHosts, tmux: TmuxServers, tmp_path: Path) -> None:
+        self.hosts = hosts
+        self.pve = hosts.pve
+        self.socket = tmux.new()  # the supervisor's tmux on the host (reaped by the fixture)
+        self.dir = tmp_path / "host-dflashctl"  # on the host: /var/lib/dflashctl in real life
+        self.shared = hosts.workdir.parent
+        self.shared.mkdir(parents=True, exist_ok=True)
+        self.finish = self.shared / "finish"
+        cmd = train_command(
+            "--steps",
+            "1",
+            "--interval",
+            "0.1",
+            "--until",
+            str(self.finish),
+            "--checkpoint",
+            str(self.shared / "ckpt.json"),
+            "--every",
+            str(K),
+        )
+        hosts.write(
+            command=cmd,
+            hang_after=600,
+            startup_grace=0,
+            supervise={"dir": str(self.dir), "python": _python(), "mode": "tmux", "tmux_socket": self.socket},
+        )
+        fake_release(hosts.workdir)
+
+    @property
+    def sdir(self) -> Path:
+        return self.dir / "sessions" / "dflash"
+
+    def cli(self, *args: str, timeout: float = 300) -> t.Any:
+        return self.hosts.cli(*args, timeout=timeout)
+
+    def start(self) -> None:
+        r = self.cli("start")
+        assert r.exit_code == 0, r.output
+        retry_until(lambda: len(self.steps(1)) >= 2, 30)
+
+    def install(self, *args: str) -> t.Any:
+        r = self.cli("supervise", "install", *FAST, *args)
+        assert r.exit_code == 0, r.output
+        return r
+
+    def status(self) -> dict[str, t.Any]:
+        r = self.cli("status", "--json")
+        assert r.stdout.strip(), r.stderr
+        return t.cast(dict[str, t.Any], json.loads(r.stdout))
+
+    def log(self, n: int) -> str:
+        p = self.hosts.run_dir / "dflash" / f"attempt-{n}" / "train.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def steps(self, n: int) -> list[int]:
+        return [int(x) for x in re.findall(r"^step (\d+) \|", self.log(n), re.M)]
+
+    def attempts(self) -> list[int]:
+        return sorted(int(p.name.split("-")[1]) for p in (self.hosts.run_dir / "dflash").glob("attempt-*"))
+
+    def run_json(self, n: int) -> dict[str, t.Any]:
+        p = self.hosts.run_dir / "dflash" / f"attempt-{n}" / "run.json"
+        return t.cast(dict[str, t.Any], retry_until(lambda: p.exists() and json.loads(p.read_text()), 30))
+
+    def incidents(self) -> list[dict[str, t.Any]]:
+        return [json.loads(p.read_text()) for p in sorted((self.sdir / "incidents").glob("*.json"))]
+
+    def supervisor_pid(self) -> int | None:
+        """The host's supervisor, by its lock (the kernel's flock: a dead one holds nothing)."""
+        from ops.supervise.service import lock_holder
+
+        holder = lock_holder(str(self.sdir / "supervise" / "pve.dflash.lock"))
+        pid = (holder or {}).get("pid")
+        return pid if isinstance(pid, int) else None
+
+    def resumed(self, old: int, new: int) -> None:
+        """The new attempt starts right after a checkpoint of the old one: nothing lost beyond K steps."""
+        m = retry_until(lambda: re.search(r"^resumed from checkpoint at step (\d+)$", self.log(new), re.M), 60)
+        ckpt = int(m.group(1))
+        assert ckpt % K == 0 and ckpt in self.steps(old)
+        retry_until(lambda: self.steps(new)[:1] == [ckpt + 1], 30)
+
+    def close(self) -> None:
+        self.finish.touch()
+        reap_runs(self.hosts.run_dir)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def night(pve_hosts: PveHosts, tmux_servers: TmuxServers, tmp_path: Path) -> t.Iterator[Night]:
+    n = Night(pve_hosts, tmux_servers, tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def test_installed_supervisor_restarts_a_killed_run_and_recovers_the_container(night: Night) -> None:
+    night.start()
+    r = night.install("--start-container", "--notify", NOTIFY)
+    # the operator's CLI has exited (subprocess.run returned): the supervisor lives on the host
+    assert re.search(r"installed the supervisor of pve/dflash on pve: tmux session on socket \S+, pid \d+", r.stdout)
+    assert "first probe: running: " in r.stdout, r.stdout
+    pid = night.supervisor_pid()
+    assert pid is not None and pid_alive(pid)
+    service = json.loads((night.sdir / "service.json").read_text())
+    assert (service["mode"], service["by"], service["options"]["interval"]) == ("tmux", "pve", 1.0)
+    assert (night.sdir / "env.json").stat().st_mode & 0o777 == 0o600
+    # a --notify URL (it may hold a token) is in the 0600 env.json only: never on a command line or in a message
+    assert json.loads((night.sdir / "env.json").read_text())["notify"] == [NOTIFY]
+    seen = [r.output, (night.sdir / "service.json").read_text(), (night.sdir / "hosts.toml").read_text()]
+    seen += [Path(f"/proc/{p}/cmdline").read_bytes().decode() for p in (pid, _parent(pid))]
+    assert not [s for s in seen if "s3cret" in s]
+    # the host entry it watches through: the container as a local host, no ssh
+    entry = (night.sdir / "hosts.toml").read_text()
+    assert 'transport = "local"' in entry and "container = 200" in entry and "address" not in entry
+
+    sv = retry_until(lambda: (s := night.status()["supervisor"])["state"] == "watching" and s, 30)
+    assert (sv["by"], sv["mode"], sv["pid"], sv["interval"]) == ("pve", "tmux", pid, 1.0)
+    assert re.search(r"  watch:     supervised by pve \(tmux, last probe \d+ s ago\)", night.cli("status").stdout)
+
+    # 1. a SIGKILLed training run: restarted by the host's supervisor, from its checkpoint
+    retry_until(lambda: len(night.steps(1)) >= K + 2, 30)
+    assert night.pve.run_in(VMID, ["kill", "-KILL", str(night.run_json(1)["child_pid"])]).returncode == 0
+    retry_until(lambda: night.attempts() == [1, 2], 60)
+    night.resumed(1, 2)
+    inc = retry_until(lambda: [i for i in night.incidents() if i.get("outcome") == "done"], 30)[-1]
+    assert (inc["state"], inc["cause"], inc["signal"], inc["action"], inc["next_attempt"]) == (
+        "crashed",
+        "signal",
+        9,
+        "restart",
+        2,
+    )
+
+    # 2. pct reboot 200: the run died with the container; restarted once it is up
+    retry_until(lambda: len(night.steps(2)) >= K + 2, 30)
+    night.pve.reboot(VMID)
+    retry_until(lambda: night.attempts() == [1, 2, 3], 60)
+    night.resumed(2, 3)
+
+    # 3. pct stop 200: --start-container starts it (pct, local on the host), then the run is restarted
+    retry_until(lambda: len(night.steps(3)) >= K + 2, 30)
+    night.pve.stop(VMID)
+    retry_until(lambda: night.attempts() == [1, 2, 3, 4], 90)
+    assert night.pve.init_pid(VMID) is not None
+    night.resumed(3, 4)
+    kinds = [(i["state"], i["action"], i["outcome"]) for i in night.incidents()]
+    assert ("container-down", "start-container", "done") in kinds, kinds
+    assert night.supervisor_pid() == pid  # one supervisor did it all
+
+    # what the laptop sees: supervise status and logs
+    st = night.cli("supervise", "status")
+    assert st.exit_code == 0, st.output
+    assert re.search(rf"supervisor of pve/dflash on pve: running \(tmux, pid {pid}, since ", st.stdout), st.stdout
+    assert re.search(r"  last probe:  \S+: running: step \d+", st.stdout), st.stdout
+    assert re.search(
+        r"  last action: \S+: restart \(done\) after lost \(container-restart\), attempt 3, attempt 4 started",
+        st.stdout,
+    ), st.stdout
+    assert re.search(r"  incidents:   \d+ \(newest last\)", st.stdout)
+    assert re.search(r"\n    \S+  container-down \(stopped\): start-container done\n", st.stdout), st.stdout
+    logs = night.cli("supervise", "logs", "-n", "200")
+    assert logs.exit_code == 0
+    assert "restarted: attempt 2 started" in logs.stdout and "container 200 started; re-probing" in logs.stdout
+    assert "restarted: attempt 4 started" in logs.stdout
+    doc = json.loads(night.cli("supervise", "status", "--json").stdout)
+    assert doc["running"] and doc["status"]["last_action"]["next_attempt"] == 4
+    assert "s3cret" not in logs.output + st.output + json.dumps(doc)
+
+    # the supervisor started again (an update here; systemd's or the loop's restart alike) still knows its
+    # last action: the newest incident, from its state dir
+    night.install("--start-container")
+    again = night.cli("supervise", "status")
+    assert night.supervisor_pid() not in (None, pid)
+    assert "  last action: " in again.stdout and "attempt 3, attempt 4 started" in again.stdout, again.stdout
+
+
+def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(night: Night) -> None:
+    night.start()
+    night.install()
+    first = night.supervisor_pid()
+    assert first is not None
+    # SIGKILL: no farewell. The tmux loop (Restart=always) starts it again after 10 s: meanwhile, stale.
+    os.kill(first, signal.SIGKILL)
+    sv = retry_until(lambda: (s := night.status()).get("supervisor", {}).get("state") == "stale" and s, 12)
+    assert sv["state"] == "running"  # the run's state is not the supervisor's fault
+    assert any(e.startswith("supervisor: STALE: the supervisor pve (tmux, pid ") for e in sv["evidence"]), sv
+    human = night.cli("status")
+    assert human.exit_code == 0 and "  watch:     STALE: the supervisor pve (tmux, pid" in human.stdout
+    second = retry_until(lambda: (p := night.supervisor_pid()) not in (None, first) and p, 30)
+    assert retry_until(lambda: night.status()["supervisor"]["state"] == "watching", 30)
+    assert night.status()["supervisor"]["pid"] == second  # the same installed supervisor took its lease back
+
+    # killed for good (the loop too): stale, and it stays stale
+    loop = _parent(second)  # the sh loop of the launcher
+    os.kill(loop, signal.SIGKILL)
+    os.kill(second, signal.SIGKILL)
+    retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 12)
+    st = night.cli("supervise", "status")
+    assert st.exit_code == 8 and "supervisor of pve/dflash on pve: NOT running (tmux)" in st.stdout, st.output
+
+
+def test_install_twice_is_one_supervisor_with_the_new_policy_and_stop_and_uninstall(night: Night) -> None:
+    night.start()
+    night.install()
+    first = night.supervisor_pid()
+    again = night.cli("supervise", "install", "--interval", "2", "--max-restarts", "3")
+    assert again.exit_code == 0, again.output
+    assert "updated the supervisor of pve/dflash" in again.stdout
+    assert f"replaced:    the supervisor that ran before (pid {first})" in again.stdout
+    second = night.supervisor_pid()
+    assert second not in (None, first) and first is not None and not pid_alive(first)
+    panes = subprocess.run(
+        ["tmux", "-L", night.socket, "list-sessions", "-F", "#{session_name}"], capture_output=True, text=True
+    )
+    assert panes.stdout.split() == ["dflash"]  # one supervisor
+    service = json.loads((night.sdir / "service.json").read_text())
+    assert (service["options"]["interval"], service["options"]["max_restarts"]) == (2.0, 3)
+    cmdline = Path(f"/proc/{second}/cmdline").read_bytes().split(b"\0")
+    assert b"--interval" in cmdline and cmdline[cmdline.index(b"--interval") + 1] == b"2"
+
+    stopped = night.cli("supervise", "stop")
+    assert stopped.exit_code == 0, stopped.output
+    assert f"stopped the supervisor of pve/dflash (tmux, pid {second}); the run is left as it is" in stopped.stdout
+    assert night.supervisor_pid() is None and night.status()["state"] == "running"
+    # it said goodbye: not supervised (not stale)
+    sv = night.status()["supervisor"]
+    assert sv["state"] == "stopped", sv
+    assert "  watch:     not supervised (the supervisor pve (tmux) stopped" in night.cli("status").stdout
+
+    gone = night.cli("supervise", "uninstall")
+    assert gone.exit_code == 0, gone.output
+    assert not (night.sdir / "env.json").exists() and not (night.dir / "current").exists()
+    assert (night.sdir / "supervisor.log").exists()  # the incidents and the log stay
+    none = night.cli("supervise", "status")
+    assert none.exit_code == 7 and "no supervisor is installed for pve/dflash on pve" in none.stdout, none.output
+
+
+def test_install_is_refused_while_another_supervisor_watches_and_so_is_a_laptop_one(night: Night) -> None:
+    night.start()
+    # restart-on-crash on the laptop, in the foreground
+    argv = [*dflashctl_argv(), "--hosts", str(night.hosts.path), "restart-on-crash", *FAST]
+    argv += ["--state-dir", str(night.dir.parent / "laptop-state")]
+    laptop = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=night.hosts.env())
+    try:
+        retry_until(lambda: (night.status().get("supervisor") or {}).get("mode") == "foreground", 30)
+        r = night.cli("supervise", "install")
+        assert r.exit_code == 1, r.output
+        [line] = [x for x in r.stderr.splitlines() if x.strip()]
+        assert re.fullmatch(
+            r"dflashctl: another supervisor watches pve/dflash: \S+ \(foreground, pid \d+ on \S+\), last probe "
+            r"[\d.]+s ago; stop it first \(Ctrl-C or kill <pid>\), or wait until it is stale \(3 of its intervals\)",
+            line,
+        ), line
+        assert night.supervisor_pid() is None  # nothing started on the host
+    finally:
+        laptop.send_signal(signal.SIGTERM)
+        out = laptop.communicate(timeout=60)[0]
+    assert laptop.returncode == 0, out
+    # it stopped on purpose: its lease ended at once, the host's supervisor installs now
+    night.install()
+    again = night.cli("restart-on-crash", "--once", "--state-dir", str(night.dir.parent / "laptop-state"))
+    assert again.exit_code == 1, again.output
+    assert "dflashctl: another supervisor watches pve/dflash: pve (tmux, pid" in again.stderr
+    assert "stop it first (`dflashctl supervise stop`)" in again.stderr
+
+
+def test_install_refuses_a_host_python_too_old_or_missing_before_sending_anything(night: Night, tmp_path: Path) -> None:
+    # A DOUBLE of Python 3.9 (Proxmox VE 7's python3; this machine has none): the real interpreter running
+    # the -c program it is given, with 3.9's sys.version_info.
+    old = tmp_path / "python3.9"
+    old.write_text(
+        f"#!{sys.executable} -S\n"
+        "import sys\n"
+        "args = sys.argv[1:]\n"
+        "code = args[args.index('-c') + 1]\n"
+        "sys.argv = ['-c', *args[args.index('-c') + 2:]]\n"
+        "sys.version_info = (3, 9, 2, 'final', 0)\n"
+        "exec(compile(code, '<string>', 'exec'), {'__name__': '__main__'})\n"
+    )
+    old.chmod(0o755)
+    place = {"dir": str(night.dir), "mode": "tmux", "tmux_socket": night.socket}
+    night.hosts.write(supervise={**place, "python": str(old)})
+    r = night.cli("supervise", "install")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line == (
+        f"dflashctl: pve: {old} on the host is Python 3.9.2: the supervisor needs Python 3.11 or newer "
+        "(Proxmox VE 8 has it); set hosts.pve.supervise.python"
+    ), r.output
+    assert not night.dir.exists()  # no release was sent
+
+    night.hosts.write(supervise={**place, "python": str(tmp_path / "no-python")})
+    r = night.cli("supervise", "install")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith(f"dflashctl: pve: cannot run '{tmp_path / 'no-python'}' there (") and line.endswith(
+        "); set hosts.pve.supervise.python"
+    ), r.output
+    assert not night.dir.exists()
+
+
+def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd): the unit text is not verified")
+    root = tmp_path / "var lib" / "dflash%ctl"  # a space and a % : ExecStart's quoting and specifiers
+    (root / "bin").mkdir(parents=True)
+    launcher = root / unit.LAUNCHER
+    launcher.write_text(unit.launcher_text(str(root), "/usr/bin/python3"))
+    launcher.chmod(0o755)
+    opts = Options(interval=30, start_container=True, retry_oom=True)
+    path = tmp_path / unit.unit_name("dflash")
+    path.write_text(unit.unit_text(str(root), "dflash", opts))
+    r = subprocess.run([tool, "verify", str(path)], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in r.stderr.splitlines() if str(path.name) in ln or "ExecStart" in ln]
+    assert r.returncode == 0 and not problems, r.stderr
+    text = path.read_text()
+    assert "Restart=always" in text and "RestartSec=10" in text and "KillMode=process" in text
+    exec_start = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
+    assert "/var lib/dflash%%ctl/bin/" in exec_start and exec_start.endswith('"--start-container" "--retry-oom"')
+
+
+def test_the_launcher_and_the_options_round_trip() -> None:
+    from ops.supervise.service import options_parser
+
+    opts = Options(interval=7.5, backoff=3, max_backoff=30, min_uptime=60, max_restarts=2, window=99, retry_oom=True)
+    argv = unit.options_argv(opts)
+    assert argv == [
+        "--interval", "7.5", "--backoff", "3", "--max-backoff", "30", "--min-uptime", "60",
+        "--max-restarts", "2", "--window", "99", "--retry-oom",
+    ]  # fmt: skip
+    assert Options(**vars(options_parser().parse_args(argv))) == opts
+    sh = unit.launcher_text("/var/lib/it's", "/usr/bin/python3")
+    r = subprocess.run(["sh", "-n", "-c", sh], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "dir='/var/lib/it'\"'\"'s'" in sh
+
+
+def test_the_host_side_loads_nothing_but_the_stdlib_and_ops() -> None:
+    """What the supervisor on the Proxmox host really loads, with no site-packages at all (-I -S): the
+    host's python needs nothing installed (no click, no paramiko, no proxmoxer)."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1])\n"
+        "import ops.supervise.service\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(repo)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    ours = [m for m in json.loads(p.stdout) if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
+    assert "ops.supervise.loop" in ours and all(m == "ops" or m.startswith("ops.") for m in ours), ours
