@@ -401,7 +401,9 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
             out = run.stop(remote, session, grace=grace)
             if not out.get("stopped"):
                 return f"nothing stopped: {out.get('reason')}"
-            return f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s"
+            return f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s" + _killed(
+                out
+            )
 
         return _on_group(app, one)
     out = run.stop(app.remote(), session, grace=grace)
@@ -410,8 +412,18 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
         return ExitCode.OK
     e = out.get("exit") or {}
     how = f"signal {e['signal']}" if e.get("signal") else f"exit {e.get('exit_code')}" if e else "no exit record"
-    click.echo(f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s ({how})")
+    click.echo(
+        f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s ({how})" + _killed(out)
+    )
     return ExitCode.OK if out.get("ended") else ExitCode.ERROR
+
+
+def _killed(out: t.Mapping[str, t.Any]) -> str:
+    """``; killed pid 12 (python train.py)``: the processes a stop had to SIGKILL (exit.json names them)."""
+    from ops.probe import members_text
+
+    killed = (out.get("exit") or {}).get("killed") or out.get("killed") or []
+    return f"; killed {members_text(killed)} (still running after TERM)" if killed else ""
 
 
 @cli.command("status")

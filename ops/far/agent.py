@@ -27,7 +27,7 @@ import sys
 import time
 import typing as t
 
-from ops.far import lock, protocol, records, tmux
+from ops.far import lock, members, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -37,6 +37,7 @@ from ops.far.protocol import (
     DiskFacts,
     GpuFacts,
     LogFacts,
+    MemberFacts,
     MetricsFacts,
     Pane,
     ProbeFacts,
@@ -212,6 +213,34 @@ def metrics_facts(path: str) -> MetricsFacts | None:
     return {"path": path, "size": size, "mtime": mtime, "last": last}
 
 
+def session_members(req: Request, run: t.Mapping[str, t.Any] | None = None) -> list[members.Member]:
+    """Every live process of this session's runs, any attempt (ops/far/members.py): by their tag, and
+    below the current attempt's keeper while it lives."""
+    keepers = [run["keeper_pid"]] if run and alive_keeper(run) else []
+    return members.scan(session=req["session"], session_dir=session_dir(req), keepers=keepers)
+
+
+def alive_keeper(run: t.Mapping[str, t.Any]) -> bool:
+    p = process_facts(run.get("keeper_pid"), run.get("keeper_start"))
+    return bool(p and p["alive"])
+
+
+def member_facts(found: t.Sequence[members.Member]) -> list[MemberFacts]:
+    return [
+        {
+            "pid": m.pid,
+            "start": m.start,
+            "ppid": m.ppid,
+            "pgid": m.pgid,
+            "sid": m.sid,
+            "state": m.state,
+            "attempt": m.attempt,
+            "argv": m.argv,
+        }
+        for m in found
+    ]
+
+
 def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
     adir = current_attempt(req)
     if adir is None:
@@ -232,6 +261,7 @@ def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
         "runner": process_facts(run.get("pid"), run.get("pid_start")),
         "keeper": process_facts(run.get("keeper_pid"), run.get("keeper_start")),
         "child": process_facts(run.get("child_pid"), run.get("child_start")),
+        "members": member_facts(session_members(req, run)),
         "log": log_facts(os.path.join(adir, LOG), lines),
         "metrics": metrics_facts(os.path.join(adir, METRICS)),
         "errors": errors,
@@ -246,6 +276,14 @@ def _alive(af: AttemptFacts | None) -> ProcessFacts | None:
         if p and p["alive"]:
             return p
     return None
+
+
+def _leftovers(af: AttemptFacts | None) -> list[MemberFacts]:
+    """Processes of the session's runs that live on though no run of it is alive (their command and
+    keeper are gone, or its exit record is written): what a start must not run beside."""
+    if af is None or _alive(af) is not None:
+        return []
+    return list(af.get("members") or [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,9 +514,18 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again",
         )
     replaced = None
-    if live or pane_live:
+    leftovers = _leftovers(af)
+    if live or pane_live or leftovers:
         what = _describe(af, live) if (af and live) else f"pane pid {pane['pane_pid']} (no run record)" if pane else "?"
         if not req.get("replace"):
+            if leftovers and not live:
+                raise Refused(
+                    "run-active",
+                    f"session '{session}' has processes of an ended run still running ({members.describe(leftovers)}): "
+                    "stop them with `dflashctl stop`, or start with --replace",
+                    attempt=af.get("attempt") if af else None,
+                    pid=leftovers[0]["pid"],
+                )
             raise Refused(
                 "run-active",
                 f"session '{session}' already has a live run ({what}): "
@@ -488,7 +535,13 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             )
         # A live pane with no live run record (started by hand): the last attempt dir, if any, belongs
         # to an ended run whose evidence must not be touched, so stop the pane, not that attempt.
-        replaced = _stop(req, af if live else None, tf, grace=float(req.get("replace_grace", 10.0)), reason="replaced")
+        replaced = _stop(
+            req,
+            af if (live or leftovers) else None,
+            tf,
+            grace=float(req.get("replace_grace", 10.0)),
+            reason="replaced",
+        )
 
     try:
         n, adir = _next_attempt_dir(sdir)
@@ -524,6 +577,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         release,
         "--env-file",
         env_file,
+        *(["--leftover-grace", str(float(req["leftover_grace"]))] if req.get("leftover_grace") is not None else []),
         "--",
         *req["command"],
     ]
@@ -578,25 +632,54 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
 
 
 def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float, reason: str) -> dict[str, t.Any]:
-    """C-c to the pane, wait `grace` for exit.json, TERM the command (by pid, same start time),
-    wait again, then KILL. The stop record is written FIRST: whatever the run does next, it was on purpose."""
+    """C-c to the pane, wait `grace` for exit.json, TERM, wait again, then KILL. The stop record is
+    written FIRST: whatever the run does next, it was on purpose.
+
+    A run that tags its processes (run.json "tag", ops/far/members.py) is ended as one: the interrupt
+    and the TERM go to its keeper, which passes them to every process of the run; without a live keeper
+    they go from here to each process, by the same rule. KILL goes from here to every process of the
+    session's runs, each named in stop.json first (the keeper copies them into exit.json's `killed`).
+    A run of an older runner: TERM and KILL to the command (by pid and start time), then the runner."""
     socket_name, session = req["socket"], req["session"]
     tmux_bin = req.get("tmux", "tmux")
     env = _tmux_env(req)
     adir = af["dir"] if af else None
     t0 = time.monotonic()
-    if adir and af and af.get("run") is not None:
-        write_json_atomic(
-            os.path.join(adir, STOP_JSON),
-            {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"},
-        )
+    run = (af.get("run") if af else None) or {}
+    stop_path = os.path.join(adir, STOP_JSON) if adir else None
+    stop_rec = {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"}
+    if stop_path and af and af.get("run") is not None:
+        write_json_atomic(stop_path, stop_rec)
+    tagged = bool(run.get("tag")) or bool(af and af.get("members"))
+    ending = members.Ending(run.get("child_pid"))  # our own, for when the keeper is gone
+    killed: list[dict[str, t.Any]] = []
+
+    def found() -> list[members.Member]:
+        return session_members(req, run)
+
+    def deliver() -> None:
+        """The current step to the processes due it: a KILL always from here (each named in stop.json
+        before it is sent); an interrupt or a TERM from here only while no keeper passes it on."""
+        if ending.step is None or (ending.step != signal.SIGKILL and alive_keeper(run)):
+            return
+        now = found()
+        if ending.step == signal.SIGKILL:
+            new = [m for m in now if signal.SIGKILL not in ending.sent.get((m.pid, m.start), set())]
+            if new and stop_path and af and af.get("run") is not None:
+                killed.extend(m.record() for m in new)
+                write_json_atomic(stop_path, {**stop_rec, "killed": killed})
+        ending.deliver(now)
 
     def ended() -> bool:
         if af is None or af.get("run") is None:
+            if tagged:
+                return not found()
             cur = _pane(tmux_facts(req))
             return cur is None or cur.get("pane_dead") == "1"
         if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
             return True
+        if tagged:
+            return not alive_keeper(run) and not found()
         return _alive(attempt_facts(req, 0)) is None
 
     def wait(seconds: float) -> bool:
@@ -604,45 +687,68 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
         while time.monotonic() < deadline:
             if ended():
                 return True
+            deliver()  # a process whose parent died meanwhile is due now
             time.sleep(0.1)
         return ended()
+
+    def step(sig: int) -> bool:
+        """One step of the end; False when there was nobody to send it to."""
+        ending.ask(sig)
+        if sig != signal.SIGKILL and alive_keeper(run):
+            return members.send(run["keeper_pid"], run.get("keeper_start"), sig)
+        before = len(ending.killed), sum(map(len, ending.sent.values()))
+        deliver()
+        return (len(ending.killed), sum(map(len, ending.sent.values()))) != before
 
     steps = []
     pane = _pane(tf)
     if pane is not None and pane.get("pane_dead") == "0":
         _run(tmux.base(socket_name, tmux_bin) + ["send-keys", "-t", tmux.pane_target(session), "C-c"], env=env)
+        ending.ask(signal.SIGINT)
+        steps.append("interrupt")
+    elif tagged and step(signal.SIGINT):
         steps.append("interrupt")
     how = "interrupt"
     if not (steps and wait(grace)):
-        run = (af.get("run") if af else None) or {}
-        targets = [(run.get("child_pid"), run.get("child_start")), (run.get("pid"), run.get("pid_start"))]
-        if not run and pane is not None:
-            targets = [(int(pane["pane_pid"]), None)]
-        for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
-            sent = False
-            for pid, start_ticks in targets:
-                p = process_facts(pid, start_ticks)
-                if p and p["alive"]:
-                    try:
-                        os.kill(p["pid"], sig)
-                        sent = True
-                    except ProcessLookupError:
-                        pass
-                if sent:
-                    break  # the runner exits by itself once the command is gone
-            if sent:
-                how = name
-                steps.append(name)
+        if tagged:
+            for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
+                if ended():
+                    break
+                if step(sig):
+                    how = name
+                    steps.append(name)
                 if wait(grace if name == "term" else 5.0):
                     break
-            elif ended():
-                break
+        else:
+            targets = [(run.get("child_pid"), run.get("child_start")), (run.get("pid"), run.get("pid_start"))]
+            if not run and pane is not None:
+                targets = [(int(pane["pane_pid"]), None)]
+            for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
+                sent = False
+                for pid, start_ticks in targets:
+                    p = process_facts(pid, start_ticks)
+                    if p and p["alive"]:
+                        try:
+                            os.kill(p["pid"], sig)
+                            sent = True
+                        except ProcessLookupError:
+                            pass
+                    if sent:
+                        break  # the runner exits by itself once the command is gone
+                if sent:
+                    how = name
+                    steps.append(name)
+                    if wait(grace if name == "term" else 5.0):
+                        break
+                elif ended():
+                    break
     exit_rec = _read_json(os.path.join(adir, EXIT_JSON))[0] if adir else None
     return {
         "attempt": af.get("attempt") if af else None,
         "how": how,
         "steps": steps,
         "exit": exit_rec,
+        "killed": killed,
         "ended": ended(),
         "seconds": round(time.monotonic() - t0, 2),
     }
@@ -659,7 +765,7 @@ def _stop_locked(req: Request) -> dict[str, t.Any]:
     live = _alive(af)
     pane = _pane(tf)
     hand_started = (af is None or af.get("run") is None) and pane is not None and pane.get("pane_dead") == "0"
-    if live is None and not hand_started:
+    if live is None and not hand_started and not _leftovers(af):
         state = "nothing to stop"
         if af and af.get("exit"):
             state = f"attempt {af.get('attempt')} already ended"
