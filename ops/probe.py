@@ -18,12 +18,12 @@ ended, so only the run's own exit record can tell those apart.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import signal as signal_mod
 import time
 import typing as t
 
+from ops.far import members
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
 
@@ -231,18 +231,16 @@ def _cause_text(s: Status) -> str:
 
 
 def members_text(found: t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
-    """``pid 12 (python train.py), pid 13 (tee log)``: how messages name the run's processes."""
-    parts = []
-    for m in found[:limit]:
-        argv = [str(w) for w in (m.get("argv") or [])]
-        words = " ".join([os.path.basename(argv[0]), *argv[1:3]]) if argv else ""
-        parts.append(f"pid {m.get('pid')}" + (f" ({words})" if words else ""))
-    more = len(found) - limit
-    return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
+    """``pid 12 (python train.py --config), pid 13 (tee log)``: how messages name the run's processes."""
+    return members.describe(found, limit)
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")
+
+
+def _run_or_runs(n: int) -> str:
+    return "runs" if n == 1 else "run"
 
 
 def _short(text: str, n: int = 120) -> str:
@@ -688,7 +686,8 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
         if alive is keeper and found:
             s.pid = found[0].get("pid")
             s.evidence.append(
-                f"the command ended; {_plural(len(found), 'process')} it started still run ({members_text(found)}): "
+                f"the command ended; {_plural(len(found), 'process')} it started still "
+                f"{_run_or_runs(len(found))} ({members_text(found)}): "
                 "the keeper ends them and writes exit.json once they are gone"
             )
         elif others:
@@ -792,7 +791,8 @@ def _orphans(s: Status, found: list[dict[str, t.Any]], stop: dict[str, t.Any] | 
     s.pid = found[0].get("pid")
     s.fingerprint = "orphans-left"
     s.detail = (
-        f"{what}, but {_plural(len(found), 'process')} it started still run: {members_text(found)}; "
+        f"{what}, but {_plural(len(found), 'process')} it started still {_run_or_runs(len(found))}: "
+        f"{members_text(found)}; "
         "nothing will end them or record their end"
     )
     if stop:

@@ -27,7 +27,7 @@ import sys
 import time
 import typing as t
 
-from ops.far import lock, members, protocol, records, tmux
+from ops.far import lock, members, nvidia_smi, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -35,7 +35,6 @@ from ops.far.protocol import (
     AttemptFacts,
     CaptureFacts,
     DiskFacts,
-    GpuFacts,
     LogFacts,
     MemberFacts,
     MetricsFacts,
@@ -214,31 +213,8 @@ def metrics_facts(path: str) -> MetricsFacts | None:
 
 
 def session_members(req: Request, run: t.Mapping[str, t.Any] | None = None) -> list[members.Member]:
-    """Every live process of this session's runs, any attempt (ops/far/members.py): by their tag, and
-    below the current attempt's keeper while it lives."""
-    keepers = [run["keeper_pid"]] if run and alive_keeper(run) else []
-    return members.scan(session=req["session"], session_dir=session_dir(req), keepers=keepers)
-
-
-def alive_keeper(run: t.Mapping[str, t.Any]) -> bool:
-    p = process_facts(run.get("keeper_pid"), run.get("keeper_start"))
-    return bool(p and p["alive"])
-
-
-def member_facts(found: t.Sequence[members.Member]) -> list[MemberFacts]:
-    return [
-        {
-            "pid": m.pid,
-            "start": m.start,
-            "ppid": m.ppid,
-            "pgid": m.pgid,
-            "sid": m.sid,
-            "state": m.state,
-            "attempt": m.attempt,
-            "argv": m.argv,
-        }
-        for m in found
-    ]
+    """Every live process of this session's runs (``ops.far.members.of_session``)."""
+    return members.of_session(req["session"], session_dir(req), run)
 
 
 def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
@@ -261,7 +237,7 @@ def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
         "runner": process_facts(run.get("pid"), run.get("pid_start")),
         "keeper": process_facts(run.get("keeper_pid"), run.get("keeper_start")),
         "child": process_facts(run.get("child_pid"), run.get("child_start")),
-        "members": member_facts(session_members(req, run)),
+        "members": members.facts(session_members(req, run)),
         "log": log_facts(os.path.join(adir, LOG), lines),
         "metrics": metrics_facts(os.path.join(adir, METRICS)),
         "errors": errors,
@@ -287,68 +263,12 @@ def _leftovers(af: AttemptFacts | None) -> list[MemberFacts]:
 
 
 # --------------------------------------------------------------------------------------------
-# nvidia-smi (started first, read last: it is the slow fact)
-
-_GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu"
-
-
-def _start_gpus() -> subprocess.Popen[bytes] | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        return subprocess.Popen(
-            [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader,nounits"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-    except OSError:
-        return None
-
-
-def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[str, str] | None:
-    if proc is None:
-        return None
-    try:
-        out, err = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"error": "nvidia-smi did not answer within 10s"}
-    if proc.returncode != 0:
-        return {"error": (err or out).decode("utf-8", "replace").strip()[-300:]}
-    gpus: list[GpuFacts] = []
-    for line in out.decode("utf-8", "replace").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 5:
-            continue
-
-        def num(s: str) -> float | None:
-            try:
-                return float(s)
-            except ValueError:
-                return None
-
-        gpus.append(
-            {
-                "index": int(num(cells[0]) or 0),
-                "name": cells[1],
-                "memory_used_mib": num(cells[2]),
-                "memory_total_mib": num(cells[3]),
-                "utilization_pct": num(cells[4]),
-            }
-        )
-    return gpus
-
-
-# --------------------------------------------------------------------------------------------
 # Verbs
 
 
 def probe(req: Request) -> ProbeFacts:
     """Every fact the classification needs, in one call."""
-    gpus = _start_gpus()
+    gpus = nvidia_smi.start()
     tf = tmux_facts(req)
     lines = min(int(req.get("lines", DIAG_LINES)), MAX_LINES)
     af = attempt_facts(req, lines)
@@ -367,7 +287,7 @@ def probe(req: Request) -> ProbeFacts:
         "tmux": tf,
         "attempt": af,
         "pane_capture": pane_capture,
-        "gpus": _finish_gpus(gpus),
+        "gpus": nvidia_smi.finish(gpus),
     }
 
 
@@ -660,7 +580,7 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
     def deliver() -> None:
         """The current step to the processes due it: a KILL always from here (each named in stop.json
         before it is sent); an interrupt or a TERM from here only while no keeper passes it on."""
-        if ending.step is None or (ending.step != signal.SIGKILL and alive_keeper(run)):
+        if ending.step is None or (ending.step != signal.SIGKILL and members.keeper_alive(run)):
             return
         now = found()
         if ending.step == signal.SIGKILL:
@@ -679,7 +599,7 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
         if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
             return True
         if tagged:
-            return not alive_keeper(run) and not found()
+            return not members.keeper_alive(run) and not found()
         return _alive(attempt_facts(req, 0)) is None
 
     def wait(seconds: float) -> bool:
@@ -694,7 +614,7 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
     def step(sig: int) -> bool:
         """One step of the end; False when there was nobody to send it to."""
         ending.ask(sig)
-        if sig != signal.SIGKILL and alive_keeper(run):
+        if sig != signal.SIGKILL and members.keeper_alive(run):
             return members.send(run["keeper_pid"], run.get("keeper_start"), sig)
         before = len(ending.killed), sum(map(len, ending.sent.values()))
         deliver()

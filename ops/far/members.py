@@ -27,7 +27,8 @@ import os
 import signal
 import typing as t
 
-from ops.far.procfs import Stat, stat
+from ops.far.procfs import Stat, alive, stat
+from ops.far.protocol import MemberFacts
 
 TAG = "DFLASH_RUN_TAG"
 RUN_DIR = "DFLASH_RUN_DIR"
@@ -177,14 +178,43 @@ def scan(
     return sorted(out, key=lambda m: (m.start, m.pid))
 
 
-def describe(members: t.Sequence[Member] | t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
-    """``pid 12 (python train.py), pid 13 (tee log)``: how messages name members."""
+def keeper_alive(run: t.Mapping[str, t.Any]) -> bool:
+    """Whether the keeper run.json names is alive (its pid AND its start time)."""
+    return alive(run.get("keeper_pid"), run.get("keeper_start"))
+
+
+def of_session(session: str, session_dir: str, run: t.Mapping[str, t.Any] | None = None) -> list[Member]:
+    """Every live process of a session's runs, any attempt: by their tags, and below the keeper of
+    ``run`` (the current attempt's run.json) while it lives."""
+    keepers = [run["keeper_pid"]] if run and keeper_alive(run) else []
+    return scan(session=session, session_dir=session_dir, keepers=keepers)
+
+
+def facts(found: t.Sequence[Member]) -> list[MemberFacts]:
+    """The probe's view of them (``ops.far.protocol.MemberFacts``)."""
+    return [
+        {
+            "pid": m.pid,
+            "start": m.start,
+            "ppid": m.ppid,
+            "pgid": m.pgid,
+            "sid": m.sid,
+            "state": m.state,
+            "attempt": m.attempt,
+            "argv": m.argv,
+        }
+        for m in found
+    ]
+
+
+def describe(found: t.Sequence[Member] | t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
+    """``pid 12 (python train.py --config), pid 13 (tee log)``: how messages name members (records too)."""
     parts = []
-    for m in members[:limit]:
+    for m in found[:limit]:
         pid, argv = (m.pid, m.argv) if isinstance(m, Member) else (m.get("pid"), m.get("argv") or [])
-        words = " ".join(os.path.basename(argv[0]) if i == 0 else w for i, w in enumerate(argv[:3]))
+        words = " ".join(os.path.basename(w) if "/" in w and not w.startswith("-") else w for w in map(str, argv[:3]))
         parts.append(f"pid {pid}" + (f" ({words})" if words else ""))
-    more = len(members) - limit
+    more = len(found) - limit
     return ", ".join(parts) + (f" and {more} more" if more > 0 else "")
 
 
