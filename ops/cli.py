@@ -351,12 +351,7 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     from ops import session as run
 
     if app.group_name is not None:
-
-        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
-            out = run.start(remote, session, replace=replace)
-            return f"started attempt {out['attempt']}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}"
-
-        return _on_group(app, one)
+        return _group_start(app, session, replace)
     out = run.start(app.remote(), session, replace=replace)
     name = session or app.host.session
     if out.get("replaced"):
@@ -378,6 +373,45 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     if out.get("warning"):
         click.echo(f"  warning: {out['warning']}", err=True)
     return ExitCode.OK
+
+
+def _group_start(app: App, session: str | None, replace: bool) -> ExitCode:
+    """Every node at once (ops/group_start.py); on Ctrl-C each host's outcome, and what this start
+    started is stopped (a node left alone would wait in a rendezvous that cannot complete)."""
+    from ops.group_start import GroupStart
+    from ops.remote import connect
+
+    gs = GroupStart(app.members(), session, replace=replace, connect=connect)
+    try:
+        nodes = gs.run()
+    except KeyboardInterrupt:
+        click.echo(f"group {app.group_name}: interrupted (Ctrl-C): stopping what this start started", err=True)
+        clean = False
+        try:
+            clean = gs.abort(_say)
+        except KeyboardInterrupt:
+            pass
+        left = "nothing this start made is left running" if clean else "see `dflashctl --group status`"
+        click.echo(f"group {app.group_name}: interrupted; {left}", err=True)
+        return ExitCode.ERROR
+    code = ExitCode.OK
+    for n in nodes:
+        if n.error is None:
+            out = n.out or {}
+            _say(
+                n.host.name,
+                f"started attempt {out.get('attempt')}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}",
+            )
+        elif isinstance(n.error, errors.OpsError):
+            _say(n.host.name, f"error: {n.error}", err=True)
+            code = code or exit_code_for_error(n.error)
+        else:
+            raise n.error
+    failed = [n.host.name for n in nodes if n.error is not None]
+    click.echo(
+        f"group {app.group_name}: " + (f"failed on {', '.join(failed)}" if failed else f"done on {len(nodes)} hosts")
+    )
+    return code
 
 
 @cli.command("stop")

@@ -129,10 +129,16 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
 # start / stop
 
 
-def start(remote: Remote, session: str | None = None, *, replace: bool = False) -> dict[str, t.Any]:
+def start(
+    remote: Remote, session: str | None = None, *, replace: bool = False, start_id: str | None = None
+) -> dict[str, t.Any]:
+    """``start_id``: names this start, so that ``stop(start_id=...)`` stops what it started and nothing
+    else (or, reaching the host first, makes it refuse): ``dflashctl --group start`` and its Ctrl-C."""
     host = remote.host
     req = request(host, session)
     req.update(command=list(host.command), env=dict(host.env), replace=replace)
+    if start_id is not None:
+        req["start_id"] = start_id
     try:
         answer = call(remote, "start", req, timeout=START_TIMEOUT)
     except AgentUnavailable as e:
@@ -145,14 +151,22 @@ def start(remote: Remote, session: str | None = None, *, replace: bool = False) 
             raise errors.NotDeployed(f"{host.label}: {message}")
         if kind == "run-active":
             raise errors.RunActive(f"{host.label}: {message}")
+        if kind == "cancelled":
+            raise errors.StartCancelled(f"{host.label}: {message}")
         raise errors.AgentError(f"{host.label}: start: {message}")
     return answer
 
 
-def stop(remote: Remote, session: str | None = None, *, grace: float = 60.0) -> dict[str, t.Any]:
+def stop(
+    remote: Remote, session: str | None = None, *, grace: float = 60.0, start_id: str | None = None
+) -> dict[str, t.Any]:
+    """Stop the session's run; with ``start_id``, only the run that start made (when it has not run yet,
+    it never will: the answer says ``cancelled``)."""
     host = remote.host
     req = request(host, session)
     req["grace"] = grace
+    if start_id is not None:
+        req["start_id"] = start_id
     try:
         # C-c, grace, TERM, grace, KILL: the call may take two graces and a bit.
         answer = call(remote, "stop", req, timeout=2 * grace + 30)

@@ -29,15 +29,14 @@ import typing as t
 
 from ops.far import lock, members, nvidia_smi, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
+from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
     PROTOCOL,
     AttemptFacts,
     CaptureFacts,
     DiskFacts,
-    LogFacts,
     MemberFacts,
-    MetricsFacts,
     Pane,
     ProbeFacts,
     RunResult,
@@ -62,10 +61,12 @@ TMUX_TIMEOUT = 10.0
 DIAG_LINES = 200  # log lines the probe brings back for diagnosis
 FOLLOW_CHUNK = 1 << 20  # at most this many bytes per `tail -f` poll
 READ_CAP = 4 << 20  # `read`: at most this many bytes of metrics.jsonl per call, all attempts together
-TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
 MAX_LINES = 10_000  # `tail -n` above this shows this many
 LOCK = ".lock"  # <run_dir>/<session>/.lock: start, stop and replace of one session, one at a time
 LOCK_WAIT = 30.0  # seconds a start or stop waits for another one on the same session
+START_ID = re.compile(r"[0-9a-f]{8,32}")
+CANCELLED = ".cancelled-"  # <run_dir>/<session>/.cancelled-<start id>: a start its dflashctl took back
+CANCELLED_KEEP = 86400.0  # a day: longer than any start request can wait to be run
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 Request = t.Mapping[str, t.Any]
@@ -155,61 +156,6 @@ def session_dir(req: Request) -> str:
 def current_attempt(req: Request) -> str | None:
     """The attempt dir `current` points to, else the highest attempt-<n>, else None."""
     return records.current_attempt(session_dir(req))
-
-
-def _tail_bytes(path: str, max_lines: int, window: int = TAIL_WINDOW) -> tuple[bytes, int, float]:
-    """The last ``max_lines`` lines of a file, its size and mtime, reading at most ``window`` bytes
-    from its end in ONE read: O(1) in the log's size, whatever it holds (66 MB of tqdm ``\\r`` rows
-    with no newline cost the same as 66 bytes)."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        size = st.st_size
-        pos = max(0, size - window)
-        f.seek(pos)
-        data = f.read(size - pos)
-    if pos > 0:
-        # the window starts inside a row: drop up to its first break. A `\r` counts: what follows it
-        # in the same row are later progress segments, and a row shows its last one.
-        breaks = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
-        if breaks:
-            data = data[min(breaks) + 1 :]
-    lines = data.split(b"\n")
-    trailing = lines[-1] == b""
-    if trailing:
-        lines.pop()
-    lines = lines[-max_lines:] if max_lines > 0 else []
-    out = b"\n".join(lines) + (b"\n" if trailing and lines else b"")
-    return out, size, st.st_mtime
-
-
-def log_facts(path: str, lines: int) -> LogFacts | None:
-    try:
-        data, size, mtime = _tail_bytes(path, lines)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return {"path": path, "error": str(e)}
-    return {"path": path, "size": size, "mtime": mtime, "tail": tmux.decode_lines(data)}
-
-
-def metrics_facts(path: str) -> MetricsFacts | None:
-    """The last complete JSON line of metrics.jsonl and the file's mtime."""
-    try:
-        data, size, mtime = _tail_bytes(path, 5)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return {"path": path, "error": str(e)}
-    last = None
-    for line in reversed(data.decode("utf-8", "replace").splitlines()):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if isinstance(rec, dict):
-            last = rec
-            break
-    return {"path": path, "size": size, "mtime": mtime, "last": last}
 
 
 def session_members(req: Request, run: t.Mapping[str, t.Any] | None = None) -> list[members.Member]:
@@ -382,6 +328,34 @@ def _validate_start(req: Request) -> None:
             )
         if not isinstance(value, str) or "\0" in value:
             raise Refused("bad-request", f"env.{key}: expected a string without NUL bytes")
+    _start_id(req)
+
+
+def _start_id(req: Request) -> str | None:
+    """The id a dflashctl gives one start (``--group start``: what its Ctrl-C may stop, and only that)."""
+    sid = req.get("start_id")
+    if sid is not None and not (isinstance(sid, str) and START_ID.fullmatch(sid)):
+        raise Refused("bad-request", "start_id: expected 8 to 32 hex digits")
+    return sid
+
+
+def _cancelled(req: Request, sid: str) -> str:
+    """A cancelled start's mark (``<run_dir>/<session>/.cancelled-<id>``): its stop came first."""
+    return os.path.join(session_dir(req), f"{CANCELLED}{sid}")
+
+
+def _prune_cancelled(sdir: str) -> None:
+    try:
+        names = [n for n in os.listdir(sdir) if n.startswith(CANCELLED)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(sdir, name)
+        try:
+            if time.time() - os.path.getmtime(path) > CANCELLED_KEEP:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _prepare_attempt(adir: str, env: t.Mapping[str, str]) -> str:
@@ -417,6 +391,11 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     env = _tmux_env(req)
     tmux_bin = req.get("tmux", "tmux")
     base = tmux.base(socket_name, tmux_bin)
+    start_id = _start_id(req)
+    _prune_cancelled(session_dir(req))
+    if start_id is not None and os.path.exists(_cancelled(req, start_id)):
+        # the dflashctl that asked for this start was interrupted, and its stop got here first
+        raise Refused("cancelled", f"this start of session '{session}' was cancelled (Ctrl-C) before it ran")
 
     tf = tmux_facts(req)
     if not tf["installed"]:
@@ -498,6 +477,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         "--env-file",
         env_file,
         *(["--leftover-grace", str(float(req["leftover_grace"]))] if req.get("leftover_grace") is not None else []),
+        *(["--start-id", start_id] if start_id else []),
         "--",
         *req["command"],
     ]
@@ -682,6 +662,16 @@ def stop(req: Request) -> dict[str, t.Any]:
 def _stop_locked(req: Request) -> dict[str, t.Any]:
     tf = tmux_facts(req)
     af = attempt_facts(req, 0)
+    start_id = _start_id(req)
+    if start_id is not None and ((af.get("run") if af else None) or {}).get("start_id") != start_id:
+        # "stop what start <id> started": it has not run (yet). Under the session lock, so either
+        # that start ran before us (and is stopped here) or it will find this mark and refuse.
+        try:
+            with open(_cancelled(req, start_id), "w"):
+                pass
+        except OSError as e:
+            raise _disk_refusal(e, f"cannot cancel start {start_id}") from None
+        return {"stopped": False, "cancelled": True, "reason": "that start has not run: it never will"}
     live = _alive(af)
     pane = _pane(tf)
     hand_started = (af is None or af.get("run") is None) and pane is not None and pane.get("pane_dead") == "0"
@@ -751,7 +741,7 @@ def tail(req: Request) -> dict[str, t.Any]:
             why = f"the pane is dead; showing the log {log}"
         else:
             why = f"showing the log {log}"
-        data, size, _ = _tail_bytes(log, n)
+        data, size, _ = tail_bytes(log, n)
         lines = tmux.decode_lines(data)
         if size > TAIL_WINDOW and len(lines) < n:
             capped += f" (only the last {TAIL_WINDOW >> 20} MiB of the log are read)"

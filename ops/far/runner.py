@@ -199,6 +199,7 @@ def parse_args(argv: t.Sequence[str]) -> t.Any:
     p.add_argument("--cwd", default=None, help="the command's working directory (entered by the runner)")
     p.add_argument("--python", default=None, help="the configured interpreter; its folder goes first on PATH")
     p.add_argument("--release", default=None)
+    p.add_argument("--start-id", default=None, help="the id of the start that made this run (run.json)")
     p.add_argument("--env-file", default=None, help="a JSON object of environment variables; read, then unlinked")
     p.add_argument(
         "--leftover-grace",
@@ -277,6 +278,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "command": list(args.command),
         "cwd": None,
         "release": args.release,
+        "start_id": args.start_id,
         "container_boot": boot[0],
         "container_boot_ticks": boot[1],
         "oom_kill": oom_kill_count(),
