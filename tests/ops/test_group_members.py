@@ -91,14 +91,17 @@ def test_ctrl_c_during_a_group_start_says_each_outcome_and_stops_what_it_started
     shared.mkdir(parents=True)
     finish = shared / "finish"
     first, second = two_hosts(pve_hosts, tmux_servers)
-    # pve2's pct is slow to run the agent's start (and ignores the hang-up of the call we cut): its start
-    # reaches the container long after the Ctrl-C
-    slow, done = shared / "slow-start", shared / "slow-start-done"
+    # pve2's pct holds the agent's start until the test opens the gate (and ignores the hang-up of the
+    # call we cut): its start reaches the container only after the interrupted dflashctl has returned, so
+    # that dflashctl returning at all shows it did not wait for the slowest host (no timing involved)
+    slow, gate, done = shared / "slow-start", shared / "slow-start-gate", shared / "slow-start-done"
     slow_pct = shared / "slow-pct"
     slow_pct.write_text(
         "#!/bin/sh\n"
         'case "$*" in *" start --json"*)\n'
-        f"  trap '' HUP PIPE; touch {slow}; sleep 15; {pve.pct} \"$@\" >/dev/null 2>&1; touch {done}; exit 0;;\n"
+        f"  trap '' HUP PIPE; touch {slow}; i=0\n"
+        f"  while [ ! -e {gate} ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done\n"
+        f'  {pve.pct} "$@" >/dev/null 2>&1; touch {done}; exit 0;;\n'
         "esac\n"
         f'exec {pve.pct} "$@"\n'
     )
@@ -113,6 +116,7 @@ def test_ctrl_c_during_a_group_start_says_each_outcome_and_stops_what_it_started
     for table_ in (first, second):
         fake_release(Path(str(table_["workdir"])))
     runs = {n: Path(str(x["run_dir"])) / "dflash" for n, x in (("pve", first), ("pve2", second))}
+    proc = None
     try:
         proc = subprocess.Popen(
             [*dflashctl_argv(), "--hosts", str(pve_hosts.path), "--group", "two", "start"],
@@ -128,7 +132,7 @@ def test_ctrl_c_during_a_group_start_says_each_outcome_and_stops_what_it_started
         assert procs, "pve's run is up"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
-        assert not done.exists(), "it did not wait for the slowest host"
+        assert not done.exists(), "it did not wait for the slowest host (its start is still held)"
         assert proc.returncode == 1, out + err
         assert "pve: started attempt 1; stopping it (this start was interrupted)" in out, out
         assert "pve2: interrupted while starting" in out, out
@@ -140,11 +144,16 @@ def test_ctrl_c_during_a_group_start_says_each_outcome_and_stops_what_it_started
         st = pve_hosts.cli("--host", "pve", "status", "--json")
         assert json.loads(st.stdout)["state"] == "stopped", st.output
 
+        gate.touch()
         retry_until(done.exists, 60)  # the slow start reached ct 201 at last: it is refused
         assert not (runs["pve2"] / "attempt-1").exists(), "the cancelled start made nothing"
         st = pve_hosts.cli("--host", "pve2", "status", "--json")
         assert json.loads(st.stdout)["state"] == "not-started", st.output
     finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()  # a dflashctl that waited for the held host (the old code): ours to end
+            proc.communicate()
+        gate.touch()
         finish.touch()
 
 
