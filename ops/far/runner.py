@@ -16,7 +16,8 @@ each carries the run's tag. An interrupt or a TERM meant for the run reaches the
 terminal's Ctrl-C reaches a job); ``exit.json`` is written once every one of them is gone. A command
 that ends while some of its processes still run ends its run, as systemd's KillMode=control-group
 has it: they get SIGTERM, then SIGKILL after ``--leftover-grace`` seconds (``left`` and ``killed`` in
-``exit.json`` name them).
+``exit.json`` name them). During a stop, the stop's steps end them; a stop that never finishes them (its
+agent was killed midway) is finished by the keeper, two stop graces and a leftover grace later.
 
 ``exit.json`` is written into a record pre-allocated at start (``.exit.reserved``, overwritten in place,
 then renamed), so a disk that filled up during the run cannot take the command's real end with it.
@@ -453,6 +454,7 @@ def _until_all_gone(
     status: int | None = None
     left: list[members.Member] | None = None
     stop_asked = False
+    term_at: float | None = None  # a stop's steps did not end them by then: we do (TERM, then KILL)
     kill_at: float | None = None
     while True:
         reaped = _reap(command_pid)
@@ -472,7 +474,17 @@ def _until_all_gone(
                 how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
                 stopping = stop_asked or os.path.exists(os.path.join(attempt_dir, STOP_JSON))
                 if stopping:
-                    note(log_fd, pane, f"the command ended ({how}); waiting for {members.describe(found)}")
+                    # The stop's own steps end them (its TERM and KILL come within two of its graces).
+                    # Should that stop never finish them (its dflashctl or agent was killed midway), we
+                    # do, one leftover grace later: nothing of the run waits forever for a stop.
+                    wait_s = 2 * _stop_grace(attempt_dir) + leftover_grace
+                    note(
+                        log_fd,
+                        pane,
+                        f"the command ended ({how}); waiting for {members.describe(found)} (the stop ends them; "
+                        f"if they still run {wait_s:g}s from now, they get SIGTERM, then SIGKILL)",
+                    )
+                    term_at = time.monotonic() + wait_s
                 else:
                     # systemd's KillMode=control-group: the run ends with its command
                     note(
@@ -485,6 +497,10 @@ def _until_all_gone(
                     kill_at = time.monotonic() + leftover_grace
         if status is not None and not found:
             break
+        if term_at is not None and time.monotonic() >= term_at:
+            note(log_fd, pane, f"SIGTERM to {members.describe(found)}: the stop did not end them")
+            ending.ask(signal.SIGTERM)
+            term_at, kill_at = None, time.monotonic() + leftover_grace
         ending.deliver(found)
         if kill_at is not None and time.monotonic() >= kill_at:
             note(log_fd, pane, f"SIGKILL to {members.describe(found)}: still running {leftover_grace:g}s after SIGTERM")
@@ -499,6 +515,13 @@ def _until_all_gone(
             killed.append({"pid": k.get("pid"), "start": k.get("start"), "argv": k.get("argv") or []})
     assert status is not None
     return status, [m.record() for m in left or []], killed
+
+
+def _stop_grace(attempt_dir: str) -> float:
+    """The grace of the stop asked for (stop.json), else the stop's default."""
+    stop, _ = read_json(os.path.join(attempt_dir, STOP_JSON))
+    grace = (stop or {}).get("grace")
+    return float(grace) if isinstance(grace, (int, float)) and not isinstance(grace, bool) and grace >= 0 else 60.0
 
 
 def _record(

@@ -199,6 +199,37 @@ def test_what_ignores_the_leftover_term_is_killed_after_the_grace_and_named(tmp_
     assert "SIGKILL to pid" in (adir / "train.log").read_text()
 
 
+def test_a_stop_that_never_finishes_its_steps_is_finished_by_the_keeper(tmp_path: Path) -> None:
+    """A stop was asked for (stop.json) and the command ended, but that stop never sent its TERM and
+    KILL (its dflashctl or agent was killed midway): the keeper ends what is left itself, two stop
+    graces and a leftover grace later, instead of waiting for it forever."""
+    adir = tmp_path / "a"
+    go, end = tmp_path / "go", tmp_path / "end"
+    ready = 'until grep -q "^line 1" "$DFLASH_RUN_DIR/train.log"; do sleep 0.05; done'
+    command = (
+        f"{sys.executable} {FAKE} --lines 1 --steps 1 --until {end} --ignore-signals & {ready}; "
+        f"until [ -e {go} ]; do sleep 0.05; done; exit 0"
+    )
+    argv = runner_argv(adir, "sh", "-c", command)
+    argv[argv.index("--") : argv.index("--")] = ["--leftover-grace", "0.3"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        retry_until(lambda: (adir / "train.log").exists() and "line 1" in (adir / "train.log").read_text(), 20)
+        stop = {"requested_at": "2026-12-01T15:00:00Z", "grace": 0.1, "reason": "stop", "by": "dflashctl"}
+        (adir / "stop.json").write_text(json.dumps(stop))
+        go.touch()  # the command ends; the stop that was asked for sends nothing more
+        assert proc.wait(timeout=60) == 0
+        ex = read(adir, "exit.json")
+        assert len(ex["left"]) == 1 and ex["killed"] == ex["left"], ex
+        assert not pid_alive(ex["left"][0]["pid"])
+        log = (adir / "train.log").read_text()
+        assert "the stop did not end them" in log and "SIGKILL to pid" in log, log
+    finally:
+        end.touch()  # a trainer the code under test left running ends by itself
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_double_forked_child_comes_back_to_the_keeper_and_is_ended_with_the_run(tmp_path: Path) -> None:
     """The keeper is a child subreaper: a child whose parent exited (a daemon's double fork) is
     re-parented to it, not to init, and the run's SIGTERM reaches it."""
