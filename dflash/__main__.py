@@ -69,6 +69,10 @@ def cli(verbose: int, quiet: int) -> None:
 )
 def train(config_path: str, overrides: tuple[str, ...]) -> int:
     """Train a drafter: target threads -> one shared queue -> drafter threads."""
+    from dflash.lifeline import die_with_agent
+
+    die_with_agent()  # first, before torch loads: a torchrun worker must not outlive its agent
+    from dflash.config import load_config
     from dflash.train import run_training
 
     cfg = load_config(config_path, overrides)

@@ -351,12 +351,7 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     from ops import session as run
 
     if app.group_name is not None:
-
-        def one(host: Host, remote: t.Any, say: t.Callable[[str], None]) -> str:
-            out = run.start(remote, session, replace=replace)
-            return f"started attempt {out['attempt']}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}"
-
-        return _on_group(app, one)
+        return _group_start(app, session, replace)
     out = run.start(app.remote(), session, replace=replace)
     name = session or app.host.session
     if out.get("replaced"):
@@ -380,6 +375,45 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     return ExitCode.OK
 
 
+def _group_start(app: App, session: str | None, replace: bool) -> ExitCode:
+    """Every node at once (ops/group_start.py); on Ctrl-C each host's outcome, and what this start
+    started is stopped (a node left alone would wait in a rendezvous that cannot complete)."""
+    from ops.group_start import GroupStart
+    from ops.remote import connect
+
+    gs = GroupStart(app.members(), session, replace=replace, connect=connect)
+    try:
+        nodes = gs.run()
+    except KeyboardInterrupt:
+        click.echo(f"group {app.group_name}: interrupted (Ctrl-C): stopping what this start started", err=True)
+        clean = False
+        try:
+            clean = gs.abort(_say)
+        except KeyboardInterrupt:
+            pass
+        left = "nothing this start made is left running" if clean else "see `dflashctl --group status`"
+        click.echo(f"group {app.group_name}: interrupted; {left}", err=True)
+        return ExitCode.ERROR
+    code = ExitCode.OK
+    for n in nodes:
+        if n.error is None:
+            out = n.out or {}
+            _say(
+                n.host.name,
+                f"started attempt {out.get('attempt')}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}",
+            )
+        elif isinstance(n.error, errors.OpsError):
+            _say(n.host.name, f"error: {n.error}", err=True)
+            code = code or exit_code_for_error(n.error)
+        else:
+            raise n.error
+    failed = [n.host.name for n in nodes if n.error is not None]
+    click.echo(
+        f"group {app.group_name}: " + (f"failed on {', '.join(failed)}" if failed else f"done on {len(nodes)} hosts")
+    )
+    return code
+
+
 @cli.command("stop")
 @_session_option
 @click.option(
@@ -401,7 +435,9 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
             out = run.stop(remote, session, grace=grace)
             if not out.get("stopped"):
                 return f"nothing stopped: {out.get('reason')}"
-            return f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s"
+            return f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s" + _killed(
+                out
+            )
 
         return _on_group(app, one)
     out = run.stop(app.remote(), session, grace=grace)
@@ -410,8 +446,18 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
         return ExitCode.OK
     e = out.get("exit") or {}
     how = f"signal {e['signal']}" if e.get("signal") else f"exit {e.get('exit_code')}" if e else "no exit record"
-    click.echo(f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s ({how})")
+    click.echo(
+        f"stopped attempt {out.get('attempt')} by {out.get('how')} after {out.get('seconds')}s ({how})" + _killed(out)
+    )
     return ExitCode.OK if out.get("ended") else ExitCode.ERROR
+
+
+def _killed(out: t.Mapping[str, t.Any]) -> str:
+    """``; killed pid 12 (python train.py)``: the processes a stop had to SIGKILL (exit.json names them)."""
+    from ops.probe import members_text
+
+    killed = (out.get("exit") or {}).get("killed") or out.get("killed") or []
+    return f"; killed {members_text(killed)} (still running after TERM)" if killed else ""
 
 
 @cli.command("status")

@@ -126,6 +126,10 @@ class RunActive(OpsError):
     """A live run holds the session; refusing to start or deploy over it."""
 
 
+class StartCancelled(OpsError):
+    """The start was taken back (its dflashctl was interrupted) before the host ran it."""
+
+
 class BundleError(OpsError):
     """The local source cannot be bundled (unreadable file, no ops/ package...)."""
 

@@ -23,8 +23,8 @@ import signal as signal_mod
 import time
 import typing as t
 
+from ops.far import members, watch
 from ops.far import tmux as tmux_mod
-from ops.far import watch
 from ops.states import Cause, State
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
@@ -164,11 +164,16 @@ class Status:
     workers: list[dict[str, t.Any]] | None = None
     # who watches the run (its supervisor's heartbeat); None when the agent could not be asked
     supervisor: SupervisorView | None = None
-    # not part of the JSON: the last log lines, for incident reports
+    # the run's live processes ({pid, start, attempt, argv}: the command and all it started, any
+    # attempt of the session); None when unknown (a runner that does not tag them)
+    members: list[dict[str, t.Any]] | None = None
+    # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
+    stop_requested: bool = False
 
     def to_json(self) -> dict[str, t.Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tail"}
+        hidden = ("tail", "stop_requested")
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in hidden}
         d["tmux"] = dataclasses.asdict(self.tmux)
         d["container"] = dataclasses.asdict(self.container) if self.container else None
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
@@ -183,6 +188,8 @@ class Status:
         att = f"attempt {self.attempt}" if self.attempt is not None else None
         if self.state == State.CRASHED:
             how = f"signal {self.signal}" if self.exit_code is None and self.signal else f"exit {self.exit_code}"
+            if self.exit_code is None and self.signal is None:
+                how = "no exit record"
             return f"crashed: {_cause_text(self)} ({_join(how, when, att)})"
         if self.state == State.SUCCEEDED:
             return f"succeeded ({_join('exit 0', when, att)})"
@@ -292,6 +299,10 @@ def _cause_text(s: Status) -> str:
         return f"exited with an error: {_short(s.detail)}" if s.detail else "exited with an error"
     if c == Cause.DISK_FULL:
         return "the disk is full" + (f": {_short(s.detail)}" if s.detail else "")
+    if c == Cause.ORPHANS_LEFT:
+        return "the command ended, processes it started run on unsupervised" + (
+            f": {members_text(s.members or [])}" if s.members else ""
+        )
     if c == Cause.CONTAINER_RESTART:
         return "the container restarted during the run"
     if c == Cause.TMUX_SERVER_KILLED:
@@ -299,6 +310,19 @@ def _cause_text(s: Status) -> str:
     if c == Cause.SESSION_KILLED:
         return "the run died with its tmux session"
     return "the run vanished"
+
+
+def members_text(found: t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
+    """``pid 12 (python train.py --config), pid 13 (tee log)``: how messages name the run's processes."""
+    return members.describe(found, limit)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")
+
+
+def _run_or_runs(n: int) -> str:
+    return "runs" if n == 1 else "run"
 
 
 def _short(text: str, n: int = 120) -> str:
@@ -670,7 +694,19 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     for err in af.get("errors") or []:
         s.evidence.append(f"unreadable record: {err}")
     child, runner = af.get("child") or {}, af.get("runner") or {}
+    # The run's processes (ops/far/members.py): known when its runner tags them (run.json "tag").
+    found = [m for m in af.get("members") or [] if isinstance(m, dict)] if run.get("tag") else None
+    if found is not None:
+        s.members = [{k: m.get(k) for k in ("pid", "start", "attempt", "argv")} for m in found]
+    s.stop_requested = bool(stop)
 
+    if exit_rec and found:
+        # exit.json is written once every process of the run is gone: these outlived the record
+        s.ended_at = exit_rec.get("ended_at")
+        s.exit_code, s.signal = exit_rec.get("exit_code"), exit_rec.get("signal")
+        _orphans(s, found, stop, f"the command ended ({_how(s.exit_code, s.signal)} at {s.ended_at})")
+        _tmux_context(s)
+        return
     if exit_rec:
         s.ended_at = exit_rec.get("ended_at")
         s.exit_code, s.signal = exit_rec.get("exit_code"), exit_rec.get("signal")
@@ -696,6 +732,17 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
             if d.signal and s.signal is None:
                 s.signal = d.signal
             s.evidence.extend(d.evidence)
+        left = [m for m in exit_rec.get("left") or [] if isinstance(m, dict)]
+        if left:
+            s.evidence.append(
+                f"exit.json: the command left {_plural(len(left), 'process')} running when it ended "
+                f"({members_text(left)}): the run ended with its command, so they were stopped"
+            )
+        killed = [m for m in exit_rec.get("killed") or [] if isinstance(m, dict)]
+        if killed:
+            s.evidence.append(
+                f"exit.json: {_plural(len(killed), 'process')} had to be killed (SIGKILL): {members_text(killed)}"
+            )
         if exit_rec.get("disk_full") and s.cause != Cause.DISK_FULL:
             s.evidence.append(f"the run's disk was full when it ended ({exit_rec.get('disk_free')} bytes free)")
         _tmux_context(s)
@@ -721,6 +768,20 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
         s.evidence.append(
             f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)"
         )
+        others = [m for m in found or [] if m.get("pid") != child.get("pid")]
+        if alive is keeper and found:
+            s.pid = found[0].get("pid")
+            s.evidence.append(
+                f"the command ended; {_plural(len(found), 'process')} it started still "
+                f"{_run_or_runs(len(found))} ({members_text(found)}): "
+                "the keeper ends them and writes exit.json once they are gone"
+            )
+        elif others:
+            s.evidence.append(f"the run's other processes: {members_text(others)}")
+        if alive is not keeper and keeper and not keeper.get("alive") and found is not None:
+            s.evidence.append(
+                f"its keeper (pid {keeper.get('pid')}) is gone: nothing will record the run's end or end what it leaves"
+            )
         if alive.get("state") == "T":
             s.evidence.append(f"pid {alive['pid']} is stopped (state T: SIGSTOP or a debugger)")
         if stop:
@@ -743,6 +804,12 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
             s.evidence.append(f"last log/metrics write at {iso(last)} (container clock; now {iso(now)})")
         else:
             s.state = State.RUNNING
+        return
+
+    if found:
+        # the command and its keeper are gone, not what the command started
+        _orphans(s, found, stop, "the command and its keeper are gone (no exit record)")
+        _tmux_context(s)
         return
 
     # no exit record and no live process
@@ -797,6 +864,31 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
             f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer"
         )
     _tmux_context(s)
+
+
+def _how(exit_code: int | None, signal: int | None) -> str:
+    return f"signal {signal}" if exit_code is None and signal else f"exit {exit_code}"
+
+
+def _orphans(s: Status, found: list[dict[str, t.Any]], stop: dict[str, t.Any] | None, what: str) -> None:
+    """Processes of the run outlived its command and its keeper: the run is not over, and nothing
+    supervises it any more (docs/design.md section 6: `crashed`, cause `orphans-left`)."""
+    s.state, s.cause = State.CRASHED, Cause.ORPHANS_LEFT
+    s.pid = found[0].get("pid")
+    s.fingerprint = "orphans-left"
+    s.detail = (
+        f"{what}, but {_plural(len(found), 'process')} it started still {_run_or_runs(len(found))}: "
+        f"{members_text(found)}; "
+        "nothing will end them or record their end"
+    )
+    if stop:
+        s.detail += f"; a stop was requested at {stop.get('requested_at')}: run `dflashctl stop` again"
+        s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}, yet processes of the run live on")
+    for m in found:
+        s.evidence.append(
+            f"pid {m.get('pid')} (attempt {m.get('attempt')}, state {m.get('state')}, parent {m.get('ppid')}) "
+            f"is alive: {' '.join(map(str, m.get('argv') or []))[:160]}"
+        )
 
 
 def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:

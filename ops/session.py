@@ -160,9 +160,12 @@ def start(
     session: str | None = None,
     *,
     replace: bool = False,
+    start_id: str | None = None,
     started_by: t.Mapping[str, t.Any] | None = None,
 ) -> dict[str, t.Any]:
-    """A new attempt; ``started_by`` (default: the operator, ``operator_start``) goes into its run.json."""
+    """A new attempt; ``started_by`` (default: the operator, ``operator_start``) goes into its run.json.
+    ``start_id``: names this start, so that ``stop(start_id=...)`` stops what it started and nothing
+    else (or, reaching the host first, makes it refuse): ``dflashctl --group start`` and its Ctrl-C."""
     host = remote.host
     req = request(host, session)
     req.update(
@@ -171,6 +174,8 @@ def start(
         replace=replace,
         started_by=dict(started_by) if started_by is not None else operator_start(replace),
     )
+    if start_id is not None:
+        req["start_id"] = start_id
     try:
         answer = call(remote, "start", req, timeout=START_TIMEOUT)
     except AgentUnavailable as e:
@@ -183,14 +188,22 @@ def start(
             raise errors.NotDeployed(f"{host.label}: {message}")
         if kind == "run-active":
             raise errors.RunActive(f"{host.label}: {message}")
+        if kind == "cancelled":
+            raise errors.StartCancelled(f"{host.label}: {message}")
         raise errors.AgentError(f"{host.label}: start: {message}")
     return answer
 
 
-def stop(remote: Remote, session: str | None = None, *, grace: float = 60.0) -> dict[str, t.Any]:
+def stop(
+    remote: Remote, session: str | None = None, *, grace: float = 60.0, start_id: str | None = None
+) -> dict[str, t.Any]:
+    """Stop the session's run; with ``start_id``, only the run that start made (when it has not run yet,
+    it never will: the answer says ``cancelled``)."""
     host = remote.host
     req = request(host, session)
     req["grace"] = grace
+    if start_id is not None:
+        req["start_id"] = start_id
     try:
         # C-c, grace, TERM, grace, KILL: the call may take two graces and a bit.
         answer = call(remote, "stop", req, timeout=2 * grace + 30)

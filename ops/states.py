@@ -34,6 +34,9 @@ class Cause(enum.StrEnum):
     PYTHON_EXCEPTION = "python-exception"
     SIGNAL = "signal"
     NONZERO_EXIT = "nonzero-exit"
+    # the command ended (and its keeper is gone) but processes it started still run: nothing will end
+    # them or record their end (docs/design.md section 5)
+    ORPHANS_LEFT = "orphans-left"
     # lost
     CONTAINER_RESTART = "container-restart"
     TMUX_SERVER_KILLED = "tmux-server-killed"
@@ -62,6 +65,7 @@ CAUSES: dict[State, tuple[Cause, ...]] = {
         Cause.PYTHON_EXCEPTION,
         Cause.SIGNAL,
         Cause.NONZERO_EXIT,
+        Cause.ORPHANS_LEFT,
     ),
     State.LOST: (
         Cause.CONTAINER_RESTART,

@@ -3,7 +3,7 @@ $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside th
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
                   [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|kill|forever]
-                  [--checkpoint FILE [--every K]] [--control FILE]
+                  [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
 --checkpoint FILE resumes from the step counter in FILE and saves it there (write, then rename)
@@ -11,6 +11,7 @@ every K steps, as the training core does with `resume = "auto"`.
 --control FILE is read before each step: `once:KIND[@N]` (the file is taken, so a restarted run does
 not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
 without output), @N: after N steps of this run.
+--ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ def main() -> int:
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--control", default=None)
+    p.add_argument("--ignore-signals", action="store_true")
     a = p.parse_args()
+    if a.ignore_signals:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     run_dir = os.environ.get("DFLASH_RUN_DIR", ".")
     for i in range(1, a.lines + 1):

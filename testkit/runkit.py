@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,7 +12,7 @@ import time
 import typing as t
 from pathlib import Path
 
-from ops.far.runner import proc_stat
+from ops.far import members
 from testkit import FakePve, PveHosts, Sshd
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,24 +68,23 @@ def bench_box(tmux_socket: str) -> t.Iterator[PveHosts]:
 
 
 def reap_runs(run_dir: Path) -> list[int]:
-    """SIGKILL the runners and commands recorded under ``run_dir`` that still live (same pid AND
-    same start time: never a stranger that reused the pid). Local runs survive their tmux server by
-    design, so a test that started one must end it. Returns the pids it killed."""
+    """SIGKILL the runners, keepers and commands recorded under ``run_dir`` that still live, and every
+    process their commands started (found by the run's tag: ops/far/members.py), each by pid AND start
+    time: never a stranger that reused the pid. Local runs survive their tmux server by design, so a
+    test that started one must end it. Returns the pids it killed."""
     killed = []
     for record in Path(run_dir).glob("*/attempt-*/run.json"):
         try:
             run = json.loads(record.read_text())
         except (OSError, ValueError):
             continue
-        for pid_key, start_key in (("child_pid", "child_start"), ("pid", "pid_start")):
-            pid, start = run.get(pid_key), run.get(start_key)
-            st = proc_stat(pid) if isinstance(pid, int) else None
-            if st is not None and st[1] == start and st[0] not in "ZX":
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                except ProcessLookupError:
-                    pass
+        procs = [(run.get(k), run.get(s)) for k, s in (("child_pid", "child_start"), ("pid", "pid_start"))]
+        if run.get("tag"):
+            procs = [(m.pid, m.start) for m in members.scan(tag=run["tag"])] + procs
+            procs.append((run.get("keeper_pid"), run.get("keeper_start")))
+        for pid, start in procs:
+            if isinstance(pid, int) and members.send(pid, start if isinstance(start, int) else -1, signal.SIGKILL):
+                killed.append(pid)
     return killed
 
 

@@ -5,6 +5,9 @@ holds every module here to the stdlib and to ``ops.far.*``).
 - ``runner``   the wrapper tmux runs: runner (pane) + keeper (records) + the command writing train.log
 - ``tmux``     tmux argv builders and the table that reads tmux's stderr (the operator's raw fallback too)
 - ``procfs``   processes and the machine: stat, boot time, THE liveness verdict (by start time)
+- ``members``  the run's processes: every process its command started (subreaper + tag), ended as one
+- ``nvidia_smi`` the probe's GPU facts
+- ``logs``     a run's log and metrics.jsonl read from their end (O(1) in their size)
 - ``records``  a session's attempt layout and its run.json / exit.json
 - ``atomic``   records written then renamed; symlinks switched by rename
 - ``lock``     the one flock (deploy's and a session's)

@@ -28,17 +28,16 @@ import time
 import typing as t
 
 from ops.far import history as far_history
-from ops.far import lock, protocol, records, tmux, watch
+from ops.far import lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far.atomic import switch_link, write_json_atomic
+from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
     PROTOCOL,
     AttemptFacts,
     CaptureFacts,
     DiskFacts,
-    GpuFacts,
-    LogFacts,
-    MetricsFacts,
+    MemberFacts,
     Pane,
     ProbeFacts,
     RunResult,
@@ -65,10 +64,12 @@ DIAG_LINES = 200  # log lines the probe brings back for diagnosis
 STEP_LINES = 20  # `history`: log lines of an attempt that did not crash (its last step, when it wrote no metrics)
 FOLLOW_CHUNK = 1 << 20  # at most this many bytes per `tail -f` poll
 READ_CAP = 4 << 20  # `read`: at most this many bytes of metrics.jsonl per call, all attempts together
-TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
 MAX_LINES = 10_000  # `tail -n` above this shows this many
 LOCK = ".lock"  # <run_dir>/<session>/.lock: start, stop and replace of one session, one at a time
 LOCK_WAIT = 30.0  # seconds a start or stop waits for another one on the same session
+START_ID = re.compile(r"[0-9a-f]{8,32}")
+CANCELLED = ".cancelled-"  # <run_dir>/<session>/.cancelled-<start id>: a start its dflashctl took back
+CANCELLED_KEEP = 86400.0  # a day: longer than any start request can wait to be run
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STARTED_BY_MAX = 2048  # run.json's room (RESERVE_BYTES) holds it beside a long command line
 
@@ -161,68 +162,19 @@ def current_attempt(req: Request) -> str | None:
     return records.current_attempt(session_dir(req))
 
 
-def _tail_bytes(path: str, max_lines: int, window: int = TAIL_WINDOW) -> tuple[bytes, int, float]:
-    """The last ``max_lines`` lines of a file, its size and mtime, reading at most ``window`` bytes
-    from its end in ONE read: O(1) in the log's size, whatever it holds (66 MB of tqdm ``\\r`` rows
-    with no newline cost the same as 66 bytes)."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        size = st.st_size
-        pos = max(0, size - window)
-        f.seek(pos)
-        data = f.read(size - pos)
-    if pos > 0:
-        # the window starts inside a row: drop up to its first break. A `\r` counts: what follows it
-        # in the same row are later progress segments, and a row shows its last one.
-        breaks = [i for i in (data.find(b"\n"), data.find(b"\r")) if i >= 0]
-        if breaks:
-            data = data[min(breaks) + 1 :]
-    lines = data.split(b"\n")
-    trailing = lines[-1] == b""
-    if trailing:
-        lines.pop()
-    lines = lines[-max_lines:] if max_lines > 0 else []
-    out = b"\n".join(lines) + (b"\n" if trailing and lines else b"")
-    return out, size, st.st_mtime
-
-
-def log_facts(path: str, lines: int) -> LogFacts | None:
-    try:
-        data, size, mtime = _tail_bytes(path, lines)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return {"path": path, "error": str(e)}
-    return {"path": path, "size": size, "mtime": mtime, "tail": tmux.decode_lines(data)}
-
-
-def metrics_facts(path: str) -> MetricsFacts | None:
-    """The last complete JSON line of metrics.jsonl and the file's mtime."""
-    try:
-        data, size, mtime = _tail_bytes(path, 5)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return {"path": path, "error": str(e)}
-    last = None
-    for line in reversed(data.decode("utf-8", "replace").splitlines()):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written right now
-        if isinstance(rec, dict):
-            last = rec
-            break
-    return {"path": path, "size": size, "mtime": mtime, "last": last}
+def session_members(req: Request, run: t.Mapping[str, t.Any] | None = None) -> list[members.Member]:
+    """Every live process of this session's runs (``ops.far.members.of_session``)."""
+    return members.of_session(req["session"], session_dir(req), run)
 
 
 def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
     adir = current_attempt(req)
-    return None if adir is None else facts_of(adir, lines)
+    return None if adir is None else facts_of(adir, lines, req)
 
 
-def facts_of(adir: str, lines: int = DIAG_LINES) -> AttemptFacts:
-    """One attempt dir's records, its processes' liveness, the log's last ``lines`` and the last metrics record."""
+def facts_of(adir: str, lines: int = DIAG_LINES, req: Request | None = None) -> AttemptFacts:
+    """One attempt dir's records, its processes' liveness, the log's last ``lines`` and the last metrics record;
+    with the session's request, its live members too (the current attempt's probe; history needs none)."""
     errors: list[str] = []
     found: dict[str, dict[str, t.Any] | None] = {}
     for key, name in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
@@ -239,6 +191,7 @@ def facts_of(adir: str, lines: int = DIAG_LINES) -> AttemptFacts:
         "runner": process_facts(run.get("pid"), run.get("pid_start")),
         "keeper": process_facts(run.get("keeper_pid"), run.get("keeper_start")),
         "child": process_facts(run.get("child_pid"), run.get("child_start")),
+        "members": members.facts(session_members(req, run)) if req is not None else [],
         "log": log_facts(os.path.join(adir, LOG), lines),
         "metrics": metrics_facts(os.path.join(adir, METRICS)),
         "errors": errors,
@@ -255,60 +208,12 @@ def _alive(af: AttemptFacts | None) -> ProcessFacts | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------
-# nvidia-smi (started first, read last: it is the slow fact)
-
-_GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu"
-
-
-def _start_gpus() -> subprocess.Popen[bytes] | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        return subprocess.Popen(
-            [exe, f"--query-gpu={_GPU_QUERY}", "--format=csv,noheader,nounits"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-    except OSError:
-        return None
-
-
-def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[str, str] | None:
-    if proc is None:
-        return None
-    try:
-        out, err = proc.communicate(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"error": "nvidia-smi did not answer within 10s"}
-    if proc.returncode != 0:
-        return {"error": (err or out).decode("utf-8", "replace").strip()[-300:]}
-    gpus: list[GpuFacts] = []
-    for line in out.decode("utf-8", "replace").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 5:
-            continue
-
-        def num(s: str) -> float | None:
-            try:
-                return float(s)
-            except ValueError:
-                return None
-
-        gpus.append(
-            {
-                "index": int(num(cells[0]) or 0),
-                "name": cells[1],
-                "memory_used_mib": num(cells[2]),
-                "memory_total_mib": num(cells[3]),
-                "utilization_pct": num(cells[4]),
-            }
-        )
-    return gpus
+def _leftovers(af: AttemptFacts | None) -> list[MemberFacts]:
+    """Processes of the session's runs that live on though no run of it is alive (their command and
+    keeper are gone, or its exit record is written): what a start must not run beside."""
+    if af is None or _alive(af) is not None:
+        return []
+    return list(af.get("members") or [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,7 +222,7 @@ def _finish_gpus(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[
 
 def probe(req: Request) -> ProbeFacts:
     """Every fact the classification needs, in one call."""
-    gpus = _start_gpus()
+    gpus = nvidia_smi.start()
     tf = tmux_facts(req)
     lines = min(int(req.get("lines", DIAG_LINES)), MAX_LINES)
     af = attempt_facts(req, lines)
@@ -341,7 +246,7 @@ def probe(req: Request) -> ProbeFacts:
         "tmux": tf,
         "attempt": af,
         "pane_capture": pane_capture,
-        "gpus": _finish_gpus(gpus),
+        "gpus": nvidia_smi.finish(gpus),
     }
 
 
@@ -439,6 +344,34 @@ def _validate_start(req: Request) -> None:
     by = req.get("started_by")
     if by is not None and (not isinstance(by, dict) or len(json.dumps(by)) > STARTED_BY_MAX):
         raise Refused("bad-request", f"started_by: expected an object of at most {STARTED_BY_MAX} bytes as JSON")
+    _start_id(req)
+
+
+def _start_id(req: Request) -> str | None:
+    """The id a dflashctl gives one start (``--group start``: what its Ctrl-C may stop, and only that)."""
+    sid = req.get("start_id")
+    if sid is not None and not (isinstance(sid, str) and START_ID.fullmatch(sid)):
+        raise Refused("bad-request", "start_id: expected 8 to 32 hex digits")
+    return sid
+
+
+def _cancelled(req: Request, sid: str) -> str:
+    """A cancelled start's mark (``<run_dir>/<session>/.cancelled-<id>``): its stop came first."""
+    return os.path.join(session_dir(req), f"{CANCELLED}{sid}")
+
+
+def _prune_cancelled(sdir: str) -> None:
+    try:
+        names = [n for n in os.listdir(sdir) if n.startswith(CANCELLED)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(sdir, name)
+        try:
+            if time.time() - os.path.getmtime(path) > CANCELLED_KEEP:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _prepare_attempt(adir: str, env: t.Mapping[str, str], started_by: t.Mapping[str, t.Any] | None = None) -> str:
@@ -477,6 +410,11 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     env = _tmux_env(req)
     tmux_bin = req.get("tmux", "tmux")
     base = tmux.base(socket_name, tmux_bin)
+    start_id = _start_id(req)
+    _prune_cancelled(session_dir(req))
+    if start_id is not None and os.path.exists(_cancelled(req, start_id)):
+        # the dflashctl that asked for this start was interrupted, and its stop got here first
+        raise Refused("cancelled", f"this start of session '{session}' was cancelled (Ctrl-C) before it ran")
 
     tf = tmux_facts(req)
     if not tf["installed"]:
@@ -494,9 +432,18 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again",
         )
     replaced = None
-    if live or pane_live:
+    leftovers = _leftovers(af)
+    if live or pane_live or leftovers:
         what = _describe(af, live) if (af and live) else f"pane pid {pane['pane_pid']} (no run record)" if pane else "?"
         if not req.get("replace"):
+            if leftovers and not live:
+                raise Refused(
+                    "run-active",
+                    f"session '{session}' has processes of an ended run still running ({members.describe(leftovers)}): "
+                    "stop them with `dflashctl stop`, or start with --replace",
+                    attempt=af.get("attempt") if af else None,
+                    pid=leftovers[0]["pid"],
+                )
             raise Refused(
                 "run-active",
                 f"session '{session}' already has a live run ({what}): "
@@ -506,7 +453,13 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             )
         # A live pane with no live run record (started by hand): the last attempt dir, if any, belongs
         # to an ended run whose evidence must not be touched, so stop the pane, not that attempt.
-        replaced = _stop(req, af if live else None, tf, grace=float(req.get("replace_grace", 10.0)), reason="replaced")
+        replaced = _stop(
+            req,
+            af if (live or leftovers) else None,
+            tf,
+            grace=float(req.get("replace_grace", 10.0)),
+            reason="replaced",
+        )
 
     try:
         n, adir = _next_attempt_dir(sdir)
@@ -542,6 +495,8 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         release,
         "--env-file",
         env_file,
+        *(["--leftover-grace", str(float(req["leftover_grace"]))] if req.get("leftover_grace") is not None else []),
+        *(["--start-id", start_id] if start_id else []),
         "--",
         *req["command"],
     ]
@@ -596,25 +551,54 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
 
 
 def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float, reason: str) -> dict[str, t.Any]:
-    """C-c to the pane, wait `grace` for exit.json, TERM the command (by pid, same start time),
-    wait again, then KILL. The stop record is written FIRST: whatever the run does next, it was on purpose."""
+    """C-c to the pane, wait `grace` for exit.json, TERM, wait again, then KILL. The stop record is
+    written FIRST: whatever the run does next, it was on purpose.
+
+    A run that tags its processes (run.json "tag", ops/far/members.py) is ended as one: the interrupt
+    and the TERM go to its keeper, which passes them to every process of the run; without a live keeper
+    they go from here to each process, by the same rule. KILL goes from here to every process of the
+    session's runs, each named in stop.json first (the keeper copies them into exit.json's `killed`).
+    A run of an older runner: TERM and KILL to the command (by pid and start time), then the runner."""
     socket_name, session = req["socket"], req["session"]
     tmux_bin = req.get("tmux", "tmux")
     env = _tmux_env(req)
     adir = af["dir"] if af else None
     t0 = time.monotonic()
-    if adir and af and af.get("run") is not None:
-        write_json_atomic(
-            os.path.join(adir, STOP_JSON),
-            {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"},
-        )
+    run = (af.get("run") if af else None) or {}
+    stop_path = os.path.join(adir, STOP_JSON) if adir else None
+    stop_rec = {"requested_at": iso(time.time()), "grace": grace, "reason": reason, "by": "dflashctl"}
+    if stop_path and af and af.get("run") is not None:
+        write_json_atomic(stop_path, stop_rec)
+    tagged = bool(run.get("tag")) or bool(af and af.get("members"))
+    ending = members.Ending(run.get("child_pid"))  # our own, for when the keeper is gone
+    killed: list[dict[str, t.Any]] = []
+
+    def found() -> list[members.Member]:
+        return session_members(req, run)
+
+    def deliver() -> None:
+        """The current step to the processes due it: a KILL always from here (each named in stop.json
+        before it is sent); an interrupt or a TERM from here only while no keeper passes it on."""
+        if ending.step is None or (ending.step != signal.SIGKILL and members.keeper_alive(run)):
+            return
+        now = found()
+        if ending.step == signal.SIGKILL:
+            new = [m for m in now if signal.SIGKILL not in ending.sent.get((m.pid, m.start), set())]
+            if new and stop_path and af and af.get("run") is not None:
+                killed.extend(m.record() for m in new)
+                write_json_atomic(stop_path, {**stop_rec, "killed": killed})
+        ending.deliver(now)
 
     def ended() -> bool:
         if af is None or af.get("run") is None:
+            if tagged:
+                return not found()
             cur = _pane(tmux_facts(req))
             return cur is None or cur.get("pane_dead") == "1"
         if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
             return True
+        if tagged:
+            return not members.keeper_alive(run) and not found()
         return _alive(attempt_facts(req, 0)) is None
 
     def wait(seconds: float) -> bool:
@@ -622,45 +606,68 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
         while time.monotonic() < deadline:
             if ended():
                 return True
+            deliver()  # a process whose parent died meanwhile is due now
             time.sleep(0.1)
         return ended()
+
+    def step(sig: int) -> bool:
+        """One step of the end; False when there was nobody to send it to."""
+        ending.ask(sig)
+        if sig != signal.SIGKILL and members.keeper_alive(run):
+            return members.send(run["keeper_pid"], run.get("keeper_start"), sig)
+        before = len(ending.killed), sum(map(len, ending.sent.values()))
+        deliver()
+        return (len(ending.killed), sum(map(len, ending.sent.values()))) != before
 
     steps = []
     pane = _pane(tf)
     if pane is not None and pane.get("pane_dead") == "0":
         _run(tmux.base(socket_name, tmux_bin) + ["send-keys", "-t", tmux.pane_target(session), "C-c"], env=env)
+        ending.ask(signal.SIGINT)
+        steps.append("interrupt")
+    elif tagged and step(signal.SIGINT):
         steps.append("interrupt")
     how = "interrupt"
     if not (steps and wait(grace)):
-        run = (af.get("run") if af else None) or {}
-        targets = [(run.get("child_pid"), run.get("child_start")), (run.get("pid"), run.get("pid_start"))]
-        if not run and pane is not None:
-            targets = [(int(pane["pane_pid"]), None)]
-        for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
-            sent = False
-            for pid, start_ticks in targets:
-                p = process_facts(pid, start_ticks)
-                if p and p["alive"]:
-                    try:
-                        os.kill(p["pid"], sig)
-                        sent = True
-                    except ProcessLookupError:
-                        pass
-                if sent:
-                    break  # the runner exits by itself once the command is gone
-            if sent:
-                how = name
-                steps.append(name)
+        if tagged:
+            for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
+                if ended():
+                    break
+                if step(sig):
+                    how = name
+                    steps.append(name)
                 if wait(grace if name == "term" else 5.0):
                     break
-            elif ended():
-                break
+        else:
+            targets = [(run.get("child_pid"), run.get("child_start")), (run.get("pid"), run.get("pid_start"))]
+            if not run and pane is not None:
+                targets = [(int(pane["pane_pid"]), None)]
+            for sig, name in ((signal.SIGTERM, "term"), (signal.SIGKILL, "kill")):
+                sent = False
+                for pid, start_ticks in targets:
+                    p = process_facts(pid, start_ticks)
+                    if p and p["alive"]:
+                        try:
+                            os.kill(p["pid"], sig)
+                            sent = True
+                        except ProcessLookupError:
+                            pass
+                    if sent:
+                        break  # the runner exits by itself once the command is gone
+                if sent:
+                    how = name
+                    steps.append(name)
+                    if wait(grace if name == "term" else 5.0):
+                        break
+                elif ended():
+                    break
     exit_rec = _read_json(os.path.join(adir, EXIT_JSON))[0] if adir else None
     return {
         "attempt": af.get("attempt") if af else None,
         "how": how,
         "steps": steps,
         "exit": exit_rec,
+        "killed": killed,
         "ended": ended(),
         "seconds": round(time.monotonic() - t0, 2),
     }
@@ -674,10 +681,20 @@ def stop(req: Request) -> dict[str, t.Any]:
 def _stop_locked(req: Request) -> dict[str, t.Any]:
     tf = tmux_facts(req)
     af = attempt_facts(req, 0)
+    start_id = _start_id(req)
+    if start_id is not None and ((af.get("run") if af else None) or {}).get("start_id") != start_id:
+        # "stop what start <id> started": it has not run (yet). Under the session lock, so either
+        # that start ran before us (and is stopped here) or it will find this mark and refuse.
+        try:
+            with open(_cancelled(req, start_id), "w"):
+                pass
+        except OSError as e:
+            raise _disk_refusal(e, f"cannot cancel start {start_id}") from None
+        return {"stopped": False, "cancelled": True, "reason": "that start has not run: it never will"}
     live = _alive(af)
     pane = _pane(tf)
     hand_started = (af is None or af.get("run") is None) and pane is not None and pane.get("pane_dead") == "0"
-    if live is None and not hand_started:
+    if live is None and not hand_started and not _leftovers(af):
         state = "nothing to stop"
         if af and af.get("exit"):
             state = f"attempt {af.get('attempt')} already ended"
@@ -743,7 +760,7 @@ def tail(req: Request) -> dict[str, t.Any]:
             why = f"the pane is dead; showing the log {log}"
         else:
             why = f"showing the log {log}"
-        data, size, _ = _tail_bytes(log, n)
+        data, size, _ = tail_bytes(log, n)
         lines = tmux.decode_lines(data)
         if size > TAIL_WINDOW and len(lines) < n:
             capped += f" (only the last {TAIL_WINDOW >> 20} MiB of the log are read)"

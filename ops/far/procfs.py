@@ -61,6 +61,31 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return None
 
 
+class Stat(t.NamedTuple):
+    """The fields of ``/proc/<pid>/stat`` the run's membership needs (see ops/far/members.py)."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    start: int  # clock ticks since boot: with the pid, the process's identity
+
+
+def stat(pid: int) -> Stat | None:
+    """``/proc/<pid>/stat`` as a ``Stat``, or None when there is no such process (or it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = raw[raw.rfind(")") + 2 :].split()  # comm may hold spaces and parentheses
+    try:
+        return Stat(pid, rest[0], int(rest[1]), int(rest[2]), int(rest[3]), int(rest[19]))
+    except (IndexError, ValueError):
+        return None
+
+
 def start_epoch(ticks: int | None) -> float | None:
     """Clock ticks since boot -> seconds since the epoch (on this machine's clock)."""
     bt = boot_time()

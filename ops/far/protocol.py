@@ -67,6 +67,19 @@ class MetricsFacts(t.TypedDict, total=False):
     error: str
 
 
+class MemberFacts(t.TypedDict):
+    """A live process of the session's runs (ops/far/members.py), as the agent found it."""
+
+    pid: int
+    start: int  # clock ticks since boot: (pid, start) is the process
+    ppid: int
+    pgid: int
+    sid: int
+    state: str
+    attempt: int | None  # the attempt its tag names (None: found below the keeper, without a tag)
+    argv: list[str]  # its first words, cut
+
+
 class AttemptFacts(t.TypedDict, total=False):
     dir: t.Required[str]
     attempt: t.Required[int | None]
@@ -76,6 +89,9 @@ class AttemptFacts(t.TypedDict, total=False):
     runner: ProcessFacts | None
     keeper: ProcessFacts | None
     child: ProcessFacts | None
+    # every live process of the session's runs (tagged, or below the live keeper); [] for a runner that
+    # tags nothing (run.json without "tag")
+    members: list[MemberFacts]
     log: LogFacts | None
     metrics: MetricsFacts | None
     errors: list[str]

@@ -11,6 +11,14 @@ Three processes, so that no single kill takes the evidence or the training down:
 - the command: its stdout and stderr ARE ``train.log`` (opened O_APPEND), so its output never depends
   on a pipe to another process staying alive.
 
+The run is every process the command starts (ops/far/members.py): the keeper is their subreaper and
+each carries the run's tag. An interrupt or a TERM meant for the run reaches them all (as a
+terminal's Ctrl-C reaches a job); ``exit.json`` is written once every one of them is gone. A command
+that ends while some of its processes still run ends its run, as systemd's KillMode=control-group
+has it: they get SIGTERM, then SIGKILL after ``--leftover-grace`` seconds (``left`` and ``killed`` in
+``exit.json`` name them). During a stop, the stop's steps end them; a stop that never finishes them (its
+agent was killed midway) is finished by the keeper, two stop graces and a leftover grace later.
+
 ``exit.json`` is written into a record pre-allocated at start (``.exit.reserved``, overwritten in place,
 then renamed), so a disk that filled up during the run cannot take the command's real end with it.
 SIGHUP is ignored (a dying tmux server or a killed session must not end training). The run's
@@ -33,20 +41,25 @@ import typing as t
 
 # The records' names and the process facts live in ops.far (shared with the agent and the release
 # program); re-exported here for the code that has always imported them from the runner.
+from ops.far import members
 from ops.far.atomic import write_json_atomic as write_json_atomic
 from ops.far.procfs import oom_kill_count as oom_kill_count
 from ops.far.procfs import pid1_start as pid1_start
 from ops.far.procfs import proc_stat as proc_stat
 from ops.far.procfs import start_epoch as start_epoch
 from ops.far.records import ENV_FILE as ENV_FILE
-from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED, STARTED_BY
+from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED, STARTED_BY, STOP_JSON, read_json
 from ops.far.records import METRICS as METRICS
-from ops.far.records import STOP_JSON as STOP_JSON
 
 RESERVE_BYTES = 16384  # room for a run record with a long command line
+MAX_NAMED = 8  # members named in exit.json's `left` and `killed` (each at most ~1.3 KB)
 # Less free space than this where the run writes is a full disk: `start` refuses, exit.json says so.
 DISK_FULL_BYTES = 1 << 20
 POLL = 0.1  # how often the pane is refreshed from the log while the command is quiet
+KEEPER_POLL = 0.2  # how often the keeper reaps (and, while a run ends, looks for its members)
+# A command that ended with processes still running: seconds from their SIGTERM to their SIGKILL
+# (the stop's default grace: time for a trainer's checkpoint).
+LEFTOVER_GRACE = 60.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,7 +213,14 @@ def parse_args(argv: t.Sequence[str]) -> t.Any:
     p.add_argument("--cwd", default=None, help="the command's working directory (entered by the runner)")
     p.add_argument("--python", default=None, help="the configured interpreter; its folder goes first on PATH")
     p.add_argument("--release", default=None)
+    p.add_argument("--start-id", default=None, help="the id of the start that made this run (run.json)")
     p.add_argument("--env-file", default=None, help="a JSON object of environment variables; read, then unlinked")
+    p.add_argument(
+        "--leftover-grace",
+        type=float,
+        default=LEFTOVER_GRACE,
+        help="seconds from the SIGTERM of what the ended command left running to its SIGKILL",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(list(argv))
     if args.command and args.command[0] == "--":
@@ -265,11 +285,14 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         "child_start": None,
         "keeper_pid": None,
         "keeper_start": None,
+        "tag": None,
+        "subreaper": None,
         "started_at": iso(time.time()),
         "started_ts": round(time.time(), 3),
         "command": list(args.command),
         "cwd": None,
         "release": args.release,
+        "start_id": args.start_id,
         "container_boot": boot[0],
         "container_boot_ticks": boot[1],
         "oom_kill": oom_kill_count(),
@@ -304,7 +327,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         os.close(ready_r)
         code = 70  # EX_SOFTWARE: the keeper itself failed
         try:
-            code = _keep(args.command, env, attempt_dir, record, log_fd, ready_w, pane)
+            code = _keep(args.command, env, attempt_dir, record, log_fd, ready_w, pane, args.leftover_grace)
         except BaseException:
             import traceback  # here: only when the keeper fails (the agent imports this module and must start fast)
 
@@ -315,9 +338,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     child_pid = _read_ready(ready_r)
 
     def forward(signum: int, _frame: t.Any) -> None:
+        # to the keeper, which passes it to every process of the run (it is our child: its pid cannot
+        # be reused before we reap it)
         if child_pid is not None:
             try:
-                os.kill(child_pid, signum)
+                os.kill(keeper, signum)
             except ProcessLookupError:
                 pass
 
@@ -361,29 +386,33 @@ def _keep(
     log_fd: int,
     ready_w: int,
     pane: Pane,
+    leftover_grace: float = LEFTOVER_GRACE,
 ) -> int:
-    """The keeper: start the command with the log as its stdout and stderr, record it, wait for it,
-    record its end. Its own session: no tty, no signal meant for the pane or the runner reaches it."""
+    """The keeper: start the command with the log as its stdout and stderr, record it, wait for it and
+    for every process it started, record its end. Its own session: no tty, no signal meant for the pane
+    or the runner reaches it."""
     os.setsid()
-    held: list[int] = []
-    child: list[subprocess.Popen[bytes]] = []
+    asked: list[int] = []  # interrupts and TERMs meant for the run, in the order they came
 
-    def forward(signum: int, _frame: t.Any) -> None:  # a TERM meant for the run, sent to the keeper
-        if child:
-            try:
-                child[0].send_signal(signum)
-            except ProcessLookupError:
-                pass
-        else:
-            held.append(signum)
+    def ask(signum: int, _frame: t.Any) -> None:
+        asked.append(signum)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, ask)
+    signal.signal(signal.SIGINT, ask)
     kst = proc_stat(os.getpid())
     record["keeper_pid"], record["keeper_start"] = os.getpid(), kst[1] if kst else None
+    # Orphans of the command's tree (a setsid'ed or double-forked child whose parent died) come to us,
+    # not to the container's init: we stay able to find, signal and reap them.
+    record["subreaper"] = members.become_subreaper()
+    tag = members.new_tag(str(record["session"]), int(record["attempt"]))
+    record["tag"] = tag
+    env = {**env, members.TAG: tag}
+    # The command leads a process group of its own, as a shell's job does: an interrupt reaches that
+    # group, as a terminal's Ctrl-C would (ops.far.members.gentle_due).
+    group: dict[str, t.Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     try:
         # stdin from /dev/null: nobody types into a training run.
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env)
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, env=env, **group)
     except OSError as e:
         code = 127 if e.errno == errno.ENOENT else 126
         note(log_fd, pane, f"cannot run {command[0]}: {e.strerror}")
@@ -391,7 +420,6 @@ def _keep(
         os.write(ready_w, b"0\n")
         _write_exit(attempt_dir, code, None, record, log_fd, pane)
         return code
-    child.append(proc)
     cst = proc_stat(proc.pid)
     record["child_pid"] = proc.pid
     record["child_start"] = cst[1] if cst else None
@@ -401,12 +429,113 @@ def _keep(
         os.write(ready_w, f"{proc.pid}\n".encode())
     except OSError:
         pass  # the runner is gone already: the keeper goes on alone
-    for signum in held:
-        forward(signum, None)
-    rc = proc.wait()
-    died_of = -rc if rc < 0 else None
-    _write_exit(attempt_dir, None if died_of else rc, died_of, record, log_fd, pane)
-    return 128 + died_of if died_of else rc
+    status, left, killed = _until_all_gone(proc.pid, tag, attempt_dir, asked, log_fd, pane, leftover_grace)
+    proc.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)  # reaped by us
+    died_of = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    rc = None if died_of else os.WEXITSTATUS(status)
+    _write_exit(attempt_dir, rc, died_of, record, log_fd, pane, left=left, killed=killed)
+    return 128 + died_of if died_of else (rc or 0)
+
+
+def _reap(command_pid: int) -> int | None:
+    """Reap every child that ended (the command, and orphans re-parented to us); the command's wait
+    status when it was among them."""
+    found = None
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if pid == 0:
+            return found
+        if pid == command_pid:
+            found = status
+
+
+def _until_all_gone(
+    command_pid: int,
+    tag: str,
+    attempt_dir: str,
+    asked: list[int],
+    log_fd: int,
+    pane: Pane,
+    leftover_grace: float,
+) -> tuple[int, list[dict[str, t.Any]], list[dict[str, t.Any]]]:
+    """Wait for the command and every process it started; pass each interrupt or TERM meant for the run
+    to all of them (``members.Ending``). Returns the command's wait status, the members still running
+    when it ended (``left``) and those that had to be SIGKILLed (``killed``: by us, or by a stop)."""
+    ending = members.Ending(command_pid)
+    status: int | None = None
+    left: list[members.Member] | None = None
+    stop_asked = False
+    term_at: float | None = None  # a stop's steps did not end them by then: we do (TERM, then KILL)
+    kill_at: float | None = None
+    while True:
+        reaped = _reap(command_pid)
+        if reaped is not None:
+            status = reaped
+        if asked:
+            stop_asked = True
+            ending.ask(asked[-1])
+            del asked[:]
+        if status is None and ending.step is None:
+            time.sleep(KEEPER_POLL)  # the common case: the command runs, nobody asked anything
+            continue
+        found = members.scan(tag=tag, keepers=[os.getpid()])
+        if status is not None and left is None:
+            left = found
+            if found:
+                how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
+                stopping = stop_asked or os.path.exists(os.path.join(attempt_dir, STOP_JSON))
+                if stopping:
+                    # The stop's own steps end them (its TERM and KILL come within two of its graces).
+                    # Should that stop never finish them (its dflashctl or agent was killed midway), we
+                    # do, one leftover grace later: nothing of the run waits forever for a stop.
+                    wait_s = 2 * _stop_grace(attempt_dir) + leftover_grace
+                    note(
+                        log_fd,
+                        pane,
+                        f"the command ended ({how}); waiting for {members.describe(found)} (the stop ends them; "
+                        f"if they still run {wait_s:g}s from now, they get SIGTERM, then SIGKILL)",
+                    )
+                    term_at = time.monotonic() + wait_s
+                else:
+                    # systemd's KillMode=control-group: the run ends with its command
+                    note(
+                        log_fd,
+                        pane,
+                        f"the command ended ({how}) and left {members.describe(found)} running: the run ends "
+                        f"with its command, so they get SIGTERM, then SIGKILL after {leftover_grace:g}s",
+                    )
+                    ending.ask(signal.SIGTERM)
+                    kill_at = time.monotonic() + leftover_grace
+        if status is not None and not found:
+            break
+        if term_at is not None and time.monotonic() >= term_at:
+            note(log_fd, pane, f"SIGTERM to {members.describe(found)}: the stop did not end them")
+            ending.ask(signal.SIGTERM)
+            term_at, kill_at = None, time.monotonic() + leftover_grace
+        ending.deliver(found)
+        if kill_at is not None and time.monotonic() >= kill_at:
+            note(log_fd, pane, f"SIGKILL to {members.describe(found)}: still running {leftover_grace:g}s after SIGTERM")
+            ending.ask(signal.SIGKILL)
+            ending.deliver(found)
+            kill_at = None
+        time.sleep(KEEPER_POLL)
+    killed = [m.record() for m in ending.killed]
+    stop, _ = read_json(os.path.join(attempt_dir, STOP_JSON))
+    for k in (stop or {}).get("killed") or []:  # the stop's last step (the agent's): named there first
+        if isinstance(k, dict) and all(k.get("pid") != m["pid"] or k.get("start") != m["start"] for m in killed):
+            killed.append({"pid": k.get("pid"), "start": k.get("start"), "argv": k.get("argv") or []})
+    assert status is not None
+    return status, [m.record() for m in left or []], killed
+
+
+def _stop_grace(attempt_dir: str) -> float:
+    """The grace of the stop asked for (stop.json), else the stop's default."""
+    stop, _ = read_json(os.path.join(attempt_dir, STOP_JSON))
+    grace = (stop or {}).get("grace")
+    return float(grace) if isinstance(grace, (int, float)) and not isinstance(grace, bool) and grace >= 0 else 60.0
 
 
 def _record(
@@ -461,9 +590,12 @@ def _write_exit(
     record: dict[str, t.Any],
     log_fd: int | None,
     pane: Pane | None,
+    *,
+    left: list[dict[str, t.Any]] | None = None,
+    killed: list[dict[str, t.Any]] | None = None,
 ) -> None:
     free = disk_free(attempt_dir)
-    rec = {
+    rec: dict[str, t.Any] = {
         "exit_code": exit_code,
         "signal": signum,
         "ended_at": iso(time.time()),
@@ -472,6 +604,10 @@ def _write_exit(
         "oom_kill_before": record.get("oom_kill"),
         "disk_free": free,
         "disk_full": free is not None and free < DISK_FULL_BYTES,
+        # the run's processes still running when the command ended, and those its end had to SIGKILL
+        # (the first MAX_NAMED of each: the record must fit the room reserved at start)
+        "left": (left or [])[:MAX_NAMED],
+        "killed": (killed or [])[:MAX_NAMED],
     }
     if not _record(attempt_dir, EXIT_JSON, EXIT_RESERVED, rec, log_fd, pane):
         how = f"signal {signum}" if signum else f"exit {exit_code}"

@@ -176,7 +176,8 @@ class GroupSupervisor(Supervisor):
             for node in self._last:
                 if node.state == State.STALLED:
                     inc.setdefault("stacks", {})[node.host] = save_stack(self._remote_of(hosts[node.host]), node)
-        live = [hosts[n.host] for n in self._last if n.state in _LIVE]
+        # the survivors, and what a node's dead keeper left running (a start refuses beside it)
+        live = [hosts[n.host] for n in self._last if n.state in _LIVE or n.cause == Cause.ORPHANS_LEFT]
         for o in fan_out(live, lambda h: run.stop(self._remote_of(h), self.session, grace=STOP_GRACE)):
             if o.error is not None:
                 raise o.error

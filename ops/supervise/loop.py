@@ -488,15 +488,16 @@ class Supervisor:
             remote.container.start()
             self.emit(f"container {remote.container.vmid} started; re-probing")
             return None
-        if d.action == STOP_THEN_RESTART:
+        if d.action == STOP_THEN_RESTART and st.state == State.STALLED:
             stack = save_stack(remote, st)
             inc["stack"] = stack
             if stack.get("saved"):
                 self.emit(f"saved the hung process's stack to {stack['saved']}")
             else:
                 self.emit(f"no stack saved: {stack.get('error')}")
-        # --replace only to stop a hung run: a crashed or lost one has no live process, and if
-        # one appeared since the probe (someone ran `dflashctl start`) the agent refuses.
+        # --replace only to stop a hung run or what a dead keeper left running (cause orphans-left):
+        # a crashed or lost run has no live process, and if one appeared since the probe (someone ran
+        # `dflashctl start`) the agent refuses.
         out = run.start(
             remote, self.session, replace=d.action == STOP_THEN_RESTART, started_by=self.started_by(st, d, inc)
         )

@@ -336,6 +336,16 @@ class Policy:
                     "`dflashctl start` is supervised afresh",
                 )
         if s == State.CRASHED:
+            if st.cause == Cause.ORPHANS_LEFT:
+                if st.stop_requested:
+                    return Decision(
+                        WAIT,
+                        "not restarted: a stop was requested, but processes of the run live on; "
+                        "`dflashctl stop` ends them",
+                    )
+                # Its keeper is gone, so nothing else will end them: stop them (TERM first, a trainer
+                # checkpoints), then start. A plain start would refuse to run beside them.
+                return self._failure(st, now, STOP_THEN_RESTART)
             if st.cause == Cause.CUDA_OOM and not o.retry_oom:
                 return Decision(
                     WAIT,

@@ -123,6 +123,48 @@ def test_durable_evidence_decides_before_tmux() -> None:
     assert (st.state, st.cause) == ("lost", "tmux-server-killed")
 
 
+def test_a_run_is_never_ended_while_a_process_of_it_lives() -> None:
+    """Its processes decide before the records do: the command and its keeper gone, or even an exit record
+    written, a live member keeps the run open (crashed, orphans-left); the keeper alive and the command
+    gone is a run that is ending."""
+    facts = copy.deepcopy(load("crashed-orphans-left")["facts"])
+    att = facts["agent"]["attempt"]
+    trainer = att["members"][0]["pid"]
+    st = probe.classify(facts)
+    assert (st.state, st.cause, st.pid, st.fingerprint) == ("crashed", "orphans-left", trainer, "orphans-left")
+    assert [m["pid"] for m in st.to_json()["members"]] == [trainer] and not st.stop_requested
+    att["exit"] = {"exit_code": 0, "signal": None, "ended_at": "2026-11-29T16:00:00Z", "left": [], "killed": []}
+    st = probe.classify(facts)
+    assert (st.state, st.cause, st.exit_code) == ("crashed", "orphans-left", 0), "exit 0 with a live member"
+    att["exit"] = None
+    att["stop"] = {"requested_at": "2026-11-29T16:00:00Z", "reason": "stop", "grace": 60}
+    st = probe.classify(facts)
+    assert (st.state, st.cause) == ("crashed", "orphans-left") and st.stop_requested
+    assert "run `dflashctl stop` again" in (st.detail or "")
+    att["stop"] = None
+    att["keeper"]["alive"] = True  # the keeper is ending them
+    st = probe.classify(facts)
+    assert st.state == "running" and st.pid == trainer
+    assert any("the keeper ends them" in e for e in st.evidence), st.evidence
+    att["members"] = []
+    att["keeper"]["alive"] = False
+    st = probe.classify(facts)
+    assert (st.state, st.cause) == ("lost", "unknown"), "nothing of it lives: the old verdict"
+
+
+def test_exit_json_names_what_the_command_left_and_what_had_to_be_killed() -> None:
+    facts = copy.deepcopy(load("crashed-signal")["facts"])
+    att = facts["agent"]["attempt"]
+    att["run"]["tag"] = "dflash/1/0123456789ab"
+    att["members"] = []
+    left = [{"pid": 30, "start": 5, "argv": ["python", "/root/train.py"]}]
+    att["exit"].update(left=left, killed=left)
+    st = probe.classify(facts)
+    assert (st.state, st.cause, st.signal) == ("crashed", "signal", 9) and st.members == []
+    assert any("left 1 process running when it ended (pid 30 (python train.py))" in e for e in st.evidence)
+    assert any("1 process had to be killed (SIGKILL): pid 30 (python train.py)" in e for e in st.evidence)
+
+
 def test_stalled_only_after_hang_after_and_startup_grace() -> None:
     facts = copy.deepcopy(load("stalled")["facts"])
     assert probe.classify(facts).state == "stalled"

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops.far import runner
+from ops.far import procfs, runner
 from testkit import pid_alive, retry_until
 from testkit.runkit import FAKE_TRAIN as FAKE
 
@@ -162,6 +162,8 @@ def test_bytes_pass_through_raw(tmp_path: Path) -> None:
 
 
 def test_grandchild_holding_the_pipe_does_not_hold_the_runner(tmp_path: Path) -> None:
+    """A command that exits and leaves a child running ends its run (systemd's KillMode=control-group):
+    the child gets SIGTERM, exit.json waits for it and names it in `left`."""
     adir = tmp_path / "a"
     p = subprocess.run(
         runner_argv(adir, "sh", "-c", "sleep 30 & echo $! > bg.pid; echo parent done; exit 4"),
@@ -169,14 +171,95 @@ def test_grandchild_holding_the_pipe_does_not_hold_the_runner(tmp_path: Path) ->
         timeout=25,
         cwd=tmp_path,
     )
+    bg = int((tmp_path / "bg.pid").read_text())
     try:
         assert p.returncode == 4
-        assert read(adir, "exit.json")["exit_code"] == 4
-        assert "parent done" in (adir / "train.log").read_text()
+        ex = read(adir, "exit.json")
+        assert ex["exit_code"] == 4 and [m["pid"] for m in ex["left"]] == [bg] and ex["killed"] == []
+        assert not pid_alive(bg), "exit.json comes once the leftover is gone"
+        log = (adir / "train.log").read_text()
+        assert "parent done" in log and f"left pid {bg} (sleep 30) running" in log
     finally:
-        bg = int((tmp_path / "bg.pid").read_text())
         if pid_alive(bg):
             os.kill(bg, signal.SIGKILL)
+
+
+def test_what_ignores_the_leftover_term_is_killed_after_the_grace_and_named(tmp_path: Path) -> None:
+    adir = tmp_path / "a"
+    # it ignores TERM once it printed its first line: the command exits then
+    ready = 'until grep -q "^line 1" "$DFLASH_RUN_DIR/train.log"; do sleep 0.05; done'
+    command = f"{sys.executable} {FAKE} --lines 1 --steps 1 --until never --ignore-signals & {ready}; exit 0"
+    argv = runner_argv(adir, "sh", "-c", command)
+    argv[argv.index("--") : argv.index("--")] = ["--leftover-grace", "0.5"]
+    p = subprocess.run(argv, capture_output=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    ex = read(adir, "exit.json")
+    assert len(ex["left"]) == 1 and ex["killed"] == ex["left"], ex
+    assert not pid_alive(ex["left"][0]["pid"])
+    assert "SIGKILL to pid" in (adir / "train.log").read_text()
+
+
+def test_a_stop_that_never_finishes_its_steps_is_finished_by_the_keeper(tmp_path: Path) -> None:
+    """A stop was asked for (stop.json) and the command ended, but that stop never sent its TERM and
+    KILL (its dflashctl or agent was killed midway): the keeper ends what is left itself, two stop
+    graces and a leftover grace later, instead of waiting for it forever."""
+    adir = tmp_path / "a"
+    go, end = tmp_path / "go", tmp_path / "end"
+    ready = 'until grep -q "^line 1" "$DFLASH_RUN_DIR/train.log"; do sleep 0.05; done'
+    command = (
+        f"{sys.executable} {FAKE} --lines 1 --steps 1 --until {end} --ignore-signals & {ready}; "
+        f"until [ -e {go} ]; do sleep 0.05; done; exit 0"
+    )
+    argv = runner_argv(adir, "sh", "-c", command)
+    argv[argv.index("--") : argv.index("--")] = ["--leftover-grace", "0.3"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        retry_until(lambda: (adir / "train.log").exists() and "line 1" in (adir / "train.log").read_text(), 20)
+        stop = {"requested_at": "2026-12-01T15:00:00Z", "grace": 0.1, "reason": "stop", "by": "dflashctl"}
+        (adir / "stop.json").write_text(json.dumps(stop))
+        go.touch()  # the command ends; the stop that was asked for sends nothing more
+        assert proc.wait(timeout=60) == 0
+        ex = read(adir, "exit.json")
+        assert len(ex["left"]) == 1 and ex["killed"] == ex["left"], ex
+        assert not pid_alive(ex["left"][0]["pid"])
+        log = (adir / "train.log").read_text()
+        assert "the stop did not end them" in log and "SIGKILL to pid" in log, log
+    finally:
+        end.touch()  # a trainer the code under test left running ends by itself
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_double_forked_child_comes_back_to_the_keeper_and_is_ended_with_the_run(tmp_path: Path) -> None:
+    """The keeper is a child subreaper: a child whose parent exited (a daemon's double fork) is
+    re-parented to it, not to init, and the run's SIGTERM reaches it."""
+    adir = tmp_path / "a"
+    until = tmp_path / "go"
+    daemon = "sh -c 'echo $$ > bg.pid; exec sleep 600' &"
+    proc = subprocess.Popen(
+        runner_argv(adir, "sh", "-c", f"({daemon}); exec {sys.executable} {FAKE} --steps 1 --until {until}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        run = retry_until(lambda: (adir / "run.json").exists() and read(adir, "run.json"), 20)
+        bg = retry_until(lambda: (tmp_path / "bg.pid").exists() and int((tmp_path / "bg.pid").read_text() or 0), 20)
+        assert run["subreaper"] is True and run["tag"].startswith("s/1/")
+        assert retry_until(lambda: runner.proc_stat(bg) and _ppid(bg) == run["keeper_pid"], 10)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+        assert not pid_alive(bg) and not pid_alive(run["child_pid"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if (tmp_path / "bg.pid").exists() and pid_alive(int((tmp_path / "bg.pid").read_text() or 0)):
+            os.kill(int((tmp_path / "bg.pid").read_text()), signal.SIGKILL)
+
+
+def _ppid(pid: int) -> int | None:
+    st = procfs.stat(pid)
+    return st.ppid if st else None
 
 
 def test_usage_errors(tmp_path: Path) -> None:

@@ -138,6 +138,15 @@ def test_succeeded_is_done_and_stopped_is_reported_once_then_watched() -> None:
     assert (d.action, d.new) == (DONE, True)
 
 
+def test_what_a_dead_keeper_left_running_is_stopped_then_restarted_unless_a_stop_was_asked() -> None:
+    orphans = status("crashed", 1, cause="orphans-left", fp="orphans-left", detail="pid 21 (python train.py)")
+    d = policy().observe(orphans, T0)
+    assert (d.action, d.new) == (STOP_THEN_RESTART, True) and d.reason.startswith("stop and restart in "), d
+    orphans.stop_requested = True  # a stop was asked for and did not end them: a human's job
+    d = policy().observe(orphans, T0)
+    assert (d.action, d.new) == (WAIT, True) and "`dflashctl stop`" in d.reason, d
+
+
 def test_cuda_oom_is_restarted_only_with_retry_oom() -> None:
     oom = crashed(1, at=T0, fp=OOM, cause="cuda-oom")
     d = policy().observe(oom, T0)

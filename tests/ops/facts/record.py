@@ -306,6 +306,28 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("lost")
 
 
+@scenario(
+    "crashed-orphans-left",
+    "a start script runs the trainer as its child; the keeper, then the script, SIGKILLed: the trainer lives on",
+    state="crashed",
+    cause="orphans-left",
+    exit_code=None,
+    signal=None,
+)
+def _(p: Player) -> dict[str, t.Any]:
+    p.reset(*p.forever())
+    script = p.hosts.workdir.parent / "start_training.sh"
+    script.write_text("#!/bin/sh\n" + " ".join(train_command(*p.forever())) + "\necho the trainer ended\n")
+    script.chmod(0o755)
+    p.hosts.write(command=[str(script)])
+    p.start()
+    retry_until(lambda: p.steps() >= 1, 20)
+    run = p.run_json()
+    p.inside("kill", "-KILL", str(run["keeper_pid"]))
+    p.inside("kill", "-KILL", str(run["child_pid"]))
+    return p.wait_state("crashed")
+
+
 @scenario("lost-container-restart", "container rebooted under the run", state="lost", cause="container-restart")
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
