@@ -157,12 +157,14 @@ class Renderer:
                 answer = answer[: answer.rindex(self.eos_text) + len(self.eos_text)]
             p_enc, a_enc = self.tokenizer([prompt, answer], add_special_tokens=False)["input_ids"]
             p_ids, a_ids = list(p_enc), list(a_enc)
+            go_on = bool(ids) and p_ids[: len(ids)] == ids  # the sequence so far is what serving shows
             if max_len is not None and len(p_ids) >= max_len:
                 out.too_long = True
-                break
+                if not go_on or not a_ids:  # a new sequence whose first supervised token is past the cut
+                    break
             if not a_ids:
                 continue
-            if ids and p_ids[: len(ids)] == ids:  # the sequence so far is what serving shows: go on in it
+            if go_on:
                 mask += [0] * (len(p_ids) - len(ids))
                 ids = p_ids
             else:
@@ -171,6 +173,8 @@ class Renderer:
                 ids, mask = p_ids, [0] * len(p_ids)
             ids = ids + a_ids
             mask = mask + [1] * len(a_ids)
+            if out.too_long:  # this turn completes the sequence the cut keeps (the bytes of a whole render)
+                break
         if ids:
             out.sequences.append(Sequence(ids, mask))
         return out
