@@ -16,7 +16,7 @@ from engine_double import EngineDouble
 from dflash import engine_metrics
 from dflash.__main__ import main
 from dflash.serve_bench import percentile, sha256_file
-from ops.testing import free_port
+from testkit import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # the double's cycle (3, 1, 2, 0): requests of 1 + 2 * 10 tokens take 8 verify steps, accepting 12 drafts
