@@ -825,9 +825,9 @@ def bench_serve(
         kwargs = None
         if template_kwargs is not None:
             try:
-                kwargs = json.loads(template_kwargs)
-            except ValueError as e:
-                raise ServeBenchError(f"bench serve: --template-kwargs: not valid JSON: {e}") from None
+                kwargs = inputs.loads(template_kwargs)
+            except inputs.JsonProblem as e:
+                raise ServeBenchError(f"bench serve: --template-kwargs: {e}") from None
             if not isinstance(kwargs, dict):
                 raise ServeBenchError("bench serve: --template-kwargs: expected a JSON object")
         offline = offline_from_report(eval_path, prompts_path) if eval_path else None

@@ -112,9 +112,15 @@ def _read_report(path: Path) -> dict[str, t.Any]:
 def _target_config(run: dict[str, t.Any]) -> dict[str, t.Any] | None:
     """The run's target config.json (a local folder), or None (a tiny target, or a folder moved away)."""
     path = (run.get("target") or {}).get("path")
+    return _config_json(path) if path else None
+
+
+def _config_json(folder: t.Any) -> dict[str, t.Any] | None:
+    """A model folder's config.json (a user's file: read bounded, ``inputs.read_json``), or None when it
+    is missing or no JSON object."""
     try:
-        data = json.loads((Path(str(path)) / ckpt.CONFIG_FILE).read_text()) if path else None
-    except (OSError, ValueError):
+        data = inputs.read_json(Path(str(folder)).expanduser() / ckpt.CONFIG_FILE, "config.json")
+    except inputs.InputFileError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -143,11 +149,8 @@ def _verifier(run: dict[str, t.Any], verifier: str | None) -> tuple[str, list[st
             "--verifier PATH (the run's target is not a local folder)"
         )
     for where in (name, target_path):
-        try:
-            data = json.loads((Path(str(where)).expanduser() / ckpt.CONFIG_FILE).read_text()) if where else None
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("architectures"), list):
+        data = _config_json(where) if where else None
+        if data is not None and isinstance(data.get("architectures"), list):
             return name, [str(a) for a in data["architectures"]]
     raise ExportError(
         f"--verifier {name}: no config.json with architectures there (nor in the run's target folder): "

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import outputs
+from dflash import inputs, outputs
 from dflash.chat import (
     BadRecord,
     Renderer,
@@ -89,10 +89,12 @@ class TokenStore:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        try:
-            self.meta = json.loads((self.path / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise StoreError(f"data.path: {self.path} is not a token store (meta.json: {e})") from None
+        try:  # a user's folder: its meta.json read bounded, like every JSON a user hands us
+            self.meta = inputs.read_json(self.path / "meta.json", "meta.json")
+        except inputs.InputFileError as e:
+            raise StoreError(f"data.path: {self.path} is not a token store ({e})") from None
+        if not isinstance(self.meta, dict):
+            raise StoreError(f"data.path: {self.path} is not a token store (meta.json: not a JSON object)")
         if self.meta.get("format") != STORE_FORMAT:
             raise StoreError(f"data.path: {self.path}: unknown store format {self.meta.get('format')!r}")
         n = int(self.meta["counts"]["sequences"])

@@ -368,3 +368,20 @@ def test_an_eval_report_with_figures_that_are_not_numbers_is_refused(
     assert export_main(capsys, str(ckpt), str(tmp_path / "o"), "--eval", str(report))[0] == 0
     card = (tmp_path / "o" / "README.md").read_text()
     assert "tau 3.50" in card and "0.50 0.25" in card
+
+
+def test_a_verifier_config_json_nested_too_deeply_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Smaller, the class not the case: `export --format speculators --verifier DIR` read DIR/config.json with
+    json.loads, and one nested 100000 deep was a RecursionError traceback."""
+    ckpt = save_checkpoint(tmp_path / "checkpoints", step=1, drafter=new_drafter(), trainer_state={})
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    rc, err = export_main(
+        capsys, str(ckpt), str(tmp_path / "out"), "--format", "speculators", "--verifier", str(verifier)
+    )
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"dflash: --verifier {verifier}: no config.json with architectures there"), err
+    assert not (tmp_path / "out").exists()

@@ -131,3 +131,33 @@ def test_check_out_sees_through_links_and_relative_paths(tmp_path: Path, monkeyp
             check_out(out, what="x: --out", kind="file", sources=sources)
         assert str(e.value).startswith(line), (out, e.value)
     assert json.loads((work / "data.jsonl").read_text()) == {}
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_the_other_readers_of_a_users_json_are_bounded_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Smaller, the class not the case: a store's meta.json (data.path) and bench serve's --template-kwargs
+    nested 100000 deep were a RecursionError traceback (json.loads raises it, not a ValueError)."""
+    from dflash.__main__ import main
+    from dflash.store import StoreError, TokenStore
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "meta.json").write_text(DEEP)
+    with pytest.raises(StoreError) as e:
+        TokenStore(store)
+    assert str(e.value) == (
+        f"data.path: {store} is not a token store (meta.json: {store / 'meta.json'} is not JSON (nested too deeply))"
+    )
+    (store / "meta.json").write_text("[1, 2]")
+    with pytest.raises(StoreError, match=r"meta.json: not a JSON object\)$"):
+        TokenStore(store)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [1, 2, 3]}\n')
+    capsys.readouterr()
+    rc = main(
+        ["bench", "serve", "--server", "http://127.0.0.1:9", "--prompts", str(prompts), "--template-kwargs", DEEP]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "bench serve: --template-kwargs: not valid JSON: nested too deeply\n", err
