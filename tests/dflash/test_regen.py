@@ -864,6 +864,59 @@ def test_ctrl_c_ends_regen_without_waiting_for_the_requests_in_flight(target: Pa
     assert "Traceback" not in err and not (tmp_path / "new.jsonl").exists()
 
 
+TWO_TARGETS = """
+import sys
+from dflash.chat import Renderer, load_tokenizer
+from dflash.regen import HFGenerator, RegenSpec, load_hf, regen
+from dflash.config import load_config
+
+cfg = load_config(sys.argv[1])
+tok = load_tokenizer(str(cfg.target.path))
+renderer = Renderer(tok, dict(cfg.data.chat_template_kwargs))
+(one,) = load_hf(cfg, tok, batch_size=1)
+# two targets as two GPUs would give (here: one CPU model twice; `devices.targets` keeps one replica a device)
+gens = [one, HFGenerator(one.model, tok, batch_size=1, identity=one.identity)]
+spec = RegenSpec(src=sys.argv[2], out=sys.argv[3], kwargs=renderer.kwargs, max_new_tokens=int(sys.argv[4]),
+                 max_len=cfg.data.max_length, shard_lines=1)
+try:
+    regen(spec, gens, renderer, log=lambda m: None)
+except KeyboardInterrupt:
+    print("aborted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_stops_every_hf_target_not_after_the_whole_corpus(target: Path, tmp_path: Path) -> None:
+    """M5 with the hf backend and several targets: Ctrl-C left the pool's `with` waiting for its threads,
+    which went on through every shard left before the process ended. A real SIGINT to a real process."""
+    good = [r for r in CORPUS if isinstance(r, dict) and ("messages" in r or "conversations" in r)]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(good[k % len(good)]) + "\n" for k in range(40)))
+    cfg = write_config(tmp_path / "run.toml", target)
+    out = tmp_path / "new.jsonl"
+    parts = tmp_path / "new.jsonl.partial" / "parts"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_TARGETS, str(cfg), str(src), str(out), "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+
+    def done() -> int:
+        return sum(1 for p in parts.iterdir() if not p.name.endswith(".tmp")) if parts.is_dir() else 0
+
+    try:
+        retry_until(lambda: done() >= 1 or proc.poll() is not None, 180)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)  # a guard, not a timing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "aborted", err
+    assert done() < 40, "both targets stopped: the shards left were not all generated first"
+    assert not out.exists()
+
+
 def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -875,7 +928,9 @@ def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
         rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src, str(ro / "new.jsonl")))
     assert rc == 2 and err == f"regen: --out {ro / 'new.jsonl'}: cannot write into {ro}: Operation not permitted\n"
     rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src, str(src)))
-    assert rc == 2 and err == f"regen: --out {src} is the input {src}: nothing is written\n" and err.count("\n") == 1, err
+    assert rc == 2 and err == f"regen: --out {src} is the input {src}: nothing is written\n" and err.count("\n") == 1, (
+        err
+    )
     if os.geteuid() != 0 or not shutil.which("unshare"):
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail("CI=true: the full-disk half needs root and unshare", pytrace=False)
