@@ -35,9 +35,10 @@ _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON can spell a surro
 _CONTAINERS = (dict, list)
 
 
-class JsonProblem(ValueError):
+class JsonProblem(InputError, ValueError):
     """Not usable JSON: ``reason`` is ``bad-json`` (not JSON, too deep, NaN) or ``bad-text`` (not text);
-    the message is "not valid JSON: DETAIL" or "not text: DETAIL"."""
+    the message is "not valid JSON: DETAIL" or "not text: DETAIL". Callers catch it and say where (file,
+    line); under the error root all the same (exit 2) should one ever reach ``main``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{'not text' if reason == 'bad-text' else 'not valid JSON'}: {detail}")

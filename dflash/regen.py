@@ -67,7 +67,7 @@ from dflash.corpus import (
     start_parts,
     tabular_kind,
 )
-from dflash.errors import DflashError, InputError
+from dflash.errors import DflashError, Failed, InputError
 
 FORMAT = "dflash-regen/1"
 COMMAND = "regen"  # what its messages start with
@@ -540,8 +540,9 @@ class OpenAIGenerator:
         return out
 
 
-class _Retry(Exception):
-    """A try that failed the way a retry may mend (a timeout, a reset, an endless answer)."""
+class _Retry(Failed):
+    """A try that failed the way a retry may mend (a timeout, a reset, an endless answer); ``request`` catches
+    it (under the error root all the same: exit 1, one line)."""
 
 
 def _shut(conn: http.client.HTTPConnection) -> None:
