@@ -30,7 +30,7 @@ import typing as t
 
 import click
 
-from dflash import eval_plot, suites
+from dflash import eval_plot, inputs, outputs, suites
 from dflash.chat import Renderer, load_tokenizer
 from dflash.config import ConfigError, load_config
 from dflash.corpus import drop_lines
@@ -172,6 +172,7 @@ def prepare_data_cmd(
     if (config_path is None) == (tokenizer_path is None):
         fail("prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH")
     kwargs: dict[str, t.Any] = {}
+    vocab_size: int | None = None
     if config_path is not None:
         if template_kwargs is not None:
             fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
@@ -187,11 +188,13 @@ def prepare_data_cmd(
                 load_tokenizer(tokenizer_path)
             except DataError:
                 tokenizer_path = None
+        if tokenizer_path is None:  # pre-tokenized ids are checked against the target's vocabulary instead
+            vocab_size = _target_vocab(cfg)
     elif template_kwargs is not None:
         try:
-            kwargs = json.loads(template_kwargs)
-        except json.JSONDecodeError as e:
-            fail(f"prepare-data: --template-kwargs: not valid JSON: {e}")
+            kwargs = inputs.loads(template_kwargs)
+        except inputs.JsonProblem as e:
+            fail(f"prepare-data: --template-kwargs: {e}")
         if not isinstance(kwargs, dict):
             fail("prepare-data: --template-kwargs: expected a JSON object")
     spec = PrepareSpec(
@@ -203,6 +206,7 @@ def prepare_data_cmd(
         workers=workers,
         strict=strict,
         shard_lines=shard_lines,
+        vocab_size=vocab_size,
     )
     try:
         meta = prepare(spec, log=lambda m: click.echo(m, err=True))
@@ -222,6 +226,19 @@ def prepare_data_cmd(
         click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
     for line in drop_lines("prepare-data", meta["drops"]):
         click.echo(line)
+
+
+def _target_vocab(cfg: t.Any) -> int | None:
+    """The vocabulary of the run's target without loading it: target.tiny, else its config.json."""
+    if cfg.target.tiny is not None:
+        return int(cfg.target.tiny.vocab_size)
+    try:
+        data = inputs.read_json(f"{cfg.target.path}/config.json", "target.path")
+    except inputs.InputFileError:
+        return None
+    text = data.get("text_config") if isinstance(data, dict) and isinstance(data.get("text_config"), dict) else data
+    vocab = text.get("vocab_size") if isinstance(text, dict) else None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
 
 
 @cli.command("regen")
@@ -519,6 +536,8 @@ def eval_cmd(
     before = None
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")
+    if json_path:  # said before the (long) eval, not after it
+        outputs.check_out(json_path, what="eval: --json", kind="file")
     if plot_path:  # said before the (long) eval, not after it
         eval_plot.check_out(plot_path)
         eval_plot.require_matplotlib()
@@ -589,9 +608,8 @@ def eval_cmd(
     )
     for line in report.lines():
         click.echo(line)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(json.dumps(report.to_json(), indent=1) + "\n")
+    if json_path:  # the report is on stdout already: a failure here loses nothing
+        _write_json(json_path, report.to_json(), command="eval")
     if plot_path:
         eval_plot.draw(plot_path, [before, report.to_json()] if before else [report.to_json()])
         click.echo(f"plot: {plot_path}")
@@ -742,6 +760,8 @@ def bench_pipeline(
     """The real pipeline with simulated workers: Ktok/s against min(target supply, drafter demand)."""
     from dflash.simulate import BenchSpec, dump_json, format_result, run_bench
 
+    if json_path:
+        outputs.check_out(json_path, what="bench pipeline: --json", kind="file")
     slow = _slowdowns(drafter_slowdown)
     for j in slow:
         if j >= drafters:
@@ -784,7 +804,7 @@ def bench_pipeline(
         quiet.setLevel(level)
     click.echo(format_result(res))
     if json_path:
-        with open(json_path, "w") as f:
+        with outputs.writing(command="bench pipeline", where=json_path), open(json_path, "w") as f:
             f.write(dump_json(res) + "\n")
 
 
@@ -886,6 +906,8 @@ def bench_serve(
         suite_prompts,
     )
 
+    if json_path:
+        outputs.check_out(json_path, what="bench serve: --json", kind="file")
     try:
         levels = parse_concurrency(concurrency)
         if eval_path and drafter_path:
@@ -909,9 +931,9 @@ def bench_serve(
         kwargs = None
         if template_kwargs is not None:
             try:
-                kwargs = json.loads(template_kwargs)
-            except ValueError as e:
-                raise ServeBenchError(f"bench serve: --template-kwargs: not valid JSON: {e}") from None
+                kwargs = inputs.loads(template_kwargs)
+            except inputs.JsonProblem as e:
+                raise ServeBenchError(f"bench serve: --template-kwargs: {e}") from None
             if not isinstance(kwargs, dict):
                 raise ServeBenchError("bench serve: --template-kwargs: expected a JSON object")
         offline = offline_from_report(eval_path, prompts_sha256) if eval_path else None
@@ -953,8 +975,13 @@ def bench_serve(
     for line in report.lines():
         click.echo(line)
     if json_path:
-        with open(json_path, "w") as f:
-            f.write(json.dumps(report.to_json(), indent=1) + "\n")
+        _write_json(json_path, report.to_json(), command="bench serve")
+
+
+def _write_json(path: str, data: t.Any, *, command: str) -> None:
+    """A report as JSON; a failed write (a full disk) is one line, exit 1."""
+    with outputs.writing(command=command, where=path), open(path, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ import json
 import typing as t
 from pathlib import Path
 
+from dflash import inputs
 from dflash.errors import DataError, InputError
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
@@ -53,15 +54,16 @@ class Sequence:
 class Rendered:
     sequences: list[Sequence]
     dropped_turns: int = 0  # assistant turns serving never shows (template mismatch)
+    too_long: bool = False  # rendering stopped at a turn whose prompt alone fills max_len
 
 
 def parse_record(raw: bytes) -> dict[str, t.Any]:
+    """One record of a corpus (a JSON line): read by ``inputs.loads``, so its text is text a tokenizer
+    encodes (``bad-text``: a lone surrogate) and its nesting bounded (``bad-json``)."""
     try:
-        rec = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRecord("bad-json", f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRecord("bad-json", "not valid JSON: nested too deeply") from None
+        rec = inputs.loads(raw)
+    except inputs.JsonProblem as e:
+        raise BadRecord(e.reason, str(e)) from None
     if not isinstance(rec, dict):
         raise BadRecord("not-an-object", "expected a JSON object")
     return rec
@@ -91,7 +93,8 @@ def messages_of(rec: t.Mapping[str, t.Any], *, need_assistant: bool = True) -> l
     return out
 
 
-def pretokenized(rec: t.Mapping[str, t.Any]) -> Sequence:
+def pretokenized(rec: t.Mapping[str, t.Any], *, vocab_size: int | None = None) -> Sequence:
+    """A pre-tokenized record; with ``vocab_size`` (the tokenizer's), an id outside it is ``out-of-vocab``."""
     ids = rec.get("input_ids")
     if (
         not isinstance(ids, list)
@@ -99,6 +102,11 @@ def pretokenized(rec: t.Mapping[str, t.Any]) -> Sequence:
         or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32 for x in ids)
     ):
         raise BadRecord("bad-tokens", "input_ids: expected a non-empty list of token ids")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        j = next(j for j, x in enumerate(ids) if x >= vocab_size)
+        raise BadRecord(
+            "out-of-vocab", f"input_ids[{j}] = {ids[j]} is outside the tokenizer's vocabulary ({vocab_size} ids)"
+        )
     mask = rec.get("loss_mask")
     if mask is None:
         return Sequence(ids, [1] * len(ids))
@@ -128,9 +136,14 @@ class Renderer:
         prompt, tokenized as a whole (the template writes BOS itself, so no special tokens are added)."""
         return list(self.tokenizer(self._text(messages, True), add_special_tokens=False)["input_ids"])
 
-    def render(self, messages: list[dict[str, str]]) -> Rendered:
+    def render(self, messages: list[dict[str, str]], *, max_len: int | None = None) -> Rendered:
+        """Every assistant turn serving shows, in the context it shows it (module doc). With ``max_len``
+        rendering stops at the first turn whose prompt alone has ``max_len`` tokens: none of its tokens, nor
+        of any later turn's (whose prompt holds this one), survives the cut to ``max_len``, and rendering
+        them would cost the square of the turns."""
         out = Rendered([])
-        texts: list[str] = []  # prompt_k, answer_k, ... of the turns serving shows
+        ids: list[int] = []
+        mask: list[int] = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
@@ -142,17 +155,16 @@ class Renderer:
             answer = full[len(prompt) :]
             if self.eos_text and self.eos_text in answer:  # the template's tail after EOS is not generated
                 answer = answer[: answer.rindex(self.eos_text) + len(self.eos_text)]
-            texts += [prompt, answer]
-        if not texts:
-            return out
-        enc = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # one call: less per-call overhead
-        ids: list[int] = []
-        mask: list[int] = []
-        for p_ids, a_ids in zip(enc[0::2], enc[1::2]):
-            p_ids, a_ids = list(p_ids), list(a_ids)
+            p_enc, a_enc = self.tokenizer([prompt, answer], add_special_tokens=False)["input_ids"]
+            p_ids, a_ids = list(p_enc), list(a_enc)
+            go_on = bool(ids) and p_ids[: len(ids)] == ids  # the sequence so far is what serving shows
+            if max_len is not None and len(p_ids) >= max_len:
+                out.too_long = True
+                if not go_on or not a_ids:  # a new sequence whose first supervised token is past the cut
+                    break
             if not a_ids:
                 continue
-            if ids and p_ids[: len(ids)] == ids:  # the sequence so far is what serving shows: go on in it
+            if go_on:
                 mask += [0] * (len(p_ids) - len(ids))
                 ids = p_ids
             else:
@@ -161,19 +173,30 @@ class Renderer:
                 ids, mask = p_ids, [0] * len(p_ids)
             ids = ids + a_ids
             mask = mask + [1] * len(a_ids)
+            if out.too_long:  # this turn completes the sequence the cut keeps (the bytes of a whole render)
+                break
         if ids:
             out.sequences.append(Sequence(ids, mask))
         return out
 
 
-def record_sequences(rec: t.Mapping[str, t.Any], renderer: Renderer | None) -> Rendered:
-    """Any accepted record -> its sequences (BadRecord when unusable)."""
+def record_sequences(
+    rec: t.Mapping[str, t.Any],
+    renderer: Renderer | None,
+    *,
+    max_len: int | None = None,
+    vocab_size: int | None = None,
+) -> Rendered:
+    """Any accepted record -> its sequences (BadRecord when unusable). ``max_len``: rendering stops where
+    the cut to it would (``Renderer.render``); ``vocab_size``: pre-tokenized ids must be below it."""
     if "input_ids" in rec:
-        return Rendered([pretokenized(rec)])
+        return Rendered([pretokenized(rec, vocab_size=vocab_size)])
     msgs = messages_of(rec)
     if renderer is None:
         raise BadRecord("no-tokenizer", "a chat record needs the target's tokenizer (--config or --tokenizer)")
-    rendered = renderer.render(msgs)
+    rendered = renderer.render(msgs, max_len=max_len)
+    if not rendered.sequences and rendered.too_long:
+        raise BadRecord("prompt-too-long", f"the first assistant turn's prompt fills max_len ({max_len} tokens)")
     if not rendered.sequences:
         raise BadRecord("template-mismatch", "no assistant turn renders as serving shows it")
     return rendered

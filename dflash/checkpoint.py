@@ -48,10 +48,11 @@ import typing as t
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash import contract, hf_remote
+from dflash import contract, hf_remote, inputs
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DflashError, InputError
 
@@ -577,17 +578,22 @@ def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Pat
     return None
 
 
-def _read_config(path: Path) -> DFlashDraftConfig:
+def read_config(path: Path) -> DFlashDraftConfig:
+    """The drafter config of a checkpoint or a published folder: its config.json is a user's file, read
+    bounded (``inputs.read_json``) and validated field by field; CheckpointError (one line) otherwise."""
+    if not (path / CONFIG_FILE).exists():
+        raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     try:
-        data = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {CONFIG_FILE}") from None
-    except ValueError as exc:
-        raise CheckpointError(f"{path / CONFIG_FILE}: not JSON ({exc})") from None
+        data = inputs.read_json(path / CONFIG_FILE, str(path))
+    except inputs.InputFileError as exc:
+        raise CheckpointError(str(exc).removeprefix(f"{path}: ")) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path / CONFIG_FILE}: expected a JSON object")
     try:
         return DFlashDraftConfig.from_dict(data)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path / CONFIG_FILE}: {exc}") from None
+    except (TypeError, ValueError, StrictDataclassError) as exc:  # strict fields: "expected int, got str"
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        raise CheckpointError(f"{path / CONFIG_FILE}: {lines[-1] if lines else type(exc).__name__}") from None
 
 
 def _load_weights(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -609,7 +615,7 @@ def load_checkpoint(
     problem = _hash_problem(path, _read_manifest(path) or {}) if verify else None
     if problem is not None:
         raise CheckpointError(f"{path}: {problem}")
-    config = _read_config(path)
+    config = read_config(path)
     state_dict = _load_weights(path / WEIGHTS_FILE, str(map_location))
     try:
         state = torch.load(path / STATE_FILE, map_location=map_location, weights_only=True)
@@ -638,7 +644,7 @@ def load_drafter(
         problem = _hash_problem(path, manifest)
         if problem is not None:
             raise CheckpointError(f"{path}: {problem}")
-    config = _read_config(path)
+    config = read_config(path)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: no {WEIGHTS_FILE}")

@@ -24,6 +24,7 @@ import types
 import typing as t
 from pathlib import Path
 
+from dflash import inputs
 from dflash.errors import InputError
 
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
@@ -213,10 +214,10 @@ class RunConfig:
 def load_config(path: str | os.PathLike[str], overrides: t.Sequence[str] = ()) -> RunConfig:
     """Read ``path`` and apply ``key=value`` overrides; the one entry point for ``dflash train``."""
     p = Path(path).expanduser()
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError("--config", f"cannot read {p}: {e.strerror}") from e
+    try:  # a regular file (inputs.read_bytes): a FIFO would block here forever
+        text = inputs.read_bytes(p, "--config").decode("utf-8")
+    except inputs.InputFileError as e:
+        raise ConfigError("--config", str(e).removeprefix("--config: ")) from None
     except UnicodeDecodeError as e:
         raise ConfigError("--config", f"{p} is not UTF-8 text (byte {e.start}); TOML files are UTF-8") from None
     try:

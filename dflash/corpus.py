@@ -3,8 +3,9 @@
 Both read a chat corpus (JSONL, a JSON array, parquet or a ``datasets`` ``save_to_disk`` folder) record by
 record and write their output resumably, one shard at a time:
 
-- input formats: anything but JSON lines is converted once into ``WORK/input.jsonl`` (record k is line k;
-  ``as_json_lines``), so a shard is a byte range of one file of lines (``shard_ranges``: the input's sha256,
+- input formats: anything but JSON lines is converted into ``WORK/input.jsonl`` (record k is line k;
+  ``as_json_lines``; again when the input changed: ``WORK/input.source.json`` keys it on the input's size,
+  mtime and sha256), so a shard is a byte range of one file of lines (``shard_ranges``: the input's sha256,
   line count and ranges of ``shard_lines`` lines, in one read);
 - resumable parts: ``WORK/plan.json`` says what the parts were made from (``start_parts``: another plan
   starts over); shard s is written to ``WORK/parts/part-s.tmp`` and renamed to ``part-s`` when complete
@@ -23,10 +24,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import typing as t
 from pathlib import Path
 
+from dflash import inputs
 from dflash.errors import InputError
 
 MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
@@ -47,7 +50,8 @@ def tabular_kind(src: Path, *, command: str) -> str:
     """ "parquet", "datasets" (a ``save_to_disk`` folder) or "" (JSON lines / a JSON array)."""
     if src.is_dir():
         if (src / "dataset_dict.json").is_file():
-            splits = json.loads((src / "dataset_dict.json").read_text()).get("splits", [])
+            info = _read_json(src / "dataset_dict.json", command)
+            splits = [str(x) for x in info.get("splits") or []] if isinstance(info, dict) else []
             raise CorpusError(
                 f"{command}: --in {src} holds several splits ({', '.join(splits)}): give one "
                 f"split's folder, e.g. {src / (splits[0] if splits else 'train')}"
@@ -58,38 +62,143 @@ def tabular_kind(src: Path, *, command: str) -> str:
                 "(no state.json); give a JSONL, JSON or parquet file or such a folder"
             )
         return "datasets"
-    with src.open("rb") as f:
+    try:
+        fd = inputs.open_regular(src, f"{command}: --in")  # a FIFO would block here
+    except inputs.InputFileError as e:
+        raise CorpusError(str(e)) from None
+    with os.fdopen(fd, "rb") as f:
         magic = f.read(4)
     return "parquet" if magic == b"PAR1" or src.suffix == ".parquet" else ""
 
 
-def as_json_lines(src: Path, tabular: str | None, head: bytes, work: Path, *, command: str) -> Path:
+def _read_json(path: Path, command: str) -> t.Any:
+    try:
+        return inputs.read_json(path, f"{command}: --in")
+    except inputs.InputFileError as e:
+        raise CorpusError(str(e)) from None
+
+
+def source_key(src: Path) -> dict[str, t.Any]:
+    """What identifies the input a conversion was made from: its size, mtime and sha256 (a folder: of its
+    files, by relative path)."""
+    files = sorted(p for p in src.rglob("*") if p.is_file()) if src.is_dir() else [src]
+    h = hashlib.sha256()
+    size = mtime = 0
+    for p in files:
+        st = p.stat()
+        size += st.st_size
+        mtime = max(mtime, st.st_mtime_ns)
+        if src.is_dir():
+            h.update(f"{p.relative_to(src)}\0{st.st_size}\0".encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return {"path": str(src.resolve()), "size": size, "mtime_ns": mtime, "sha256": h.hexdigest()}
+
+
+def as_json_lines(
+    src: Path,
+    tabular: str | None,
+    head: bytes,
+    work: Path,
+    *,
+    command: str,
+    log: t.Callable[[str], None] = lambda m: None,
+) -> Path:
     """``src`` as JSON lines (record k is line k): itself, or a JSON array / parquet / datasets folder
-    converted once into ``work/input.jsonl`` (prepare-data and regen, both resumable, reuse it)."""
+    converted into ``work/input.jsonl`` (prepare-data and regen, both resumable, reuse it while
+    ``work/input.source.json`` says it was made from the same input: size, mtime and sha256)."""
     if not (tabular or head.startswith(b"[")):
         return src
     work.mkdir(parents=True, exist_ok=True)
-    lines = work / "input.jsonl"
-    if not lines.is_file():
-        tmp = work / "input.jsonl.tmp"
-        if tabular:
-            _rows_to_jsonl(src, tabular, tmp, command)
-        else:
-            _json_array_to_jsonl(src, tmp, command)
-        os.replace(tmp, lines)
+    lines, stamp = work / "input.jsonl", work / "input.source.json"
+    key = source_key(src)
+    try:
+        made = json.loads(stamp.read_text()) if lines.is_file() else None
+    except (OSError, ValueError):
+        made = None
+    if made == key:
+        return lines
+    if lines.is_file():
+        log(f"{command}: --in {src} changed since {work} was made from it: converting it again")
+    stamp.unlink(missing_ok=True)  # first: a conversion killed midway is never taken for a complete one
+    tmp = work / "input.jsonl.tmp"
+    if tabular:
+        _rows_to_jsonl(src, tabular, tmp, command)
+    else:
+        _json_array_to_jsonl(src, tmp, command)
+    os.replace(tmp, lines)
+    stamp.write_text(json.dumps(key))
     return lines
 
 
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _ws(text: str, i: int) -> int:
+    """The first position at or after ``i`` that is not JSON whitespace."""
+    m = _WS.match(text, i)
+    return m.end() if m else i
+
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string, or a bracket
+
+
+def _skip_value(text: str, i: int) -> int:
+    """The end of the array or object at ``i`` that the parser could not take (nested too deeply): its
+    brackets counted, strings skipped."""
+    depth = 0
+    for m in _TOKEN.finditer(text, i):
+        tok = m.group()
+        if tok in "[{":
+            depth += 1
+        elif tok in "]}":
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    raise ValueError("unterminated")
+
+
 def _json_array_to_jsonl(src: Path, dest: Path, command: str) -> None:
+    """Record k of the array becomes line k, as its own text on one line (JSON has no raw newline inside a
+    string): each record is then read, and dropped with its number when bad, like a JSON line. A record
+    nested too deeply for the parser is found by its brackets and kept as it is (its line is dropped)."""
     try:
-        data = json.loads(src.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorpusError(f"{command}: {src} is not valid JSON: {e}") from None
-    if not isinstance(data, list):
+        text = inputs.read_bytes(src, f"{command}: --in").decode("utf-8")
+    except inputs.InputFileError as e:
+        raise CorpusError(str(e)) from None
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{command}: {src} is not valid JSON: not UTF-8 (byte {e.start})") from None
+    decoder = json.JSONDecoder()
+    i = _ws(text, 0)
+    if not text.startswith("[", i):
         raise CorpusError(f"{command}: {src}: expected a JSON array of records or JSON lines")
+    i = _ws(text, i + 1)
     with open(dest, "w") as f:
-        for rec in data:  # record k of the array becomes line k
-            f.write(json.dumps(rec) + "\n")
+        if text.startswith("]", i):
+            i += 1
+        else:
+            while True:
+                try:
+                    _, end = decoder.raw_decode(text, i)
+                except RecursionError:
+                    try:
+                        end = _skip_value(text, i)
+                    except ValueError:
+                        raise CorpusError(f"{command}: {src} is not valid JSON: a record never ends") from None
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"{command}: {src} is not valid JSON: {e}") from None
+                f.write(text[i:end].replace("\n", " ").replace("\r", " ") + "\n")
+                i = _ws(text, end)
+                if text.startswith(",", i):
+                    i = _ws(text, i + 1)
+                    continue
+                if text.startswith("]", i):
+                    i += 1
+                    break
+                raise CorpusError(f"{command}: {src} is not valid JSON: expected ',' or ']' at char {i}")
+    if _ws(text, i) != len(text):
+        raise CorpusError(f"{command}: {src} is not valid JSON: extra data after the array (char {i})")
 
 
 def _rows_to_jsonl(src: Path, kind: str, dest: Path, command: str) -> None:
@@ -258,6 +367,7 @@ __all__ = [
     "CorpusError",
     "ShardJob",
     "as_json_lines",
+    "source_key",
     "drop_lines",
     "drops_by_row",
     "finish_part",

@@ -31,7 +31,6 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import typing as t
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import inputs
 from dflash.batching import BatchPlan, store_lengths
 from dflash.errors import DataError
 from dflash.store import StoreError, TokenStore
@@ -97,7 +97,9 @@ class ChatRenderer:
             out = out["input_ids"]
         return list(out)
 
-    def render(self, messages: list[dict[str, t.Any]]) -> Sample:
+    def render(self, messages: list[dict[str, t.Any]], *, max_len: int | None = None) -> Sample:
+        """With ``max_len`` the turns are located only up to the first one that starts past it (the sample is
+        cut there anyway): the cost of a long conversation stops growing with the square of its turns."""
         if self._marked:
             enc = self.tokenizer.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **self.kwargs
@@ -109,6 +111,8 @@ class ChatRenderer:
             if msg.get("role") != "assistant":
                 continue
             start = self._ids(messages[:i], add_generation_prompt=True)
+            if max_len is not None and len(start) >= max_len:
+                break  # this turn and every later one begin past the cut
             end = self._ids(messages[: i + 1])
             if full[: len(start)] != start or full[: len(end)] != end:
                 raise DataError(
@@ -150,10 +154,10 @@ class JsonlDataset:
         self.renderer = ChatRenderer(tokenizer, chat_template_kwargs) if tokenizer is not None else None
         if self.path.is_dir():  # os.open would succeed and the first read fail with a traceback
             raise DataError(f"data.path: {self.path} is a directory; expected a JSONL file")
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        except OSError as e:
-            raise DataError(f"data.path: cannot open {self.path}: {e.strerror}") from e
+        try:  # a regular file: a FIFO would block the index forever
+            self._fd = inputs.open_regular(self.path, "data.path")
+        except inputs.InputFileError as e:
+            raise DataError(str(e)) from None
         self._offsets = array.array("q")  # byte offset of each usable line
         self._sizes = array.array("q")  # its length in bytes
         self._lines = array.array("q")  # its 1-based line number (for messages)
@@ -237,10 +241,10 @@ class JsonlDataset:
 
     def _parse(self, raw: bytes, lineno: int) -> Sample:
         where = f"data.path: {self.path.name} line {lineno}"
-        try:
-            rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{where}: not valid JSON: {e}") from e
+        try:  # bounded, and text a tokenizer encodes (a lone surrogate is refused here, not as a TypeError)
+            rec = inputs.loads(raw)
+        except inputs.JsonProblem as e:
+            raise DataError(f"{where}: {e}") from None
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a JSON object")
         fmt = self.format
@@ -296,7 +300,7 @@ class JsonlDataset:
         if self.renderer is None:
             raise DataError(f"{where}: a chat record needs a tokenizer (data.tokenizer, or target.path)")
         try:
-            return self.renderer.render(msgs)
+            return self.renderer.render(msgs, max_len=self.max_length)
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
 

@@ -76,6 +76,17 @@ def published_mask_token_id(target_config: t.Any) -> int | None:
     return PUBLISHED_MASK_IDS.get((str(getattr(text, "model_type", "")), int(getattr(text, "vocab_size", 0) or 0)))
 
 
+DRAFTER_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
 @strict
 class DFlashDraftConfig(Qwen3Config):
     """A Qwen3 config plus the DFlash keys. ``model_type`` stays ``qwen3`` so z-lab's loader reads it.
@@ -95,6 +106,10 @@ class DFlashDraftConfig(Qwen3Config):
         self._check_dflash_keys()
 
     def _check_dflash_keys(self) -> None:
+        for key in DRAFTER_SIZES:  # a config.json is a user's file: a size of -1 fails here, not in torch
+            v = getattr(self, key, None)
+            if v is not None and v < 1:
+                raise ValueError(f"{key}: must be >= 1, got {v}")
         if self.block_size < 2:
             raise ValueError(f"block_size: must be >= 2, got {self.block_size}")
         layer_types = list(self.layer_types or [])

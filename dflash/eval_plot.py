@@ -9,9 +9,11 @@ the two reports were measured differently). matplotlib is the ``[plot]`` extra.
 from __future__ import annotations
 
 import json
+import math
 import os
 import typing as t
 
+from dflash import inputs, outputs
 from dflash.errors import DflashError
 
 EXTRA = "pip install 'dflash[plot]'"
@@ -36,21 +38,34 @@ def require_matplotlib() -> t.Any:
 
 
 def check_out(out: str) -> None:
+    """A format we draw, in a place that takes the file (``outputs.check_out``): said before the eval."""
     if os.path.splitext(out)[1].lower() not in FORMATS:
         raise PlotError(f"--plot {out}: expected a file ending in {', '.join(FORMATS)}")
+    outputs.check_out(out, what="eval: --plot", kind="file")
+
+
+def _numbers(v: t.Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v
+    )
 
 
 def load_report(path: str) -> dict[str, t.Any]:
-    """A report `dflash eval --json` wrote; one clear line when it is not one."""
+    """A report `dflash eval --json` wrote (``inputs.read_json``: bounded, finite); one clear line when it is
+    not one, or when a figure drawn from it is not a number."""
     try:
-        with open(path) as f:
-            rep = json.load(f)
-    except (OSError, ValueError) as e:
-        raise PlotError(f"--compare {path}: cannot read an eval report: {e}") from None
+        rep = inputs.read_json(path, "--compare")
+    except inputs.InputFileError as e:
+        raise PlotError(str(e)) from None
     if not isinstance(rep, dict) or not all(k in rep for k in ("position_acceptance", "accept_histogram", "tau")):
         raise PlotError(
             f"--compare {path}: not a `dflash eval --json` report (no position_acceptance, accept_histogram, tau)"
         )
+    for key in ("position_acceptance", "accept_histogram"):
+        if not _numbers(rep[key]):
+            raise PlotError(f"--compare {path}: {key} is not a list of numbers")
+    if not _numbers([rep["tau"]]):
+        raise PlotError(f"--compare {path}: tau is {json.dumps(rep['tau'])[:40]}, not a number")
     return rep
 
 
@@ -145,8 +160,12 @@ def draw(out: str, reps: t.Sequence[t.Mapping[str, t.Any]]) -> None:
     if n == 2:
         fig.suptitle(f"before / after: tau {float(reps[0]['tau']):.2f} -> {float(reps[1]['tau']):.2f}")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=80)
+    except OSError as e:  # checked before the eval; a disk that filled since is still one line
+        raise PlotError(f"--plot {out}: cannot write it: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 __all__ = [

@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from dflash import checkpoint as ckpt
+from dflash import inputs
 from dflash.chat import BadRecord, Renderer, load_tokenizer, messages_of, template_hash, tokenizer_hash
 from dflash.config import ConfigError, RunConfig, load_config, parse_config
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
@@ -122,12 +123,13 @@ def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
 
 
 def read_records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
-    """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both)."""
+    """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both); every record read by
+    ``inputs.loads`` (bounded, finite, text), a bad one an EvalError naming its line."""
     if text.lstrip().startswith("["):
         try:
-            items = json.loads(text)
-        except ValueError as e:
-            raise EvalError(f"--prompts {path}: not a JSON array of records ({e})") from None
+            items = inputs.loads(text)
+        except inputs.JsonProblem as e:
+            raise EvalError(f"--prompts {path}: not a JSON array of records ({e.detail})") from None
         for k, rec in enumerate(items):
             yield f"{path} record {k}", rec
         return
@@ -135,9 +137,11 @@ def read_records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
         if not line.strip():
             continue
         try:
-            yield f"{path} line {lineno}", json.loads(line)
-        except ValueError as e:
-            raise EvalError(f"{path} line {lineno}: not JSON ({e})") from None
+            rec = inputs.loads(line)
+        except inputs.JsonProblem as e:
+            what = "not text" if e.reason == "bad-text" else "not JSON"
+            raise EvalError(f"{path} line {lineno}: {what} ({e.detail})") from None
+        yield f"{path} line {lineno}", rec
 
 
 def load_prompts(
@@ -152,12 +156,10 @@ def load_prompts(
     supervised one; a chat record (OpenAI ``messages`` or ShareGPT ``conversations``) contributes its turns
     before the first assistant turn, rendered by ``renderer`` (``--chat``: the target's chat template)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise EvalError(f"--prompts: cannot read {path}: {e.strerror}") from e
-    except UnicodeDecodeError:
-        raise EvalError(f"--prompts: {path} is not UTF-8 text") from None
+    try:  # a regular file: a FIFO would block here
+        text = inputs.read_text(path, "--prompts")
+    except inputs.InputFileError as e:
+        raise EvalError(str(e)) from None
     prompts: list[list[int]] = []
     for where, rec in read_records(text, path):
         if isinstance(rec, dict) and ("messages" in rec or "conversations" in rec) and "input_ids" not in rec:
@@ -691,10 +693,10 @@ def load_setup(
 
     draft_cfg: DFlashDraftConfig | None = None
     if ckpt_dir is not None:
-        try:
-            draft_cfg = DFlashDraftConfig.from_dict(json.loads((ckpt_dir / "config.json").read_text()))
-        except (OSError, ValueError, TypeError) as e:
-            raise EvalError(f"--drafter: {ckpt_dir / 'config.json'}: {e}") from e
+        try:  # a published folder's config.json is a user's file: bounded JSON, every field checked
+            draft_cfg = ckpt.read_config(ckpt_dir)
+        except ckpt.CheckpointError as e:
+            raise EvalError(f"--drafter: {e}") from None
 
     # the target: the run's (dflash.models, as training builds it), reading the layers the drafter reads
     layer_ids = draft_cfg.target_layer_ids if draft_cfg is not None else None
@@ -802,9 +804,9 @@ def _renderer(run: RunConfig | None, target_path: str | None, template_kwargs: s
         kwargs = dict(run.data.chat_template_kwargs if run is not None else {})
     else:
         try:
-            kwargs = json.loads(template_kwargs)
-        except ValueError as e:
-            raise EvalError(f"--template-kwargs: not valid JSON: {e}") from None
+            kwargs = inputs.loads(template_kwargs)
+        except inputs.JsonProblem as e:
+            raise EvalError(f"--template-kwargs: {e}") from None
         if not isinstance(kwargs, dict):
             raise EvalError("--template-kwargs: expected a JSON object, e.g. '{\"enable_thinking\": false}'")
     return Renderer(tok, kwargs)

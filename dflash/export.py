@@ -24,6 +24,7 @@ It is written into a temporary folder next to OUT and renamed, so OUT is complet
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import typing as t
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash import checkpoint as ckpt
-from dflash import contract, hf_remote, speculators_format
+from dflash import contract, hf_remote, inputs, outputs, speculators_format
 from dflash.errors import InputError
 
 __all__ = ["DTYPES", "FORMATS", "ExportError", "export"]
@@ -72,24 +73,54 @@ def _run_config(path: Path) -> dict[str, t.Any]:
     return {**cfg, "_step": state.get("step")} if isinstance(cfg, dict) else {"_step": state.get("step")}
 
 
+# the report keys the model card prints, and what each must be (a report is a user's file: a tau of NaN,
+# true or "6" is not a figure for a model card)
+REPORT_NUMBERS = ("tau",)
+REPORT_INTS = ("num_prompts", "max_new_tokens", "step")
+REPORT_TEXTS = ("prompts", "target", "drafter")
+
+
+def _number(v: t.Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _read_report(path: Path) -> dict[str, t.Any]:
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ExportError(f"--eval: {path} does not exist") from None
-    except ValueError as exc:
-        raise ExportError(f"--eval: {path} is not JSON ({exc})") from None
-    if not isinstance(report, dict) or not isinstance(report.get("tau"), (int, float)):
+    """A ``dflash eval --json`` report, every key the card prints checked (one line naming the key)."""
+    if not path.exists():
+        raise ExportError(f"--eval: {path} does not exist")
+    report = inputs.read_json(path, "--eval")  # bounded, finite, text: InputFileError is one line
+    if not isinstance(report, dict) or "tau" not in report:
         raise ExportError(f"--eval: {path} is not a report of `dflash eval --json` (no tau)")
+    bad = [k for k in REPORT_NUMBERS if not (_number(report[k]) and report[k] >= 0)]
+    bad += [
+        k for k in REPORT_INTS if report.get(k) is not None and not (_number(report[k]) and report[k] == int(report[k]))
+    ]
+    bad += [k for k in REPORT_TEXTS if report.get(k) is not None and not isinstance(report[k], str)]
+    if "all_equal" in report and not isinstance(report["all_equal"], bool):
+        bad.append("all_equal")
+    positions = report.get("position_acceptance")
+    if positions is not None and not (isinstance(positions, list) and all(_number(a) for a in positions)):
+        bad.append("position_acceptance")
+    if bad:
+        k = bad[0]
+        raise ExportError(
+            f"--eval: {path}: {k} is {json.dumps(report.get(k))[:60]}, not what `dflash eval --json` writes"
+        )
     return report
 
 
 def _target_config(run: dict[str, t.Any]) -> dict[str, t.Any] | None:
     """The run's target config.json (a local folder), or None (a tiny target, or a folder moved away)."""
     path = (run.get("target") or {}).get("path")
+    return _config_json(path) if path else None
+
+
+def _config_json(folder: t.Any) -> dict[str, t.Any] | None:
+    """A model folder's config.json (a user's file: read bounded, ``inputs.read_json``), or None when it
+    is missing or no JSON object."""
     try:
-        data = json.loads((Path(str(path)) / ckpt.CONFIG_FILE).read_text()) if path else None
-    except (OSError, ValueError):
+        data = inputs.read_json(Path(str(folder)).expanduser() / ckpt.CONFIG_FILE, "config.json")
+    except inputs.InputFileError:
         return None
     return data if isinstance(data, dict) else None
 
@@ -118,11 +149,8 @@ def _verifier(run: dict[str, t.Any], verifier: str | None) -> tuple[str, list[st
             "--verifier PATH (the run's target is not a local folder)"
         )
     for where in (name, target_path):
-        try:
-            data = json.loads((Path(str(where)).expanduser() / ckpt.CONFIG_FILE).read_text()) if where else None
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("architectures"), list):
+        data = _config_json(where) if where else None
+        if data is not None and isinstance(data.get("architectures"), list):
             return name, [str(a) for a in data["architectures"]]
     raise ExportError(
         f"--verifier {name}: no config.json with architectures there (nor in the run's target folder): "
@@ -288,6 +316,7 @@ def export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out}: exists and is not empty (use --force to replace it)")
     path = _resolve(Path(source).expanduser())
+    check_out(out, sources=(source, path))
     report = _read_report(Path(eval_report)) if eval_report is not None else None
     try:
         model = ckpt.load_drafter(path)
@@ -306,8 +335,33 @@ def export(
             )
     except contract.ContractError as exc:
         raise ExportError(f"{out}: not exported: {exc}") from None
+    card = model_card(source=path, config=model.config, dtype=dtype, run=run, report=report, out=out.resolve(), fmt=fmt)
+    with outputs.OutputLock(out, command="export"), outputs.writing(command="export", where=out):
+        check_out(out, sources=(source, path))  # again, holding the lock
+        _write(out, f".tmp-export-{out.name}-{os.getpid()}", weights=weights, config=config, fmt=fmt, card=card)
+    return out
+
+
+EXPORT_FILES = frozenset({ckpt.WEIGHTS_FILE, ckpt.CONFIG_FILE, "dflash.py", "README.md"})
+
+
+def check_out(out: Path, *, sources: t.Sequence[str | os.PathLike[str]]) -> None:
+    """OUT may be replaced (``--force``) only when it is what export writes: never the working directory or
+    a folder above it, the checkpoint or a folder holding it, nor a folder with anything else in it."""
+    outputs.check_out(out, what="export: OUT", kind="dir", sources=sources)
+    if out.is_dir():
+        other = sorted(p.name for p in out.iterdir() if p.name not in EXPORT_FILES or not p.is_file())
+        if other:
+            raise ExportError(
+                f"{out}: not replaced: it holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which "
+                "export does not write (only an earlier export is replaced); remove it or choose another folder"
+            )
+
+
+def _write(out: Path, tmp_name: str, *, weights: dict[str, torch.Tensor], config: t.Any, fmt: str, card: str) -> None:
+    """Everything into a folder beside OUT, then the rename: OUT is complete, or as it was."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
+    tmp = out.parent / tmp_name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -315,15 +369,10 @@ def export(
         (tmp / ckpt.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if fmt == "zlab":  # a speculators config.json has no model_type: AutoModel cannot read it anyway
             hf_remote.write(tmp)
-        (tmp / "README.md").write_text(
-            model_card(
-                source=path, config=model.config, dtype=dtype, run=run, report=report, out=out.resolve(), fmt=fmt
-            )
-        )
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        (tmp / "README.md").write_text(card)
+        if out.exists():  # an earlier export (check_out): nothing else is ever removed
+            shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out

@@ -33,19 +33,22 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import http.client
 import json
 import os
+import queue
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
 import typing as t
-import urllib.error
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
+from dflash import inputs, outputs
 from dflash.chat import BadRecord, Renderer, messages_of, parse_record, template_hash, tokenizer_hash
 from dflash.config import ConfigError
 from dflash.corpus import (
@@ -64,7 +67,7 @@ from dflash.corpus import (
     start_parts,
     tabular_kind,
 )
-from dflash.errors import DflashError, InputError
+from dflash.errors import DflashError, Failed, InputError
 
 FORMAT = "dflash-regen/1"
 COMMAND = "regen"  # what its messages start with
@@ -104,7 +107,13 @@ class Answer:
 class Generator(t.Protocol):
     identity: dict[str, t.Any]  # what decides the answers besides the prompt (the resume plan keeps it)
 
-    def generate(self, turns: list[Turn]) -> list[Answer]: ...
+    def generate(self, turns: list[Turn]) -> t.Sequence[Answer | Dropped]:
+        """One answer per turn, or why there is none (the conversation is then dropped)."""
+        ...
+
+    def close(self) -> None:
+        """Stop: what is in flight ends now with ``Aborted`` (Ctrl-C must not wait for it)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,11 +148,18 @@ class HFGenerator:
         self.eos = eos
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad) if isinstance(pad, int) else min(eos) if eos else 0
+        self._abort = threading.Event()
+
+    def close(self) -> None:
+        """Stop: a ``generate`` in flight ends at its next decoding step (with Aborted)."""
+        self._abort.set()
 
     def generate(self, turns: list[Turn]) -> list[Answer]:
         out: list[Answer | None] = [None] * len(turns)
         order = sorted(range(len(turns)), key=lambda i: len(turns[i].prompt_ids or ()))  # less padding
         for a in range(0, len(order), self.batch_size):
+            if self._abort.is_set():
+                raise Aborted("regen: stopped")
             idx = order[a : a + self.batch_size]
             for i, ans in zip(idx, self._batch([turns[i] for i in idx])):
                 out[i] = ans
@@ -151,7 +167,13 @@ class HFGenerator:
 
     def _batch(self, turns: list[Turn]) -> list[Answer]:
         import torch  # the hf backend only: torch and transformers take seconds to import, openai needs neither
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+        abort = self._abort
+
+        class Closed(StoppingCriteria):  # close() ends a generate in flight at its next step
+            def __call__(self, input_ids: t.Any, scores: t.Any, **kwargs: t.Any) -> t.Any:
+                return torch.full((input_ids.shape[0],), abort.is_set(), dtype=torch.bool, device=input_ids.device)
 
         prompts = [list(tn.prompt_ids or ()) for tn in turns]
         width = max(len(p) for p in prompts)
@@ -166,7 +188,14 @@ class HFGenerator:
         )
         device = self.model.device
         with torch.inference_mode():
-            seqs = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gc)
+            seqs = self.model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=gc,
+                stopping_criteria=StoppingCriteriaList([Closed()]),
+            )
+        if abort.is_set():  # stopped midway: these answers are not the target's
+            raise Aborted("regen: stopped")
         answers = []
         for r, tn in enumerate(turns):
             new = seqs[r, width : width + tn.max_new].tolist()  # greedy: a shorter limit is a prefix of a longer one
@@ -219,13 +248,19 @@ def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerato
 
 
 RETRY_STATUS = {408, 429}  # and every 5xx
+# a 4xx about this request's content (vLLM's "maximum context length is N tokens", a field out of range): that
+# record is dropped (``server-refused``) and the run goes on; any other 4xx (401, 403, 404) stops it
+REFUSED_STATUS = {400, 413, 422}
+REFUSALS_TO_STOP = 8  # refused with none answered yet: the server refuses everything (e.g. --model)
+MAX_RESPONSE_BYTES = 32 << 20  # an answer larger than this is a server's fault (an endless body)
+BAD_ANSWER_TRIES = 2  # an answer that is not text is asked for once more, then dropped (``bad-answer``)
 
 
 def _server_message(body: bytes) -> str:
     """The server's own words from an error body (OpenAI: error.message; FastAPI: detail)."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = inputs.loads(body)
+    except inputs.JsonProblem:
         return body.decode("utf-8", "replace").strip()[:300] or "(empty body)"
     if isinstance(data, dict):
         err = data.get("error")
@@ -238,8 +273,71 @@ def _server_message(body: bytes) -> str:
     return json.dumps(data)[:300]
 
 
+class Refused(ServerError):
+    """The server refused this request for its content (``REFUSED_STATUS``): the record is dropped."""
+
+    def __init__(self, message: str, words: str) -> None:
+        super().__init__(message)
+        self.words = words  # "400 Bad Request: <the server's message>"
+
+
+class BadAnswer(ServerError):
+    """An answer that is not usable text (not the OpenAI shape, a tool call, a lone surrogate)."""
+
+
+class Aborted(DflashError):
+    """A generator closed (Ctrl-C, another failure) while a request or a batch was in flight."""
+
+    traceback = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dropped:
+    """No answer for this turn: the conversation is dropped with ``reason`` (a drop reason) and ``message``."""
+
+    reason: str
+    message: str
+
+
+class _Requests:
+    """N daemon threads running submitted calls: a request in flight never holds the process at exit
+    (Ctrl-C: ``dflash: aborted`` and out, not a wait for the server)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.SimpleQueue[tuple[cf.Future[t.Any], t.Callable[[], t.Any]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        self._started = False
+        self._lock = threading.Lock()
+
+    def submit(self, fn: t.Callable[[], t.Any]) -> cf.Future[t.Any]:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                for th in self._threads:
+                    th.start()
+        fut: cf.Future[t.Any] = cf.Future()
+        self._q.put((fut, fn))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller reads it from the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+
+
 class OpenAIGenerator:
-    """Chat completions against ``server`` with ``concurrency`` requests in flight (stdlib urllib + threads)."""
+    """Chat completions against ``server`` with ``concurrency`` requests in flight (stdlib http.client +
+    daemon threads). ``timeout`` bounds a whole request (connect, send, the answer to its last byte), and an
+    answer is at most ``max_response_bytes``: a server that drips or never ends is a timeout, retried."""
 
     def __init__(
         self,
@@ -251,6 +349,7 @@ class OpenAIGenerator:
         timeout: float = 600.0,
         retries: int = 6,
         backoff: float = 1.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         base = server.rstrip("/")
         if not base.startswith(("http://", "https://")):
@@ -260,17 +359,74 @@ class OpenAIGenerator:
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self.max_response_bytes = max_response_bytes
         self._abort = threading.Event()
-        self._pool = cf.ThreadPoolExecutor(concurrency, thread_name_prefix="regen-request")
+        self._live: set[http.client.HTTPConnection] = set()  # connections in flight: close() shuts them
+        self._lock = threading.Lock()
+        self.answered = 0  # requests answered with text, and refused or answered with no text (the stop rule)
+        self.failed = 0
+        self._first_failure = ""
+        self._pool = _Requests(concurrency, "regen-request")
         self.model = model or self._only_model()
         self.identity = {"backend": "openai", "server": self.base, "model": self.model}
 
     def close(self) -> None:
+        """Stop: requests not sent are not sent, those in flight end now (their sockets are shut)."""
         self._abort.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            live = list(self._live)
+        for conn in live:
+            _shut(conn)
+        self._pool.shutdown()
+
+    def _http(self, method: str, url: str, data: bytes | None) -> tuple[int, str, bytes]:
+        """(status, reason, body) of one HTTP exchange, whole within ``timeout`` seconds: a watchdog shuts
+        the socket at the deadline (a per-read timeout never ends a slow drip)."""
+        u = urllib.parse.urlsplit(url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = cls(u.hostname or "", u.port, timeout=self.timeout)
+        late = threading.Event()
+
+        def deadline() -> None:
+            late.set()
+            _shut(conn)
+
+        watchdog = threading.Timer(self.timeout, deadline)
+        watchdog.daemon = True
+        with self._lock:
+            self._live.add(conn)
+        watchdog.start()
+        try:
+            if self._abort.is_set():
+                raise Aborted("regen: stopped")
+            path = u.path + (f"?{u.query}" if u.query else "")
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            chunks, size = [], 0
+            while chunk := resp.read1(1 << 16):
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    raise _Retry(f"an answer larger than {self.max_response_bytes >> 20} MiB")
+                chunks.append(chunk)
+            if late.is_set():  # the socket was shut while the answer was read: what came is not all of it
+                raise OSError("shut")
+            return resp.status, resp.reason, b"".join(chunks)
+        except (OSError, http.client.HTTPException) as e:
+            if self._abort.is_set():
+                raise Aborted("regen: stopped") from None
+            if late.is_set():
+                raise _Retry(f"no complete answer within {self.timeout:g} s (--timeout)") from None
+            raise _Retry(str(getattr(e, "reason", None) or e) or type(e).__name__) from None
+        finally:
+            watchdog.cancel()
+            with self._lock:
+                self._live.discard(conn)
+            conn.close()
 
     def request(self, path: str, body: dict[str, t.Any] | None) -> dict[str, t.Any]:
-        """One call with the retries; ServerError (one line) on a 4xx or when the retries are spent."""
+        """One call with the retries: the answer's JSON object. ``Refused`` for a 4xx about the request's
+        content, ``BadAnswer`` for an answer that is not text, ServerError (one line) for any other 4xx or
+        when the retries are spent (either stops every request in flight)."""
         url = self.base + path
         data = None if body is None else json.dumps(body).encode()
         last = ""
@@ -279,25 +435,27 @@ class OpenAIGenerator:
                 self._abort.wait(min(self.backoff * 2 ** (attempt - 1), 30.0))
             if self._abort.is_set():
                 raise _Stopped("regen: stopped (another request failed)")
-            req = urllib.request.Request(
-                url, data=data, method="GET" if body is None else "POST", headers={"Content-Type": "application/json"}
-            )
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    raw = resp.read()
-            except urllib.error.HTTPError as e:
-                msg = _server_message(e.read())
-                if e.code >= 500 or e.code in RETRY_STATUS:
-                    last = f"{e.code} {e.reason}: {msg}"
-                    continue
-                self._abort.set()
-                raise ServerError(f"regen: {url} answered {e.code} {e.reason}: {msg}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
-                last = str(getattr(e, "reason", None) or e) or type(e).__name__
+                status, reason, raw = self._http("GET" if body is None else "POST", url, data)
+            except _Retry as e:
+                last = str(e)
                 continue
+            except Aborted:
+                raise _Stopped("regen: stopped") from None
+            if status >= 500 or status in RETRY_STATUS:
+                last = f"{status} {reason}: {_server_message(raw)}"
+                continue
+            if status >= 300:
+                words = f"{status} {reason}: {_server_message(raw)}"
+                if status in REFUSED_STATUS and body is not None:
+                    raise Refused(f"regen: {url} answered {words}", words)
+                self._abort.set()
+                raise ServerError(f"regen: {url} answered {words}")
             try:
-                out = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+                out = inputs.loads(raw)
+            except inputs.JsonProblem as e:
+                if e.reason == "bad-text":  # valid JSON, but its text is not text: not a transport fault
+                    raise BadAnswer(f"regen: {url}: {e}") from None
                 last = f"not JSON: {raw[:120]!r}"
                 continue
             if not isinstance(out, dict):
@@ -308,7 +466,14 @@ class OpenAIGenerator:
         raise ServerError(f"regen: {url}: {last} (gave up after {self.retries + 1} tries)")
 
     def _only_model(self) -> str:
-        ids = [m.get("id") for m in self.request("/models", None).get("data", []) if isinstance(m, dict)]
+        out = self.request("/models", None)
+        data = out.get("data")
+        if not isinstance(data, list):
+            raise RegenError(
+                f"regen: {self.base}/models: unexpected answer {json.dumps(out)[:200]} (no list of models): "
+                "name the model with --model"
+            )
+        ids = [m.get("id") for m in data if isinstance(m, dict)]
         if len(ids) != 1 or not isinstance(ids[0], str):
             raise RegenError(
                 f"regen: {self.base}/models lists {len(ids)} models ({', '.join(map(str, ids[:5]))}): "
@@ -316,7 +481,7 @@ class OpenAIGenerator:
             )
         return ids[0]
 
-    def _one(self, turn: Turn) -> Answer:
+    def _one(self, turn: Turn) -> Answer | Dropped:
         body: dict[str, t.Any] = {
             "model": self.model,
             "messages": turn.history,
@@ -326,22 +491,38 @@ class OpenAIGenerator:
         }
         if self.kwargs:
             body["chat_template_kwargs"] = self.kwargs
-        out = self.request("/chat/completions", body)
-        try:
-            choice = out["choices"][0]
-            msg = choice["message"]
-            content = msg.get("content") or ""
-        except (KeyError, IndexError, TypeError, AttributeError):
-            raise ServerError(
-                f"regen: {self.base}/chat/completions: unexpected answer {json.dumps(out)[:200]}"
-            ) from None
-        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:  # a reasoning parser split it off: put it back
-            content = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
-        return Answer(str(content), cut=choice.get("finish_reason") == "length")
+        problem = ""
+        for _ in range(BAD_ANSWER_TRIES):
+            try:
+                out = self.request("/chat/completions", body)
+            except Refused as e:
+                self._failed(str(e))
+                return Dropped("server-refused", f"the server refused it: {e.words}")
+            except BadAnswer as e:
+                problem = str(e).split(": ", 2)[-1]
+                continue
+            answer = answer_of(out)
+            if isinstance(answer, Answer):
+                with self._lock:
+                    self.answered += 1
+                return answer
+            problem = answer
+        self._failed(f"regen: {self.base}/chat/completions: the answer is not text: {problem}")
+        return Dropped("bad-answer", f"the server's answer is not text: {problem}")
 
-    def generate(self, turns: list[Turn]) -> list[Answer]:
-        futures = [self._pool.submit(self._one, tn) for tn in turns]
+    def _failed(self, message: str) -> None:
+        """A request refused or answered with no text: REFUSALS_TO_STOP of them before any answer stop the
+        run (the server refuses everything), else the record is dropped."""
+        with self._lock:
+            self.failed += 1
+            self._first_failure = self._first_failure or message
+            if self.answered or self.failed < REFUSALS_TO_STOP:
+                return
+        self._abort.set()
+        raise ServerError(f"{self._first_failure} (the first {self.failed} requests failed, none was answered)")
+
+    def generate(self, turns: list[Turn]) -> list[Answer | Dropped]:
+        futures = [self._pool.submit(functools.partial(self._one, tn)) for tn in turns]
         try:
             cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
         finally:
@@ -350,7 +531,58 @@ class OpenAIGenerator:
         errors = [e for f in futures if not f.cancelled() and (e := f.exception()) is not None]
         if errors:  # the request that failed, not one that stopped because of it
             raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
-        return [f.result() for f in futures]
+        out = [f.result() for f in futures]
+        with self._lock:
+            refused_all = not self.answered and out and all(isinstance(a, Dropped) for a in out)
+        if refused_all:  # every request so far had no answer: the server refuses everything
+            self._abort.set()
+            raise ServerError(f"{self._first_failure} (all {len(out)} requests failed, none was answered)")
+        return out
+
+
+class _Retry(Failed):
+    """A try that failed the way a retry may mend (a timeout, a reset, an endless answer); ``request`` catches
+    it (under the error root all the same: exit 1, one line)."""
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """End a connection another thread may be reading: shutdown wakes a blocked recv, close alone does not."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def answer_of(out: dict[str, t.Any]) -> Answer | str:
+    """The answer in a chat completion, or why there is none usable: ``content`` a string, a list of text
+    parts (joined), or null beside a reasoning text; a tool call, another part or shape is no answer. A
+    ``reasoning_content`` the server split off is put back in front, as Qwen3's template renders it."""
+    try:
+        choice = out["choices"][0]
+        msg = choice["message"]
+        content = msg.get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return f"not a chat completion: {json.dumps(out)[:200]}"
+    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    reasoning = reasoning if isinstance(reasoning, str) else ""
+    if isinstance(content, list):
+        kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
+        if not kinds <= {"text"} or not all(isinstance(p.get("text"), str) for p in content):
+            return f"content parts that are not text ({', '.join(sorted(map(str, kinds)))})"
+        content = "".join(p["text"] for p in content)
+    elif content is None:
+        if msg.get("tool_calls") or not reasoning:
+            return "no text content" + (" (a tool call)" if msg.get("tool_calls") else "")
+        content = ""
+    elif not isinstance(content, str):
+        return f"content is a {type(content).__name__}, not text"
+    if msg.get("tool_calls"):
+        return "a tool call"
+    if reasoning:  # a reasoning parser split it off: put it back
+        content = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
+    return Answer(content, cut=choice.get("finish_reason") == "length")
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,6 +717,11 @@ def run_shard(
             asked.append(c)
         answers = gen.generate(turns) if turns else []
         for c, ans in zip(asked, answers):
+            if isinstance(ans, Dropped):  # the server refused it, or never answered with text
+                drops.setdefault(ans.reason, []).append(c.lineno)
+                messages.setdefault(ans.reason, ans.message)
+                c.keep = -1
+                continue
             c.msgs[c.turns[c.k]] = {"role": "assistant", "content": ans.text}
             c.k += 1
             counts["turns"] += 1
@@ -513,7 +750,7 @@ def run_shard(
                 counts["cut_conversations"] += 1
             rec = {k: v for k, v in c.rec.items() if k not in ("messages", "conversations")}
             rec["messages"] = msgs
-            f.write(json.dumps(rec) + "\n")  # ASCII: a lone surrogate from a server still writes
+            f.write(json.dumps(rec) + "\n")  # ASCII (every text was checked: inputs.loads)
             counts["written"] += 1
     finish_part(tmp, job, counts, drops, messages)
     _die_after(Path(job.part).parent)
@@ -532,13 +769,13 @@ def _die_after(parts: Path) -> None:
 
 
 def check_io(spec: RegenSpec) -> bytes:
-    """RegenError (one line) for an input that is missing or empty, or an output already there; said before
-    a target is loaded. Returns the input's first bytes."""
+    """RegenError / outputs.OutputError (one line) for an input that is missing or empty, or an output that
+    is there already or cannot be written (``outputs.check_out``); said before a target is loaded. Returns
+    the input's first bytes."""
     src, out = Path(spec.src), Path(spec.out)
     if not src.is_file() and not src.is_dir():
-        raise RegenError(f"regen: --in {src}: no such file")
-    if out.exists():
-        raise RegenError(f"regen: --out {out} is already there; remove it or choose another file")
+        raise RegenError(f"regen: --in {src}: {'not a regular file' if src.exists() else 'no such file'}")
+    outputs.check_out(out, what=f"{COMMAND}: --out", kind="file", sources=[src], may_exist=False)
     if src.is_dir():
         return b""
     with src.open("rb") as f:
@@ -558,14 +795,34 @@ def regen(
     tty: bool | None = None,
 ) -> dict[str, t.Any]:
     """Regenerate ``spec.src`` into ``spec.out`` with one worker thread per generator; returns the summary.
-    RegenError / ServerError: one line (the finished shards stay for the next run)."""
+    RegenError / ServerError: one line (the finished shards stay for the next run); outputs.OutputBusy:
+    another regen writes the same output; outputs.WriteFailed: a write failed (a full disk)."""
     t0 = time.monotonic()
-    head = check_io(spec)
+    check_io(spec)
+    work = Path(str(spec.out) + ".partial")
+    with outputs.OutputLock(spec.out, command=COMMAND):
+        head = check_io(spec)  # again, holding the lock: a run that just finished wrote OUT
+        with outputs.writing(command=COMMAND, where=work, kept=f"the finished shards are kept in {work}"):
+            summary = _regen(spec, gens, renderer, head, work, log=log, progress_stream=progress_stream, tty=tty)
+    summary["seconds"] = time.monotonic() - t0
+    return summary
+
+
+def _regen(
+    spec: RegenSpec,
+    gens: t.Sequence[Generator],
+    renderer: Renderer | None,
+    head: bytes,
+    work: Path,
+    *,
+    log: t.Callable[[str], None],
+    progress_stream: t.TextIO | None,
+    tty: bool | None,
+) -> dict[str, t.Any]:
     src, out = Path(spec.src), Path(spec.out)
-    work = Path(str(out) + ".partial")
     try:  # a JSON array, parquet or a datasets folder: to JSON lines first (record k is line k), as prepare-data
         tabular = tabular_kind(src, command=COMMAND)
-        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND)
+        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND, log=log)
     except CorpusError as e:
         raise RegenError(str(e)) from None
     if not lines_src.stat().st_size:
@@ -594,29 +851,37 @@ def regen(
         stream=progress_stream or sys.stderr,
         tty=tty,
     )
-    queue = list(reversed(todo))
+    left = list(reversed(todo))
     lock = threading.Lock()
+    stop = threading.Event()
 
     def worker(gen: Generator) -> None:
-        while True:
+        while not stop.is_set():
             with lock:
-                if not queue:
+                if not left:
                     return
-                job = queue.pop()
+                job = left.pop()
             run_shard(job, gen, renderer, spec, progress)
 
     if len(gens) == 1:
         worker(gens[0])
     else:
-        with cf.ThreadPoolExecutor(len(gens), thread_name_prefix="regen-target") as pool:
+        pool = cf.ThreadPoolExecutor(len(gens), thread_name_prefix="regen-target")
+        try:
             for fut in [pool.submit(worker, g) for g in gens]:
                 fut.result()
+        except BaseException:  # Ctrl-C or a failure: the other targets stop at their next step, unwaited
+            stop.set()
+            for g in gens:
+                g.close()
+            raise
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
     progress.finish()
     summary = _concatenate(jobs, out)
     shutil.rmtree(work)
     if tabular:  # as prepare-data says them
         drops_by_row(summary["drops"])
-    summary["seconds"] = time.monotonic() - t0
     summary["done_now"] = progress.done - progress.start_done
     return summary
 
@@ -625,19 +890,28 @@ def _concatenate(jobs: list[ShardJob], out: Path) -> dict[str, t.Any]:
     counts = {"records": 0, "written": 0, "turns": 0, "cut_answers": 0, "cut_conversations": 0}
     drops: dict[str, dict[str, t.Any]] = {}
     tmp = Path(str(out) + ".tmp")
-    with open(tmp, "wb") as fh:
-        for j in jobs:
-            p = Path(j.part)
-            merge_part(p, counts, drops)
-            with open(p / "out.jsonl", "rb") as f:
-                shutil.copyfileobj(f, fh, 1 << 22)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as fh:
+            for j in jobs:
+                p = Path(j.part)
+                merge_part(p, counts, drops)
+                with open(p / "out.jsonl", "rb") as f:
+                    shutil.copyfileobj(f, fh, 1 << 22)
+        os.replace(tmp, out)
+    except BaseException:  # a full disk: no half output left beside the parts, which are kept
+        tmp.unlink(missing_ok=True)
+        raise
     counts["dropped"] = sum(d["count"] for d in drops.values())
     return {"counts": counts, "drops": dict(sorted(drops.items()))}
 
 
 __all__ = [
+    "Aborted",
     "Answer",
+    "BadAnswer",
+    "Dropped",
+    "Refused",
+    "answer_of",
     "check_io",
     "DIE_AFTER_ENV",
     "HFGenerator",

@@ -44,7 +44,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from dflash import engine_metrics, suites
+from dflash import engine_metrics, inputs, suites
 from dflash.errors import BadInput
 from dflash.regen import OpenAIGenerator, RegenError, ServerError
 
@@ -103,12 +103,10 @@ def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
     from dflash.evaluate import EvalError, prompt_messages, read_records, token_prompt
 
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ServeBenchError(f"{PREFIX}--prompts: cannot read {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ServeBenchError(f"{PREFIX}--prompts: {path} is not UTF-8 text") from None
+    try:  # a regular file: a FIFO would block here
+        text = inputs.read_text(path, f"{PREFIX}--prompts")
+    except inputs.InputFileError as e:
+        raise ServeBenchError(str(e)) from None
     prompts: list[Prompt] = []
     try:
         for where, rec in read_records(text, path):
@@ -179,12 +177,12 @@ def offline_from_report(path: str | os.PathLike[str], prompts_sha256: str | None
     """A ``dflash eval --json`` report (or a ``dflash eval --suite --json`` report of one suite);
     ``same_prompts``: its prompts' sha256 against ``prompts_sha256``, ours."""
     path = Path(path)
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ServeBenchError(f"{PREFIX}--eval: {path} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise ServeBenchError(f"{PREFIX}--eval: {path} is not JSON ({e})") from None
+    if not path.exists():
+        raise ServeBenchError(f"{PREFIX}--eval: {path} does not exist")
+    try:  # bounded, finite (a tau of NaN is no figure), a regular file
+        report = inputs.read_json(path, f"{PREFIX}--eval")
+    except inputs.InputFileError as e:
+        raise ServeBenchError(str(e)) from None
     if isinstance(report, dict) and isinstance(report.get("results"), list):  # dflash eval --suite's report
         results = report["results"]
         if len(results) != 1 or not isinstance(results[0], dict):
@@ -196,8 +194,14 @@ def offline_from_report(path: str | os.PathLike[str], prompts_sha256: str | None
 
 
 def _offline(report: t.Any, source: str, prompts_sha256: str | None) -> Offline:
-    if not isinstance(report, dict) or not isinstance(report.get("tau"), (int, float)):
+    tau = report.get("tau") if isinstance(report, dict) else None
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
         raise ServeBenchError(f"{PREFIX}--eval: {source} is not a report of `dflash eval --json` (no tau)")
+    positions = report.get("position_acceptance") or []
+    if not isinstance(positions, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in positions
+    ):
+        raise ServeBenchError(f"{PREFIX}--eval: {source}: position_acceptance is not a list of numbers")
     proto = report.get("protocol") or {}
     sha = proto.get("prompts_sha256")
     same = None if not sha or prompts_sha256 is None else sha == prompts_sha256

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash import inputs, outputs
 from dflash.chat import (
     BadRecord,
     Renderer,
@@ -88,10 +89,12 @@ class TokenStore:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        try:
-            self.meta = json.loads((self.path / "meta.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise StoreError(f"data.path: {self.path} is not a token store (meta.json: {e})") from None
+        try:  # a user's folder: its meta.json read bounded, like every JSON a user hands us
+            self.meta = inputs.read_json(self.path / "meta.json", "meta.json")
+        except inputs.InputFileError as e:
+            raise StoreError(f"data.path: {self.path} is not a token store ({e})") from None
+        if not isinstance(self.meta, dict):
+            raise StoreError(f"data.path: {self.path} is not a token store (meta.json: not a JSON object)")
         if self.meta.get("format") != STORE_FORMAT:
             raise StoreError(f"data.path: {self.path}: unknown store format {self.meta.get('format')!r}")
         n = int(self.meta["counts"]["sequences"])
@@ -200,6 +203,11 @@ class PrepareSpec:
     workers: int = 1
     strict: bool = False
     shard_lines: int = 10_000
+    vocab_size: int | None = None  # without a tokenizer: the target's vocabulary (else NO_VOCAB_LIMIT)
+
+
+NO_VOCAB_LIMIT = 1 << 24  # no tokenizer and no vocabulary given: above every real vocabulary (Gemma: 262144)
+PARTS_FORMAT = 2  # what a part holds (2: sparse token counts); parts of another format are made again
 
 
 _RENDERER: Renderer | None = None
@@ -233,14 +241,51 @@ def _die_after(done: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _pool_shard(job: ShardJob, max_len: int) -> None:
+def _pool_shard(job: ShardJob, max_len: int, vocab_size: int) -> None:
     """``run_shard`` in a pool worker. The test hook fires here, right after the rename: from the parent it
     fired only once the parent had seen the result, by when the other workers had often done every shard."""
-    run_shard(job, max_len)
+    run_shard(job, max_len, vocab_size)
     _die_after(sum(1 for p in Path(job.part).parent.iterdir() if not p.name.endswith(".tmp")))
 
 
-def run_shard(job: ShardJob, max_len: int) -> None:
+class _Counts:
+    """How often each token id occurs, counted in chunks of tokens (one bincount per MiB of ids, not one
+    vocabulary-sized array per sequence); ids are below the vocabulary (``out-of-vocab`` drops the rest)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self) -> None:
+        self.dense = np.zeros(0, dtype=np.int64)
+        self.pending: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        self.pending.append(ids)
+        self.size += len(ids)
+        if self.size >= self.CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        ids = np.concatenate(self.pending)
+        self.pending, self.size = [], 0
+        counts = np.bincount(ids, minlength=len(self.dense))
+        if len(counts) > len(self.dense):
+            counts[: len(self.dense)] += self.dense
+            self.dense = counts.astype(np.int64, copy=False)
+        else:
+            self.dense += counts
+
+    def save(self, folder: Path) -> None:
+        """Sparse: the ids that occur (uint32) and their counts (int64)."""
+        self.flush()
+        nz = np.flatnonzero(self.dense)
+        nz.astype(np.uint32).tofile(folder / "token_ids.bin")
+        self.dense[nz].tofile(folder / "token_freq.bin")
+
+
+def run_shard(job: ShardJob, max_len: int, vocab_size: int) -> None:
     """Render one shard's lines into ``job.part`` (written as ``.tmp``, renamed when complete)."""
     tmp = fresh_part(job)
     drops: dict[str, list[int]] = {}
@@ -256,7 +301,7 @@ def run_shard(job: ShardJob, max_len: int) -> None:
     }
     lengths: list[int] = []
     anchors: list[int] = []
-    token_counts = np.zeros(0, dtype=np.int64)
+    token_counts = _Counts()
     with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "loss_mask.bin", "wb") as mf:
         for lineno, raw in read_lines(job):
             if raw is None:  # over MAX_LINE_BYTES
@@ -267,7 +312,7 @@ def run_shard(job: ShardJob, max_len: int) -> None:
                 continue
             counts["records"] += 1
             try:
-                rendered = record_sequences(parse_record(raw), _RENDERER)
+                rendered = record_sequences(parse_record(raw), _RENDERER, max_len=max_len, vocab_size=vocab_size)
             except BadRecord as e:
                 drops.setdefault(e.reason, []).append(lineno)
                 messages.setdefault(e.reason, str(e))
@@ -290,11 +335,8 @@ def run_shard(job: ShardJob, max_len: int) -> None:
                 anchors.append(first)
                 counts["tokens"] += len(ids)
                 counts["supervised"] += int(mask.sum())
-                top = int(ids.max())
-                counts["max_token_id"] = max(counts["max_token_id"], top)
-                if top >= len(token_counts):
-                    token_counts = np.concatenate([token_counts, np.zeros(top + 1 - len(token_counts), np.int64)])
-                token_counts[: top + 1] += np.bincount(ids, minlength=top + 1)
+                counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
+                token_counts.add(ids)
             if kept:
                 counts["sequences"] += kept
             else:
@@ -302,7 +344,7 @@ def run_shard(job: ShardJob, max_len: int) -> None:
                 messages.setdefault("no-anchor", "no two consecutive supervised tokens (nothing to learn)")
     np.asarray(lengths, dtype=np.int64).tofile(tmp / "lengths.bin")
     np.asarray(anchors, dtype=np.int32).tofile(tmp / "first_anchor.bin")
-    token_counts.tofile(tmp / "token_counts.bin")
+    token_counts.save(tmp)
     finish_part(tmp, job, counts, drops, messages)
 
 
@@ -318,30 +360,62 @@ def _histogram(lengths: np.ndarray) -> dict[str, int]:
     return out
 
 
+def check_out(spec: PrepareSpec) -> Path:
+    """StoreError (one line) for an ``--out`` that cannot become the store: the working directory or a folder
+    above it, a folder holding ``--in``, a file, a store already, a folder that is not a store (the final
+    rename would fail after all the work), a place that takes no new file. Said before any work."""
+    out = Path(spec.out)
+    try:
+        outputs.check_out(out, what=f"{COMMAND}: --out", kind="dir", sources=[spec.src])
+    except outputs.OutputError as e:
+        raise StoreError(str(e)) from None
+    if (out / "meta.json").is_file():
+        raise StoreError(f"prepare-data: --out {out} is already a token store; remove it or choose another folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise StoreError(
+            f"prepare-data: --out {out} is a folder that is not a token store (it holds other files); "
+            "remove it or choose another folder"
+        )
+    return out
+
+
 def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[str, t.Any]:
-    """Render ``spec.src`` into the store ``spec.out``; returns meta.json's content. StoreError: one line."""
+    """Render ``spec.src`` into the store ``spec.out``; returns meta.json's content. StoreError: one line
+    (bad input, exit 2); outputs.OutputBusy: another prepare-data writes the same store (exit 2);
+    outputs.WriteFailed: a write failed midway, e.g. a full disk (exit 1; the finished shards are kept)."""
     t0 = time.monotonic()
     src, out = Path(spec.src), Path(spec.out)
     if not src.is_file() and not src.is_dir():
-        raise StoreError(f"prepare-data: --in {src}: no such file")
-    if (out / "meta.json").is_file():
-        raise StoreError(f"prepare-data: --out {out} is already a token store; remove it or choose another folder")
+        kind = "not a regular file" if src.exists() else "no such file"  # a FIFO would block the read
+        raise StoreError(f"prepare-data: --in {src}: {kind}")
+    check_out(spec)
+    work = Path(str(out) + ".partial")
+    with outputs.OutputLock(out, command=COMMAND):
+        check_out(spec)  # again, holding the lock: a run that just finished made OUT
+        with outputs.writing(command=COMMAND, where=work, kept=f"the finished shards are kept in {work}"):
+            meta = _prepare(spec, src, out, work, log)
+    meta["seconds"] = time.monotonic() - t0
+    return meta
+
+
+def _prepare(spec: PrepareSpec, src: Path, out: Path, work: Path, log: t.Callable[[str], None]) -> dict[str, t.Any]:
     try:
         tabular = tabular_kind(src, command=COMMAND)  # parquet / a datasets folder: rows, streamed to JSON lines
-        work = Path(str(out) + ".partial")
         work.mkdir(parents=True, exist_ok=True)
         head = b"" if tabular else src.open("rb").read(4096).lstrip()
         if not head and not tabular:
             raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
-        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND)
+        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND, log=log)
     except CorpusError as e:
         raise StoreError(str(e)) from None
     if tabular and not lines_src.stat().st_size:
         raise StoreError(f"prepare-data: --in {src} has no rows: no conversations")
     sha, nlines, ranges = shard_ranges(lines_src, spec.shard_lines)
     tok_info: dict[str, t.Any] = {}
+    vocab = spec.vocab_size or NO_VOCAB_LIMIT
     if spec.tokenizer_path is not None:
         tok = load_tokenizer(spec.tokenizer_path)
+        vocab = len(tok)
         tok_info = {
             "name": spec.tokenizer_path,
             "sha256": tokenizer_hash(tok),
@@ -354,8 +428,10 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
         "tokenizer": tok_info,
         "chat_template_kwargs": spec.kwargs,
         "max_len": spec.max_len,
+        "vocab_size": vocab,
         "shard_lines": spec.shard_lines,
         "format": STORE_FORMAT,
+        "parts_format": PARTS_FORMAT,
     }
     parts = start_parts(work, plan, command=COMMAND, log=log)
     jobs = shard_jobs(lines_src, ranges, nlines, parts)
@@ -364,14 +440,14 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
         # in this process: never _init_worker, whose SIG_IGN for Ctrl-C every later child would inherit
         _init_renderer(spec.tokenizer_path, spec.kwargs)
         for done, j in enumerate(todo, 1):
-            run_shard(j, spec.max_len)
+            run_shard(j, spec.max_len, vocab)
             _die_after(done)
     else:
         ctx = mp.get_context("spawn")  # no fork of a process that holds torch and tokenizer threads
         with cf.ProcessPoolExecutor(
             spec.workers, mp_context=ctx, initializer=_init_worker, initargs=(spec.tokenizer_path, spec.kwargs)
         ) as pool:
-            futures = [pool.submit(_pool_shard, j, spec.max_len) for j in todo]
+            futures = [pool.submit(_pool_shard, j, spec.max_len, vocab) for j in todo]
             for fut in cf.as_completed(futures):
                 fut.result()
     meta = _concatenate(work, jobs, spec, plan, src, nlines)
@@ -396,9 +472,9 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
     (work / "plan.json").unlink()
     if lines_src != src:
         lines_src.unlink()
+        (work / "input.source.json").unlink(missing_ok=True)
     (work / "meta.json").write_text(json.dumps(meta, indent=1))  # last: a store with meta.json is complete
     os.replace(work, out)
-    meta["seconds"] = time.monotonic() - t0
     return meta
 
 
@@ -429,10 +505,10 @@ def _concatenate(
                 with open(p / name, "rb") as f:
                     shutil.copyfileobj(f, fh, 1 << 22)
             lengths_all.append(np.fromfile(p / "lengths.bin", dtype=np.int64))
-            tc = np.fromfile(p / "token_counts.bin", dtype=np.int64)
-            if len(tc) > len(token_counts):
-                token_counts = np.concatenate([token_counts, np.zeros(len(tc) - len(token_counts), np.int64)])
-            token_counts[: len(tc)] += tc
+            ids = np.fromfile(p / "token_ids.bin", dtype=np.uint32).astype(np.int64)
+            if ids.size and int(ids[-1]) >= len(token_counts):
+                token_counts = np.concatenate([token_counts, np.zeros(int(ids[-1]) + 1 - len(token_counts), np.int64)])
+            token_counts[ids] += np.fromfile(p / "token_freq.bin", dtype=np.int64)
     lengths = np.concatenate(lengths_all) if lengths_all else np.zeros(0, np.int64)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -459,10 +535,12 @@ def _concatenate(
 
 __all__ = [
     "DIE_AFTER_ENV",
+    "NO_VOCAB_LIMIT",
     "STORE_FORMAT",
     "PrepareSpec",
     "StoreError",
     "TokenStore",
+    "check_out",
     "is_store",
     "prepare",
 ]

@@ -375,3 +375,62 @@ def test_bad_input_is_one_line_and_exit_2(tiny: Tiny, tmp_path: Path, capsys: py
     assert err.startswith("dflash: --max-new: the longest prompt has ") and err.rstrip().endswith(
         "passes the target's max_position_embeddings (64)"
     )
+
+
+# ---- tried as a hostile user would (issue 21 section 2) ---------------------------------------
+
+
+HOSTILE = ["surrogate", "deep-prompts", "config-abc", "config-negative", "config-deep", "json-ro", "plot-ro"]
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_prompts_drafters_and_outputs_are_one_line_before_any_decoding(
+    tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    """H2: a lone surrogate in a chat prompt was the tokenizer's TypeError; prompts or a drafter config.json
+    nested 100000 deep a RecursionError; a published drafter's config.json with `hidden_size: "abc"` a
+    traceback; an unwritable --json or --plot failed only after the whole eval."""
+    from test_prepare_data import unwritable
+
+    from dflash.drafter import DFlashDraftModel, draft_config_for
+
+    cfg = str(tiny.config)
+    chat = str(write_jsonl(tmp_path / "chat.jsonl", [USER_ONLY]))
+    if case == "surrogate":
+        cut = tmp_path / "cut.jsonl"
+        cut.write_text('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}\n')
+        args = ["--untrained", "--config", cfg, "--prompts", str(cut), "--chat"]
+        line = f"dflash: {cut} line 1: not text (a lone surrogate ('\\ud83d') at character 3 in messages[0].content)"
+    elif case == "deep-prompts":
+        deep = tmp_path / "deep.json"
+        deep.write_text("[" + "[" * 100_000 + "]" * 100_000 + "]")
+        args = ["--untrained", "--config", cfg, "--prompts", str(deep)]
+        line = f"dflash: --prompts {deep}: not a JSON array of records (nested too deeply)"
+    elif case.startswith("config-"):  # a published drafter folder (config.json + weights), its config.json broken
+        target_cfg = TargetModel.from_pretrained(str(tiny.target), dtype=torch.float32, layer_ids=[1]).model.config
+        drafter = DFlashDraftModel(draft_config_for(target_cfg, num_layers=1, block_size=4, mask_token_id=511))
+        drafter.save_pretrained(tmp_path / "published")
+        conf = json.loads((tmp_path / "published" / "config.json").read_text())
+        text, line = {
+            "config-abc": (json.dumps({**conf, "hidden_size": "abc"}),
+                           "TypeError: Field 'hidden_size' expected int, got str (value: 'abc')"),
+            "config-negative": (json.dumps({**conf, "hidden_size": -4}), "hidden_size: must be >= 1, got -4"),
+            "config-deep": ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", ""),
+        }[case]  # fmt: skip
+        path = tmp_path / "published" / "config.json"
+        path.write_text(text)
+        args = ["--drafter", str(tmp_path / "published"), "--target", str(tiny.target), "--prompts", chat, "--chat"]
+        line = (
+            f"dflash: --drafter: {path}: {line}"
+            if line
+            else f"dflash: --drafter: {path} is not JSON (nested too deeply)"
+        )
+    else:
+        option, name = ("--json", "r.json") if case == "json-ro" else ("--plot", "p.png")
+        ro = tmp_path / "ro"
+        args = ["--untrained", "--config", cfg, "--prompts", chat, "--chat", option, str(ro / name)]
+        line = f"eval: {option} {ro / name}: cannot write into {ro}: Operation not permitted"
+    with unwritable(tmp_path / "ro"):
+        rc, out, err = run_cli(capsys, *args)
+    assert (rc, err.splitlines()) == (2, [line])
+    assert out == "", "nothing decoded"

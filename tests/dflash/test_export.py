@@ -288,3 +288,100 @@ def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_jso
         ).mask_token_id
         == 151935
     )
+
+
+# ---- tried as a hostile user would (issue 21 section 2) ---------------------------------------
+
+
+def export_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    from dflash.__main__ import main
+
+    capsys.readouterr()
+    rc = main(["export", *args])
+    return rc, capsys.readouterr().err
+
+
+def test_export_force_never_deletes_what_it_did_not_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """H3: `export CKPT . --force` deleted the working directory; OUT = the checkpoint replaced it (trainer
+    state, manifest, fp32 weights gone); OUT = the checkpoints folder deleted every step-*. And
+    `export CKPT .` in an empty folder removed it, then crashed."""
+    root = tmp_path / "run" / "checkpoints"
+    ckpt = save_checkpoint(root, step=1, drafter=new_drafter(), trainer_state={})
+    before = sorted(p.name for p in ckpt.iterdir())
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("mine")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine too")
+    monkeypatch.chdir(work)
+    cases = [
+        ([str(ckpt), ".", "--force"], "export: OUT . is the working directory"),
+        ([str(ckpt), str(tmp_path), "--force"], f"export: OUT {tmp_path} is a folder above the working directory"),
+        ([str(ckpt), str(ckpt), "--force"], f"export: OUT {ckpt} is the input {ckpt}"),
+        ([str(root), str(root), "--force"], f"export: OUT {root} is the input {root}"),
+        ([str(ckpt), str(root), "--force"], f"export: OUT {root} holds the input {ckpt}"),
+        ([str(ckpt), str(tmp_path / "run"), "--force"], f"export: OUT {tmp_path / 'run'} holds the input {ckpt}"),
+        ([str(ckpt), str(other), "--force"], f"dflash: {other}: not replaced: it holds notes.txt, which export"),
+    ]
+    for args, line in cases:
+        rc, err = export_main(capsys, *args)
+        assert (rc, err.count("\n")) == (2, 1) and err.startswith(line), (args, err)
+    assert sorted(p.name for p in ckpt.iterdir()) == before and (work / "keep.txt").read_text() == "mine"
+    assert [p.name for p in root.iterdir()] == ["step-1"] and (other / "notes.txt").is_file()
+    (work / "keep.txt").unlink()
+    rc, err = export_main(capsys, str(ckpt), ".")  # an empty working directory
+    assert rc == 2 and err.startswith("export: OUT . is the working directory"), err
+    assert work.is_dir() and list(work.iterdir()) == []
+    # an earlier export is what --force replaces
+    assert export_main(capsys, str(ckpt), str(tmp_path / "served"))[0] == 0
+    rc, err = export_main(capsys, str(ckpt), str(tmp_path / "served"), "--force", "--dtype", "fp32")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "served" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_an_eval_report_with_figures_that_are_not_numbers_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Smaller: `tau NaN` went into the model card ("tau nan"); a report nested 100000 deep was a traceback."""
+    ckpt = save_checkpoint(tmp_path / "ck", step=1, drafter=new_drafter(), trainer_state={})
+    good = {"tau": 3.5, "num_prompts": 4, "prompts": "p.jsonl", "position_acceptance": [0.5, 0.25]}
+    cases = [
+        ('{"tau": NaN}', "is not JSON (NaN is not a number JSON allows)"),
+        ('{"tau": 1e400}', "is not JSON (1e400 is out of range)"),
+        ("[" * 100_000 + "]" * 100_000, "is not JSON (nested too deeply)"),
+        (json.dumps({**good, "tau": True}), ": tau is true, not what `dflash eval --json` writes"),
+        (json.dumps({**good, "tau": "6"}), ': tau is "6", not what `dflash eval --json` writes'),
+        (json.dumps({**good, "position_acceptance": ["x"]}), ': position_acceptance is ["x"], not what'),
+        (json.dumps({**good, "num_prompts": 2.5}), ": num_prompts is 2.5, not what"),
+    ]
+    for k, (text, words) in enumerate(cases):
+        report = tmp_path / f"r{k}.json"
+        report.write_text(text)
+        rc, err = export_main(capsys, str(ckpt), str(tmp_path / f"o{k}"), "--eval", str(report))
+        assert (rc, err.count("\n")) == (2, 1) and err.startswith(f"dflash: --eval: {report}") and words in err, err
+        assert not (tmp_path / f"o{k}").exists()
+    report = tmp_path / "good.json"
+    report.write_text(json.dumps(good))
+    assert export_main(capsys, str(ckpt), str(tmp_path / "o"), "--eval", str(report))[0] == 0
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "tau 3.50" in card and "0.50 0.25" in card
+
+
+def test_a_verifier_config_json_nested_too_deeply_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Smaller, the class not the case: `export --format speculators --verifier DIR` read DIR/config.json with
+    json.loads, and one nested 100000 deep was a RecursionError traceback."""
+    ckpt = save_checkpoint(tmp_path / "checkpoints", step=1, drafter=new_drafter(), trainer_state={})
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    rc, err = export_main(
+        capsys, str(ckpt), str(tmp_path / "out"), "--format", "speculators", "--verifier", str(verifier)
+    )
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"dflash: --verifier {verifier}: no config.json with architectures there"), err
+    assert not (tmp_path / "out").exists()

@@ -7,8 +7,10 @@ blocks stripped from the history, ``enable_thinking``) and a Llama-3-like one (h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.chat import BadRecord, Renderer, messages_of
+from dflash.chat import BadRecord, Renderer, messages_of, record_sequences
 from dflash.config import load_config
 from dflash.data import DataError, JsonlDataset
 from dflash.store import DIE_AFTER_ENV, PrepareSpec, StoreError, TokenStore, prepare
@@ -402,3 +404,282 @@ def test_the_vectorized_plan_of_a_store_follows_the_list_plans_rules() -> None:
     assert list(plan.epoch(0)) != list(plan.epoch(1))
     first = plan.batch(len(plan.epoch(0)))  # global index -> epoch 1's first batch
     assert first == plan.epoch(1)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Tried as a hostile user would (issue 21 section 2): every command run in this process by
+# dflash.__main__.main (the real command, without an interpreter start per case)
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from dflash.__main__ import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+SURROGATE = '{"messages": [{"role": "user", "content": "cut \\ud83d"}, {"role": "assistant", "content": "ok"}]}'
+
+
+def test_a_changed_json_array_is_converted_again_after_a_failed_run(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H1: the first run fails (a --strict drop) after converting the array; the input is fixed; the next run
+    must read the new records, not the old conversion."""
+    llama3.save_pretrained(tmp_path / "tok")
+    src = tmp_path / "raw.json"
+    src.write_text(json.dumps([chats(1)[0], {"messages": [{"role": "user", "content": "no answer"}]}]))
+    args = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(tmp_path / "s")]
+    rc, _, err = run_main(capsys, *args, "--strict")
+    assert rc == 2 and "no-assistant; --strict" in err
+    assert (tmp_path / "s.partial" / "input.jsonl").is_file(), "the conversion stays for the next run"
+    fixed = chats(7)[4:]  # three other conversations
+    src.write_text(json.dumps(fixed))
+    rc, out, err = run_main(capsys, *args)
+    assert rc == 0, err
+    assert "resuming" not in err and "converting it again" in err
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    assert meta["counts"]["records"] == 3 and meta["counts"]["dropped"] == 0
+    want = Renderer(llama3).render(fixed[0]["messages"]).sequences[0].input_ids
+    assert TokenStore(tmp_path / "s").read(0)[0].tolist() == want, "the new records, not the old conversion"
+
+
+def test_a_lone_surrogate_is_dropped_as_bad_text_with_its_line(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H2: "\\ud83d" (an emoji cut in half) is valid JSON but no text: the tokenizer's TypeError killed the run."""
+    llama3.save_pretrained(tmp_path / "tok")
+    src = write_lines(tmp_path / "raw.jsonl", [chats(1)[0], SURROGATE, chats(2)[1]])
+    base = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src)]
+    for extra in ([], ["--workers", "2", "--shard-lines", "1"]):
+        out_dir = str(tmp_path / f"s{len(extra)}")
+        rc, out, err = run_main(capsys, *base, "--out", out_dir, *extra)
+        assert rc == 0, err
+        assert (
+            "prepare-data: dropped 1 bad-text: not text: a lone surrogate ('\\ud83d') at character 4 in "
+            "messages[0].content (line 2)"
+        ) in out, out
+        assert json.loads((Path(out_dir) / "meta.json").read_text())["counts"]["sequences"] == 2
+    rc, out, err = run_main(capsys, *base, "--out", str(tmp_path / "strict"), "--strict")
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("prepare-data: line 2: not text: a lone surrogate") and "(bad-text; --strict;" in err
+    # dflash train on the same JSONL: one line naming the line, not the tokenizer's TypeError
+    with pytest.raises(DataError, match=r"^data.path: raw.jsonl line 2: not text: a lone surrogate"):
+        JsonlDataset(src, tokenizer=llama3)
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_while_the_first_runs(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H4: the lock a running prepare-data holds, taken by a real second process exactly as prepare does."""
+    llama3.save_pretrained(tmp_path / "tok")
+    src = write_lines(tmp_path / "raw.jsonl", chats(4))
+    out_dir = tmp_path / "s"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out_dir), "prepare-data"], stdout=subprocess.PIPE, stdin=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        args = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(out_dir)]
+        rc, _, err = run_main(capsys, *args)
+        assert rc == 2 and err.startswith(f"prepare-data: another prepare-data (pid {holder.pid}) is writing {out_dir}")
+        assert err.count("\n") == 1 and not (tmp_path / "s.partial").exists(), "nothing of it was touched"
+        holder.kill()  # a killed holder leaves its lock file: the kernel dropped the lock itself
+        holder.wait()
+        rc, _, err = run_main(capsys, *args, "--shard-lines", "1")
+        assert rc == 0, err
+        assert not Path(str(out_dir) + ".lock").exists(), "a finished run removes its lock"
+        assert json.loads((out_dir / "meta.json").read_text())["counts"]["records"] == 4
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD = """
+import sys
+from dflash.outputs import OutputLock
+with OutputLock(sys.argv[1], command=sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_token_ids_outside_the_tokenizer_are_dropped_and_counts_stay_small(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H5: one id of 2**32 - 1 made prepare-data allocate 32 GiB; 10**6 made an 8 MB token_counts.bin for a
+    351-token vocabulary (10**8: 800 MB)."""
+    llama3.save_pretrained(tmp_path / "tok")
+    vocab = len(llama3)
+    lines = [{"input_ids": [1, 2, 3, 2**32 - 1]}, {"input_ids": [4, 5, 6]}, {"input_ids": [7, 10**6, 8]}]
+    src = write_lines(tmp_path / "raw.jsonl", lines)
+    rc, out, err = run_main(
+        capsys, "prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(tmp_path / "s")
+    )
+    assert rc == 0, err
+    assert (
+        f"dropped 2 out-of-vocab: input_ids[3] = 4294967295 is outside the tokenizer's vocabulary ({vocab} ids) "
+        "(line 1, 3)"
+    ) in out
+    assert (tmp_path / "s" / "token_counts.bin").stat().st_size <= 8 * vocab
+    assert TokenStore(tmp_path / "s").token_count(5) == 1
+    # without a tokenizer, the target's vocabulary bounds them (the tiny target of the config: 512)
+    cfg = REPO / "configs" / "tiny-random.toml"
+    src = write_lines(tmp_path / "raw2.jsonl", [{"input_ids": [1, 2, 600]}, {"input_ids": [4, 5, 6]}])
+    rc, out, err = run_main(
+        capsys, "prepare-data", "--config", str(cfg), "--in", str(src), "--out", str(tmp_path / "t")
+    )
+    assert rc == 0, err
+    assert "dropped 1 out-of-vocab: input_ids[2] = 600 is outside the tokenizer's vocabulary (512 ids) (line 1)" in out
+
+
+def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: t.Any) -> None:
+    """M3: every assistant turn rendered the whole history before it (1600 pairs: 56 s and 1.9 GB for one
+    line, then cut to 3072 tokens). The renders are counted, the tokens compared with the whole render cut."""
+    messages = []
+    for k in range(300):
+        messages += [
+            {"role": "user", "content": f"hello {WORDS[k % len(WORDS)]}"},
+            {"role": "assistant", "content": "ok bye"},
+        ]
+    r = Renderer(llama3)
+    whole = r.render(messages)
+    calls = []
+    text = r._text
+    r._text = lambda m, gen: calls.append(len(m)) or text(m, gen)  # type: ignore[method-assign]
+    cut = r.render(messages, max_len=64)
+    assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (600 without it)"
+    assert max(calls) < 30, "never the whole history"
+    assert [(s.input_ids[:64], s.loss_mask[:64]) for s in cut.sequences] == [
+        (s.input_ids[:64], s.loss_mask[:64]) for s in whole.sequences
+    ], "what the cut keeps is the same"
+    assert cut.too_long and not whole.too_long
+    # through prepare-data: the same store as rendering all of it and cutting (here: one sequence)
+    src = write_lines(tmp_path / "raw.jsonl", [{"messages": messages}])
+    llama3.save_pretrained(tmp_path / "tok")
+    meta = prepare(
+        PrepareSpec(src=str(src), out=str(tmp_path / "s"), tokenizer_path=str(tmp_path / "tok"), kwargs={}, max_len=64),
+        log=lambda m: None,
+    )
+    assert meta["counts"]["sequences"] == 1 and meta["counts"]["cut"] == 1
+    ids, mask = TokenStore(tmp_path / "s").read(0)
+    assert ids.tolist() == whole.sequences[0].input_ids[:64] and mask.tolist() == whole.sequences[0].loss_mask[:64]
+    # a record whose first turn's prompt alone fills max_len says so
+    long = [{"role": "user", "content": " ".join(WORDS * 20)}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(BadRecord, match=r"^the first assistant turn's prompt fills max_len \(64 tokens\)$") as e:
+        record_sequences({"messages": long}, r, max_len=64)
+    assert e.value.reason == "prompt-too-long"
+
+
+@contextlib.contextmanager
+def unwritable(path: Path) -> t.Iterator[Path]:
+    """A real folder no one can write into, root included (tests run as root: permission bits do not stop
+    it): the immutable attribute (chattr +i), taken off again afterwards."""
+    path.mkdir()
+    made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+    if made.returncode != 0:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true and chattr +i failed: {made.stderr.strip()}", pytrace=False)
+        pytest.skip(f"chattr +i is not available here: {made.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_out_is_checked_before_any_work(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M9: an existing folder that is not a store (and --out .) cost all the work, then a traceback at the
+    final rename and the complete store stranded in DIR.partial; also: --out holding --in, an unwritable
+    place, a FIFO as --in (a FIFO must never be waited on)."""
+    llama3.save_pretrained(tmp_path / "tok")
+    (tmp_path / "data").mkdir()
+    src = write_lines(tmp_path / "data" / "raw.jsonl", chats(3))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    work = tmp_path / "cwd" / "deeper"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    os.mkfifo(tmp_path / "fifo")
+    base = ["prepare-data", "--tokenizer", str(tmp_path / "tok")]
+    with unwritable(tmp_path / "ro") as ro:
+        cases = [
+            (["--in", str(src), "--out", str(other)], f"prepare-data: --out {other} is a folder that is not a token store"),
+            (["--in", str(src), "--out", "."], "prepare-data: --out . is the working directory"),
+            (["--in", str(src), "--out", str(tmp_path / "cwd")], f"prepare-data: --out {tmp_path / 'cwd'} is a folder above the working directory"),
+            (["--in", str(src), "--out", str(tmp_path / "data")], f"prepare-data: --out {tmp_path / 'data'} holds the input {src}"),
+            (["--in", str(src), "--out", str(ro / "s")], f"prepare-data: --out {ro / 's'}: cannot write into {ro}: Operation not permitted"),
+            (["--in", str(tmp_path / "fifo"), "--out", str(tmp_path / "s")], f"prepare-data: --in {tmp_path / 'fifo'}: not a regular file"),
+        ]  # fmt: skip
+        for args, line in cases:
+            rc, out, err = run_main(capsys, *base, *args)
+            assert (rc, err.count("\n")) == (2, 1) and err.startswith(line), (args, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "cwd", "data", "fifo", "other", "ro", "tok"]
+        assert sorted(p.name for p in other.iterdir()) == ["notes.txt"] and list(work.iterdir()) == []
+    # an empty folder is fine: the store takes its place
+    (tmp_path / "empty").mkdir()
+    rc, out, err = run_main(capsys, *base, "--in", str(src), "--out", str(tmp_path / "empty"))
+    assert rc == 0 and (tmp_path / "empty" / "meta.json").is_file(), err
+
+
+def test_a_json_array_with_a_record_nested_100000_deep(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Smaller: JSON lines already said "nested too deeply"; a JSON array died with a RecursionError."""
+    llama3.save_pretrained(tmp_path / "tok")
+    a, b, c = (json.dumps(r) for r in chats(3))
+    text = f"[{a},\n {'[' * 100_000}{']' * 100_000}, {b}, {c}]"
+    (tmp_path / "raw.json").write_text(text)
+    rc, out, err = run_main(
+        capsys, "prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(tmp_path / "raw.json"),
+        "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "prepare-data: dropped 1 bad-json: not valid JSON: nested too deeply" in out and "(line 2)" in out
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    assert meta["counts"]["records"] == 4 and meta["counts"]["sequences"] == 3
+
+
+DISK_FULL = """
+set -e
+mount -t tmpfs -o size=256k dflash-test "$1"
+set +e
+"$2" -m dflash prepare-data --tokenizer "$3" --in "$4" --out "$1/store" --shard-lines 50
+echo "rc=$?" >&2
+mount -o remount,size=64m "$1"
+"$2" -m dflash prepare-data --tokenizer "$3" --in "$4" --out "$1/store" --shard-lines 50
+echo "rc=$?" >&2
+"$2" -c 'import os, sys; print(sorted(os.listdir(sys.argv[1])))' "$1/store"
+"""
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_finished_shards(tmp_path: Path, llama3: t.Any) -> None:
+    """M8: a real full disk: a 256 KiB tmpfs in a mount namespace of its own (unshare -m), grown afterwards;
+    the second run goes on from the shards the first one finished."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true: this test needs root and unshare", pytrace=False)
+        pytest.skip("needs root and unshare (a tmpfs in a mount namespace of its own)")
+    llama3.save_pretrained(tmp_path / "tok")
+    src = write_lines(tmp_path / "raw.jsonl", chats(600))
+    (tmp_path / "disk").mkdir()
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", DISK_FULL, "sh", str(tmp_path / "disk"),
+         sys.executable, str(tmp_path / "tok"), str(src)],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )  # fmt: skip
+    first, second = proc.stderr.split("rc=")[:2]
+    assert "rc=1" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in first.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("prepare-data: ") and "No space left on device (the disk is full)" in lines[0]
+    assert lines[0].endswith(f"; the finished shards are kept in {tmp_path / 'disk' / 'store.partial'}")
+    assert second.startswith("1\n") and "prepare-data: resuming: " in second, proc.stderr
+    assert proc.stderr.rstrip().endswith("rc=0"), proc.stderr
+    assert "meta.json" in proc.stdout and "tokens.bin" in proc.stdout

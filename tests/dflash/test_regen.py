@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -401,11 +402,19 @@ def test_openai_backend_against_transformers_serve_writes_what_hf_writes(
 
 
 class Scripted(http.server.ThreadingHTTPServer):
-    """An OpenAI-shaped server on 127.0.0.1 that answers POSTs from a script (status, body); the last entry
-    repeats. It records every request body."""
+    """An OpenAI-shaped server on 127.0.0.1 (a double: an engine cannot run here) that answers POSTs from a
+    script (status, body), the last entry repeating, or from a function of the request body; GET /models
+    answers ``models``. It records every request body."""
 
-    def __init__(self, replies: list[tuple[int, t.Any]]) -> None:
-        self.replies = list(replies)
+    daemon_threads = True
+
+    def __init__(
+        self,
+        replies: list[tuple[int, t.Any]] | t.Callable[[dict[str, t.Any]], tuple[int, t.Any]],
+        models: t.Any = None,
+    ) -> None:
+        self.replies = replies if callable(replies) else list(replies)
+        self.models = models if models is not None else {"object": "list", "data": [{"id": "served-model"}]}
         self.bodies: list[dict[str, t.Any]] = []
         super().__init__(("127.0.0.1", 0), ScriptedHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -426,11 +435,16 @@ class ScriptedHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
-        self._send(200, {"object": "list", "data": [{"id": "served-model", "object": "model"}]})
+        self._send(200, self.server.models)
 
     def do_POST(self) -> None:
-        self.server.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-        code, payload = self.server.replies.pop(0) if len(self.server.replies) > 1 else self.server.replies[0]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.bodies.append(body)
+        replies = self.server.replies
+        if callable(replies):
+            code, payload = replies(body)
+        else:
+            code, payload = replies.pop(0) if len(replies) > 1 else replies[0]
         self._send(code, payload)
 
     def log_message(self, *args: t.Any) -> None:
@@ -479,10 +493,13 @@ def test_openai_errors_are_one_line() -> None:
     down = Scripted([(502, "bad gateway")])
     try:
         gen = OpenAIGenerator(bad.url, model="m", kwargs={}, concurrency=1, retries=3, backoff=0.01)
-        with pytest.raises(ServerError) as e:
+        with pytest.raises(ServerError) as e:  # every request refused (here: the only one): the run stops
             gen.generate([Turn(HISTORY, None, 7)])
         gen.close()
-        assert str(e.value) == f"regen: {bad.url}/v1/chat/completions answered 400 Bad Request: max_tokens is too large"
+        assert str(e.value) == (
+            f"regen: {bad.url}/v1/chat/completions answered 400 Bad Request: max_tokens is too large "
+            "(all 1 requests failed, none was answered)"
+        )
         assert len(bad.bodies) == 1, "a 4xx is not retried"
         assert "chat_template_kwargs" not in bad.bodies[0], "no kwargs: the field is left out"
 
@@ -498,8 +515,9 @@ def test_openai_errors_are_one_line() -> None:
     finally:
         bad.shutdown()
         down.shutdown()
-    # two requests in flight: one is retrying a 500 when the other gets a 400; the 400 is what is said
-    mixed = Scripted([(500, "busy"), (400, {"detail": "no such model"})])
+    # two requests in flight: one is retrying a 500 when the other gets a 404 (not about its content: it
+    # stops every request); the 404 is what is said
+    mixed = Scripted([(500, "busy"), (404, {"detail": "no such model"})])
     try:
         gen = OpenAIGenerator(
             mixed.url, model="m", kwargs={}, concurrency=2, retries=5, backoff=5.0
@@ -507,8 +525,8 @@ def test_openai_errors_are_one_line() -> None:
         with pytest.raises(ServerError) as e:
             gen.generate([Turn(HISTORY, None, 7), Turn(HISTORY, None, 7)])
         gen.close()
-        assert str(e.value).endswith("answered 400 Bad Request: no such model")
-        assert len(mixed.bodies) == 2, "no request after the 400"
+        assert str(e.value).endswith("answered 404 Not Found: no such model")
+        assert len(mixed.bodies) == 2, "no request after the 404"
     finally:
         mixed.shutdown()
     closed = f"http://127.0.0.1:{free_port()}"
@@ -577,3 +595,383 @@ def test_parquet_input_regenerates_as_jsonl_does(
     want = [line for line in hf_run[0].splitlines() if json.loads(line)["id"] in (1, 5, 7, 8)]
     assert (tmp_path / "new.jsonl").read_text().splitlines() == want
     assert "regen: dropped 1 no-assistant: no assistant turn (row 1)" in out, "rows are 0-based, as in pyarrow"
+
+
+# --------------------------------------------------------------------------------------------
+# Tried as a hostile user would (issue 21 section 2)
+
+SURROGATE = '{"id": 9, "messages": [{"role": "user", "content": "cut \\ud83d"}, {"role": "assistant", "content": "x"}]}'
+# vLLM's own 400 for a prompt longer than the served context (vllm/entrypoints/openai/serving_engine.py)
+VLLM_TOO_LONG = {
+    "object": "error",
+    "message": "This model's maximum context length is 64 tokens. However, you requested 75 tokens (63 in the "
+    "messages, 12 in the completion). Please reduce the length of the messages or completion.",
+    "type": "BadRequestError",
+    "param": None,
+    "code": 400,
+}
+
+
+def regen_args(target: Path, tmp_path: Path, src: Path, out: str = "new.jsonl", *extra: str) -> list[str]:
+    cfg = write_config(tmp_path / "run.toml", target)
+    return ["regen", "--config", str(cfg), "--in", str(src), "--out", str(tmp_path / out), *extra]
+
+
+def openai(srv: Scripted, *extra: str) -> list[str]:
+    return ["--backend", "openai", "--server", srv.url, "--retries", "0", "--max-new-tokens", str(MAX_NEW), *extra]
+
+
+def ids_of(path: Path) -> list[int]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_a_changed_input_is_converted_again_after_a_failed_run(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H1: a server 500 ends the first run after the JSON array was converted; the input is replaced; the
+    next run regenerated the OLD records (`resuming: 1 of 1 shards already done` at worst)."""
+    src = tmp_path / "raw.json"
+    src.write_text(json.dumps([CORPUS[0], CORPUS[6]]))
+    down = Scripted([(500, "busy")])
+    up = Scripted([(200, completion("hi"))])
+    try:
+        rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src), *openai(down))
+        assert rc == 1 and "500 Internal Server Error: busy (gave up after 1 tries)" in err
+        assert (tmp_path / "new.jsonl.partial" / "input.jsonl").is_file()
+        src.write_text(json.dumps([CORPUS[7], CORPUS[4], CORPUS[0]]))
+        rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src), *openai(up))
+    finally:
+        down.shutdown()
+        up.shutdown()
+    assert rc == 0, err
+    assert "converting it again" in err and "resuming" not in err
+    assert ids_of(tmp_path / "new.jsonl") == [8, 5, 1], "the new input's records"
+
+
+def test_a_lone_surrogate_is_dropped_as_bad_text_by_both_backends(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H2: the tokenizer's TypeError (the prompt is rendered locally by both backends) ended the run at the same
+    place on every rerun."""
+    src = tmp_path / "raw.jsonl"
+    src.write_text(json.dumps(CORPUS[0]) + "\n" + SURROGATE + "\n" + json.dumps(CORPUS[6]) + "\n")
+    srv = Scripted([(200, completion("hi"))])
+    try:
+        for name, extra in (("hf.jsonl", ["--max-new-tokens", str(MAX_NEW)]), ("api.jsonl", openai(srv))):
+            rc, out, err = dflash_main(capsys, *regen_args(target, tmp_path, src, name), *extra)
+            assert rc == 0, err
+            assert "Traceback" not in err and ids_of(tmp_path / name) == [1, 7]
+            assert (
+                "regen: dropped 1 bad-text: not text: a lone surrogate ('\\ud83d') at character 4 in "
+                "messages[0].content (line 2)"
+            ) in out
+        # an answer that is no text (a server's lone surrogate) is a bad answer, not a line of the output
+        srv.replies = [(200, '{"choices": [{"message": {"content": "bad \\udc00"}, "finish_reason": "stop"}]}')]
+        rc, out, err = dflash_main(capsys, *regen_args(target, tmp_path, src, "api2.jsonl"), *openai(srv))
+    finally:
+        srv.shutdown()
+    assert rc == 1 and "the answer is not text" in err and "none was answered" in err, err
+
+
+def test_a_second_regen_into_the_same_out_is_refused(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """H4: two runs into one --out mixed their shards (1515 records from 1500)."""
+    from test_prepare_data import HOLD
+
+    src = write_corpus(tmp_path / "raw.jsonl")
+    out = tmp_path / "new.jsonl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), "regen"], stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=REPO
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 2 and err.startswith(f"regen: another regen (pid {holder.pid}) is writing {out}")
+    assert err.count("\n") == 1 and not (tmp_path / "new.jsonl.partial").exists()
+
+
+def test_a_record_the_server_refuses_is_dropped_and_the_run_goes_on(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """M1: vLLM's 400 for one prompt longer than its context stopped the run, and every rerun at the same shard."""
+    too_long = {"id": 3, "messages": [{"role": "user", "content": "a long one"}, {"role": "assistant", "content": "x"}]}
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in (CORPUS[0], too_long, CORPUS[6], CORPUS[7])))
+
+    def vllm(body: dict[str, t.Any]) -> tuple[int, t.Any]:
+        return (400, VLLM_TOO_LONG) if "long" in body["messages"][0]["content"] else (200, completion("hi"))
+
+    srv = Scripted(vllm)
+    try:
+        rc, out, err = dflash_main(capsys, *regen_args(target, tmp_path, src), *openai(srv, "--shard-lines", "2"))
+    finally:
+        srv.shutdown()
+    assert rc == 0, err
+    assert ids_of(tmp_path / "new.jsonl") == [1, 7, 8]
+    assert (
+        "regen: dropped 1 server-refused: the server refused it: 400 Bad Request: This model's maximum context "
+        "length is 64 tokens."
+    ) in out and out.rstrip().endswith("(line 2)")
+    # a server that refuses every request still stops the run, in one line (exit 1)
+    srv = Scripted([(400, VLLM_TOO_LONG)])
+    try:
+        rc, out, err = dflash_main(capsys, *regen_args(target, tmp_path, src, "b.jsonl"), *openai(srv))
+    finally:
+        srv.shutdown()
+    assert rc == 1 and err.count("\n") == 1 and not (tmp_path / "b.jsonl").exists()
+    assert err.startswith(f"regen: {srv.url}/v1/chat/completions answered 400 Bad Request: This model's maximum")
+    assert "(all 4 requests failed, none was answered)" in err
+
+
+def test_answers_that_are_not_text_are_retried_then_dropped() -> None:
+    """M2: content null (a tool call) was written as an empty answer and list/dict content as its Python repr."""
+    from dflash.regen import Answer, Dropped, OpenAIGenerator, Turn
+
+    def message(**msg: t.Any) -> dict[str, t.Any]:
+        return {"choices": [{"index": 0, "message": {"role": "assistant", **msg}, "finish_reason": "stop"}]}
+
+    tool = message(content=None, tool_calls=[{"id": "c", "type": "function", "function": {"name": "f"}}])
+    cases = [
+        (message(content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]), Answer("ab", cut=False), 1),
+        (message(content=None, reasoning_content="R"), Answer("<think>\nR\n</think>\n\n", cut=False), 1),
+        (tool, Dropped("bad-answer", "the server's answer is not text: no text content (a tool call)"), 2),
+        (message(content={"text": "x"}), Dropped("bad-answer", "the server's answer is not text: content is a dict, not text"), 2),
+        (message(content=[{"type": "image_url", "image_url": {}}]), Dropped("bad-answer", "the server's answer is not text: content parts that are not text (image_url)"), 2),
+    ]  # fmt: skip
+    for payload, want, sent in cases:
+        srv = Scripted([(200, completion("first")), (200, payload)])  # one good answer first: no stop rule
+        try:
+            gen = OpenAIGenerator(srv.url, model="m", kwargs={}, concurrency=1, retries=0)
+            gen.generate([Turn(HISTORY, None, 7)])
+            assert gen.generate([Turn(HISTORY, None, 7)]) == [want], payload
+            gen.close()
+        finally:
+            srv.shutdown()
+        assert len(srv.bodies) == 1 + sent, "a bad answer is asked for once more"
+
+
+class Stalling(threading.Thread):
+    """A server (a double) that accepts a request and then answers ``how``: "drip" (headers, then one byte of
+    the body every 0.05 s, never the end: each read alone is quick), "endless" (a body without end, fast),
+    or "hold" (nothing, ever). It counts the requests it got."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(daemon=True)
+        import socket
+
+        self.how = how
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        self.done = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: t.Any) -> None:
+        import time
+
+        with conn:
+            head = conn.recv(65536)
+            if head.startswith(b"GET"):
+                body = json.dumps({"data": [{"id": "m"}]}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                return
+            self.requests += 1
+            try:
+                if self.how == "hold":
+                    self.done.wait()
+                    return
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000000\r\n\r\n{")
+                while not self.done.is_set():
+                    conn.sendall(b" " * (1 << 16) if self.how == "endless" else b" ")
+                    if self.how == "drip":
+                        time.sleep(0.05)
+            except OSError:  # the client hung up: what is tested
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.sock.close()
+
+
+def test_a_request_is_bounded_as_a_whole_by_its_deadline_and_its_size() -> None:
+    """M4: --timeout bounded each socket read: a slow-drip server or an endless body ran forever (+2.4 MB/s)."""
+    from dflash.regen import OpenAIGenerator, ServerError, Turn
+
+    for how, words in (
+        ("drip", "no complete answer within 1 s (--timeout)"),
+        ("endless", "an answer larger than 1 MiB"),
+    ):
+        srv = Stalling(how)
+        result: list[BaseException] = []
+
+        def ask(srv: Stalling = srv, result: list[BaseException] = result) -> None:
+            gen = OpenAIGenerator(
+                srv.url, model="m", kwargs={}, concurrency=1, timeout=1.0, retries=1, backoff=0.01,
+                max_response_bytes=1 << 20,
+            )  # fmt: skip
+            try:
+                gen.generate([Turn(HISTORY, None, 7)])
+            except BaseException as e:  # what the test reads
+                result.append(e)
+            finally:
+                gen.close()
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        asker.join(120)  # a guard against the old behaviour (forever), not a timing
+        srv.stop()
+        assert not asker.is_alive(), f"{how}: still reading"
+        assert len(result) == 1 and isinstance(result[0], ServerError), result
+        assert str(result[0]) == f"regen: {srv.url}/v1/chat/completions: {words} (gave up after 2 tries)"
+        assert srv.requests == 2
+
+
+def test_ctrl_c_ends_regen_without_waiting_for_the_requests_in_flight(target: Path, tmp_path: Path) -> None:
+    """M5: Ctrl-C printed "aborted", then waited for the requests in flight (600 s by default, forever with a
+    server that never answers). A real SIGINT to a real `dflash regen`, against a server that holds them."""
+    srv = Stalling("hold")
+    src = write_corpus(tmp_path / "raw.jsonl")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash", *regen_args(target, tmp_path, src), "--backend", "openai", "--server",
+         srv.url, "--concurrency", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        retry_until(lambda: srv.requests >= 3 or proc.poll() is not None, 180)
+        assert proc.poll() is None and srv.requests == 3, "three requests held by the server"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # a guard (the old code waited 600 s), not a timing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        held = not srv.done.is_set()
+        srv.stop()
+    assert held, "the server never answered: the command did not wait for it"
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "dflash: aborted", err
+    assert "Traceback" not in err and not (tmp_path / "new.jsonl").exists()
+
+
+TWO_TARGETS = """
+import sys
+from dflash.chat import Renderer, load_tokenizer
+from dflash.regen import HFGenerator, RegenSpec, load_hf, regen
+from dflash.config import load_config
+
+cfg = load_config(sys.argv[1])
+tok = load_tokenizer(str(cfg.target.path))
+renderer = Renderer(tok, dict(cfg.data.chat_template_kwargs))
+(one,) = load_hf(cfg, tok, batch_size=1)
+# two targets as two GPUs would give (here: one CPU model twice; `devices.targets` keeps one replica a device)
+gens = [one, HFGenerator(one.model, tok, batch_size=1, identity=one.identity)]
+spec = RegenSpec(src=sys.argv[2], out=sys.argv[3], kwargs=renderer.kwargs, max_new_tokens=int(sys.argv[4]),
+                 max_len=cfg.data.max_length, shard_lines=1)
+try:
+    regen(spec, gens, renderer, log=lambda m: None)
+except KeyboardInterrupt:
+    print("aborted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_stops_every_hf_target_not_after_the_whole_corpus(target: Path, tmp_path: Path) -> None:
+    """M5 with the hf backend and several targets: Ctrl-C left the pool's `with` waiting for its threads,
+    which went on through every shard left before the process ended. A real SIGINT to a real process."""
+    good = [r for r in CORPUS if isinstance(r, dict) and ("messages" in r or "conversations" in r)]
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps(good[k % len(good)]) + "\n" for k in range(40)))
+    cfg = write_config(tmp_path / "run.toml", target)
+    out = tmp_path / "new.jsonl"
+    parts = tmp_path / "new.jsonl.partial" / "parts"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TWO_TARGETS, str(cfg), str(src), str(out), "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+
+    def done() -> int:
+        return sum(1 for p in parts.iterdir() if not p.name.endswith(".tmp")) if parts.is_dir() else 0
+
+    try:
+        retry_until(lambda: done() >= 1 or proc.poll() is not None, 180)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)  # a guard, not a timing
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "aborted", err
+    assert done() < 40, "both targets stopped: the shards left were not all generated first"
+    assert not out.exists()
+
+
+def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """M8: an unwritable --out was a traceback (after loading the target); a full disk too."""
+    from test_prepare_data import unwritable
+
+    src = write_corpus(tmp_path / "raw.jsonl")
+    with unwritable(tmp_path / "ro") as ro:
+        rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src, str(ro / "new.jsonl")))
+    assert rc == 2 and err == f"regen: --out {ro / 'new.jsonl'}: cannot write into {ro}: Operation not permitted\n"
+    rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src, str(src)))
+    assert rc == 2 and err == f"regen: --out {src} is the input {src}: nothing is written\n" and err.count("\n") == 1, (
+        err
+    )
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true: the full-disk half needs root and unshare", pytrace=False)
+        pytest.skip("the full-disk half needs root and unshare")
+    # a real full disk: a tmpfs of 96 KiB in a mount namespace of its own, answers of 20 KB
+    srv = Scripted([(200, completion("z" * 20000))])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = [*regen_args(target, tmp_path, src, str(disk / "new.jsonl")), *openai(srv, "--shard-lines", "2")]
+    script = (
+        'mount -t tmpfs -o size=96k dflash-test "$1" && shift && "$@"; echo "rc=$?" >&2; '
+        'mount -o remount,size=64m "$DISK" && "$@"; echo "rc=$?" >&2'
+    )
+    try:
+        proc = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script.replace("$DISK", str(disk)), "sh",
+             str(disk), sys.executable, "-m", "dflash", *args],
+            capture_output=True, text=True, timeout=240, cwd=REPO,
+        )  # fmt: skip
+    finally:
+        srv.shutdown()
+    first, second = proc.stderr.split("rc=")[:2]
+    lines = [ln for ln in first.splitlines() if "conversations," not in ln and ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("regen: ") and "No space left on device (the disk is full)" in lines[0]
+    assert lines[0].endswith(f"the finished shards are kept in {disk / 'new.jsonl.partial'}"), lines[0]
+    assert second.startswith("1\n") and "regen: resuming: " in second and proc.stderr.rstrip().endswith("rc=0")
+    assert "8 records -> 5 written" in proc.stdout
+
+
+def test_a_models_list_that_is_not_a_list_is_one_line(
+    target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Smaller: /v1/models answering {"data": null} was a TypeError traceback."""
+    srv = Scripted([(200, completion("hi"))], models={"data": None})
+    try:
+        src = write_corpus(tmp_path / "raw.jsonl")
+        rc, _, err = dflash_main(capsys, *regen_args(target, tmp_path, src), "--backend", "openai", "--server", srv.url)
+    finally:
+        srv.shutdown()
+    assert rc == 2 and err == (
+        f'regen: {srv.url}/v1/models: unexpected answer {{"data": null}} (no list of models): name the model with '
+        "--model\n"
+    )
