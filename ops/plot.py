@@ -201,12 +201,15 @@ class Attempt:
     end: str | None
     started: float | None
     ended: float | None
+    # held-out evals ([eval] every): the records with "kind": "eval", apart (no interval_s, no loss)
+    evals: list[dict[str, t.Any]] = dataclasses.field(default_factory=list)
 
 
 def load_attempts(cache: Cache, meta: t.Mapping[str, t.Any]) -> list[Attempt]:
     out = []
     for n, m in sorted(meta["attempts"].items(), key=lambda kv: int(kv[0])):
-        records = []
+        records: list[dict[str, t.Any]] = []
+        evals: list[dict[str, t.Any]] = []
         try:
             lines = cache.metrics(n).read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
@@ -217,12 +220,12 @@ def load_attempts(cache: Cache, meta: t.Mapping[str, t.Any]) -> list[Attempt]:
             except ValueError:
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                records.append(rec)
+                (evals if rec.get("kind") == "eval" else records).append(rec)
         run, exit_rec = m.get("run") or {}, m.get("exit") or {}
         end = m.get("end")
         if end is None and not exit_rec and int(n) != meta.get("current"):
             end = "lost"  # an earlier attempt with no exit record: it did not end by itself
-        out.append(Attempt(int(n), records, end, run.get("started_ts"), exit_rec.get("ended_ts")))
+        out.append(Attempt(int(n), records, end, run.get("started_ts"), exit_rec.get("ended_ts"), evals))
     return out
 
 
@@ -286,7 +289,8 @@ def record_times(records: t.Sequence[t.Mapping[str, t.Any]]) -> list[float | Non
 
 
 def points(attempts: t.Sequence[Attempt], since: int | None = None) -> list[Point]:
-    """Every value drawn, in order: scalars, ``acc_slot_<k>``, ``busy:<worker>``, ``wait:<worker>``."""
+    """Every value drawn, in order: scalars, ``acc_slot_<k>``, ``busy:<worker>``, ``wait:<worker>``; then
+    the held-out evals' ``eval_tau`` and ``eval_best_tau``."""
     out = []
     for a in attempts:
         for rec, at in zip(a.records, record_times(a.records)):
@@ -307,6 +311,15 @@ def points(attempts: t.Sequence[Attempt], since: int | None = None) -> list[Poin
                 if isinstance(w, dict):
                     put(f"busy:{worker_label(w)}", w.get("busy"))
                     put(f"wait:{worker_label(w)}", wait_fraction(w, interval))
+        for rec in a.evals:
+            step = rec["step"]
+            if since is not None and step < since:
+                continue
+            at = at_seconds(rec.get("at"))
+            for key in ("tau", "best_tau"):
+                value = rec.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out.append(Point(a.number, step, at, f"eval_{key}", float(value)))
     return out
 
 
@@ -325,7 +338,8 @@ def write_csv(path: str, pts: t.Sequence[Point]) -> None:
 PANELS: tuple[tuple[str, t.Callable[[str], bool]], ...] = (
     ("loss", lambda s: s == "loss"),
     ("accuracy (mean, per slot)", lambda s: s == "acc" or s.startswith("acc_slot_")),
-    ("tau_tf (teacher-forced)", lambda s: s == "tau_tf"),
+    # the held-out tau of [eval] every beside the teacher-forced one: the same unit, the gap is the news
+    ("tau: teacher-forced, held-out eval", lambda s: s in ("tau_tf", "eval_tau", "eval_best_tau")),
     ("Ktok/s", lambda s: s == "ktok_s"),
     ("queue depth / capacity", lambda s: s in ("queue_depth", "queue_capacity")),
     ("live workers", lambda s: s in ("drafters_live", "drafters_total", "targets_live")),
@@ -374,6 +388,8 @@ def draw(
                 f"{name}|{key}", cycle[len([c for c in colors if c.startswith(name + "|")]) % len(cycle)]
             )
             style = "--" if series.startswith("wait:") or series in ("queue_capacity", "drafters_total") else "-"
+            if series.startswith("eval_"):  # one point per eval: markers, the best so far dashed
+                style = "o--" if series == "eval_best_tau" else "o-"
             for i, (_, seg) in enumerate(sorted(by_series[series].items())):
                 ax.plot(
                     [x_of(p) for p in seg],
