@@ -584,8 +584,9 @@ def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Pat
 def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
     """The checkpoint a folder means to ``dflash export`` and ``dflash eval --drafter``: a checkpoint dir
     (config.json) itself; under a checkpoints root or a run dir that holds ``checkpoints/``, the ``best``
-    one when there is one, else the latest complete one. Returns it and the line that says which (None: the
-    folder was a checkpoint dir itself). Raises nothing: (path, None) when nothing is found."""
+    one when there is one, else the latest complete one. Returns it and the line that says so when it is
+    ``best`` (None: a checkpoint dir itself, or the latest of a run without ``best``; a broken ``best`` is
+    a warning). Raises nothing: (path, None) when nothing is found."""
     p = Path(path).expanduser()
     if (p / CONFIG_FILE).is_file():
         return p, None
@@ -604,8 +605,8 @@ def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
         elif (root / BEST_LINK).is_symlink():
             logger.warning("%s points to no complete checkpoint; taking the latest instead", root / BEST_LINK)
         latest = latest_complete(root)
-        if latest is not None:
-            return latest, f"{latest}: the latest checkpoint (no {BEST_LINK} in {root}: training ran no [eval])"
+        if latest is not None:  # no best (a run without [eval]): the latest, as always, said by no line
+            return latest, None
     return p, None
 
 
