@@ -38,7 +38,7 @@ class TimedRun(Run):
             self.barriers.append(time.perf_counter() - t0)
 
 
-def one(root: Path, overrides: list[str]) -> tuple[list[float], float]:
+def one(root: Path, overrides: list[str]) -> tuple[list[float], list[float], float]:
     cfg = load_config(
         REPO / "configs" / "tiny-random.toml",
         [f"output_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}", "log_every=1000", *overrides],
@@ -47,7 +47,8 @@ def one(root: Path, overrides: list[str]) -> tuple[list[float], float]:
     run.barriers = []
     t0 = time.perf_counter()
     assert run.train() == 0
-    return run.barriers, time.perf_counter() - t0
+    waits = run.validator.waits[: len(run.barriers)] if run.validator is not None else []
+    return run.barriers, waits, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -69,14 +70,20 @@ def main() -> None:
             f"average_every={args.every}",
             *args.overrides,
         ]
-        without, wall_without = one(root / "without", common)
+        without, _, wall_without = one(root / "without", common)
         evals = [f"eval.every={args.every}", f"eval.prompts={prompts}", f"eval.max_new={args.max_new}"]
-        with_eval, wall_with = one(root / "with", [*common, *evals])
+        with_eval, waits, wall_with = one(root / "with", [*common, *evals])
+    own = [b - w for b, w in zip(with_eval, waits)]  # the barrier less its wait for the eval before it
     for name, b, wall in (("without [eval]", without, wall_without), ("with [eval]   ", with_eval, wall_with)):
         print(
             f"{name}: {len(b)} barriers, median {statistics.median(b) * 1000:.1f} ms, max {max(b) * 1000:.1f} ms; "
             f"run {wall:.1f} s"
         )
+    print(
+        f"with [eval], less the wait for the eval before: median {statistics.median(own) * 1000:.1f} ms, "
+        f"max {max(own) * 1000:.1f} ms; waited for the eval before at {sum(1 for w in waits if w > 0)} of "
+        f"{len(waits)} barriers, {sum(waits):.2f} s in all"
+    )
 
 
 if __name__ == "__main__":

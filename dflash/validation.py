@@ -151,6 +151,7 @@ class Validator:
         self._pending: set[int] = set()  # steps submitted and not done: pruning leaves them (CheckpointWriter)
         self._lock = threading.Lock()
         self.failed = False  # an eval raised: logged, and the run goes on without evals
+        self.waits: list[float] = []
         logger.info(
             "eval: every %d steps, %d prompts from %s, up to %d new tokens each%s, on %s",
             cfg.eval.every,
@@ -238,15 +239,18 @@ class Validator:
         ``step``, in the background. Waits for the eval before it, if it still runs."""
         if self.failed:
             return
+        waited = 0.0
         if self._thread is not None and self._thread.is_alive():
             started = time.monotonic()
             self._thread.join()
+            waited = time.monotonic() - started
             logger.warning(
                 "eval: the barrier at step %d waited %.1f s for the eval before it; an eval takes longer than "
                 "eval.every steps (fewer prompts, a smaller eval.max_new or another eval.device shorten it)",
                 step,
-                time.monotonic() - started,
+                waited,
             )
+        self.waits.append(waited)  # per eval barrier: what it waited for the eval before it (bench/eval_barrier.py)
         with self._lock:
             self._pending.add(step)
         self._loaded.clear()
