@@ -405,7 +405,7 @@ def regen_cmd(
     "--drafter",
     "drafter_path",
     type=click.Path(),
-    help="A checkpoint dir, or a folder of step-* checkpoints (the latest).",
+    help="A checkpoint dir, or a folder of step-* checkpoints (checkpoints/best when training chose one, else the latest).",
 )
 @click.option(
     "--untrained", is_flag=True, help="Measure the drafter the run started from (step 0: same config and seed)."
@@ -565,6 +565,7 @@ def eval_cmd(
         max_new_tokens=max_new_tokens,
         ignore_eos=ignore_eos,
         suite=specs is not None,
+        log=lambda line: click.echo(line, err=True),  # which checkpoint a folder meant (checkpoints/best)
     )
     decoding: dict[str, t.Any] = {"temperature": temperature, "seed": seed, "count": count}
     if specs is not None:
@@ -656,7 +657,16 @@ def export_cmd(
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
-    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force, fmt=fmt, verifier=verifier)
+    path = export(
+        source,
+        out,
+        dtype=dtype,
+        eval_report=eval_path,
+        force=force,
+        fmt=fmt,
+        verifier=verifier,
+        log=lambda line: click.echo(f"export: {line}", err=True),  # which checkpoint a folder meant
+    )
     if fmt == "speculators":
         click.echo(f"exported {dtype} drafter to {path} in the speculators layout (vllm serve {path}; README.md)")
     else:

@@ -26,6 +26,14 @@ new one is renamed in; a ``step-<n>`` of ANOTHER run that is in the way is moved
 first (newest step first), then older runs'. Checkpoints written before run ids (and sha256 sums)
 existed still load; they count as one run older than any other.
 
+The best checkpoint (``[eval] every``, ``dflash.validation``): ``<root>/best`` is a symlink ``best -> step-<n>``
+to the checkpoint with the highest held-out tau, and ``<root>/best.json`` says its step, tau, run id and how
+the tau was measured. ``set_best`` writes best.json and then switches the link by renaming a new one over
+it, so ``best`` always names a complete checkpoint; pruning never removes the checkpoint ``best`` points to
+(nor a step whose eval is still running: ``protect``), and ``move_aside`` takes both along with their run.
+``choose`` is what ``dflash export`` and ``dflash eval --drafter`` read a folder with: a checkpoint dir
+itself, else ``best`` when there is one, else the latest complete checkpoint, and a line that says which.
+
 Writing in the background: ``snapshot`` copies what a checkpoint holds to CPU (the only part that must
 happen while the drafters wait), ``CheckpointWriter`` writes snapshots in one background thread, one at
 a time, and re-raises a failed write as ``CheckpointWriteError`` at the next ``wait``/``check``.
@@ -57,22 +65,29 @@ from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DflashError, InputError
 
 __all__ = [
+    "BEST_FILE",
+    "BEST_LINK",
     "Checkpoint",
     "CheckpointError",
     "CheckpointWriteError",
     "CheckpointWriter",
     "Snapshot",
     "latest_complete",
+    "best_of",
+    "choose",
     "list_complete",
     "load_checkpoint",
     "load_drafter",
     "move_aside",
     "new_run_id",
+    "prune",
+    "read_best",
     "restore_rng_state",
     "resume_order",
     "rng_state",
     "run_of",
     "save_checkpoint",
+    "set_best",
     "snapshot",
     "write_checkpoint",
 ]
@@ -83,10 +98,15 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "checkpoint.json"
+BEST_LINK = "best"  # <root>/best -> step-<n>: the highest held-out tau (set_best)
+BEST_FILE = "best.json"  # its step, tau, run id and eval protocol
 FORMAT = "dflash-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
+# Switching ``best`` and pruning happen in different threads (an eval's, the writer's): never at once, so
+# that a prune never removes the checkpoint that best is being switched to.
+_BEST_LOCK = threading.Lock()
 
 
 class CheckpointError(InputError, ValueError):
@@ -311,8 +331,15 @@ def check_servable(drafter: torch.nn.Module, config: DFlashDraftConfig, *, vocab
     contract.check(json.loads(config_json(config)), shapes, target=contract.Target(vocab_size=vocab_size))
 
 
-def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int | None = 3) -> Path:
-    """Write a snapshot as ``<root>/step-<n>``: temp dir, fsync, rename; then prune the run's oldest."""
+def write_checkpoint(
+    root: str | os.PathLike[str],
+    snap: Snapshot,
+    *,
+    keep: int | None = 3,
+    protect: t.Callable[[], t.Collection[int]] | None = None,
+) -> Path:
+    """Write a snapshot as ``<root>/step-<n>``: temp dir, fsync, rename; then prune the run's oldest, except
+    the one ``best`` points to and the steps ``protect()`` names (evals in flight)."""
     step = snap.step
     if keep is not None and keep < 0:
         raise ValueError(f"keep: must be >= 0 (0 or None keeps all), got {keep}")
@@ -366,14 +393,37 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
         raise
     logger.info("checkpoint step %d written to %s", step, final)
     if keep:
-        mine = [p for p in list_complete(root) if p != final and _manifest_run(p) == snap.run_id]
-        mine.append(final)  # the newest of its run: steps only grow within a run
+        prune(root, snap.run_id, keep=keep, protect=protect, newest=final)
+    return final
+
+
+def prune(
+    root: str | os.PathLike[str],
+    run_id: str | None,
+    *,
+    keep: int,
+    protect: t.Callable[[], t.Collection[int]] | None = None,
+    newest: Path | None = None,
+) -> list[Path]:
+    """Remove the run's complete checkpoints but its ``keep`` newest, the one ``best`` points to and the
+    steps ``protect()`` names (evals in flight: a run prunes once more when they end). Returns the removed."""
+    root = Path(root)
+    removed = []
+    with _BEST_LOCK:
+        kept = {_step_of(b)} if (b := best_of(root)) is not None else set()
+        kept |= set(protect() if protect is not None else ())
+        mine = [p for p in list_complete(root) if p != newest and _manifest_run(p) == run_id]
+        if newest is not None:
+            mine.append(newest)  # the newest of its run: steps only grow within a run
         for old_path in mine[:-keep]:
+            if _step_of(old_path) in kept:
+                continue  # the best (or an eval in flight): it stays, beyond keep
             # Rename first: a half-deleted directory must not look like a checkpoint.
             doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
             old_path.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
-    return final
+            removed.append(old_path)
+    return removed
 
 
 def _archive_dir(root: Path, run_id: str | None) -> Path:
@@ -401,15 +451,32 @@ def move_aside(root: str | os.PathLike[str]) -> list[Path]:
     for entry in sorted(root.iterdir()):
         if _STEP_DIR.match(entry.name) and entry.is_dir():
             by_run.setdefault(_manifest_run(entry), []).append(entry)
+    link = root / BEST_LINK
+    best_name = os.readlink(link) if link.is_symlink() else None
     made = []
+    best_aside: Path | None = None
     for run_id, paths in by_run.items():
         aside = _archive_dir(root, run_id)
         for p in paths:
+            if p.name == best_name:
+                best_aside = aside  # best and best.json go with the checkpoint they name
             p.rename(aside / p.name)
         made.append(aside)
+    if link.is_symlink() or (root / BEST_FILE).exists():
+        if best_aside is None:  # its checkpoint is gone already: in an archive of their own
+            best_aside = _archive_dir(root, "best")
+            made.append(best_aside)
+        _move_best(root, best_aside)
     if made:
         _fsync_dir(root)
     return made
+
+
+def _move_best(root: Path, aside: Path) -> None:
+    for name in (BEST_LINK, BEST_FILE):
+        src = root / name
+        if src.is_symlink() or src.exists():
+            src.rename(aside / name)
 
 
 class CheckpointWriter:
@@ -420,14 +487,23 @@ class CheckpointWriter:
     ``submit``, ``check`` or ``wait``; the run must ``wait`` before it exits, or the last one is lost.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, keep: int | None = 3) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep: int | None = 3,
+        protect: t.Callable[[], t.Collection[int]] | None = None,
+    ) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.protect = protect  # steps pruning must leave alone (evals in flight): write_checkpoint
         self.written: Path | None = None  # the last checkpoint written
         self._spare: Snapshot | None = None  # the last snapshot written: its buffers serve the next one
         self._thread: threading.Thread | None = None
         self._step: int | None = None
         self._error: BaseException | None = None
+        self._ended: int | None = None  # the step of the last write that ended (written or failed)
+        self._ended_cond = threading.Condition()
 
     def submit(self, snap: Snapshot) -> None:
         self.wait()
@@ -438,10 +514,20 @@ class CheckpointWriter:
 
     def _write(self, snap: Snapshot) -> None:
         try:
-            self.written = write_checkpoint(self.root, snap, keep=self.keep)
+            self.written = write_checkpoint(self.root, snap, keep=self.keep, protect=self.protect)
             self._spare = snap
         except BaseException as e:  # reported by the caller's next wait()
             self._error = e
+        finally:
+            with self._ended_cond:
+                self._ended = snap.step
+                self._ended_cond.notify_all()
+
+    def ended(self, step: int, timeout: float | None = None) -> bool:
+        """From any thread: wait until the write of ``step`` (or a later one) has ended, written or failed
+        (an eval waits for its checkpoint before ``set_best``). False: not within ``timeout``."""
+        with self._ended_cond:
+            return self._ended_cond.wait_for(lambda: self._ended is not None and self._ended >= step, timeout)
 
     def spare(self) -> Snapshot | None:
         """After ``wait``: the last written snapshot, handed over once, for ``snapshot(reuse=...)``."""
@@ -470,6 +556,90 @@ class CheckpointWriter:
                 f"checkpoint step {self._step} could not be written to {self.root}: {type(error).__name__}: {error}"
             ) from error
         return self.written
+
+
+# ---- the best checkpoint --------------------------------------------------------------------
+
+
+def best_of(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint ``<root>/best`` points to (sizes checked, not sums), or None."""
+    link = Path(root) / BEST_LINK
+    if not link.is_symlink():
+        return None
+    try:
+        name = os.readlink(link)
+    except OSError:
+        return None
+    target = Path(root) / name
+    if "/" in name or not _STEP_DIR.match(name) or not target.is_dir() or _manifest_problem(target) is not None:
+        return None
+    return target
+
+
+def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
+    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree)."""
+    target = best_of(root)
+    try:
+        record = json.loads((Path(root) / BEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or target is None or record.get("step") != _step_of(target):
+        return None
+    return record
+
+
+def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Path:
+    """Make ``<root>/best`` point to ``step-<record["step"]>`` and ``best.json`` hold ``record``.
+
+    best.json is written first (temp file, fsync, rename), then a new link is renamed over ``best``: a
+    reader sees the old best or the new one, never a missing or half-written one. ``CheckpointError`` when
+    the checkpoint is not there (complete)."""
+    root = Path(root)
+    step = int(record["step"])
+    name = f"step-{step}"
+    with _BEST_LOCK:
+        if _manifest_problem(root / name) is not None if (root / name).is_dir() else True:
+            raise CheckpointError(f"{root / name}: not a complete checkpoint, so it cannot be the best")
+        tmp = root / f".{BEST_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps(dict(record), indent=2, sort_keys=True) + "\n")
+        _fsync_file(tmp)
+        os.replace(tmp, root / BEST_FILE)
+        link = root / f".{BEST_LINK}.{os.getpid()}"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(name, link)  # relative: the folder may be moved or copied whole
+        os.replace(link, root / BEST_LINK)
+        _fsync_dir(root)
+    return root / BEST_LINK
+
+
+def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """The checkpoint a folder means to ``dflash export`` and ``dflash eval --drafter``: a checkpoint dir
+    (config.json) itself; under a checkpoints root or a run dir that holds ``checkpoints/``, the ``best``
+    one when there is one, else the latest complete one. Returns it and the line that says so when it is
+    ``best`` (None: a checkpoint dir itself, or the latest of a run without ``best``; a broken ``best`` is
+    a warning). Raises nothing: (path, None) when nothing is found."""
+    p = Path(path).expanduser()
+    if (p / CONFIG_FILE).is_file():
+        return p, None
+    for root in (p, p / "checkpoints"):
+        best = best_of(root)
+        if best is not None:
+            latest = next(iter(resume_order(root)), None)  # for the note only: no hashing
+            problem = _hash_problem(best, _read_manifest(best) or {})
+            if problem is None:
+                rec = read_best(root) or {}
+                tau = rec.get("tau")
+                said = f" (held-out tau {tau:.2f})" if isinstance(tau, (int, float)) else ""
+                other = f"; the latest is {latest.name}" if latest is not None and latest != best else ""
+                return best, f"{root / BEST_LINK} -> {best.name}: the best checkpoint{said}{other}"
+            logger.warning("%s -> %s: %s; taking the latest instead", root / BEST_LINK, best.name, problem)
+        elif (root / BEST_LINK).is_symlink():
+            logger.warning("%s points to no complete checkpoint; taking the latest instead", root / BEST_LINK)
+        latest = latest_complete(root)
+        if latest is not None:  # no best (a run without [eval]): the latest, as always, said by no line
+            return latest, None
+    return p, None
 
 
 # ---- finding and reading ------------------------------------------------------------------

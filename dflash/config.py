@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dflash import inputs
 from dflash.errors import InputError
+from dflash.suites import SUITES  # names only: dflash.suites imports datasets when a suite is read
 
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
@@ -153,10 +154,34 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WandbConfig:
+    """A Weights & Biases run per attempt, grouped by the run id (the ``wandb`` extra)."""
+
+    project: str
+    mode: str = "online"  # "online" (to the W&B server) or "offline" (files in the attempt dir, `wandb sync` later)
+    entity: str | None = None  # the team or user; None: the logged-in user's default
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MetricsConfig:
     """Where progress goes besides the step line and metrics.jsonl."""
 
     tensorboard: bool = False  # TensorBoard event files in the attempt dir (the `tensorboard` extra)
+    wandb: WandbConfig | None = None  # the same scalars to W&B: {project = "...", mode = "offline" | "online"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out tau of the averaged drafter during training (``dflash.validation``); every eval is a checkpoint,
+    and ``checkpoints/best`` points to the one with the highest tau."""
+
+    every: int = 0  # global steps between evals; 0: no eval during training
+    # a prompt file (as `dflash eval --prompts` reads it: token or chat records), or a suite as `--suite`
+    # names one (NAME, or NAME=PATH for a local copy); None: eval.jsonl next to data.path (make-tiny writes it)
+    prompts: str | None = None
+    max_new: int = 64  # new tokens per prompt at most (decoding stops at EOS), as `dflash eval --max-new`
+    limit: int | None = None  # the first N prompts only (a suite: the first N of z-lab's selection)
+    device: str | None = None  # where the eval's own target and drafter copies run; None: devices.targets[0]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +203,7 @@ class RunConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # global steps: optimizer updates by all drafters together (each update is optim.sequences_per_update
     # sequences of one drafter). None: derived from `epochs` and the corpus size.
@@ -243,10 +269,22 @@ def parse_config(raw: t.Mapping[str, t.Any], *, base: Path | None = None) -> Run
         tkw: dict[str, t.Any] = {}
         if cfg.target.path is not None:
             tkw["path"] = _resolve(base, cfg.target.path)
+        ekw: dict[str, t.Any] = {}
+        if cfg.eval.prompts is not None and not is_suite(cfg.eval.prompts):
+            ekw["prompts"] = _resolve(base, cfg.eval.prompts)
         cfg = dataclasses.replace(
-            cfg, data=dataclasses.replace(data, **kw), target=dataclasses.replace(cfg.target, **tkw)
+            cfg,
+            data=dataclasses.replace(data, **kw),
+            target=dataclasses.replace(cfg.target, **tkw),
+            eval=dataclasses.replace(cfg.eval, **ekw),
         )
     return cfg
+
+
+def is_suite(prompts: str) -> bool:
+    """``eval.prompts`` names a suite (``gsm8k``, or ``gsm8k=PATH`` for a local copy), not a prompt file."""
+    name, _, _ = prompts.partition("=")
+    return name.strip() in SUITES
 
 
 def _resolve(base: Path, value: str) -> str:
@@ -284,6 +322,7 @@ def apply_override(raw: dict[str, t.Any], item: str) -> None:
 _NONE = object()
 _INT64 = 1 << 63
 SEED_MAX = (1 << 32) - 1
+EVAL_MAX_NEW = 2048  # dflash.evaluate.MAX_NEW_TOKENS (not imported: that module pulls in torch)
 
 
 def _field_type(parts: list[str]) -> t.Any:
@@ -521,6 +560,29 @@ def _check(cfg: RunConfig) -> None:
     if not c.resume.strip():
         raise ConfigError("checkpoint.resume", 'expected "auto", "never" or a checkpoint path')
 
+    mt = cfg.metrics
+    if mt.wandb is not None:
+        if not mt.wandb.project.strip():
+            raise ConfigError("metrics.wandb.project", "must not be empty")
+        choice("metrics.wandb.mode", mt.wandb.mode, ("online", "offline"))
+        if mt.wandb.entity is not None and not mt.wandb.entity.strip():
+            raise ConfigError("metrics.wandb.entity", "must not be empty (leave it out for the default)")
+
+    ev = cfg.eval
+    positive("eval.every", ev.every, zero=True)
+    if not 1 <= ev.max_new <= EVAL_MAX_NEW:
+        raise ConfigError("eval.max_new", f"expected 1 to {EVAL_MAX_NEW} new tokens, got {ev.max_new}")
+    if ev.limit is not None:
+        positive("eval.limit", ev.limit)
+    if ev.prompts is not None and not ev.prompts.strip():
+        raise ConfigError("eval.prompts", "must not be empty (leave it out for eval.jsonl next to data.path)")
+    if ev.prompts is not None and "=" in ev.prompts and not is_suite(ev.prompts):
+        name = ev.prompts.partition("=")[0].strip()
+        if not Path(ev.prompts).exists():  # NAME=PATH with an unknown NAME, not a file with "=" in its name
+            raise ConfigError("eval.prompts", f"unknown suite {name!r} (known: {', '.join(SUITES)})")
+    if ev.device is not None and not _DEVICE.match(ev.device):
+        raise ConfigError("eval.device", f'expected "cpu" or "cuda:<index>", got {_show(ev.device)}')
+
     if not 0 <= cfg.seed <= SEED_MAX:  # replica generators are seeded with seed * 1000 + index
         raise ConfigError("seed", f"must be in [0, {SEED_MAX}], got {cfg.seed}")
     if tg.tiny is not None and not 0 <= tg.tiny.seed <= SEED_MAX:
@@ -544,21 +606,21 @@ def check_devices(cfg: RunConfig) -> None:
     """The devices the config names exist on this machine (at start-up, not when a config is parsed)."""
     import torch  # parsing a config needs no torch (dflashctl, --help): only this start-up check does
 
-    for role in ("targets", "drafters"):
-        for i, dev in enumerate(getattr(cfg.devices, role)):
-            if dev == "cpu":
-                continue
-            if not torch.cuda.is_available():
-                raise ConfigError(
-                    f"devices.{role}[{i}]",
-                    f"{dev} asked for, but this machine (or this torch build) has no CUDA device",
-                )
-            index = int(dev.split(":")[1])
-            if index >= torch.cuda.device_count():
-                raise ConfigError(
-                    f"devices.{role}[{i}]",
-                    f"{dev} asked for, but there are only {torch.cuda.device_count()} CUDA device(s)",
-                )
+    named = [
+        (f"devices.{role}[{i}]", dev)
+        for role in ("targets", "drafters")
+        for i, dev in enumerate(getattr(cfg.devices, role))
+    ]
+    if cfg.eval.every and cfg.eval.device is not None:
+        named.append(("eval.device", cfg.eval.device))
+    for key, dev in named:
+        if dev == "cpu":
+            continue
+        if not torch.cuda.is_available():
+            raise ConfigError(key, f"{dev} asked for, but this machine (or this torch build) has no CUDA device")
+        index = int(dev.split(":")[1])
+        if index >= torch.cuda.device_count():
+            raise ConfigError(key, f"{dev} asked for, but there are only {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _join(prefix: str, key: str) -> str:
@@ -589,6 +651,7 @@ __all__ = [
     "DevicesConfig",
     "DistributedConfig",
     "DrafterConfig",
+    "EvalConfig",
     "MetricsConfig",
     "OptimConfig",
     "QueueConfig",
@@ -596,8 +659,10 @@ __all__ = [
     "RunConfig",
     "TargetConfig",
     "TinyTargetConfig",
+    "WandbConfig",
     "apply_override",
     "check_devices",
+    "is_suite",
     "load_config",
     "parse_config",
     "to_dict",

@@ -79,6 +79,7 @@ __all__ = [
     "EvalReport",
     "Setup",
     "check_max_new",
+    "eos_ids",
     "ddtree_accept",
     "evaluate",
     "load_prompts",
@@ -204,16 +205,16 @@ def token_prompt(rec: t.Any, where: str) -> list[int]:
     return list(ids)
 
 
-def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint dir (``step-N``, or any folder with config.json), or the latest complete one under
-    a checkpoints root or a run dir that holds ``checkpoints/``."""
+def resolve_checkpoint(path: str | os.PathLike[str], *, log: t.Callable[[str], None] | None = None) -> Path:
+    """A checkpoint dir (``step-N``, or any folder with config.json), or under a checkpoints root or a run
+    dir that holds ``checkpoints/`` the ``best`` one (held-out tau during training) when there is one, else
+    the latest complete one (``checkpoint.choose``); ``log`` gets the line that says which."""
     p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        return p
-    for root in (p, p / "checkpoints"):
-        latest = ckpt.latest_complete(root)
-        if latest is not None:
-            return latest
+    chosen, note = ckpt.choose(p)
+    if (chosen / "config.json").is_file():
+        if note is not None and log is not None:
+            log(f"--drafter: {note}")
+        return chosen
     if not p.exists():
         raise EvalError(f"--drafter: {p} does not exist")
     raise EvalError(
@@ -621,7 +622,7 @@ class Setup:
         )
 
 
-def _eos_ids(*sources: t.Any) -> list[int]:
+def eos_ids(*sources: t.Any) -> list[int]:
     """Stop tokens as serving stops: the tokenizer's EOS and the model's (generation) config eos_token_id
     (an int or a list: Qwen3 names <|im_end|> and <|endoftext|>)."""
     out: set[int] = set()
@@ -655,6 +656,7 @@ def load_setup(
     max_new_tokens: int | None = None,
     ignore_eos: bool = False,
     suite: bool = False,
+    log: t.Callable[[str], None] | None = None,
 ) -> Setup:
     """Resolve the CLI's choices: the drafter (a checkpoint, or the untrained one of a run config), the
     target (``--target``, else the one the run trained against), the prompts (``--prompts``, else the
@@ -673,7 +675,7 @@ def load_setup(
     if drafter is None and not (untrained and config):
         raise EvalError("give --drafter CHECKPOINT, or --untrained with --config RUN.toml")
     run: RunConfig | None = load_config(config) if config else None
-    ckpt_dir = resolve_checkpoint(drafter) if drafter else None
+    ckpt_dir = resolve_checkpoint(drafter, log=log) if drafter else None
     step = None
     if ckpt_dir is not None:
         try:
@@ -773,11 +775,11 @@ def load_setup(
         proto.update(_chat_protocol(renderer))
         sources.append(renderer.tokenizer)
     if prompts is None:  # --suite: its prompts are rendered as it runs (dflash.suite_report)
-        stops = [] if ignore_eos else _eos_ids(*sources)
+        stops = [] if ignore_eos else eos_ids(*sources)
         return Setup(tm, model, [], drafter_name, target_name, "", step, untrained, stops, proto, renderer)
     loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer)
     proto.update(prompts_source=str(Path(prompts).resolve()), prompts_sha256=_sha256_file(prompts))
-    stops = [] if ignore_eos else _eos_ids(*sources)
+    stops = [] if ignore_eos else eos_ids(*sources)
     if max_new_tokens is not None:  # said now, not as a RoPE/cache error (or silent nonsense) mid-decode
         longest = max(len(p) for p in loaded)
         limit_pos = getattr(tm.model.config, "max_position_embeddings", None)

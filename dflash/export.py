@@ -47,14 +47,14 @@ class ExportError(InputError, ValueError):
     """Bad input to export (no checkpoint, OUT in the way, an unreadable report): one line."""
 
 
-def _resolve(path: Path) -> Path:
-    """A checkpoint dir (config.json), or the latest complete ``step-*`` under a root or a run dir."""
-    if (path / ckpt.CONFIG_FILE).is_file():
-        return path
-    for root in (path, path / "checkpoints"):
-        latest = ckpt.latest_complete(root)
-        if latest is not None:
-            return latest
+def _resolve(path: Path, log: t.Callable[[str], None] | None) -> Path:
+    """A checkpoint dir (config.json), or under a root or a run dir the ``best`` checkpoint when training
+    chose one by held-out tau, else the latest complete ``step-*`` (``checkpoint.choose``; ``log`` says which)."""
+    chosen, note = ckpt.choose(path)
+    if (chosen / ckpt.CONFIG_FILE).is_file():
+        if note is not None and log is not None:
+            log(note)
+        return chosen
     if not path.exists():
         raise ExportError(f"{path}: no such checkpoint")
     raise ExportError(f"{path}: no drafter here (a checkpoint dir with config.json, or a folder of step-* checkpoints)")
@@ -302,6 +302,7 @@ def export(
     force: bool = False,
     fmt: str = "zlab",
     verifier: str | None = None,
+    log: t.Callable[[str], None] | None = None,
 ) -> Path:
     """Write the serving folder ``out`` from a checkpoint (or the latest under a root); returns ``out``.
     ``fmt``: "zlab" (vLLM, SGLang and transformers read it) or "speculators" (``verifier``: the target it
@@ -315,7 +316,7 @@ def export(
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out}: exists and is not empty (use --force to replace it)")
-    path = _resolve(Path(source).expanduser())
+    path = _resolve(Path(source).expanduser(), log)
     check_out(out, sources=(source, path))
     report = _read_report(Path(eval_report)) if eval_report is not None else None
     try:

@@ -4,8 +4,10 @@ The line has exactly this form (dflashctl greps it; keep it stable)::
 
     step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3 | busy T 97 96 | D 99 54 98
 
-The last field is every worker's busy percent over the interval, targets (T) then drafters (D) in index
-order, ``-`` for a dead one: a starving drafter shows in ``tail``.
+The busy field is every worker's busy percent over the interval, targets (T) then drafters (D) in index
+order, ``-`` for a dead one: a starving drafter shows in ``tail``. With ``[eval] every`` (``dflash.validation``),
+once the first held-out eval has ended, one more field comes last: ``tau 3.21 @100 | best 3.40 @80``, the
+latest held-out tau and its step, and the best so far (what ``checkpoints/best`` points to).
 Ktok/s is honest: target tokens in the batches the drafters finished during the interval, all drafters
 together, divided by the wall-clock length of the interval (the first interval starts when the pipeline
 starts). loss, acc and tau_tf are means over the steps of the interval. Each metrics.jsonl record also
@@ -16,8 +18,15 @@ checkpoint snapshot) and the rest (``other``: the metrics themselves, the data, 
 ``batches`` it finished in the interval and ``batches_s``; ``items`` counts all its batches, ``clock`` says how
 busy was measured (``host`` or ``cuda-events``). ``at`` is ISO 8601 UTC.
 
+Held-out evals (``record_eval``, from the eval's thread) are records of their own in metrics.jsonl, with
+``"kind": "eval"`` (step records have no ``kind``): the step, ``tau``, ``best_step``, ``best_tau``, ``is_best``
+and what was decoded; and a line of their own: ``eval step 100 | tau 3.214 | best 3.214 @100 (new best) | ...``.
+
 With ``tensorboard_dir`` the same scalars go to TensorBoard event files there (``global_step`` = the
-training step, so the attempts of one run continue one curve under ``tensorboard --logdir <run dir>``).
+training step, so the attempts of one run continue one curve under ``tensorboard --logdir <run dir>``);
+the evals as ``eval/tau`` and ``eval/best_tau``. With ``wandb`` (``WandbRun``, the ``wandb`` extra) the same
+tags go to one W&B run per attempt, grouped by the run id; every value carries ``global_step`` as its x
+(``define_metric``), so an eval that ends after later steps were logged is not dropped as out of order.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ def utc_now() -> str:
 
 
 TENSORBOARD_HINT = "needs the tensorboard package: pip install 'dflash[tensorboard]'"
+WANDB_HINT = "needs the wandb package: pip install 'dflash[wandb]'"
 
 
 def format_step_line(
@@ -59,6 +69,7 @@ def format_step_line(
     drafters_live: int,
     drafters_total: int,
     workers: t.Sequence[t.Mapping[str, t.Any]] = (),
+    held_out: t.Mapping[str, t.Any] | None = None,
 ) -> str:
     line = (
         f"step {step} | loss {loss:.3f} | acc {acc:.2f} | tau_tf {tau_tf:.1f} | {ktok_s:.1f} Ktok/s | "
@@ -66,7 +77,47 @@ def format_step_line(
     )
     if workers:  # appended last: parsers of the fields before it keep working
         line += " | " + busy_field(workers)
+    if held_out is not None:  # after the busy field: the fields before it stay where they were
+        line += " | " + tau_field(held_out)
     return line
+
+
+def tau_field(rec: t.Mapping[str, t.Any]) -> str:
+    """``tau 3.21 @100 | best 3.40 @80``: an eval record's held-out tau, and the best so far."""
+    out = f"tau {rec['tau']:.2f} @{rec['step']}"
+    if isinstance(rec.get("best_tau"), (int, float)):
+        out += f" | best {rec['best_tau']:.2f} @{rec['best_step']}"
+    return out
+
+
+def eval_line(rec: t.Mapping[str, t.Any]) -> str:
+    """The line an eval prints when it ends: ``eval step 100 | tau 3.214 | best 3.214 @100 (new best) | ...``."""
+    best = ""
+    if isinstance(rec.get("best_tau"), (int, float)):
+        best = f" | best {rec['best_tau']:.3f} @{rec['best_step']}{' (new best)' if rec.get('is_best') else ''}"
+    return (
+        f"eval step {rec['step']} | tau {rec['tau']:.3f}{best} | {rec['prompts']} prompts, "
+        f"{rec['new_tokens']} new tokens in {rec['seconds']:.1f} s"
+    )
+
+
+def scalars(rec: t.Mapping[str, t.Any]) -> dict[str, float]:
+    """A metrics.jsonl record as tracker tags (TensorBoard and W&B show the same ones)."""
+    out: dict[str, float] = {}
+    if rec.get("kind") == "eval":
+        out["eval/tau"] = rec["tau"]
+        if rec.get("best_tau") is not None:
+            out["eval/best_tau"] = rec["best_tau"]
+        return out
+    for key in ("loss", "acc", "tau_tf", "ktok_s", "lr", "queue_depth", "drafters_live", "targets_live"):
+        if rec.get(key) is not None:
+            out[f"train/{key}"] = rec[key]
+    for k, a in enumerate(rec.get("acc_per_slot") or []):
+        out[f"acc_per_slot/{k + 1}"] = a
+    for w in rec.get("workers") or []:
+        out[f"busy/{w['name']}"] = w["busy"]
+        out[f"wait/{w['name']}"] = w["wait"]
+    return out
 
 
 def busy_field(workers: t.Sequence[t.Mapping[str, t.Any]]) -> str:
@@ -153,6 +204,56 @@ def _reader_stream(dev: torch.device) -> t.Any:
         return _readers[dev]
 
 
+def wandb_available() -> bool:
+    try:
+        import wandb  # noqa: F401  # the optional [wandb] extra
+    except ImportError:
+        return False
+    return True
+
+
+class WandbRun:
+    """One W&B run for this attempt (``[metrics] wandb``): ``group`` = the run id, so the attempts of one
+    training run sit together; files under ``<attempt dir>/wandb`` (offline: ``wandb sync`` them later)."""
+
+    def __init__(
+        self,
+        *,
+        project: str,
+        mode: str,
+        entity: str | None,
+        run_dir: Path,
+        group: str | None,
+        name: str,
+        config: t.Mapping[str, t.Any],
+    ) -> None:
+        try:
+            import wandb  # the optional [wandb] extra: imported only by runs that ask for it
+        except ImportError:
+            raise ImportError(f"metrics.wandb {WANDB_HINT}") from None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=project,
+            entity=entity,
+            mode=t.cast(t.Literal["online", "offline"], mode),  # config.py checked it is one of them
+            dir=str(run_dir),
+            group=group,
+            name=name,
+            job_type="train",
+            config=dict(config),
+            reinit="create_new",
+        )
+        # Every tag's x is global_step: an eval that ends after later steps were logged still counts.
+        self._run.define_metric("global_step")
+        self._run.define_metric("*", step_metric="global_step")
+
+    def log(self, step: int, values: t.Mapping[str, float]) -> None:
+        self._run.log({**values, "global_step": step})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
 class Metrics:
     """Collects drafter steps (``record``, from any thread) and emits a line + record per interval."""
 
@@ -165,6 +266,7 @@ class Metrics:
         snapshot: t.Callable[[], Snapshot] | None = None,
         tensorboard_dir: Path | None = None,
         step_stride: int = 1,
+        wandb: WandbRun | None = None,
     ) -> None:
         self.log_every = log_every
         # a node of a group counts its updates in strides of the nodes: log when a multiple is reached or passed
@@ -184,6 +286,8 @@ class Metrics:
         self._prev: dict[str, tuple[float, float, float, int]] = {}
         # created here, not at the first record: a missing package is an error at start, not mid-run
         self._tb = tensorboard_writer(tensorboard_dir) if tensorboard_dir is not None else None
+        self._wandb = wandb
+        self._held_out: dict[str, t.Any] | None = None  # the last eval record: its tau ends the step line
 
     def start(self) -> None:
         """Start the clock of the first interval (call right before the pipeline runs)."""
@@ -324,10 +428,12 @@ class Metrics:
             drafters_live=rec["drafters_live"] or 0,
             drafters_total=rec["drafters_total"] or 0,
             workers=workers,
+            held_out=self._held_out,
         )
         print(line, file=self.stream, flush=True)
         self._write(rec)
         self._write_tensorboard(rec)
+        self._write_wandb(rec)
         self.records.append(rec)
         del self.records[:-100]
 
@@ -344,24 +450,39 @@ class Metrics:
             self._file_failed = True
             logger.error("metrics: cannot write %s (%s); stdout only from now on", self.path, e)
 
+    def record_eval(self, rec: dict[str, t.Any]) -> None:
+        """A held-out eval's record (``dflash.validation``; from its thread): its line, metrics.jsonl, trackers."""
+        with self._lock:
+            rec = {**rec, "at": utc_now()}
+            self._held_out = rec
+            print(eval_line(rec), file=self.stream, flush=True)
+            self._write(rec)
+            self._write_tensorboard(rec)
+            self._write_wandb(rec)
+            self.records.append(rec)
+            del self.records[:-100]
+
     def _write_tensorboard(self, rec: dict[str, t.Any]) -> None:
-        """The record's scalars as TensorBoard tags (``train/loss``, ``busy/drafter-1``, ...)."""
+        """The record's scalars as TensorBoard tags (``train/loss``, ``busy/drafter-1``, ``eval/tau``, ...)."""
         if self._tb is None:
             return
         step = rec["step"]
         try:
-            for key in ("loss", "acc", "tau_tf", "ktok_s", "lr", "queue_depth", "drafters_live", "targets_live"):
-                if rec.get(key) is not None:
-                    self._tb.add_scalar(f"train/{key}", rec[key], global_step=step)
-            for k, a in enumerate(rec["acc_per_slot"]):
-                self._tb.add_scalar(f"acc_per_slot/{k + 1}", a, global_step=step)
-            for w in rec["workers"]:
-                self._tb.add_scalar(f"busy/{w['name']}", w["busy"], global_step=step)
-                self._tb.add_scalar(f"wait/{w['name']}", w["wait"], global_step=step)
+            for tag, value in scalars(rec).items():
+                self._tb.add_scalar(tag, value, global_step=step)
             self._tb.flush()  # once per log interval: a live `tensorboard` sees it now
         except OSError as e:  # like metrics.jsonl: the run goes on without it
             logger.error("metrics: cannot write TensorBoard events (%s); not any more", e)
             self._tb = None
+
+    def _write_wandb(self, rec: dict[str, t.Any]) -> None:
+        if self._wandb is None:
+            return
+        try:
+            self._wandb.log(rec["step"], scalars(rec))
+        except Exception as e:  # wandb raises its own errors (a dead service, a full disk): the run goes on
+            logger.error("metrics: cannot log to W&B (%s: %s); not any more", type(e).__name__, e)
+            self._wandb = None
 
     def close(self) -> None:
         with self._emit_lock:  # every closed interval is out before the files close
@@ -374,15 +495,27 @@ class Metrics:
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
+            if self._wandb is not None:
+                wb, self._wandb = self._wandb, None
+                try:
+                    wb.close()
+                except Exception as e:  # as in _write_wandb: the run's result does not hang on its tracker
+                    logger.error("metrics: cannot finish the W&B run (%s: %s)", type(e).__name__, e)
 
 
 __all__ = [
     "Metrics",
     "TENSORBOARD_HINT",
+    "WANDB_HINT",
+    "WandbRun",
     "busy_field",
+    "eval_line",
     "format_step_line",
+    "scalars",
+    "tau_field",
     "tensorboard_available",
     "tensorboard_writer",
     "utc_now",
+    "wandb_available",
     "worker_window",
 ]

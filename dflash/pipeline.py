@@ -150,6 +150,7 @@ class PipelineOptions:
     mode: str = "shared"  # or "per-drafter"
     average_every: int = 0  # 0: no periodic averaging barrier
     checkpoint_every: int = 0  # 0: only the final checkpoint
+    evaluate_every: int = 0  # held-out evals ([eval] every); each is a checkpoint too. 0: none
     barrier_timeout: float = 600.0
     oom_retry: bool = True
     # queue items one drafter step takes (gradient accumulation): the step gets them as a list when > 1,
@@ -176,6 +177,7 @@ class SyncEvent:
     missing: tuple[int, ...]  # running drafters that did not reach the barrier in time
     position: tuple[int, ...]  # next global batch index of every shard (the data position)
     final: bool = False
+    evaluate: bool = False  # an eval step: its checkpoint is evaluated (dflash.validation)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -382,6 +384,8 @@ class _Coordinator:
                 kinds.add("average")
             if self.opts.checkpoint_every and n // self.opts.checkpoint_every > before // self.opts.checkpoint_every:
                 kinds.add("checkpoint")
+            if self.opts.evaluate_every and n // self.opts.evaluate_every > before // self.opts.evaluate_every:
+                kinds |= {"checkpoint", "evaluate"}  # what is evaluated is a checkpoint (checkpoints/best)
             if kinds and n < self.opts.max_steps:  # the final sync covers the last step
                 self._request(kinds, n)
             return n
@@ -432,6 +436,7 @@ class _Coordinator:
                     replicas=replicas,
                     missing=missing,
                     position=tuple(self.position),
+                    evaluate="evaluate" in s.kinds,
                 )
                 self.cond.release()
                 try:
@@ -790,6 +795,8 @@ class Pipeline:
                     missing=(),
                     position=tuple(self.coord.position),
                     final=True,
+                    # the last checkpoint is measured too, unless a stop cut the run short (it must exit soon)
+                    evaluate=bool(self.options.evaluate_every) and steps >= self.options.max_steps,
                 )
             )
         return RunResult(

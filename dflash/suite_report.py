@@ -20,7 +20,7 @@ from dflash import published, suites
 from dflash.chat import BadRecord, Renderer
 from dflash.evaluate import DeferredPrompt, EvalError, EvalReport, Setup, evaluate
 
-__all__ = ["SuiteReport", "SuiteResult", "run_suites"]
+__all__ = ["SuiteReport", "SuiteResult", "run_suites", "suite_prompts"]
 
 
 @dataclasses.dataclass
@@ -115,7 +115,7 @@ class SuiteReport:
         return out
 
 
-def _prompts(
+def suite_prompts(
     convs: list[list[str]], renderer: Renderer, vocab_size: int, name: str
 ) -> list[t.Sequence[int] | DeferredPrompt]:
     """One prompt per turn, in order; turn j > 1 after the target's own answers (the outputs so far)."""
@@ -191,7 +191,7 @@ def run_suites(
     loaded = [(name, path, suites.load(name, path, limit=limit)) for name, path in specs]
     results = []
     for name, path, convs in loaded:
-        prompts = _prompts(convs, renderer, setup.target.vocab_size, name)
+        prompts = suite_prompts(convs, renderer, setup.target.vocab_size, name)
         source = path or suites.SUITES[name].repo
         if log is not None:
             log(f"suite {name}: {len(convs)} conversations, {len(prompts)} prompts from {source}")

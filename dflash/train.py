@@ -84,12 +84,13 @@ from dflash.distributed import GroupBarrier, NodeGroup
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.kernels import missing_kernels_warning
-from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
+from dflash.metrics import TENSORBOARD_HINT, WANDB_HINT, Metrics, WandbRun, tensorboard_available, wandb_available
 from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 from dflash.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica, torch_dtype
 from dflash.resume import find_resume, group_resume, restore
 from dflash.target import TargetHead
+from dflash.validation import EvalResult, Validator
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,9 @@ class Run:
         self.position: DataPosition | None = None
         self.last_saved: int | None = None
         self.run_id: str | None = None  # chosen by dflash.resume: kept across resumes, new for a fresh start
-        self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
+        # pruning leaves the steps an eval still measures (checkpoints/best may become one of them)
+        self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep, protect=self._evaluating)
+        self.validator: Validator | None = None  # [eval] every: held-out tau at the barrier (dflash.validation)
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
         self.signals: _Signals | None = None
@@ -179,6 +182,8 @@ class Run:
             raise ConfigError(f"${FAULT_ENV}", str(e).removeprefix(f"{FAULT_ENV}: ")) from None
         if cfg.metrics.tensorboard and not tensorboard_available():  # before the models load, not mid-run
             raise ConfigError("metrics.tensorboard", TENSORBOARD_HINT)
+        if cfg.metrics.wandb is not None and not wandb_available():
+            raise ConfigError("metrics.wandb", WANDB_HINT)
         self._build()
 
     # building ---------------------------------------------------------------------------
@@ -246,6 +251,17 @@ class Run:
             min_lr_ratio=cfg.optim.min_lr_ratio,
         )
         self.drafters = self._build_drafters()
+        if cfg.eval.every and (self.group is None or self.group.is_main):  # rank 0 writes the checkpoints
+            # built before training: a bad eval.* value (prompts, device) stops the run now, not at step N
+            self.validator = Validator(
+                cfg,
+                draft_config=self.draft_config,
+                tokenizer=spec.tokenizer,
+                ckpt_dir=self.ckpt_dir,
+                run_id=self.run_id,
+                written=self.writer.ended,
+                on_result=self._on_eval,
+            )
         if resume is not None:
             self.position = restore(
                 resume,
@@ -384,6 +400,8 @@ class Run:
                 self.last_saved = step
                 return None
         self.writer.wait()  # one write at a time, and at most one snapshot in memory
+        if self.validator is not None:
+            self.validator.released()  # the eval in flight has copied the last snapshot: it may be reused
         reps = [self.drafters[j] for j in replicas]
         first = reps[0]
         trainer_state: dict[str, t.Any] = {
@@ -415,7 +433,26 @@ class Run:
         )
         self.writer.submit(snap)
         self.last_saved = step
+        self._last_snapshot: ckpt.Snapshot | None = snap
         return self.ckpt_dir / f"step-{step}"
+
+    def _evaluate(self, ev: SyncEvent, step: int) -> None:
+        """Hand the checkpoint just snapshotted to the eval (it runs in the background: the barrier ends now)."""
+        snap = getattr(self, "_last_snapshot", None)
+        if self.validator is None or not ev.evaluate or snap is None or snap.step != step:
+            return
+        if step == getattr(self, "_evaluated", None):  # the final sync at the step an eval barrier just took
+            return
+        self._evaluated = step
+        self.validator.submit(step, snap.weights)
+
+    def _evaluating(self) -> t.Collection[int]:
+        return self.validator.pending() if self.validator is not None else ()
+
+    def _on_eval(self, result: EvalResult) -> None:
+        """From the eval's thread: the tau into metrics.jsonl, the log and the trackers."""
+        if self.metrics is not None:  # evals start in the pipeline, after the metrics are made
+            self.metrics.record_eval(result.record())
 
     def on_sync(self, ev: SyncEvent) -> None:
         if self.group is not None:
@@ -436,6 +473,7 @@ class Run:
             )
         if ev.checkpoint:
             self.save(ev.step, ev.position, ev.replicas)
+            self._evaluate(ev, ev.step)
         else:
             self.writer.check()  # a failed background write ends the run at the next barrier
 
@@ -463,6 +501,7 @@ class Run:
             )
         if ev.checkpoint:
             self.save(step, ev.position, ev.replicas)
+            self._evaluate(ev, step)
         else:
             self.writer.check()
         if ev.final:  # the same digest on every node: every replica of the group holds the same bytes
@@ -535,6 +574,7 @@ class Run:
                 max_bytes=cfg.queue.max_bytes,
                 average_every=cfg.average_every if len(self.drafters) > 1 or self.group is not None else 0,
                 checkpoint_every=cfg.checkpoint.interval,
+                evaluate_every=cfg.eval.every,
                 barrier_timeout=cfg.barrier_timeout,
                 oom_retry=cfg.optim.oom_retry,
                 accumulate=self.accumulate,
@@ -543,7 +583,20 @@ class Run:
                 shard_stride=self.all_shards,
             ),
         )
+        wb = cfg.metrics.wandb
+        main = self.group is None or self.group.is_main  # one W&B run per attempt, not one per node
         self.metrics = Metrics(
+            wandb=WandbRun(
+                project=wb.project,
+                mode=wb.mode,
+                entity=wb.entity,
+                run_dir=self.run_dir,
+                group=self.run_id,  # the attempts of one training run, together
+                name=f"{self.run_id}/{self.run_dir.name}",
+                config=to_dict(cfg),
+            )
+            if wb is not None and main
+            else None,
             log_every=cfg.log_every,
             path=self.run_dir / "metrics.jsonl",
             stream=self.stream,
@@ -580,8 +633,16 @@ class Run:
                 torch.compiler.set_stance("fail_on_recompile")
             result = self.pipeline.run()
         except BaseException:
+            if self.validator is not None:
+                self.validator.close(wait=False)
             self._finish_writes(failing=True)
             raise
+        else:
+            if self.validator is not None:  # the last checkpoint's eval ends in metrics.jsonl (not after a stop)
+                self._finish_writes()
+                self.validator.close(wait=result.reason != "stopped")
+                if self.cfg.checkpoint.keep:  # what pruning left for an eval in flight goes now
+                    ckpt.prune(self.ckpt_dir, self.run_id, keep=self.cfg.checkpoint.keep, protect=self._evaluating)
         finally:
             self.metrics.close()
             if compiled:

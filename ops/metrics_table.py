@@ -159,6 +159,10 @@ def read_record(line: bytes) -> Row:
     at = at_seconds(at_text) if at_text is not None else math.nan
     if at is None:
         raise WrongType("at is text that is not a time like 2026-01-01T00:00:00Z")
+    if typed(rec.get("kind"), "text", "kind") == "eval":  # a held-out eval of [eval] every (dflash/validation.py)
+        evals = [(f"eval_{k}", v) for k in ("tau", "best_tau") if (v := typed(rec.get(k), "number", k)) is not None]
+        # interval 0: it takes no time of the steps around it (record_times sums the intervals after a record)
+        return Row(step, at, 0.0, evals)
     interval = typed(rec.get("interval_s"), "number", "interval_s")
     values = []
     for key in SCALARS:
@@ -255,7 +259,7 @@ class Table:
     Only the lines after ``offset`` are ever parsed again. The files are appended before index.json is
     replaced, and read only as far as index.json counts: a parse cut short leaves a whole table."""
 
-    VERSION = 1
+    VERSION = 2  # 2: eval records (kind "eval") give the eval_tau and eval_best_tau series
     ROW_FILES = (("step.i8", np.int64), ("at.f8", np.float64), ("interval.f8", np.float64))
 
     def __init__(self, attempt_dir: Path) -> None:

@@ -467,7 +467,8 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("loss", lambda s: s == "loss"),
     Panel("accuracy (mean, per slot)", lambda s: s == "acc" or s.startswith("acc_slot_"), "fraction"),
-    Panel("tau_tf (teacher-forced)", lambda s: s == "tau_tf"),
+    # the held-out tau of [eval] every beside the teacher-forced one: the same unit, the gap is the news
+    Panel("tau: teacher-forced, held-out eval", lambda s: s in ("tau_tf", "eval_tau", "eval_best_tau")),
     Panel("Ktok/s", lambda s: s == "ktok_s", "count"),
     Panel("queue depth / capacity", lambda s: s in ("queue_depth", "queue_capacity"), "count"),
     Panel("live workers", lambda s: s in ("drafters_live", "drafters_total", "targets_live"), "count"),
@@ -526,6 +527,8 @@ def figure(
                 f"{name}|{key}", cycle[len([c for c in colors if c.startswith(name + "|")]) % len(cycle)]
             )
             style = "--" if series.startswith("wait:") or series in ("queue_capacity", "drafters_total") else "-"
+            if series.startswith("eval_"):  # one point per eval: markers, the best so far dashed
+                style = "o--" if series == "eval_best_tau" else "o-"
             for i, ln in enumerate(sorted(by_series[series], key=lambda ln: ln.attempt)):
                 ax.plot(xs(ln), ln.values, style, color=color, linewidth=1.2, label=series if i == 0 else None)
                 shown += ln.values
