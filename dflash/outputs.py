@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import stat
 import typing as t
@@ -169,4 +170,19 @@ def writing(*, command: str, where: str | os.PathLike[str], kept: str = "") -> t
         raise write_failed(e, command=command, where=where, kept=kept) from None
 
 
-__all__ = ["OutputBusy", "OutputError", "OutputLock", "WriteFailed", "check_out", "write_failed", "writing"]
+def write_json(path: str, data: t.Any, *, command: str) -> None:
+    """A command's report as JSON; a failed write (a full disk) is one line, exit 1."""
+    with writing(command=command, where=path), open(path, "w") as f:
+        f.write(json.dumps(data, indent=1) + "\n")
+
+
+__all__ = [
+    "OutputBusy",
+    "OutputError",
+    "OutputLock",
+    "WriteFailed",
+    "check_out",
+    "write_failed",
+    "write_json",
+    "writing",
+]
