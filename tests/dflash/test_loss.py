@@ -368,7 +368,10 @@ def test_gradient_checkpointing_gives_the_same_gradients(target: TargetModel) ->
     for checkpointing in (False, True):
         drafter = make_drafter(block_size=4)
         if checkpointing:
-            drafter.activation_checkpointing_enable({"use_reentrant": False})
+            # transformers' own switch: activation_checkpointing_enable since 5.23, gradient_checkpointing_enable
+            # (deprecated there) before
+            enable = getattr(drafter, "activation_checkpointing_enable", None) or drafter.gradient_checkpointing_enable
+            enable({"use_reentrant": False})
             assert all(layer.gradient_checkpointing for layer in drafter.layers)
         drafter.train()
         out = drafter_loss(
