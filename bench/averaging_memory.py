@@ -1,6 +1,6 @@
 """Averaging drafter replicas: seconds per round vs the copy bound, and peak extra memory.
 
-    .venv/bin/python bench/averaging_memory.py [--replicas 3] [--width 2048] [--layers 6] [--chunk 4194304]
+    .venv/bin/python -m bench.averaging_memory [--replicas 3] [--width 2048] [--layers 6] [--chunk 4194304]
         [--threads N] [--rounds 3] [--device cpu|cuda] [--engine OLD_AVERAGING_PY]
 
 Builds ``--replicas`` replicas of a model of ``--layers`` square fp32 linears (2048 wide x 6 = 25M params,
@@ -56,7 +56,6 @@ def load_engine(path: str) -> type:
 def child(method: str, a: argparse.Namespace) -> dict[str, t.Any]:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from dflash.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
 
     torch.set_num_threads(a.threads)
@@ -153,7 +152,8 @@ def main() -> int:
     for method in methods:
         argv = [
             sys.executable,
-            __file__,
+            "-m",
+            "bench.averaging_memory",
             "--child",
             method,
             "--replicas",
@@ -174,7 +174,7 @@ def main() -> int:
         if args.engine:
             argv += ["--engine", str(Path(args.engine).resolve())]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+        out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     if args.json:
         for r in rows:

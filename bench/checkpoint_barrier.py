@@ -1,7 +1,7 @@
 """How long a checkpoint keeps the drafters at the barrier: before (write everything there) and after
 (a CPU snapshot; a background thread writes it).
 
-    .venv/bin/python bench/checkpoint_barrier.py [--replicas 3] [--hidden 1024] [--layers 4] [--dtype float32]
+    .venv/bin/python -m bench.checkpoint_barrier [--replicas 3] [--hidden 1024] [--layers 4] [--dtype float32]
         [--device cpu|cuda:0] [--dir /var/tmp/ckpt-bench]
 
 Builds a DFlash drafter (``--layers`` draft layers over a Qwen3-shaped target of width ``--hidden``) and
@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from dflash import checkpoint as ckpt  # noqa: E402
-from dflash.drafter import DFlashDraftModel, draft_config_for  # noqa: E402
-from dflash.target import tiny_target_config  # noqa: E402
+from dflash import checkpoint as ckpt
+from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.target import tiny_target_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,7 +1,7 @@
 """Drafter training step on CPU: chunked (checkpointed) lm_head + cross-entropy vs all at once.
 
-    .venv/bin/python bench/chunked_loss.py                      # 64 anchors x 16 slots x 32K vocab, hidden 64
-    .venv/bin/python bench/chunked_loss.py --anchors 128 --vocab 65536
+    .venv/bin/python -m bench.chunked_loss                      # 64 anchors x 16 slots x 32K vocab, hidden 64
+    .venv/bin/python -m bench.chunked_loss --anchors 128 --vocab 65536
 
 Each variant runs in fresh processes, twice: once for time (the median step, forward + backward of
 ``drafter_loss``, default allocator) and once for memory: the peak resident memory the step adds over
@@ -23,6 +23,9 @@ import subprocess
 import sys
 import time
 import typing as t
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the children run as `-m bench.chunked_loss` from here
 
 
 def _rss_bytes() -> int:
@@ -80,7 +83,7 @@ def run_variant(args: argparse.Namespace, chunk: int | None) -> dict[str, float]
 
 
 def _child(cmd: list[str], env: dict[str, str]) -> dict[str, float]:
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     return t.cast(dict[str, float], json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -103,7 +106,7 @@ def main() -> None:
 
     results: dict[str, dict[str, float]] = {}
     for variant in ("unchunked", "chunked"):
-        cmd = [sys.executable, __file__, "--variant", variant] + [
+        cmd = [sys.executable, "-m", "bench.chunked_loss", "--variant", variant] + [
             f"--{k}={v}" for k, v in vars(args).items() if k != "variant"
         ]
         timed = _child(cmd, dict(os.environ, OMP_NUM_THREADS="1"))

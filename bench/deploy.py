@@ -3,7 +3,7 @@
 Real parts only: a real sshd on 127.0.0.1 and the fake Proxmox host (container 200 is a real pid+mount
 namespace), as in the tests. Prints figures and ratios; asserts nothing about time.
 
-    .venv/bin/python bench/deploy.py [--runs 5] [--files 400] [--file-kb 20]
+    .venv/bin/python -m bench.deploy [--runs 5] [--files 400] [--file-kb 20]
 
 Figures:
 - full deploy (fresh workdir and a fresh operator cache, as a first deploy: connect, bundle+hash, one
@@ -22,17 +22,14 @@ import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ops import deploy as deploy_mod  # noqa: E402
-from ops.bundle import Bundle, build_bundle, source_root  # noqa: E402
-from ops.remote import connect  # noqa: E402
-from ops.testing import FakePve, PveHosts, Sshd, missing_requirement  # noqa: E402
+from ops import deploy as deploy_mod
+from ops.bundle import Bundle, build_bundle, source_root
+from ops.remote import connect
+from testkit import FakePve, PveHosts, Sshd, missing_requirement
 
 
 def synthetic_checkout(root: Path, files: int, file_kb: int) -> Path:

@@ -1,7 +1,7 @@
 """GPU smoke test: the real training pipeline on every visible GPU, its figures, and a real CUDA OOM classified.
 
-    .venv/bin/python bench/gpu_smoke.py [--steps 60] [--json] [--keep] ...
-    .venv/bin/python bench/gpu_smoke.py --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
+    .venv/bin/python -m bench.gpu_smoke [--steps 60] [--json] [--keep] ...
+    .venv/bin/python -m bench.gpu_smoke --cpu        # the same path, tiny, on the CPU (< 60 s; tests use it)
 
 On a CUDA machine (at most ~5 minutes):
 
@@ -19,7 +19,7 @@ On a CUDA machine (at most ~5 minutes):
    measured D2H + H2D bandwidth), with the replicas checked bit-identical and equal to a CPU mean;
 4. forces a real CUDA OOM on one GPU (the last drafter GPU; its allocator is capped with
    ``torch.cuda.set_per_process_memory_fraction`` before ``dflash train`` runs) inside a real
-   ``dflash train`` subprocess under the real runner (``python -m ops.runner``) in a temp run dir, then
+   ``dflash train`` subprocess under the real runner (``python -m ops.far.runner``) in a temp run dir, then
    reads the run the way ``dflashctl status`` does (the agent's probe facts -> ``ops.probe.classify``) and
    checks it says ``crashed`` / ``cuda-oom`` with that GPU's index.
 
@@ -64,8 +64,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 FLEX_WARNING = "flex_attention called without torch.compile"
 # Dense bf16 tensor-core peak, FLOP/s, by a substring of torch.cuda.get_device_name() (first match wins).
@@ -486,7 +484,7 @@ def end_leftovers(record: Path) -> None:
     """SIGKILL the command and keeper a timed-out OOM run left (the pids it recorded, same start time)."""
     import signal
 
-    from ops.runner import proc_stat
+    from ops.far.runner import proc_stat
 
     try:
         run = json.loads(record.read_text())
@@ -500,7 +498,8 @@ def end_leftovers(record: Path) -> None:
 
 
 def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], drafters: list[str]) -> dict[str, t.Any]:
-    from ops import agent, probe
+    from ops import probe
+    from ops.far import agent
 
     cfg = copy.deepcopy(raw)
     cfg["max_steps"] = 4
@@ -535,7 +534,7 @@ def forced_oom(args: argparse.Namespace, tmp: Path, raw: dict[str, t.Any], draft
     runner = [
         sys.executable,
         "-m",
-        "ops.runner",
+        "ops.far.runner",
         "--attempt-dir",
         str(attempt),
         "--session",

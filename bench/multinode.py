@@ -1,6 +1,6 @@
 """Several nodes on this machine: the averaging round over gloo, and simulated-worker throughput.
 
-    .venv/bin/python bench/multinode.py [--nodes 1 2 4] [--mb 64] [--rounds 3] [--sim-steps 240] [--no-sim]
+    .venv/bin/python -m bench.multinode [--nodes 1 2 4] [--mb 64] [--rounds 3] [--sim-steps 240] [--no-sim]
 
 Each "node" is a process joined by ``torch.distributed`` (gloo on 127.0.0.1, as torchrun would set it up),
 running dflash's own code:
@@ -25,13 +25,8 @@ import datetime as dt
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 import typing as t
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def free_port() -> int:

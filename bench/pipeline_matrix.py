@@ -1,6 +1,6 @@
 """The pipeline figures of issue 7, one run after the other on this machine (same costs, same steps).
 
-    .venv/bin/python bench/pipeline_matrix.py [--steps 1500] [--target-ms 80] [--drafter-ms 60] [--json out.json]
+    .venv/bin/python -m bench.pipeline_matrix [--steps 1500] [--target-ms 80] [--drafter-ms 60] [--json out.json]
 
 5 targets / 3 drafters with drafter-bound costs (5 x 12.5 = 62.5 batches/s supplied, 3 x 16.7 = 50 demanded):
 
@@ -20,9 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dflash.simulate import BenchResult, BenchSpec, format_result, run_bench  # noqa: E402
+from dflash.simulate import BenchResult, BenchSpec, format_result, run_bench
 
 
 def main() -> int:

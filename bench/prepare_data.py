@@ -1,7 +1,7 @@
 """Bench (not a test): `dflash prepare-data` throughput and `dflash train` start-up from a token store.
 
-    .venv/bin/python bench/prepare_data.py [--convs 4000] [--small 8000] [--large 800000] [--workdir DIR]
-    .venv/bin/python bench/prepare_data.py --workdir DIR --startup-only [--max-batch-tokens 8192]   # reuse DIR
+    .venv/bin/python -m bench.prepare_data [--convs 4000] [--small 8000] [--large 800000] [--workdir DIR]
+    .venv/bin/python -m bench.prepare_data --workdir DIR --startup-only [--max-batch-tokens 8192]   # reuse DIR
 
 1. ``--convs`` synthetic multi-turn conversations (2-4 assistant turns, Qwen3-like template with think-block
    history stripping and ``enable_thinking = false``, a byte-level BPE tokenizer with Qwen2's split regex)
@@ -24,14 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "dflash"))
+from testkit.chat_templates import random_conversations
 
-from chat_templates import random_conversations  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 STARTUP = r"""
 import json, resource, sys, time
-from dflash.data import BatchPlan, JsonlDataset, Shard
+from dflash.batching import BatchPlan
+from dflash.data import JsonlDataset, Shard
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 ds = JsonlDataset(sys.argv[1], max_length=4096)

@@ -1,7 +1,7 @@
 """Bench (not a test): `dflash regen` conversations/s, hf backend in-process and openai backend against a real
 `transformers serve` on 127.0.0.1.
 
-    .venv/bin/python bench/regen.py [--target DIR] [--in chat.jsonl] [--convs 64] [--max-new-tokens 32]
+    .venv/bin/python -m bench.regen [--target DIR] [--in chat.jsonl] [--convs 64] [--max-new-tokens 32]
                                     [--batch-sizes 1,8] [--concurrency 1,4] [--no-serve]
 
 ``--target``: a local HF folder with a tokenizer and chat template (e.g. the one ``dflash make-tiny`` writes,
@@ -25,10 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "dflash"))
-
-from chat_templates import random_conversations  # noqa: E402
+from testkit.chat_templates import random_conversations
 
 
 def run(spec_kw: dict[str, object], gen: object, renderer: object, out: Path) -> tuple[float, dict[str, object]]:
@@ -58,8 +55,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from dflash.chat import Renderer
-    from dflash.data import load_tokenizer
+    from dflash.chat import Renderer, load_tokenizer
     from dflash.regen import HFGenerator, OpenAIGenerator
 
     hf_logging.disable_progress_bar()
@@ -97,7 +93,7 @@ def main() -> None:
         secs, s = run(spec_kw, gen, renderer, work / f"hf-{bs}.jsonl")
         rows.append((f"hf --batch-size {bs}", secs, s))  # the file: hf-<bs>.jsonl
     if not args.no_serve:
-        from ops.testing import free_port
+        from testkit import free_port
 
         port = free_port()
         exe = Path(sys.executable).with_name("transformers")

@@ -1,9 +1,9 @@
 """restart-on-crash: time from a crash to the restarted run's first log line, against the poll interval.
 
-    .venv/bin/python bench/restart_latency.py [--intervals 1,2,5] [--trials 5] [--backoff 0.2]
+    .venv/bin/python -m bench.restart_latency [--intervals 1,2,5] [--trials 5] [--backoff 0.2]
 
 Real sshd on 127.0.0.1 + fake Proxmox container (a real pid+mount namespace) + real tmux + the
-resuming fake trainer (tests/ops/fake_train.py); the supervisor is the real `dflashctl
+resuming fake trainer (testkit/fake_train.py); the supervisor is the real `dflashctl
 restart-on-crash`, one per interval. Each trial makes the trainer raise at a random moment of the
 poll cycle (control file `once:exception`). The crash time is exit.json's `ended_ts`; the restart's
 first line is seen by polling the new attempt's train.log every 10 ms (same clock: one machine).
@@ -26,14 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "ops"))
-
-from runkit import bench_box, fake_release, reap_runs, train_command  # noqa: E402
-
-from ops.testing import retry_until  # noqa: E402
-from ops.testing.hostsfile import dflashctl_argv  # noqa: E402
+from testkit import retry_until
+from testkit.hostsfile import dflashctl_argv
+from testkit.runkit import bench_box, fake_release, reap_runs, train_command
 
 
 def attempts(run_dir: Path) -> list[int]:

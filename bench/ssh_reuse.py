@@ -1,7 +1,7 @@
 """N remote `true` calls: one reused SSHTransport (a channel per call) vs N fresh `ssh` processes.
 
-Both go to the same real sshd on 127.0.0.1 (started by ops.testing with throwaway keys).
-Usage: .venv/bin/python bench/ssh_reuse.py [-n 50]
+Both go to the same real sshd on 127.0.0.1 (started by testkit with throwaway keys).
+Usage: .venv/bin/python -m bench.ssh_reuse [-n 50]
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ops.hosts import parse_inventory  # noqa: E402
-from ops.testing import Sshd, missing_requirement  # noqa: E402
-from ops.testing.hostsfile import dump_hosts  # noqa: E402
-from ops.transport import SSHTransport  # noqa: E402
+from ops.hosts import parse_inventory
+from ops.transport import SSHTransport
+from testkit import Sshd, missing_requirement
+from testkit.hostsfile import dump_hosts
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """`dflashctl status --all` over 8 hosts vs the same 8 `dflashctl status --host X` one after another.
 
-    .venv/bin/python bench/status_all.py [--hosts 8] [--rounds 5]
+    .venv/bin/python -m bench.status_all [--hosts 8] [--rounds 5]
 
 Every host is a name for the same test sshd + fake Proxmox container 200 (all on 127.0.0.1) with its
 own session running, so each status is a real SSH connection, `pct exec` and agent call. `status --all`
@@ -15,15 +15,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "ops"))
-
-from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
-
-from ops.testing.hostsfile import dflashctl_argv, dump_hosts  # noqa: E402
+from testkit.hostsfile import dflashctl_argv, dump_hosts
+from testkit.runkit import bench_box, fake_release, timed, train_command
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """`dflashctl status --json` vs the raw one-liner a user would type, against the same sshd + fake
 Proxmox container + live tmux session (all on 127.0.0.1).
 
-    .venv/bin/python bench/status_vs_raw.py [--rounds 15]
+    .venv/bin/python -m bench.status_vs_raw [--rounds 15]
 
 raw:    ssh ... 'pct exec 200 -- tmux -L <sock> capture-pane -t =dflash: -p -S -30'   (30 lines, no state;
         `-t =dflash` without the colon fails: "can't find pane: =dflash")
@@ -18,15 +18,9 @@ import json
 import shlex
 import statistics
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "ops"))
-
-from runkit import bench_box, fake_release, timed, train_command  # noqa: E402
-
-from ops.testing import retry_until  # noqa: E402
+from testkit import retry_until
+from testkit.runkit import bench_box, fake_release, timed, train_command
 
 
 def main() -> int:
@@ -65,7 +59,7 @@ def main() -> int:
                 ]
             )
         )
-        from ops.testing.hostsfile import dflashctl_argv
+        from testkit.hostsfile import dflashctl_argv
 
         status = [*dflashctl_argv(), "--hosts", str(hosts.path), "status", "--json"]
         env = hosts.env()

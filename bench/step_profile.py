@@ -1,7 +1,7 @@
 """Host time and host syncs of the hot loop: one target forward, one drafter step, one flex BlockMask.
 
-    .venv/bin/python bench/step_profile.py                         # hidden 128, 4 x 512 tokens, 32 anchors x 16
-    .venv/bin/python bench/step_profile.py --seq 1024 --steps 20 --json
+    .venv/bin/python -m bench.step_profile                         # hidden 128, 4 x 512 tokens, 32 anchors x 16
+    .venv/bin/python -m bench.step_profile --seq 1024 --steps 20 --json
 
 What it measures (one torch thread, CPU unless --device names another):
 
@@ -27,7 +27,6 @@ import collections
 import io
 import json
 import statistics
-import sys
 import time
 import types
 import typing as t
@@ -37,7 +36,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 # ops that read a device value on the host (a sync on CUDA)
 SYNC_OPS = {
@@ -96,8 +94,8 @@ def build(args: argparse.Namespace) -> tuple[t.Any, t.Any, t.Any, t.Any]:
     from dflash.config import load_config
     from dflash.drafter import DFlashDraftModel, draft_config_for
     from dflash.metrics import Metrics
+    from dflash.replicas import DrafterReplica, LRSchedule, TargetReplica
     from dflash.target import TargetModel, tiny_target_config
-    from dflash.train import DrafterReplica, LRSchedule, TargetReplica
 
     heads = max(1, args.hidden // 32)
     tcfg = tiny_target_config(
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     from dflash.loss import sample_anchors, training_block_mask
-    from dflash.train import FeatureBatch
+    from dflash.replicas import FeatureBatch
 
     producer, replica, batch, metrics = build(args)
     payload: FeatureBatch = producer.produce(batch)

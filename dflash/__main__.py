@@ -4,11 +4,12 @@
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
-    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
+    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force] [--format zlab|speculators]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
     dflash bench pipeline --targets 5 --drafters 3 --target-ms 80 --drafter-ms 60 --queue shared
+    dflash bench serve --server URL --prompts FILE [--concurrency 1,8,32] [--eval eval.json] [--json bench.json]
 
 Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed (a traceback on stderr:
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
@@ -18,23 +19,23 @@ checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second S
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import sys
+import time
 import typing as t
 
 import click
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
+from dflash import eval_plot
+from dflash.chat import Renderer, load_tokenizer
+from dflash.config import ConfigError, load_config
+from dflash.corpus import drop_lines
+from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, BadInput, DataError, DflashError, Failed
 
-
-class BadInput(Exception):
-    """A command refuses its config, arguments or input: ``main`` prints the message as it is, exit 2."""
-
-
-class Failed(Exception):
-    """A command's work failed: ``main`` prints the message (if any) as it is, exit 1."""
+# The modules above import neither torch nor transformers. A command imports the rest inside its function:
+# they pull in torch and transformers (seconds), which `--help`, a usage error or another command need not pay.
 
 
 def init_logging(verbosity: int = 0) -> None:
@@ -66,7 +67,6 @@ def cli(verbose: int, quiet: int) -> None:
 )
 def train(config_path: str, overrides: tuple[str, ...]) -> int:
     """Train a drafter: target threads -> one shared queue -> drafter threads."""
-    from dflash.config import load_config
     from dflash.train import run_training
 
     cfg = load_config(config_path, overrides)
@@ -90,10 +90,7 @@ def make_tiny_cmd(
     out: str, seed: int, force: bool, target_steps: int | None, samples: int | None, eval_prompts: int | None
 ) -> None:
     """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
-    import dataclasses
-    import time
-
-    from dflash.tiny import TinySpec, make_tiny
+    from dflash.tiny import TinySpec, load_manifest, make_tiny
 
     spec = TinySpec(seed=seed)
     changes = {
@@ -107,8 +104,6 @@ def make_tiny_cmd(
     if not built:
         click.echo(f"make-tiny: {path} is already there (seed {seed}); --force builds it again")
         return
-    from dflash.tiny import load_manifest
-
     m = load_manifest(path) or {}
     click.echo(
         f"make-tiny: wrote {path} in {time.monotonic() - t0:.0f}s: target/ (loss {m.get('target_loss')}), "
@@ -163,9 +158,6 @@ def prepare_data_cmd(
     shard_lines: int,
 ) -> None:
     """Render a chat corpus with the target's chat template into a memory-mapped token store."""
-    import json
-
-    from dflash.data import DataError, load_tokenizer
     from dflash.store import PrepareSpec, StoreError, prepare
 
     def fail(msg: str) -> t.NoReturn:
@@ -177,8 +169,6 @@ def prepare_data_cmd(
     if config_path is not None:
         if template_kwargs is not None:
             fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
-        from dflash.config import ConfigError, load_config
-
         try:
             cfg = load_config(config_path, ())
         except ConfigError as e:
@@ -224,13 +214,8 @@ def prepare_data_cmd(
         click.echo(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
     if c["dropped_turns"]:
         click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
-    for reason, d in meta["drops"].items():
-        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
-        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
-        click.echo(
-            f"prepare-data: dropped {d['count']} {reason}: {d['message']} ({unit} "
-            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
-        )
+    for line in drop_lines("prepare-data", meta["drops"]):
+        click.echo(line)
 
 
 @cli.command("regen")
@@ -314,10 +299,7 @@ def regen_cmd(
     log_every: int,
 ) -> None:
     """The target rewrites every assistant turn (temperature 0, the serving chat template and kwargs)."""
-    from dflash.chat import Renderer
-    from dflash.config import load_config
-    from dflash.data import DataError, load_tokenizer
-    from dflash.regen import RegenError, RegenSpec, ServerError, check_io, regen
+    from dflash.regen import OpenAIGenerator, RegenError, RegenSpec, ServerError, check_io, load_hf, regen
 
     def fail(msg: str) -> t.NoReturn:
         raise BadInput(msg)
@@ -354,16 +336,12 @@ def regen_cmd(
     try:
         check_io(spec)
         if backend == "hf":
-            from transformers.utils import logging as hf_logging
-
-            from dflash.regen import load_hf
+            from transformers.utils import logging as hf_logging  # the hf backend only: seconds to import
 
             hf_logging.disable_progress_bar()
             assert renderer is not None
             gens = list(load_hf(cfg, renderer.tokenizer, batch_size=batch_size))
         else:
-            from dflash.regen import OpenAIGenerator
-
             assert server is not None
             gens = [
                 OpenAIGenerator(
@@ -395,13 +373,8 @@ def regen_cmd(
             f"regen: {c['cut_conversations']} conversations end before a turn whose prompt fills "
             f"max_length ({spec.max_len} tokens)"
         )
-    for reason, d in summary["drops"].items():
-        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
-        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
-        click.echo(
-            f"regen: dropped {d['count']} {reason}: {d['message']} ({unit} "
-            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
-        )
+    for line in drop_lines("regen", summary["drops"]):
+        click.echo(line)
 
 
 @cli.command("eval")
@@ -489,8 +462,6 @@ def eval_cmd(
     compare_path: str | None,
 ) -> None:
     """Exact greedy speculative decoding on held-out prompts: tau, acceptance, target-equivalence."""
-    import json
-
     from dflash.evaluate import check_max_new
 
     check_max_new(max_new_tokens)  # said before loading anything
@@ -498,8 +469,6 @@ def eval_cmd(
     if compare_path and not plot_path:
         raise click.BadParameter("needs --plot FILE", param_hint="--compare")
     if plot_path:  # said before the (long) eval, not after it
-        from dflash import eval_plot
-
         eval_plot.check_out(plot_path)
         eval_plot.require_matplotlib()
         before = eval_plot.load_report(compare_path) if compare_path else None
@@ -574,12 +543,34 @@ def eval_cmd(
     help="A `dflash eval --json` report: its tau goes into the model card.",
 )
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def export_cmd(source: str, out: str, dtype: str, eval_path: str | None, force: bool) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["zlab", "speculators"]),
+    default="zlab",
+    show_default=True,
+    help="zlab: what vLLM, SGLang and transformers read; speculators: vllm-project/speculators' layout "
+    "(`vllm serve OUT` alone starts target and drafter).",
+)
+@click.option(
+    "--verifier",
+    default=None,
+    metavar="TARGET",
+    help="With --format speculators: the target the config names (default: the run's target folder).",
+)
+def export_cmd(
+    source: str, out: str, dtype: str, eval_path: str | None, force: bool, fmt: str, verifier: str | None
+) -> None:
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
-    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force)
-    click.echo(f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))")
+    path = export(source, out, dtype=dtype, eval_report=eval_path, force=force, fmt=fmt, verifier=verifier)
+    if fmt == "speculators":
+        click.echo(f"exported {dtype} drafter to {path} in the speculators layout (vllm serve {path}; README.md)")
+    else:
+        click.echo(
+            f"exported {dtype} drafter to {path} (AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True))"
+        )
 
 
 @cli.group()
@@ -723,26 +714,147 @@ def bench_pipeline(
             f.write(dump_json(res) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; maps errors to the exit codes above (the only place that does)."""
-    from dflash.checkpoint import CheckpointError
-    from dflash.config import ConfigError
-    from dflash.data import DataError
-    from dflash.eval_plot import PlotError
-    from dflash.evaluate import EvalError
-    from dflash.export import ExportError
-    from dflash.tiny import TinyError
+@bench.command("serve")
+@click.option(
+    "--server", required=True, metavar="URL", help="The OpenAI-compatible server, e.g. http://127.0.0.1:8000."
+)
+@click.option(
+    "--prompts",
+    "prompts_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help='JSONL or JSON: chat records (messages / conversations), {"prompt": text} or {"input_ids": [...]}.',
+)
+@click.option(
+    "--concurrency", default="1,8,32", show_default=True, metavar="C1,C2,...", help="Requests in flight, per level."
+)
+@click.option("--model", default=None, help="The served model name (default: the one the server lists).")
+@click.option(
+    "--max-new-tokens",
+    "--max-new",
+    "max_new_tokens",
+    type=click.IntRange(1),
+    default=None,
+    help="New tokens per prompt at most (default: the --eval report's, else 64).",
+)
+@click.option("--ignore-eos", is_flag=True, help="Decode --max-new tokens past EOS (default: as the --eval report).")
+@click.option(
+    "--template-kwargs",
+    default=None,
+    metavar="JSON",
+    help="chat_template_kwargs of chat requests (default: the --eval report's), e.g. '{\"enable_thinking\": false}'.",
+)
+@click.option(
+    "--eval",
+    "eval_path",
+    type=click.Path(dir_okay=False),
+    metavar="REPORT.json",
+    help="A `dflash eval --json` report on the same prompts: its tau is shown beside the server's.",
+)
+@click.option("--drafter", "drafter_path", type=click.Path(), help="Compute the offline tau here with this drafter.")
+@click.option("--target", "target_path", type=click.Path(), help="With --drafter: the target (default: the run's).")
+@click.option("--device", default="cpu", show_default=True, help="With --drafter: where dflash eval runs.")
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0), help="Requests sent before measuring.")
+@click.option(
+    "--timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True), help="Seconds per request."
+)
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(0), help="Retries of a 5xx/timeout.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON.")
+def bench_serve(
+    server: str,
+    prompts_path: str,
+    concurrency: str,
+    model: str | None,
+    max_new_tokens: int | None,
+    ignore_eos: bool,
+    template_kwargs: str | None,
+    eval_path: str | None,
+    drafter_path: str | None,
+    target_path: str | None,
+    device: str,
+    warmup: int,
+    timeout: float,
+    retries: int,
+    json_path: str | None,
+) -> None:
+    """Acceptance, output tokens/s and latency of a running server (target + drafter), beside dflash eval's tau."""
+    import json
+    from pathlib import Path
 
+    from dflash.regen import ServerError
+    from dflash.serve_bench import (
+        ServeBenchError,
+        bench,
+        offline_computed,
+        offline_from_report,
+        parse_concurrency,
+        read_prompts,
+        sha256_file,
+    )
+
+    try:
+        levels = parse_concurrency(concurrency)
+        if eval_path and drafter_path:
+            raise ServeBenchError("bench serve: give --eval REPORT or --drafter CKPT, not both")
+        if target_path and not drafter_path:
+            raise ServeBenchError("bench serve: --target goes with --drafter")
+        # TODO(lead, at merge): `--suite NAME` gives its prompts here (bench() takes any list of Prompt)
+        prompts = read_prompts(prompts_path)
+        kwargs = None
+        if template_kwargs is not None:
+            try:
+                kwargs = json.loads(template_kwargs)
+            except ValueError as e:
+                raise ServeBenchError(f"bench serve: --template-kwargs: not valid JSON: {e}") from None
+            if not isinstance(kwargs, dict):
+                raise ServeBenchError("bench serve: --template-kwargs: expected a JSON object")
+        offline = offline_from_report(eval_path, prompts_path) if eval_path else None
+        if offline is not None:
+            max_new_tokens = max_new_tokens or offline.max_new_tokens
+            ignore_eos = ignore_eos or offline.stop_at_eos is False
+            kwargs = offline.chat_template_kwargs if kwargs is None else kwargs
+        max_new_tokens = max_new_tokens or 64
+        if drafter_path:  # before the server run: a drafter or target it cannot load is said first
+            offline = offline_computed(
+                drafter=drafter_path,
+                target=target_path,
+                prompts_path=prompts_path,
+                chat=any(p.messages is not None for p in prompts),
+                template_kwargs=None if kwargs is None else json.dumps(kwargs),
+                max_new_tokens=max_new_tokens,
+                ignore_eos=ignore_eos,
+                device=device,
+            )
+        report = bench(
+            server,
+            prompts,
+            levels,
+            prompts_name=prompts_path,
+            prompts_sha256=sha256_file(Path(prompts_path)),
+            model=model,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=ignore_eos,
+            chat_template_kwargs=kwargs,
+            offline=offline,
+            warmup=warmup,
+            timeout=timeout,
+            retries=retries,
+            log=lambda m: click.echo(m, err=True),
+        )
+    except ServerError as e:  # a server that fails mid-run: one line, exit 1 (bad input is ServeBenchError: exit 2)
+        raise Failed(str(e)) from None
+    for line in report.lines():
+        click.echo(line)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(json.dumps(report.to_json(), indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; maps errors to the exit codes above (the only place that does: ``dflash.errors``)."""
     try:
         # a command's return value, or the code of a click ``Exit`` (``--help``: 0)
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
-    except BadInput as e:
-        click.echo(str(e), err=True)
-        return EXIT_CONFIG
-    except Failed as e:
-        if str(e):
-            click.echo(str(e), err=True)
-        return EXIT_FAILED
     except SystemExit as e:  # sys.exit() deep in a library
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_FAILED
     except click.exceptions.Abort:
@@ -751,19 +863,13 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return EXIT_CONFIG
-    except (
-        ConfigError,
-        DataError,
-        EvalError,
-        TinyError,
-        CheckpointError,
-        ExportError,
-    ) as e:  # bad input; the message names it
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_CONFIG
-    except PlotError as e:  # matplotlib missing (the [plot] extra), a format or report it cannot draw
-        click.echo(f"dflash: {e}", err=True)
-        return EXIT_FAILED
+    except DflashError as e:
+        if e.traceback:  # a run's failure: its traceback is what train.log and the crash report keep
+            raise
+        text = e.line()  # a user's mistake (exit 2) or a failure the message names (exit 1); one line
+        if text:
+            click.echo(text, err=True)
+        return e.exit_code
     return rv if type(rv) is int else EXIT_OK
 
 

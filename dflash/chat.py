@@ -28,11 +28,14 @@ import dataclasses
 import hashlib
 import json
 import typing as t
+from pathlib import Path
+
+from dflash.errors import DataError, InputError
 
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
 
 
-class BadRecord(ValueError):
+class BadRecord(InputError, ValueError):
     """A record that cannot be used; ``reason`` is a short key for the drop counts."""
 
     def __init__(self, reason: str, message: str) -> None:
@@ -187,7 +190,26 @@ def template_hash(tokenizer: t.Any) -> str:
     return hashlib.sha256(str(getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str) -> t.Any:
+    """A local tokenizer (never downloads)."""
+    from transformers import AutoTokenizer  # seconds to import: only what loads a tokenizer pays for it
+
+    # transformers 5 builds an empty tokenizer from a model folder that has none: refuse it here, so
+    # that pre-tokenized data never depends on it and chat data gets a clear error.
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise DataError(f"data.tokenizer: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from e
+
+
 __all__ = [
+    "TOKENIZER_FILES",
     "BadRecord",
     "Rendered",
     "Renderer",
@@ -196,6 +218,7 @@ __all__ = [
     "parse_record",
     "pretokenized",
     "record_sequences",
+    "load_tokenizer",
     "template_hash",
     "tokenizer_hash",
 ]

@@ -3,8 +3,10 @@
 Layout of one checkpoint, ``<root>/step-<n>/``:
 
 - ``config.json``       the drafter config (z-lab keys: architectures, auto_map, block_size,
-                        num_target_layers, dflash_config{mask_token_id, target_layer_ids}, layer_types,
-                        sliding_window; plus ``rope_theta`` for transformers 4.x readers)
+                        num_target_layers, dflash_config{mask_token_id, target_layer_ids, block_size},
+                        layer_types, sliding_window; plus ``rope_theta`` for transformers 4.x readers and
+                        ``eagle_aux_hidden_state_layer_ids`` for vLLM: ``dflash.contract``, which also
+                        refuses, before anything is written, what a serving engine would get wrong)
 - ``model.safetensors`` drafter weights only, z-lab parameter names (no target embedding or lm_head)
 - ``trainer_state.pt``  {"step", "trainer_state", "optimizer"}: whatever the trainer needs to resume
                         (data position, RNG, pipeline config); loaded with ``weights_only=True``, so
@@ -49,8 +51,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash import hf_remote
+from dflash import contract, hf_remote
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+from dflash.errors import DflashError, InputError
 
 __all__ = [
     "Checkpoint",
@@ -85,11 +88,11 @@ _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError, ValueError):
     """A checkpoint directory is missing, incomplete, corrupted or not ours; the message names the path."""
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(DflashError, RuntimeError):
     """A background checkpoint write failed (disk full, ...): the run fails; earlier checkpoints stand."""
 
 
@@ -131,7 +134,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def config_json(config: DFlashDraftConfig, *, dtype: torch.dtype | None = None) -> str:
-    """The config.json text: transformers' own serialisation plus the keys older readers need."""
+    """The config.json text: transformers' own serialisation plus the keys older readers and the serving
+    engines need (``contract.serving_keys``)."""
     data = json.loads(config.to_json_string(use_diff=True))
     full = config.to_dict()
     for key in (
@@ -154,7 +158,7 @@ def config_json(config: DFlashDraftConfig, *, dtype: torch.dtype | None = None) 
         data.setdefault("rope_theta", rope["rope_theta"])
     if dtype is not None:
         data["dtype"] = str(dtype).removeprefix("torch.")
-    return json.dumps(data, indent=2, sort_keys=True) + "\n"
+    return json.dumps(contract.serving_keys(data), indent=2, sort_keys=True) + "\n"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -268,11 +272,23 @@ def save_checkpoint(
     )
 
 
+def check_servable(drafter: torch.nn.Module, config: DFlashDraftConfig, *, vocab_size: int | None = None) -> None:
+    """The serving contract ``write_checkpoint`` applies, checked on a drafter before training starts: a run
+    whose checkpoints an engine would refuse fails at start in one line, not at its first checkpoint."""
+    shapes = {name.replace("_orig_mod.", ""): tuple(w.shape) for name, w in drafter.state_dict().items()}
+    contract.check(json.loads(config_json(config)), shapes, target=contract.Target(vocab_size=vocab_size))
+
+
 def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int | None = 3) -> Path:
     """Write a snapshot as ``<root>/step-<n>``: temp dir, fsync, rename; then prune the run's oldest."""
     step = snap.step
     if keep is not None and keep < 0:
         raise ValueError(f"keep: must be >= 0 (0 or None keeps all), got {keep}")
+    weights = snap.weights
+    dtype = next(iter(weights.values())).dtype if weights else None
+    config_text = config_json(snap.config, dtype=dtype)
+    # what an engine would refuse or serve wrongly is refused before anything is written (one line)
+    contract.check(json.loads(config_text), {name: tuple(w.shape) for name, w in weights.items()})
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _clean_stale(root)
@@ -282,10 +298,8 @@ def write_checkpoint(root: str | os.PathLike[str], snap: Snapshot, *, keep: int 
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        weights = snap.weights
-        dtype = next(iter(weights.values())).dtype if weights else None
         save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(config_json(snap.config, dtype=dtype))
+        (tmp / CONFIG_FILE).write_text(config_text)
         hf_remote.write(tmp)  # AutoModel.from_pretrained(..., trust_remote_code=True) without this package
         torch.save(
             {"step": step, "trainer_state": snap.trainer_state, "optimizer": snap.optimizer_state}, tmp / STATE_FILE

@@ -24,13 +24,15 @@ import types
 import typing as t
 from pathlib import Path
 
+from dflash.errors import InputError
+
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """The run config (file, ``--set`` or environment) is wrong; ``path`` names the key."""
 
     def __init__(self, path: str, message: str) -> None:
@@ -388,7 +390,7 @@ def _value(tp: t.Any, v: t.Any, path: str) -> t.Any:
         return dict(v)
     if t.get_origin(tp) is tuple:
         args = t.get_args(tp)
-        if not isinstance(v, list):
+        if not isinstance(v, (list, tuple)):  # a tuple: a config saved by to_dict (a checkpoint's)
             raise ConfigError(path, f"expected a list, got {_show(v)}")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_value(args[0], x, f"{path}[{i}]") for i, x in enumerate(v))
@@ -539,7 +541,7 @@ def _check(cfg: RunConfig) -> None:
 
 def check_devices(cfg: RunConfig) -> None:
     """The devices the config names exist on this machine (at start-up, not when a config is parsed)."""
-    import torch
+    import torch  # parsing a config needs no torch (dflashctl, --help): only this start-up check does
 
     for role in ("targets", "drafters"):
         for i, dev in enumerate(getattr(cfg.devices, role)):

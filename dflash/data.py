@@ -1,4 +1,4 @@
-"""Training data: token sequences with loss masks, bucketed into batches, sharded over target threads.
+"""Training data: token sequences with loss masks, in batches, sharded over target threads.
 
 A JSONL file holds one sample per line, either pre-tokenized::
 
@@ -9,25 +9,18 @@ or chat messages rendered with a tokenizer's chat template (assistant turns supe
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
 
 ``data.path`` may also be a token store folder written by ``dflash prepare-data`` (dflash/store.py):
-it is memory-mapped, not indexed, and refused when made for another tokenizer or chat template. Its batch
-plan (``store.WindowPlan``) follows the same rules one window at a time, its shuffle a seeded permutation
-evaluated per window: start-up and memory are O(1) in the corpus size. With ``max_batch_tokens`` below
-``batch_size`` x the longest sequence, batches per epoch (for ``epochs``) are estimated from a sample of
-windows when there are many.
+it is memory-mapped, not indexed, and refused when made for another tokenizer or chat template.
 
 The file is indexed once (byte offset and token length per line); samples are parsed again on demand
 in the target threads (``os.pread``, no shared file position), so memory stays small for big files.
 Samples are cut to ``max_length``; a sample without two consecutive supervised tokens (no possible
 anchor) is skipped and counted.
 
-Batches form ONE deterministic global sequence ``g = 0, 1, 2, ...`` over endless epochs: each epoch
-shuffles the samples (seeded by ``seed`` and the epoch), sorts windows of ``bucket_window`` batches' worth
-of samples by length (bucketing: little padding), cuts them into batches of at most ``batch_size``
-sequences and ``max_batch_tokens`` padded tokens, and shuffles the batch order inside the window. Target
-thread ``i`` of ``T`` reads batches ``g = i, i+T, i+2T, ...`` (deterministic sharding). The data position
-is the next ``g`` of every shard; saved in checkpoints, it makes a resumed run continue with the same
-next batch. Resuming with another number of target threads restarts every shard from the smallest saved
-position (a few batches are seen twice, none skipped).
+Batches form ONE deterministic global sequence ``g = 0, 1, 2, ...`` over endless epochs (the plan:
+``dflash.batching``). Target thread ``i`` of ``T`` reads batches ``g = i, i+T, i+2T, ...`` (deterministic
+sharding). The data position is the next ``g`` of every shard; saved in checkpoints, it makes a resumed run
+continue with the same next batch. Resuming with another number of target threads restarts every shard
+from the smallest saved position (a few batches are seen twice, none skipped).
 
 Packing several samples into one row is not done: the target would attend across samples unless every
 attention path took document ids, and bucketing already keeps padding low.
@@ -41,20 +34,16 @@ import hashlib
 import json
 import logging
 import os
-import random
-import threading
 import typing as t
 from pathlib import Path
 
 import torch
 
-from dflash.store import cut_window
+from dflash.batching import BatchPlan, store_lengths
+from dflash.errors import DataError
+from dflash.store import StoreError, TokenStore
 
 logger = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """A sample or the data file is unusable; the message names the file, line and key."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,8 +175,6 @@ class JsonlDataset:
 
     def _open_store(self, tokenizer: t.Any, kwargs: t.Mapping[str, t.Any] | None) -> None:
         """Map the store's arrays (O(1)); refuse one made for another tokenizer, template or vocabulary."""
-        from dflash.store import StoreError, TokenStore, store_lengths
-
         self._fd = -1
         self.renderer = None
         try:
@@ -314,143 +301,8 @@ class JsonlDataset:
             raise DataError(f"{where}: {e}") from None
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def load_tokenizer(path: str) -> t.Any:
-    """A local tokenizer (never downloads)."""
-    from transformers import AutoTokenizer
-
-    # transformers 5 builds an empty tokenizer from a model folder that has none: refuse it here, so
-    # that pre-tokenized data never depends on it and chat data gets a clear error.
-    folder = Path(path)
-    if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise DataError(f"data.tokenizer: no tokenizer in {path} (none of {', '.join(TOKENIZER_FILES)})")
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from e
-
-
 # --------------------------------------------------------------------------------------------
-# Batches: one deterministic global sequence
-
-
-class BatchPlan:
-    """Global batch index g -> sample indices, over endless epochs (see the module docstring)."""
-
-    def __init__(
-        self,
-        lengths: t.Sequence[int],
-        *,
-        batch_size: int,
-        max_batch_tokens: int | None = None,
-        bucket_window: int = 64,
-        shuffle: bool = True,
-        seed: int = 0,
-    ) -> None:
-        if not len(lengths):
-            raise DataError("data: no samples to batch")
-        self.lengths = lengths
-        self.batch_size = batch_size
-        self._np = hasattr(lengths, "dtype")  # a token store's lengths (or an array): the lazy window plan
-        longest = int(lengths.max()) if self._np else max(lengths)  # type: ignore[attr-defined]
-        self.max_batch_tokens = max_batch_tokens if max_batch_tokens is not None else batch_size * longest
-        self.window = bucket_window * batch_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self._lock = threading.Lock()
-        self._starts = [0]  # _starts[e] = global index of epoch e's first batch
-        self._plans: dict[int, list[list[int]]] = {}
-        self._lazy: t.Any = None
-        if self._np:
-            from dflash.store import WindowPlan
-
-            self._lazy = WindowPlan(
-                lengths,
-                batch_size=batch_size,
-                max_batch_tokens=self.max_batch_tokens,
-                window=self.window,
-                shuffle=shuffle,
-                seed=seed,
-            )
-
-    def fingerprint(self) -> str:
-        key = f"{self.batch_size}:{self.max_batch_tokens}:{self.window}:{self.shuffle}:{self.seed}:{len(self.lengths)}"
-        if self._np:  # another batch order than the list plan's
-            key += ":windows"
-        return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-    def epoch(self, e: int) -> t.Sequence[list[int]]:
-        if self._lazy is not None:  # a view: its len() counts every window, O(corpus)
-            from dflash.store import LazyEpoch
-
-            return t.cast(t.Sequence[list[int]], LazyEpoch(self._lazy, e, self._lock))
-        with self._lock:
-            return self._epoch(e)
-
-    def batches_per_epoch(self) -> tuple[int, bool]:
-        """(batches in epoch 0, exact?): a token store's plan estimates it from a sample of its windows when
-        there are many (counting them all is O(corpus)); the list plan counts."""
-        if self._lazy is not None:
-            with self._lock:
-                return t.cast(tuple[int, bool], self._lazy.estimate_epoch_len())
-        return len(self.epoch(0)), True
-
-    def _epoch(self, e: int) -> list[list[int]]:
-        plan = self._plans.get(e)
-        if plan is None:
-            plan = self._build(e)
-            self._plans[e] = plan
-            for old in [k for k in self._plans if k < e - 2]:  # threads stay within an epoch or two
-                del self._plans[old]
-        return plan
-
-    def _build(self, e: int) -> list[list[int]]:
-        rng = random.Random(self.seed * 1_000_003 + e)
-        order = list(range(len(self.lengths)))
-        if self.shuffle:
-            rng.shuffle(order)
-        batches: list[list[int]] = []
-        for w in range(0, len(order), self.window):
-            chunk = sorted(order[w : w + self.window], key=lambda i: self.lengths[i])
-            window = cut_window(
-                chunk,
-                [self.lengths[i] for i in chunk],
-                batch_size=self.batch_size,
-                max_batch_tokens=self.max_batch_tokens,
-            )
-            if self.shuffle:
-                rng.shuffle(window)
-            batches.extend(window)
-        return batches
-
-    def locate(self, g: int) -> tuple[int, int]:
-        """(epoch, index within the epoch) of global batch g."""
-        if g < 0:
-            raise IndexError(g)
-        with self._lock:
-            if self._lazy is not None:
-                e, w, j = self._lazy.locate(g)
-                return e, t.cast(int, self._lazy.index_in_epoch(e, w, j))
-            while g >= self._starts[-1]:
-                e = len(self._starts) - 1
-                self._starts.append(self._starts[-1] + len(self._epoch(e)))
-            lo, hi = 0, len(self._starts) - 1
-            while hi - lo > 1:  # largest e with _starts[e] <= g
-                mid = (lo + hi) // 2
-                if self._starts[mid] <= g:
-                    lo = mid
-                else:
-                    hi = mid
-            return lo, g - self._starts[lo]
-
-    def batch(self, g: int) -> list[int]:
-        if self._lazy is not None:
-            with self._lock:
-                return t.cast(list[int], self._lazy.batch(g))
-        e, j = self.locate(g)
-        return self.epoch(e)[j]
+# Batches
 
 
 def collate(samples: t.Sequence[Sample], *, index: int, pad_id: int = 0) -> Batch:
@@ -518,7 +370,6 @@ class Shard:
 
 __all__ = [
     "Batch",
-    "BatchPlan",
     "ChatRenderer",
     "DataError",
     "DataPosition",
@@ -527,6 +378,5 @@ __all__ = [
     "Shard",
     "collate",
     "has_anchor",
-    "load_tokenizer",
     "shard_starts",
 ]

@@ -30,21 +30,29 @@ import dataclasses
 import datetime as dt
 import logging
 import os
+import threading
+import time
 import typing as t
 
 import torch
+import torch.distributed as dist
+
+from dflash.errors import DflashError
+from dflash.pipeline import SyncEvent
 
 logger = logging.getLogger(__name__)
+# The barrier's lines are the run's and keep the name they had in train.py (dflash.train).
+run_logger = logging.getLogger("dflash.train")
 
 # The exception line a node writes when the group broke (dflashctl's status classifies it as peer-lost).
 PEER_LOST = "lost the node group"
 
 
-class PeerLost(RuntimeError):
+class PeerLost(DflashError, RuntimeError):
     """A collective failed: another node died, hangs, or the nodes fell out of step."""
 
 
-class Disagreement(RuntimeError):
+class Disagreement(DflashError, RuntimeError):
     """The nodes reached a barrier with different steps or plans (different configs)."""
 
 
@@ -115,8 +123,6 @@ class NodeGroup:
                 "round's addresses: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
                 "(dflashctl --group does)"
             )
-        import torch.distributed as dist
-
         # env:// also picks up torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) instead of a new one.
         dist.init_process_group("gloo", init_method="env://", timeout=dt.timedelta(seconds=timeout))
         group = cls(rank=rank, world=world, timeout=timeout)
@@ -131,8 +137,6 @@ class NodeGroup:
         return group
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -153,16 +157,12 @@ class NodeGroup:
 
     def all_gather(self, obj: t.Any) -> list[t.Any]:
         """Every node's ``obj`` (picklable, small), in rank order."""
-        import torch.distributed as dist
-
         out: list[t.Any] = [None] * self.world
         self._call(lambda: dist.all_gather_object(out, obj))
         return out
 
     def broadcast(self, obj: t.Any, *, src: int = 0) -> t.Any:
         """Node ``src``'s ``obj`` on every node (others pass anything, e.g. None)."""
-        import torch.distributed as dist
-
         box = [obj]
         self._call(lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
@@ -192,12 +192,77 @@ class NodeGroup:
         set it for the round). gloo's all_reduce hands every node the same bytes, so every replica on
         every node ends the round bit-identical.
         """
-        import torch.distributed as dist
-
         if count != 1:
             mean.mul_(count)
         self._call(lambda: dist.all_reduce(mean, op=dist.ReduceOp.SUM))
         mean.div_(self.total_replicas)
 
 
-__all__ = ["Disagreement", "Header", "NodeGroup", "PEER_LOST", "PeerLost", "Round"]
+class GroupBarrier:
+    """This node's side of the drafters' barrier in a group: the same collectives in the same order on every node.
+
+    ``meet`` first: the headers (the nodes must be at the same barrier; per-node throughput, rank 0 logs the
+    ``nodes | step`` line; a pending stop). Then the run averages over every node's replicas (also before a
+    checkpoint: rank 0 saves its replica for all) and checkpoints; then ``stopping``: a SIGTERM on any node
+    stops every node here.
+    """
+
+    def __init__(self, group: NodeGroup) -> None:
+        self.group = group
+        self._tokens = 0  # target tokens trained since the last barrier (the group's per-node split)
+        self._tokens_lock = threading.Lock()
+        self._last_sync = time.monotonic()
+        self._syncs = 0  # barriers so far: every node must be at the same one
+        self.stop = 0  # the signal another node of the group received (we stopped with it)
+
+    def count(self, tokens: int) -> None:
+        """Tokens a drafter step trained (from the drafter threads)."""
+        with self._tokens_lock:
+            self._tokens += tokens
+
+    def restart(self) -> None:
+        """The first interval starts now (training starts)."""
+        self._last_sync = time.monotonic()
+
+    def meet(self, ev: SyncEvent, *, stop: int) -> Round:
+        """Every node's header at this barrier; ``stop``: a signal this node received (0: none)."""
+        now = time.monotonic()
+        with self._tokens_lock:
+            tokens, self._tokens = self._tokens, 0
+        seconds, self._last_sync = now - self._last_sync, now
+        self._syncs += 1
+        header = Header(
+            index=self._syncs,
+            step=ev.step,
+            average=ev.average,
+            checkpoint=ev.checkpoint,
+            final=ev.final,
+            replicas=len(ev.replicas),
+            tokens=tokens,
+            seconds=seconds,
+            stop=stop,
+        )
+        rnd = self.group.exchange(header, doing="the barrier")
+        step = rnd.headers[0].step  # with several drafters per node the steps in flight differ a little: rank 0's
+        if self.group.is_main:
+            per = [h.tokens / max(h.seconds, 1e-9) / 1e3 for h in rnd.headers]
+            run_logger.info(
+                "nodes | step %d | %.1f Ktok/s | %s",
+                step,
+                sum(per),
+                " | ".join(f"node-{r} {k:.1f}" for r, k in enumerate(per)),
+            )
+        return rnd
+
+    def stopping(self, rnd: Round, step: int) -> None:
+        """A node asked to stop: every node stops after this barrier (the run requests its pipeline's stop)."""
+        asked = [r for r, h in enumerate(rnd.headers) if h.stop]
+        run_logger.warning(
+            "stop requested on node(s) %s: every node stops after the barrier at step %d",
+            ", ".join(map(str, asked)),
+            step,
+        )
+        self.stop = rnd.stop
+
+
+__all__ = ["Disagreement", "GroupBarrier", "Header", "NodeGroup", "PEER_LOST", "PeerLost", "Round"]

@@ -297,7 +297,11 @@ def _inference_mask(q_len: int, k_len: int, sliding_window: int, device: torch.d
 
 class CompileMissError(RuntimeError):
     """A compiled drafter met a shape its warm-up did not compile (``fail_on_recompile``), or flex
-    attention on CUDA would have run unfused (the full score matrix: out of memory at real sizes)."""
+    attention on CUDA would have run unfused (the full score matrix: out of memory at real sizes).
+
+    Not a ``dflash.errors.DflashError``: this module is also the served model's remote code, which imports
+    nothing of dflash (``dflash.hf_remote``). It ends a run with its traceback, exit 1, as that root's
+    failures do."""
 
 
 _flex_lock = threading.Lock()

@@ -12,16 +12,20 @@ import json
 import os
 import typing as t
 
+from dflash.errors import DflashError
+
 EXTRA = "pip install 'dflash[plot]'"
 FORMATS = (".png", ".svg")
 
 
-class PlotError(Exception):
-    """Cannot draw: matplotlib missing, an output format we do not write, an unreadable report."""
+class PlotError(DflashError):
+    """Cannot draw: matplotlib missing, an output format we do not write, an unreadable report (exit 1)."""
+
+    traceback = False
 
 
 def require_matplotlib() -> t.Any:
-    try:
+    try:  # the optional [plot] extra
         import matplotlib
 
         matplotlib.use("Agg")

@@ -48,12 +48,15 @@ from pathlib import Path
 
 import torch
 
+from dflash import checkpoint as ckpt
+from dflash.chat import BadRecord, Renderer, load_tokenizer, messages_of, template_hash, tokenizer_hash
+from dflash.config import ConfigError, RunConfig, load_config, parse_config
+from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+from dflash.errors import DataError, InputError
+from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
+from dflash.replicas import torch_dtype
 from dflash.spec_decode import speculative_generate, target_greedy
-
-if t.TYPE_CHECKING:
-    from dflash.chat import Renderer
-    from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
-    from dflash.target import TargetHead, TargetModel
+from dflash.target import TargetHead, TargetModel
 
 __all__ = [
     "MAX_NEW_TOKENS",
@@ -66,8 +69,10 @@ __all__ = [
     "load_prompts",
     "load_setup",
     "prompt_messages",
+    "read_records",
     "resolve_checkpoint",
     "teacher_forced_walk",
+    "token_prompt",
     "untrained_drafter",
 ]
 
@@ -81,7 +86,7 @@ def check_max_new(n: int) -> None:
         raise EvalError(f"--max-new: expected 1 to {MAX_NEW_TOKENS} new tokens, got {n}")
 
 
-class EvalError(ValueError):
+class EvalError(InputError, ValueError):
     """The evaluation cannot run as asked (a missing file, a bad prompt); the message names it."""
 
 
@@ -92,8 +97,6 @@ class EvalError(ValueError):
 def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
     """A chat record's prompt: its turns before the first assistant turn (all of them when it has none);
     it must hold a user turn. ``BadRecord`` when it is not usable."""
-    from dflash.chat import BadRecord, messages_of
-
     msgs = messages_of(rec, need_assistant=False)
     first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
     msgs = msgs[:first]
@@ -102,7 +105,7 @@ def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
     return msgs
 
 
-def _records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
+def read_records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
     """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both)."""
     if text.lstrip().startswith("["):
         try:
@@ -132,8 +135,6 @@ def load_prompts(
     whole prompt, a training record (with a ``loss_mask``) contributes the tokens before its first
     supervised one; a chat record (OpenAI ``messages`` or ShareGPT ``conversations``) contributes its turns
     before the first assistant turn, rendered by ``renderer`` (``--chat``: the target's chat template)."""
-    from dflash.chat import BadRecord
-
     path = Path(path)
     try:
         text = path.read_text()
@@ -142,7 +143,7 @@ def load_prompts(
     except UnicodeDecodeError:
         raise EvalError(f"--prompts: {path} is not UTF-8 text") from None
     prompts: list[list[int]] = []
-    for where, rec in _records(text, path):
+    for where, rec in read_records(text, path):
         if isinstance(rec, dict) and ("messages" in rec or "conversations" in rec) and "input_ids" not in rec:
             if renderer is None:
                 raise EvalError(f"{where}: a chat record: give --chat to render it with the target's chat template")
@@ -158,7 +159,7 @@ def load_prompts(
                     f"{where}: pre-tokenized input_ids cannot be rendered with --chat "
                     "(give chat records, or leave --chat out)"
                 )
-            ids = _token_prompt(rec, where)
+            ids = token_prompt(rec, where)
         if vocab_size is not None and max(ids) >= vocab_size:
             raise EvalError(f"{where}: input_ids: token {max(ids)} is outside the target vocabulary ({vocab_size})")
         prompts.append(ids)
@@ -169,7 +170,7 @@ def load_prompts(
     return prompts
 
 
-def _token_prompt(rec: t.Any, where: str) -> list[int]:
+def token_prompt(rec: t.Any, where: str) -> list[int]:
     ids = rec.get("input_ids") if isinstance(rec, dict) else None
     if (
         not isinstance(ids, list)
@@ -188,8 +189,6 @@ def _token_prompt(rec: t.Any, where: str) -> list[int]:
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint dir (``step-N``, or any folder with config.json), or the latest complete one under
     a checkpoints root or a run dir that holds ``checkpoints/``."""
-    from dflash import checkpoint as ckpt
-
     p = Path(path).expanduser()
     if (p / "config.json").is_file():
         return p
@@ -205,14 +204,16 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 
 def untrained_drafter(
-    config: DFlashDraftConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    config: DFlashDraftConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    init: DFlashDraftModel | None = None,
 ) -> DFlashDraftModel:
-    """The drafter a run with this config and seed starts from (``dflash.train`` builds it the same way)."""
-    from dflash.drafter import DFlashDraftModel
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = DFlashDraftModel(config)
+    """The drafter a run with this config and seed (and warm start ``init``) starts from, frozen for decoding
+    (``dflash.models.initial_drafter``: training builds it the same way)."""
+    model = initial_drafter(config, seed=seed, init=init)
     model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(Module.to) hides self
     model.requires_grad_(False)
     return model.eval()
@@ -569,9 +570,6 @@ def _sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def load_setup(
     *,
     drafter: str | None,
@@ -596,14 +594,9 @@ def load_setup(
         check_max_new(max_new_tokens)
     if template_kwargs is not None and not chat:
         raise EvalError("--template-kwargs goes with --chat")
-    from dflash import checkpoint as ckpt
-    from dflash.config import TinyTargetConfig, load_config, to_dict
-    from dflash.drafter import DFlashDraftConfig, draft_config_for
-    from dflash.target import TargetModel, default_mask_token_id, tiny_target_config_of
-
     if drafter is None and not (untrained and config):
         raise EvalError("give --drafter CHECKPOINT, or --untrained with --config RUN.toml")
-    run: dict[str, t.Any] | None = to_dict(load_config(config)) if config else None
+    run: RunConfig | None = load_config(config) if config else None
     ckpt_dir = resolve_checkpoint(drafter) if drafter else None
     step = None
     if ckpt_dir is not None:
@@ -615,8 +608,12 @@ def load_setup(
             raise EvalError(f"--drafter: cannot read {ckpt_dir / ckpt.STATE_FILE}: {e}") from e
         if state is not None:
             step = int(state.get("step", 0))
-            if run is None:
-                run = (state.get("trainer_state") or {}).get("config")
+            saved = (state.get("trainer_state") or {}).get("config")
+            if run is None and saved is not None:  # the run's config, parsed as the run parsed it
+                try:
+                    run = parse_config(saved)
+                except ConfigError as e:
+                    raise EvalError(f"--drafter: the run config saved in {ckpt_dir / ckpt.STATE_FILE}: {e}") from None
 
     draft_cfg: DFlashDraftConfig | None = None
     if ckpt_dir is not None:
@@ -625,59 +622,43 @@ def load_setup(
         except (OSError, ValueError, TypeError) as e:
             raise EvalError(f"--drafter: {ckpt_dir / 'config.json'}: {e}") from e
 
-    # the target
-    tcfg = (run or {}).get("target") or {}
-    dtype = _DTYPES.get(str(tcfg.get("dtype")), torch.float32 if device == "cpu" else torch.bfloat16)
-    layer_ids = (
-        draft_cfg.target_layer_ids if draft_cfg is not None else (run or {}).get("drafter", {}).get("target_layer_ids")
-    )
-    n_layers = int((run or {}).get("drafter", {}).get("layers", 5))
-    path: str | None = None
+    # the target: the run's (dflash.models, as training builds it), reading the layers the drafter reads
+    layer_ids = draft_cfg.target_layer_ids if draft_cfg is not None else None
+    path = target or (run.target.path if run is not None else None)
     try:
-        if target is not None or tcfg.get("path"):
-            path = target or str(tcfg["path"])
-            target_name = path
-            if not Path(path).is_dir():
-                where = "--target" if target else "the run's target.path"
-                raise EvalError(
-                    f"{where}: {path} is not a folder (a local checkpoint: config.json + weights); give --target PATH"
-                )
-            tm = TargetModel.from_pretrained(
-                path, dtype=dtype, device=device, layer_ids=layer_ids, num_draft_layers=n_layers
+        if path is not None and not Path(path).is_dir():
+            where = "--target" if target else "the run's target.path"
+            raise EvalError(
+                f"{where}: {path} is not a folder (a local checkpoint: config.json + weights); give --target PATH"
             )
-        elif tcfg.get("tiny"):
-            tiny = tcfg["tiny"]
-            # the saved config's [target.tiny], as the run parsed it (keys it did not have: their defaults)
-            fields = {f.name for f in dataclasses.fields(TinyTargetConfig)}
-            tc = tiny_target_config_of(TinyTargetConfig(**{k: v for k, v in tiny.items() if k in fields}))
-            tm = TargetModel.from_config(
-                tc, dtype=dtype, device=device, seed=int(tiny["seed"]), layer_ids=layer_ids, num_draft_layers=n_layers
-            )
-            target_name = f"tiny random-init Qwen3 (seed {tiny['seed']})"
+        if run is not None:
+            tm = load_target(run, device, path=target, layer_ids=layer_ids)
+        elif path is not None:  # a published drafter folder: no run config
+            dtype = torch.float32 if device == "cpu" else torch.bfloat16
+            tm = TargetModel.from_pretrained(path, dtype=dtype, device=device, layer_ids=layer_ids)
         else:
             raise EvalError("no target: give --target PATH (the run config names none)")
     except (OSError, ValueError) as e:
         if isinstance(e, EvalError):
             raise
-        raise EvalError(f"--target: cannot load a model from {target or tcfg.get('path')}: {e}") from e
+        raise EvalError(f"--target: cannot load a model from {path}: {e}") from e
+    if path is not None:
+        target_name = path
+    else:
+        assert run is not None and run.target.tiny is not None
+        target_name = f"tiny random-init Qwen3 (seed {run.target.tiny.seed})"
 
     # the drafter
+    spec: DrafterSpec | None = None
     if draft_cfg is None:
         assert run is not None
-        d = run.get("drafter") or {}
-        mask = d.get("mask_token_id")
-        if mask is None:
-            mask = default_mask_token_id(tm.vocab_size)
-        draft_cfg = draft_config_for(
-            tm.model.config,
-            num_layers=int(d.get("layers", 5)),
-            block_size=int(d.get("block_size", 16)),
-            mask_token_id=int(mask),
-            target_layer_ids=tm.layer_ids,
-        )
+        spec = drafter_spec(run, tm)  # the MASK id and drafter config of the run's step 0 (dflash.models)
+        draft_cfg = spec.config
     if untrained:
-        ddtype = _DTYPES.get(str((run or {}).get("drafter", {}).get("dtype")), torch.float32)
-        model = untrained_drafter(draft_cfg, seed=int((run or {}).get("seed", 0)), dtype=ddtype, device=device)
+        ddtype = torch_dtype(run.drafter.dtype) if run is not None else torch.float32
+        seed = run.seed if run is not None else 0
+        init = spec.init if spec is not None else None
+        model = untrained_drafter(draft_cfg, seed=seed, dtype=ddtype, device=device, init=init)
         drafter_name = str(ckpt_dir or config)
     else:
         assert ckpt_dir is not None
@@ -702,7 +683,7 @@ def load_setup(
 
     # the prompts
     if prompts is None:
-        data_path = ((run or {}).get("data") or {}).get("path")
+        data_path = run.data.path if run is not None else None
         if not data_path:
             raise EvalError("give --prompts FILE (no run config to find eval.jsonl next to the training data)")
         prompts = str(Path(data_path).parent / "eval.jsonl")
@@ -712,7 +693,7 @@ def load_setup(
     proto: dict[str, t.Any] = {"prompt_format": "chat" if chat else "raw"}
     sources: list[t.Any] = [tm.model.config, getattr(tm.model, "generation_config", None)]
     if chat:
-        renderer = _renderer((run or {}).get("data") or {}, path, template_kwargs)
+        renderer = _renderer(run, path, template_kwargs)
         proto.update(_chat_protocol(renderer))
         sources.append(renderer.tokenizer)
     loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer)
@@ -729,12 +710,9 @@ def load_setup(
     return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained, stops, proto)
 
 
-def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwargs: str | None) -> Renderer:
+def _renderer(run: RunConfig | None, target_path: str | None, template_kwargs: str | None) -> Renderer:
     """``--chat``: the run's tokenizer and chat template with the serving kwargs (one line when missing)."""
-    from dflash.chat import Renderer
-    from dflash.data import DataError, load_tokenizer
-
-    where = data.get("tokenizer") or target_path
+    where = (run.data.tokenizer if run is not None else None) or target_path
     if not where:
         raise EvalError("--chat: no tokenizer: the target is not a folder; set data.tokenizer in the run config")
     try:
@@ -744,7 +722,7 @@ def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwa
     if not getattr(tok, "chat_template", None):
         raise EvalError(f"--chat: the tokenizer in {where} has no chat template")
     if template_kwargs is None:
-        kwargs = dict(data.get("chat_template_kwargs") or {})
+        kwargs = dict(run.data.chat_template_kwargs if run is not None else {})
     else:
         try:
             kwargs = json.loads(template_kwargs)
@@ -756,8 +734,6 @@ def _renderer(data: t.Mapping[str, t.Any], target_path: str | None, template_kwa
 
 
 def _chat_protocol(renderer: Renderer) -> dict[str, t.Any]:
-    from dflash.chat import template_hash, tokenizer_hash
-
     return {
         "chat_template_sha256": template_hash(renderer.tokenizer),
         "chat_template_kwargs": renderer.kwargs,

@@ -1,7 +1,7 @@
 """Fault injection, for tests, the bench and the supervisor's end-to-end checks: off unless asked.
 
-A ``FaultInjector`` is handed to the pipeline (``Pipeline(injector=...)``; the default one is empty and
-never fires); ``DFLASH_FAULT`` in a run's environment builds one (``faults_from_env``); the trainer
+A ``FaultInjector`` is handed to the pipeline (``Pipeline(injector=...)``, the pipeline's ``Injector``;
+without one nothing fires); ``DFLASH_FAULT`` in a run's environment builds one (``faults_from_env``); the trainer
 checks the ``checkpoint`` role when it saves and pickles ``SigkillWhenPickled`` for ``kill-in-checkpoint``.
 """
 
@@ -17,6 +17,8 @@ import typing as t
 from pathlib import Path
 
 import torch
+
+from dflash.pipeline import InjectedFault
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +166,7 @@ def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
             msg = f"{FAULT_ENV} {part}: injected failure at step {step}"
 
             def injected(_device: str, m: str = msg) -> BaseException:
-                from dflash.pipeline import InjectedFault  # the pipeline's own error (its name is in crash reports)
-
-                return InjectedFault(m)
+                return InjectedFault(m)  # the pipeline's own error (its name is in crash reports)
 
             inj.fail_at("drafter", None, step, injected, fatal=True, label=part, on_fire=fire)
         elif kind == "oom-at-step":

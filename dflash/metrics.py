@@ -79,7 +79,7 @@ def busy_field(workers: t.Sequence[t.Mapping[str, t.Any]]) -> str:
 
 def tensorboard_available() -> bool:
     try:
-        import tensorboard  # noqa: F401
+        import tensorboard  # noqa: F401  # the optional [tensorboard] extra
     except ImportError:
         return False
     return True
@@ -88,7 +88,7 @@ def tensorboard_available() -> bool:
 def tensorboard_writer(log_dir: Path) -> t.Any:
     """A ``SummaryWriter`` on ``log_dir``; ImportError with the one line to fix it when tensorboard is missing."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # needs the optional [tensorboard] extra
     except ImportError:  # torch raises it when the tensorboard package is not installed
         raise ImportError(f"metrics.tensorboard {TENSORBOARD_HINT}") from None
     return SummaryWriter(log_dir=str(log_dir))

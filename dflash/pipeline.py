@@ -49,14 +49,14 @@ import typing as t
 
 import torch
 
-from dflash.faults import FaultInjector
+from dflash.errors import DflashError
 
 logger = logging.getLogger(__name__)
 
 Role = t.Literal["target", "drafter"]
 
 
-class PipelineError(RuntimeError):
+class PipelineError(DflashError, RuntimeError):
     """The run cannot go on: no drafter or no target is left, or threads would not stop."""
 
     def __init__(self, message: str, failures: t.Sequence[WorkerFailure] = ()) -> None:
@@ -64,9 +64,23 @@ class PipelineError(RuntimeError):
         self.failures = tuple(failures)
 
 
-class InjectedFault(RuntimeError):
-    """Raised by a ``FaultInjector`` fault that names no exception of its own (here, not in
-    dflash.faults: its name ``dflash.pipeline.InjectedFault`` is in crash reports and fingerprints)."""
+class InjectedFault(DflashError, RuntimeError):
+    """Raised for an injected fault that names no exception of its own (here, not in dflash.faults: its
+    name ``dflash.pipeline.InjectedFault`` is in crash reports and fingerprints; dflash.faults imports it)."""
+
+
+class Fault(t.Protocol):
+    """An injected fault as the pipeline acts on it (``dflash.faults.Fault``)."""
+
+    kind: str  # "raise", or "hang": stop making progress until the run stops
+    exc: t.Callable[[str], BaseException] | None  # from the worker's device; None: InjectedFault
+    fatal: bool  # stop the whole run instead of one worker
+
+
+class Injector(t.Protocol):
+    """Asked before every unit of work (``dflash.faults.FaultInjector``): the fault to act on, or None."""
+
+    def check(self, role: str, index: int, step: int) -> Fault | None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,7 +570,7 @@ class Pipeline:
         shard_starts: t.Sequence[int] | None = None,
         on_sync: t.Callable[[SyncEvent], None] | None = None,
         on_step: t.Callable[[int, StepStats, int], None] | None = None,
-        injector: FaultInjector | None = None,
+        injector: Injector | None = None,
     ) -> None:
         if not targets or not drafters:
             raise ValueError("a pipeline needs at least one target and one drafter")
@@ -570,7 +584,7 @@ class Pipeline:
         self.options = options
         self.on_step = on_step
         self.on_sync = on_sync
-        self.injector = injector or FaultInjector()
+        self.injector = injector  # None: no fault is ever injected
         T, D = len(targets), len(drafters)
         if options.mode == "shared":
             self.queues = [FeatureQueue(options.capacity, options.max_bytes)]
@@ -819,7 +833,7 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     def _inject(self, role: Role, index: int, step: int, device: str) -> None:
-        fault = self.injector.check(role, index, step)
+        fault = self.injector.check(role, index, step) if self.injector is not None else None
         if fault is None:
             return
         if fault.kind == "hang":

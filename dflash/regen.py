@@ -23,7 +23,7 @@ Length: with a local tokenizer, a turn whose prompt already fills ``max_len`` to
 ends the conversation there (training would cut it anyway); answers get at most ``max_len - prompt`` and
 ``max_new_tokens`` tokens.
 
-Resumable by shard, like ``prepare-data``: the input is cut into shards of ``shard_lines`` lines; shard s
+Resumable by shard, like ``prepare-data`` (the corpus pass of ``dflash.corpus``): the input is cut into shards of ``shard_lines`` lines; shard s
 is written to ``NEW.partial/parts/part-s.tmp/`` and renamed to ``part-s`` when complete, so a killed run
 again skips the shards done (``plan.json``: same input, model, template, kwargs and lengths). The parts are
 then concatenated into ``NEW.tmp`` and renamed to ``NEW``.
@@ -47,19 +47,38 @@ import urllib.request
 from pathlib import Path
 
 from dflash.chat import BadRecord, Renderer, messages_of, parse_record, template_hash, tokenizer_hash
+from dflash.config import ConfigError
+from dflash.corpus import (
+    LINE_TOO_LONG,
+    CorpusError,
+    ShardJob,
+    as_json_lines,
+    drops_by_row,
+    finish_part,
+    fresh_part,
+    merge_part,
+    pending,
+    read_lines,
+    shard_jobs,
+    shard_ranges,
+    start_parts,
+    tabular_kind,
+)
+from dflash.errors import DflashError, InputError
 
 FORMAT = "dflash-regen/1"
-MAX_LINE_BYTES = 4 << 20  # as prepare-data: a longer line is dropped unparsed
-DROP_LINES_KEPT = 100
+COMMAND = "regen"  # what its messages start with
 DIE_AFTER_ENV = "DFLASH_REGEN_DIE_AFTER_SHARDS"  # test hook: SIGKILL regen once N shards are done
 
 
-class RegenError(ValueError):
+class RegenError(InputError, ValueError):
     """Bad input or setting: one line for the user (exit 2)."""
 
 
-class ServerError(RuntimeError):
+class ServerError(DflashError, RuntimeError):
     """The server refused a request (4xx) or stayed unreachable after the retries: one line (exit 1)."""
+
+    traceback = False
 
 
 class _Stopped(ServerError):
@@ -131,7 +150,7 @@ class HFGenerator:
         return [a for a in out if a is not None]
 
     def _batch(self, turns: list[Turn]) -> list[Answer]:
-        import torch
+        import torch  # the hf backend only: torch and transformers take seconds to import, openai needs neither
         from transformers import GenerationConfig
 
         prompts = [list(tn.prompt_ids or ()) for tn in turns]
@@ -164,12 +183,11 @@ class HFGenerator:
 
 def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerator]:
     """One generator per distinct device of ``devices.targets`` (a device named twice gets one replica)."""
-    import torch
+    import torch  # the hf backend only (as HFGenerator._batch): seconds to import, openai needs none of these
     from transformers import AutoModelForCausalLM
 
-    from dflash.config import ConfigError
+    from dflash.replicas import torch_dtype
     from dflash.target import TargetModel, tiny_target_config_of
-    from dflash.train import torch_dtype
 
     dtype = torch_dtype(cfg.target.dtype)
     gens = []
@@ -251,7 +269,7 @@ class OpenAIGenerator:
         self._abort.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _request(self, path: str, body: dict[str, t.Any] | None) -> dict[str, t.Any]:
+    def request(self, path: str, body: dict[str, t.Any] | None) -> dict[str, t.Any]:
         """One call with the retries; ServerError (one line) on a 4xx or when the retries are spent."""
         url = self.base + path
         data = None if body is None else json.dumps(body).encode()
@@ -290,7 +308,7 @@ class OpenAIGenerator:
         raise ServerError(f"regen: {url}: {last} (gave up after {self.retries + 1} tries)")
 
     def _only_model(self) -> str:
-        ids = [m.get("id") for m in self._request("/models", None).get("data", []) if isinstance(m, dict)]
+        ids = [m.get("id") for m in self.request("/models", None).get("data", []) if isinstance(m, dict)]
         if len(ids) != 1 or not isinstance(ids[0], str):
             raise RegenError(
                 f"regen: {self.base}/models lists {len(ids)} models ({', '.join(map(str, ids[:5]))}): "
@@ -308,7 +326,7 @@ class OpenAIGenerator:
         }
         if self.kwargs:
             body["chat_template_kwargs"] = self.kwargs
-        out = self._request("/chat/completions", body)
+        out = self.request("/chat/completions", body)
         try:
             choice = out["choices"][0]
             msg = choice["message"]
@@ -393,17 +411,6 @@ class Progress:
 # Shards
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ShardJob:
-    index: int
-    src: str
-    start: int  # byte offsets
-    end: int
-    first_line: int  # 1-based
-    lines: int
-    part: str  # the finished part folder
-
-
 @dataclasses.dataclass(slots=True)
 class _Conv:
     lineno: int
@@ -418,33 +425,26 @@ def _read_shard(job: ShardJob, drops: dict[str, list[int]], messages: dict[str, 
     """The shard's usable conversations, and how many of its lines were not (blank, dropped)."""
     convs = []
     other = 0
-    with open(job.src, "rb") as f:
-        f.seek(job.start)
-        lineno = job.first_line - 1
-        while f.tell() < job.end:
-            lineno += 1
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):
-                    raw = f.readline(MAX_LINE_BYTES)
-                drops.setdefault("line-too-long", []).append(lineno)
-                messages.setdefault("line-too-long", f"a line longer than {MAX_LINE_BYTES >> 20} MiB")
-                other += 1
-                continue
-            if not raw.strip():
-                other += 1
-                continue
-            try:
-                rec = parse_record(raw)
-                if "input_ids" in rec and "messages" not in rec and "conversations" not in rec:
-                    raise BadRecord("pre-tokenized", "pre-tokenized input_ids: no chat turns to regenerate")
-                msgs = messages_of(rec)
-            except BadRecord as e:
-                drops.setdefault(e.reason, []).append(lineno)
-                messages.setdefault(e.reason, str(e))
-                other += 1
-                continue
-            convs.append(_Conv(lineno, rec, msgs, [i for i, m in enumerate(msgs) if m["role"] == "assistant"]))
+    for lineno, raw in read_lines(job):
+        if raw is None:  # over MAX_LINE_BYTES
+            drops.setdefault("line-too-long", []).append(lineno)
+            messages.setdefault("line-too-long", LINE_TOO_LONG)
+            other += 1
+            continue
+        if not raw.strip():
+            other += 1
+            continue
+        try:
+            rec = parse_record(raw)
+            if "input_ids" in rec and "messages" not in rec and "conversations" not in rec:
+                raise BadRecord("pre-tokenized", "pre-tokenized input_ids: no chat turns to regenerate")
+            msgs = messages_of(rec)
+        except BadRecord as e:
+            drops.setdefault(e.reason, []).append(lineno)
+            messages.setdefault(e.reason, str(e))
+            other += 1
+            continue
+        convs.append(_Conv(lineno, rec, msgs, [i for i, m in enumerate(msgs) if m["role"] == "assistant"]))
     return convs, other
 
 
@@ -496,9 +496,7 @@ def run_shard(
             elif progress:
                 progress.advance(1)
         pending = still
-    tmp = Path(job.part + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_part(job)
     with open(tmp / "out.jsonl", "w") as f:
         for c in convs:
             msgs = c.msgs
@@ -517,8 +515,7 @@ def run_shard(
             rec["messages"] = msgs
             f.write(json.dumps(rec) + "\n")  # ASCII: a lone surrogate from a server still writes
             counts["written"] += 1
-    (tmp / "part.json").write_text(json.dumps({"counts": counts, "drops": drops, "messages": messages}))
-    os.replace(tmp, job.part)
+    finish_part(tmp, job, counts, drops, messages)
     _die_after(Path(job.part).parent)
 
 
@@ -562,21 +559,19 @@ def regen(
 ) -> dict[str, t.Any]:
     """Regenerate ``spec.src`` into ``spec.out`` with one worker thread per generator; returns the summary.
     RegenError / ServerError: one line (the finished shards stay for the next run)."""
-    from dflash.store import StoreError, _as_json_lines, _pass_over, _tabular_kind
-
     t0 = time.monotonic()
     head = check_io(spec)
     src, out = Path(spec.src), Path(spec.out)
     work = Path(str(out) + ".partial")
     try:  # a JSON array, parquet or a datasets folder: to JSON lines first (record k is line k), as prepare-data
-        tabular = _tabular_kind(src)
-        lines_src = _as_json_lines(src, tabular, head, work)
-    except StoreError as e:
-        raise RegenError(str(e).replace("prepare-data:", "regen:", 1)) from None
+        tabular = tabular_kind(src, command=COMMAND)
+        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND)
+    except CorpusError as e:
+        raise RegenError(str(e)) from None
     if not lines_src.stat().st_size:
         raise RegenError(f"regen: --in {src} has no rows: no conversations")
     work.mkdir(parents=True, exist_ok=True)
-    sha, nlines, ranges = _pass_over(lines_src, spec.shard_lines)
+    sha, nlines, ranges = shard_ranges(lines_src, spec.shard_lines)
     tok = renderer.tokenizer if renderer is not None else None
     plan = {
         "format": FORMAT,
@@ -588,19 +583,9 @@ def regen(
         "max_len": spec.max_len,
         "tokenizer": None if tok is None else {"sha256": tokenizer_hash(tok), "template_sha256": template_hash(tok)},
     }
-    plan_path, parts = work / "plan.json", work / "parts"
-    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
-        log(f"regen: {work} holds parts of another input or setting: starting over")
-        shutil.rmtree(parts, ignore_errors=True)
-    parts.mkdir(exist_ok=True)
-    plan_path.write_text(json.dumps(plan, indent=1))
-    jobs = []
-    for i, (a, b, first) in enumerate(ranges):
-        last = ranges[i + 1][2] - 1 if i + 1 < len(ranges) else nlines
-        jobs.append(ShardJob(i, str(lines_src), a, b, first, last - first + 1, str(parts / f"part-{i:06d}")))
-    todo = [j for j in jobs if not Path(j.part).is_dir()]
-    if len(todo) < len(jobs):
-        log(f"regen: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
+    parts = start_parts(work, plan, command=COMMAND, log=log)
+    jobs = shard_jobs(lines_src, ranges, nlines, parts)
+    todo = pending(jobs, command=COMMAND, log=log)
     done = {j.index for j in jobs} - {j.index for j in todo}
     progress = Progress(
         nlines,
@@ -629,9 +614,8 @@ def regen(
     progress.finish()
     summary = _concatenate(jobs, out)
     shutil.rmtree(work)
-    if tabular:  # drops by row (0-based, as ds[k] and the parquet row), as prepare-data says them
-        for d in summary["drops"].values():
-            d["rows"] = [line - 1 for line in d.pop("lines")]
+    if tabular:  # as prepare-data says them
+        drops_by_row(summary["drops"])
     summary["seconds"] = time.monotonic() - t0
     summary["done_now"] = progress.done - progress.start_done
     return summary
@@ -644,13 +628,7 @@ def _concatenate(jobs: list[ShardJob], out: Path) -> dict[str, t.Any]:
     with open(tmp, "wb") as fh:
         for j in jobs:
             p = Path(j.part)
-            info = json.loads((p / "part.json").read_text())
-            for k, v in info["counts"].items():
-                counts[k] += v
-            for reason, lines in info["drops"].items():
-                d = drops.setdefault(reason, {"count": 0, "lines": [], "message": info["messages"].get(reason, "")})
-                d["count"] += len(lines)
-                d["lines"] = sorted(d["lines"] + lines)[:DROP_LINES_KEPT]
+            merge_part(p, counts, drops)
             with open(p / "out.jsonl", "rb") as f:
                 shutil.copyfileobj(f, fh, 1 << 22)
     os.replace(tmp, out)

@@ -9,27 +9,27 @@ Layout of a store folder (written as ``OUT.partial/``, renamed to ``OUT`` when c
     token_counts.bin  int64, per token id: how often it occurs (the MASK-id check without a scan)
     meta.json         source sha256, tokenizer + template hash, kwargs, counts, lengths histogram, drops
 
-Preparing is parallel and resumable: the input is cut into shards of ``shard_lines`` lines; a worker
-process writes shard s to ``parts/part-s.tmp`` and renames it to ``parts/part-s`` when complete, so a
-killed prepare run again skips the shards already done (when the input, tokenizer, template, kwargs and
-max length are the same: ``plan.json``); the parts are then concatenated.
+Preparing is parallel and resumable (the corpus pass of ``dflash.corpus``): the input is cut into shards of
+``shard_lines`` lines; a worker process writes shard s to ``parts/part-s.tmp`` and renames it to
+``parts/part-s`` when complete, so a killed prepare run again skips the shards already done (when the
+input, tokenizer, template, kwargs and max length are the same: ``plan.json``); the parts are then
+concatenated.
 
-Opening a store reads meta.json and maps the arrays: O(1) in the corpus size. ``dflash train`` reads the
-lengths from the offsets as needed (``StoreLengths``) and plans batches one window at a time
-(``WindowPlan``): start-up and memory do not grow with the corpus.
+Opening a store (``TokenStore``) reads meta.json and maps the arrays: O(1) in the corpus size; verifying it
+for a run (``check_target``) refuses one made for another tokenizer, template or vocabulary. ``dflash
+train`` plans its batches one window at a time (``dflash.batching``): start-up and memory do not grow with
+the corpus.
 """
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import hashlib
 import json
-import math
 import multiprocessing as mp
 import os
-import random
 import shutil
 import signal
 import time
@@ -38,15 +38,39 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.chat import BadRecord, Renderer, parse_record, record_sequences, template_hash, tokenizer_hash
+from dflash.chat import (
+    BadRecord,
+    Renderer,
+    load_tokenizer,
+    parse_record,
+    record_sequences,
+    template_hash,
+    tokenizer_hash,
+)
+from dflash.corpus import (
+    LINE_TOO_LONG,
+    CorpusError,
+    ShardJob,
+    as_json_lines,
+    drops_by_row,
+    finish_part,
+    fresh_part,
+    merge_part,
+    pending,
+    read_lines,
+    shard_jobs,
+    shard_ranges,
+    start_parts,
+    tabular_kind,
+)
+from dflash.errors import InputError
 
 STORE_FORMAT = "dflash-token-store/1"
-MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
-DROP_LINES_KEPT = 100  # line numbers kept per drop reason in meta.json
+COMMAND = "prepare-data"  # what its messages start with
 DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL prepare once N shards are done
 
 
-class StoreError(ValueError):
+class StoreError(InputError, ValueError):
     """A store that cannot be made or used; one line for the user."""
 
 
@@ -158,6 +182,10 @@ class TokenStore:
         return h.hexdigest()[:16]
 
 
+def is_store(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / "meta.json").is_file()
+
+
 # --------------------------------------------------------------------------------------------
 # Preparing
 
@@ -174,16 +202,6 @@ class PrepareSpec:
     shard_lines: int = 10_000
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ShardJob:
-    index: int
-    src: str
-    start: int  # byte offsets
-    end: int
-    first_line: int  # 1-based line number of the first line
-    part: str  # final part folder
-
-
 _RENDERER: Renderer | None = None
 
 
@@ -192,8 +210,6 @@ def _init_worker(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     try:  # Linux: die with the parent, so a killed prepare leaves no worker behind (and no pipe held open)
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -203,8 +219,6 @@ def _init_worker(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
 def _init_renderer(tokenizer_path: str | None, kwargs: dict[str, t.Any]) -> None:
     global _RENDERER
     if tokenizer_path is not None:
-        from dflash.data import load_tokenizer
-
         _RENDERER = Renderer(load_tokenizer(tokenizer_path), kwargs)
     else:
         _RENDERER = None
@@ -228,11 +242,9 @@ def _pool_shard(job: ShardJob, max_len: int) -> None:
 
 def run_shard(job: ShardJob, max_len: int) -> None:
     """Render one shard's lines into ``job.part`` (written as ``.tmp``, renamed when complete)."""
-    tmp = Path(job.part + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_part(job)
     drops: dict[str, list[int]] = {}
-    messages: dict[str, str] = {"line-too-long": f"a line longer than {MAX_LINE_BYTES >> 20} MiB"}
+    messages: dict[str, str] = {"line-too-long": LINE_TOO_LONG}
     counts = {
         "records": 0,
         "sequences": 0,
@@ -245,15 +257,9 @@ def run_shard(job: ShardJob, max_len: int) -> None:
     lengths: list[int] = []
     anchors: list[int] = []
     token_counts = np.zeros(0, dtype=np.int64)
-    with open(job.src, "rb") as f, open(tmp / "tokens.bin", "wb") as tf, open(tmp / "loss_mask.bin", "wb") as mf:
-        f.seek(job.start)
-        lineno = job.first_line - 1
-        while f.tell() < job.end:
-            lineno += 1
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                while raw and not raw.endswith(b"\n"):  # skip the rest of the line unread
-                    raw = f.readline(MAX_LINE_BYTES)
+    with open(tmp / "tokens.bin", "wb") as tf, open(tmp / "loss_mask.bin", "wb") as mf:
+        for lineno, raw in read_lines(job):
+            if raw is None:  # over MAX_LINE_BYTES
                 counts["records"] += 1
                 drops.setdefault("line-too-long", []).append(lineno)
                 continue
@@ -297,107 +303,7 @@ def run_shard(job: ShardJob, max_len: int) -> None:
     np.asarray(lengths, dtype=np.int64).tofile(tmp / "lengths.bin")
     np.asarray(anchors, dtype=np.int32).tofile(tmp / "first_anchor.bin")
     token_counts.tofile(tmp / "token_counts.bin")
-    (tmp / "part.json").write_text(json.dumps({"counts": counts, "drops": drops, "messages": messages}))
-    os.replace(tmp, job.part)
-
-
-def _pass_over(src: Path, shard_lines: int) -> tuple[str, int, list[tuple[int, int, int]]]:
-    """sha256, line count and shard byte ranges ``(start, end, first_line)`` of the input, in one read."""
-    h = hashlib.sha256()
-    ranges: list[tuple[int, int, int]] = []
-    offset = start = 0
-    lines = 0
-    with open(src, "rb") as f:
-        for raw in iter(lambda: f.readline(1 << 20), b""):
-            h.update(raw)
-            offset += len(raw)
-            if raw.endswith(b"\n") or len(raw) < (1 << 20):
-                lines += 1
-                if lines % shard_lines == 0:
-                    ranges.append((start, offset, lines - shard_lines + 1))
-                    start = offset
-    if offset > start:
-        ranges.append((start, offset, (lines // shard_lines) * shard_lines + 1))
-    return h.hexdigest(), lines, ranges
-
-
-def _as_json_lines(src: Path, tabular: str | None, head: bytes, work: Path) -> Path:
-    """``src`` as JSON lines (record k is line k): itself, or a JSON array / parquet / datasets folder
-    converted once into ``work/input.jsonl`` (prepare-data and regen, both resumable, reuse it)."""
-    if not (tabular or head.startswith(b"[")):
-        return src
-    work.mkdir(parents=True, exist_ok=True)
-    lines = work / "input.jsonl"
-    if not lines.is_file():
-        tmp = work / "input.jsonl.tmp"
-        if tabular:
-            _rows_to_jsonl(src, tabular, tmp)
-        else:
-            _json_array_to_jsonl(src, tmp)
-        os.replace(tmp, lines)
-    return lines
-
-
-def _json_array_to_jsonl(src: Path, dest: Path) -> None:
-    try:
-        data = json.loads(src.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StoreError(f"prepare-data: {src} is not valid JSON: {e}") from None
-    if not isinstance(data, list):
-        raise StoreError(f"prepare-data: {src}: expected a JSON array of records or JSON lines")
-    with open(dest, "w") as f:
-        for rec in data:  # record k of the array becomes line k
-            f.write(json.dumps(rec) + "\n")
-
-
-DATASETS_HINT = "pip install 'dflash[datasets]'"
-
-
-def _tabular_kind(src: Path) -> str:
-    """ "parquet", "datasets" (a ``save_to_disk`` folder) or "" (JSON lines / a JSON array)."""
-    if src.is_dir():
-        if (src / "dataset_dict.json").is_file():
-            splits = json.loads((src / "dataset_dict.json").read_text()).get("splits", [])
-            raise StoreError(
-                f"prepare-data: --in {src} holds several splits ({', '.join(splits)}): give one "
-                f"split's folder, e.g. {src / (splits[0] if splits else 'train')}"
-            )
-        if not (src / "dataset_info.json").is_file() and not (src / "state.json").is_file():
-            raise StoreError(
-                f"prepare-data: --in {src} is a folder but not a dataset saved with save_to_disk "
-                "(no state.json); give a JSONL, JSON or parquet file or such a folder"
-            )
-        return "datasets"
-    with src.open("rb") as f:
-        magic = f.read(4)
-    return "parquet" if magic == b"PAR1" or src.suffix == ".parquet" else ""
-
-
-def _rows_to_jsonl(src: Path, kind: str, dest: Path) -> None:
-    """Row k of a parquet file or datasets folder becomes line k + 1, in batches (memory: one batch)."""
-    try:
-        if kind == "parquet":
-            import pyarrow.parquet as pq
-        else:
-            import datasets
-    except ImportError:
-        raise StoreError(f"prepare-data: reading {kind} input needs the datasets extra: {DATASETS_HINT}") from None
-    try:
-        if kind == "parquet":
-            batches: t.Iterable[t.Any] = (b.to_pylist() for b in pq.ParquetFile(src).iter_batches(batch_size=1024))
-        else:
-            ds = datasets.load_from_disk(str(src))
-            batches = ([dict(zip(b, row)) for row in zip(*b.values())] for b in ds.iter(batch_size=1024))
-        with open(dest, "w") as f:
-            for rows in batches:
-                f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
-    except StoreError:
-        raise
-    except Exception as e:  # a broken file: pyarrow and datasets raise many kinds; one line, never a traceback
-        raise StoreError(
-            f"prepare-data: --in {src}: cannot read it as {kind}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}"
-        ) from None
+    finish_part(tmp, job, counts, drops, messages)
 
 
 def _histogram(lengths: np.ndarray) -> dict[str, int]:
@@ -420,20 +326,21 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
         raise StoreError(f"prepare-data: --in {src}: no such file")
     if (out / "meta.json").is_file():
         raise StoreError(f"prepare-data: --out {out} is already a token store; remove it or choose another folder")
-    tabular = _tabular_kind(src)  # parquet / a datasets folder: rows, streamed to JSON lines like a JSON array
-    work = Path(str(out) + ".partial")
-    work.mkdir(parents=True, exist_ok=True)
-    head = b"" if tabular else src.open("rb").read(4096).lstrip()
-    if not head and not tabular:
-        raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
-    lines_src = _as_json_lines(src, tabular, head, work)
+    try:
+        tabular = tabular_kind(src, command=COMMAND)  # parquet / a datasets folder: rows, streamed to JSON lines
+        work = Path(str(out) + ".partial")
+        work.mkdir(parents=True, exist_ok=True)
+        head = b"" if tabular else src.open("rb").read(4096).lstrip()
+        if not head and not tabular:
+            raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
+        lines_src = as_json_lines(src, tabular, head, work, command=COMMAND)
+    except CorpusError as e:
+        raise StoreError(str(e)) from None
     if tabular and not lines_src.stat().st_size:
         raise StoreError(f"prepare-data: --in {src} has no rows: no conversations")
-    sha, nlines, ranges = _pass_over(lines_src, spec.shard_lines)
+    sha, nlines, ranges = shard_ranges(lines_src, spec.shard_lines)
     tok_info: dict[str, t.Any] = {}
     if spec.tokenizer_path is not None:
-        from dflash.data import load_tokenizer
-
         tok = load_tokenizer(spec.tokenizer_path)
         tok_info = {
             "name": spec.tokenizer_path,
@@ -450,19 +357,9 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
         "shard_lines": spec.shard_lines,
         "format": STORE_FORMAT,
     }
-    plan_path = work / "plan.json"
-    parts = work / "parts"
-    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
-        log(f"prepare-data: {work} holds parts of another input or setting: starting over")
-        shutil.rmtree(parts, ignore_errors=True)
-    parts.mkdir(exist_ok=True)
-    plan_path.write_text(json.dumps(plan, indent=1))
-    jobs = [
-        ShardJob(i, str(lines_src), a, b, first, str(parts / f"part-{i:06d}")) for i, (a, b, first) in enumerate(ranges)
-    ]
-    todo = [j for j in jobs if not Path(j.part).is_dir()]
-    if len(todo) < len(jobs):
-        log(f"prepare-data: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
+    parts = start_parts(work, plan, command=COMMAND, log=log)
+    jobs = shard_jobs(lines_src, ranges, nlines, parts)
+    todo = pending(jobs, command=COMMAND, log=log)
     if spec.workers <= 1 or len(todo) <= 1:
         # in this process: never _init_worker, whose SIG_IGN for Ctrl-C every later child would inherit
         _init_renderer(spec.tokenizer_path, spec.kwargs)
@@ -479,12 +376,11 @@ def prepare(spec: PrepareSpec, *, log: t.Callable[[str], None] = print) -> dict[
                 fut.result()
     meta = _concatenate(work, jobs, spec, plan, src, nlines)
     meta["source"]["kind"] = tabular or ("json" if lines_src != src else "jsonl")
-    if tabular:  # drops by row (0-based, as ds[k] and the parquet row), not by line of our conversion
+    if tabular:
         meta["source"]["bytes"] = (
             sum(p.stat().st_size for p in src.rglob("*") if p.is_file()) if src.is_dir() else src.stat().st_size
         )
-        for d in meta["drops"].values():
-            d["rows"] = [line - 1 for line in d.pop("lines")]
+        drops_by_row(meta["drops"])
     if not meta["counts"]["sequences"]:
         reasons = ", ".join(f"{d['count']} {r}" for r, d in meta["drops"].items()) or "no records"
         raise StoreError(f"prepare-data: no usable sequences in {src} ({reasons})")
@@ -528,13 +424,7 @@ def _concatenate(
     ):
         for j in jobs:
             p = Path(j.part)
-            info = json.loads((p / "part.json").read_text())
-            for k, v in info["counts"].items():
-                counts[k] = max(counts[k], v) if k == "max_token_id" else counts[k] + v
-            for reason, lines in info["drops"].items():
-                d = drops.setdefault(reason, {"count": 0, "lines": [], "message": info["messages"].get(reason, "")})
-                d["count"] += len(lines)
-                d["lines"] = (d["lines"] + lines)[:DROP_LINES_KEPT]
+            merge_part(p, counts, drops, maxed=("max_token_id",))
             for name, fh in (("tokens.bin", tf), ("loss_mask.bin", mf), ("first_anchor.bin", af)):
                 with open(p / name, "rb") as f:
                     shutil.copyfileobj(f, fh, 1 << 22)
@@ -567,292 +457,12 @@ def _concatenate(
     }
 
 
-class StoreLengths:
-    """Per usable sequence of a store its length cut to ``max_length``, read from the offsets memmap as needed.
-
-    ``lengths[idx]`` (an index array) gathers; ``len``, ``max`` and ``dtype`` are O(1). Only a run whose
-    ``max_length`` is below the store's longest sequence pays one pass over ``first_anchor`` (4 bytes per
-    sequence) to leave out the sequences whose first anchor the cut loses; ``np.asarray`` materializes.
-    """
-
-    dtype = np.dtype(np.int64)
-
-    def __init__(self, store: TokenStore, max_length: int) -> None:
-        self.offsets = store.offsets
-        self.max_length = max_length
-        n = len(store)
-        longest = int(store.meta.get("max_length", -1))
-        if longest < 0 and n:  # a store without the key (older): one pass
-            longest = int(np.diff(store.offsets).max())
-        self.index: np.ndarray | None = None
-        if longest > max_length and n:
-            keep = np.asarray(store.first_anchor) + 2 <= max_length  # a cut sequence keeps an anchor
-            if not keep.all():
-                self.index = np.flatnonzero(keep)
-        self._len = n if self.index is None else len(self.index)
-        self._max = min(longest, max_length) if n else 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def max(self) -> int:
-        return self._max
-
-    def store_index(self, i: t.Any) -> t.Any:
-        return i if self.index is None else self.index[i]
-
-    def __getitem__(self, i: t.Any) -> t.Any:
-        j = np.asarray(self.store_index(i), dtype=np.int64)
-        return np.minimum(self.offsets[j + 1] - self.offsets[j], self.max_length)
-
-    def __array__(self, dtype: t.Any = None, copy: t.Any = None) -> np.ndarray:
-        out = self[np.arange(self._len)]
-        return out if dtype is None else out.astype(dtype)
-
-
-def store_lengths(store: TokenStore, max_length: int) -> StoreLengths:
-    return StoreLengths(store, max_length)
-
-
-_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9))
-
-
-class Permutation:
-    """A seeded pseudo-random permutation of ``range(n)``, evaluated at any positions in O(positions).
-
-    A 4-round Feistel network on ``Z_a x Z_b`` (a ~ b ~ sqrt(n), a * b >= n; each round maps (L, R) to
-    (R, (L + F(R)) mod |L's range|), invertible, so a bijection), with cycle-walking (apply again while the
-    value is >= n, rare: a * b - n < a): a bijection of ``range(n)``, and nothing is built over n.
-    """
-
-    def __init__(self, n: int, key: t.Sequence[int]) -> None:
-        self.n = n
-        self.a = math.isqrt(max(n - 1, 0)) + 1
-        self.b = -(-n // self.a)
-        self.keys = [np.uint64(k & 0xFFFFFFFFFFFFFFFF) for k in key]
-
-    def _once(self, x: np.ndarray) -> np.ndarray:
-        mods = (np.uint64(self.a), np.uint64(self.b))
-        left, right = x // mods[1], x % mods[1]
-        for r, k in enumerate(self.keys):
-            f = (right ^ k) * _MIX[0]
-            f ^= f >> np.uint64(32)
-            f *= _MIX[1]
-            f ^= f >> np.uint64(29)
-            left, right = right, (left + f % mods[r % 2]) % mods[r % 2]
-        return left * mods[1] + right
-
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            x = self._once(np.asarray(positions, dtype=np.uint64))
-            out = x >= self.n
-            while out.any():  # cycle-walking
-                x[out] = self._once(x[out])
-                out = x >= self.n
-        return x.astype(np.int64)
-
-
-def cut_window(chunk: list[int], lens: list[int], *, batch_size: int, max_batch_tokens: int) -> list[list[int]]:
-    """Greedy batches of a window sorted by length (ascending: each new sample is the longest so far)."""
-    window: list[list[int]] = []
-    cur: list[int] = []
-    for i, n in zip(chunk, lens):
-        if cur and (len(cur) >= batch_size or (len(cur) + 1) * n > max_batch_tokens):
-            window.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        window.append(cur)
-    return window
-
-
-class WindowPlan:
-    """The batch plan of a token store, built one window at a time (O(window), never O(corpus)).
-
-    Epoch e orders the samples by a seeded permutation (``Permutation``, evaluated per window); window w
-    is positions ``[w * window, (w + 1) * window)`` of that order, sorted by length (stably), cut greedily
-    and its batch order shuffled: the list plan's rules. A window's batches are built when a global index
-    falls into it (the last 64 kept). When every batch is full (``max_batch_tokens`` at its default,
-    ``batch_size`` x the longest) a window's batch count is its size / batch_size, so global index ->
-    (epoch, window, batch) is arithmetic. Otherwise per-window counts are kept (one int per window) and
-    ``locate`` walks the windows up to the index asked for: a resume far into such a run builds every window
-    before its position once (about 0.5 ms each).
-    """
-
-    ESTIMATE_WINDOWS = 32  # batches per epoch of a bigger corpus: estimated from this many windows
-
-    def __init__(
-        self, lengths: t.Any, *, batch_size: int, max_batch_tokens: int, window: int, shuffle: bool, seed: int
-    ) -> None:
-        self.lengths = lengths
-        self.n = len(lengths)
-        self.batch_size, self.max_batch_tokens, self.window = batch_size, max_batch_tokens, window
-        self.shuffle, self.seed = shuffle, seed
-        self.windows = -(-self.n // window)  # per epoch
-        # every batch full (max_batch_tokens at its default, batch_size x longest): counts are arithmetic
-        self.full = batch_size * int(lengths.max()) <= max_batch_tokens
-        self._perms: dict[int, Permutation] = {}
-        self._counts: dict[int, list[int]] = {}  # epoch -> cumulative batch counts of its first windows
-        self._starts = [0]  # global index of epoch e's first batch, for the epochs fully counted
-        self._cache: dict[tuple[int, int], list[list[int]]] = {}
-
-    def _perm(self, e: int) -> Permutation | None:
-        if not self.shuffle:
-            return None
-        p = self._perms.get(e)
-        if p is None:
-            key = np.random.default_rng([self.seed & 0xFFFFFFFFFFFFFFFF, e]).integers(0, 2**63, size=4)
-            p = self._perms[e] = Permutation(self.n, [int(k) for k in key])
-            for old in [k for k in self._perms if k < e - 2]:
-                del self._perms[old]
-        return p
-
-    def window_batches(self, e: int, w: int) -> list[list[int]]:
-        got = self._cache.get((e, w))
-        if got is not None:
-            return got
-        pos = np.arange(w * self.window, min((w + 1) * self.window, self.n), dtype=np.int64)
-        perm = self._perm(e)
-        idx = perm(pos) if perm is not None else pos
-        lens = np.asarray(self.lengths[idx])
-        s = np.argsort(lens, kind="stable")
-        batches = self._cut(idx[s].tolist(), lens[s])
-        if self.shuffle:
-            random.Random((self.seed * 1_000_003 + e) * 1_000_003 + w).shuffle(batches)
-        if len(self._cache) >= 64:  # the windows the target threads are in, and a few behind
-            del self._cache[next(iter(self._cache))]
-        self._cache[(e, w)] = batches
-        return batches
-
-    def _cut(self, chunk: list[int], lens: np.ndarray) -> list[list[int]]:
-        """``cut_window`` vectorized: k[p], how many samples the greedy batch starting at p takes, for every p."""
-        m = len(lens)
-        if self.full:
-            return [chunk[p : p + self.batch_size] for p in range(0, m, self.batch_size)]
-        pos = np.arange(m)
-        k = np.ones(m, dtype=np.int64)
-        for j in range(2, self.batch_size + 1):
-            last = pos + j - 1
-            grow = (k == j - 1) & (last < m) & (j * lens[np.minimum(last, m - 1)] <= self.max_batch_tokens)
-            if not grow.any():
-                break
-            k[grow] = j
-        takes = k.tolist()
-        out = []
-        p = 0
-        while p < m:
-            out.append(chunk[p : p + takes[p]])
-            p += takes[p]
-        return out
-
-    def _count_to(self, e: int, w: int) -> list[int]:
-        """Epoch e's cumulative counts through window w (``counts[w + 1]``: batches in windows 0..w)."""
-        counts = self._counts.setdefault(e, [0])
-        while len(counts) <= w + 1:
-            v = len(counts) - 1
-            c = -(-self._window_len(v) // self.batch_size) if self.full else len(self.window_batches(e, v))
-            counts.append(counts[-1] + c)
-        return counts
-
-    def _window_len(self, w: int) -> int:
-        return min(self.window, self.n - w * self.window)
-
-    def epoch_len(self, e: int) -> int:
-        if self.full:
-            return self.estimate_epoch_len()[0]
-        return self._count_to(e, self.windows - 1)[-1]
-
-    def estimate_epoch_len(self) -> tuple[int, bool]:
-        """(batches in epoch 0, exact?): exact up to ESTIMATE_WINDOWS windows, else from that many spread
-        over the epoch (the full count walks every window: O(corpus))."""
-        if self.full:
-            full = -(-self.window // self.batch_size)
-            return full * (self.windows - 1) + -(-self._window_len(self.windows - 1) // self.batch_size), True
-        if self.windows <= self.ESTIMATE_WINDOWS:
-            return self.epoch_len(0), True
-        ws = np.linspace(0, self.windows - 2, self.ESTIMATE_WINDOWS).round().astype(int)  # full windows
-        per = sum(len(self.window_batches(0, int(w))) for w in ws) / len(ws)
-        last = len(self.window_batches(0, self.windows - 1))
-        return max(1, round(per * (self.windows - 1)) + last), False
-
-    def locate(self, g: int) -> tuple[int, int, int]:
-        """(epoch, window, index within the window) of global batch g."""
-        if g < 0:
-            raise IndexError(g)
-        if self.full:  # every window but an epoch's last has the same count: arithmetic, O(1) anywhere
-            per_epoch = self.estimate_epoch_len()[0]
-            e, j = divmod(g, per_epoch)
-            w, k = divmod(j, -(-self.window // self.batch_size))
-            return e, w, k
-        while True:
-            e = bisect.bisect_right(self._starts, g) - 1
-            j = g - self._starts[e]
-            if e < len(self._starts) - 1:  # an epoch fully counted before (its counts may have been dropped)
-                counts = self._count_to(e, self.windows - 1)
-                break
-            counts = self._count_to(e, 0)
-            while counts[-1] <= j and len(counts) <= self.windows:  # count windows until g is in one
-                counts = self._count_to(e, len(counts) - 1)
-            if counts[-1] > j:
-                break
-            self._starts.append(self._starts[e] + counts[-1])  # epoch e is complete and g lies beyond it
-            for old in [k for k in self._counts if k < e - 2]:
-                del self._counts[old]
-        w = bisect.bisect_right(counts, j) - 1
-        return e, w, j - counts[w]
-
-    def batch(self, g: int) -> list[int]:
-        e, w, j = self.locate(g)
-        return self.window_batches(e, w)[j]
-
-    def index_in_epoch(self, e: int, w: int, k: int) -> int:
-        if self.full:
-            return w * -(-self.window // self.batch_size) + k
-        return self._count_to(e, w)[w] + k
-
-    def epoch_batch(self, e: int, j: int) -> list[int]:
-        if self.full:
-            w, k = divmod(j, -(-self.window // self.batch_size))
-            return self.window_batches(e, w)[k]
-        counts = self._count_to(e, self.windows - 1)
-        w = bisect.bisect_right(counts, j) - 1
-        return self.window_batches(e, w)[j - counts[w]]
-
-
-class LazyEpoch:
-    """One epoch of a ``WindowPlan`` as a sequence of batches (``len`` counts every window: O(corpus))."""
-
-    def __init__(self, plan: WindowPlan, e: int, lock: t.Any) -> None:
-        self.plan, self.e, self.lock = plan, e, lock
-
-    def __len__(self) -> int:
-        with self.lock:
-            return self.plan.epoch_len(self.e)
-
-    def __getitem__(self, j: int) -> list[int]:
-        if not 0 <= j < len(self):
-            raise IndexError(j)
-        with self.lock:
-            return self.plan.epoch_batch(self.e, j)
-
-    def __iter__(self) -> t.Iterator[list[int]]:
-        return (self[j] for j in range(len(self)))
-
-
-def is_store(path: str | os.PathLike[str]) -> bool:
-    return Path(path).is_dir() and (Path(path) / "meta.json").is_file()
-
-
 __all__ = [
-    "LazyEpoch",
-    "Permutation",
+    "DIE_AFTER_ENV",
+    "STORE_FORMAT",
     "PrepareSpec",
     "StoreError",
-    "StoreLengths",
     "TokenStore",
-    "WindowPlan",
-    "cut_window",
     "is_store",
     "prepare",
-    "store_lengths",
 ]

@@ -29,6 +29,8 @@ if t.TYPE_CHECKING:
 
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
+from dflash.errors import DflashError
+
 __all__ = [
     "TargetHead",
     "TargetModel",
@@ -175,8 +177,8 @@ def _cache_kwarg(lm: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class _StopForward(Exception):
-    """Raised by the last feature hook: the layers after it are not needed."""
+class _StopForward(DflashError):
+    """Raised by the last feature hook: the layers after it are not needed (caught by ``features``)."""
 
 
 class TargetModel:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -51,6 +52,11 @@ import typing as t
 from pathlib import Path
 
 import torch
+
+from dflash.errors import InputError
+
+# transformers and tokenizers (and dflash.target, which imports transformers) are imported inside the functions
+# that use them: seconds to import, which a make-tiny whose output is already there does not pay.
 
 __all__ = [
     "ChatTokens",
@@ -75,7 +81,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class TinyError(ValueError):
+class TinyError(InputError, ValueError):
     """make-tiny cannot do what it was asked (a bad spec value, an output dir that is not ours)."""
 
 
@@ -382,8 +388,6 @@ def _save_quietly(model: t.Any, path: Path) -> None:
 
 
 def _forward_params(model: t.Any) -> t.Mapping[str, t.Any]:
-    import inspect
-
     return inspect.signature(model.forward).parameters
 
 

@@ -6,7 +6,10 @@ What it builds: one frozen target replica per target device (``devices.targets``
 its own replica, since a target's feature hooks belong to one thread), one drafter replica per drafter
 device with its own AdamW over fp32 master weights (the model itself in ``drafter.dtype``; in fp32 the
 masters are the parameters), the target's frozen embedding + lm_head on every drafter device, the data
-shards, and the pipeline (``dflash.pipeline``) that runs them.
+shards, and the pipeline (``dflash.pipeline``) that runs them. The parts live by role: the target, MASK id
+and drafter config in ``dflash.models`` (eval builds step 0 with them too), the replicas and the lr schedule
+in ``dflash.replicas``, the compile warm-up in ``dflash.compile``, the resume policy in ``dflash.resume``,
+the node group and its barrier in ``dflash.distributed``; this module holds ``Run`` and ``run_training``.
 
 Updates: one global step is one optimizer update of one drafter replica over ``optim.sequences_per_update``
 sequences (gradient accumulation over ``ceil(sequences_per_update / data.batch_size)`` queue items, the
@@ -73,455 +76,25 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
+from dflash.batching import BatchPlan
+from dflash.compile import prepare_drafter, warm_up
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
-from dflash.data import BatchPlan, DataError, DataPosition, JsonlDataset, Shard, load_tokenizer, shard_starts
-from dflash.distributed import Header, NodeGroup
-from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
+from dflash.distributed import GroupBarrier, NodeGroup
+from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
-from dflash.loss import drafter_loss
 from dflash.metrics import TENSORBOARD_HINT, Metrics, tensorboard_available
+from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
-from dflash.target import TargetHead, TargetModel, default_mask_token_id, tiny_target_config_of
+from dflash.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica, torch_dtype
+from dflash.resume import find_resume, group_resume, restore
+from dflash.target import TargetHead
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK = 0
 
 # Sequences per update summed over the drafters when optim.sequences_per_update is not set: the published
 # Qwen3-8B DFlash recipe (4 sequences per GPU x 8 GPUs).
 UPDATE_SEQUENCES = 32
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
-# --------------------------------------------------------------------------------------------
-# Learning rate
-
-
-class LRSchedule:
-    """lr at a (1-based) global step: linear warmup, then cosine/linear decay to min_lr_ratio * lr."""
-
-    def __init__(self, *, lr: float, total_steps: int, warmup_ratio: float, schedule: str, min_lr_ratio: float) -> None:
-        self.lr = lr
-        self.total = max(1, total_steps)
-        self.warmup = math.ceil(warmup_ratio * self.total)
-        self.schedule = schedule
-        self.min_ratio = min_lr_ratio
-
-    def __call__(self, step: int) -> float:
-        if self.warmup and step <= self.warmup:
-            return self.lr * step / self.warmup
-        if self.schedule == "constant":
-            return self.lr
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        if self.schedule == "linear":
-            scale = 1.0 - progress
-        else:
-            scale = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * scale)
-
-
-# --------------------------------------------------------------------------------------------
-# Workers
-
-
-@dataclasses.dataclass(slots=True)
-class FeatureBatch:
-    """A queue item's payload: target features and the tokens they belong to."""
-
-    input_ids: torch.Tensor  # [B, S] (CPU)
-    loss_mask: torch.Tensor  # [B, S] (CPU)
-    features: torch.Tensor  # [B, S, n*H] on the consumer's device, or (pinned) CPU
-    index: int  # global batch index
-    ready: t.Any = None  # a CUDA event after the copy into the consumer's GPU (made on the target's own stream)
-
-    @property
-    def nbytes(self) -> int:
-        """What the item holds in memory (the queue's byte bound counts it)."""
-        return int(self.features.nbytes + self.input_ids.nbytes + self.loss_mask.nbytes)
-
-    def take(self, device: torch.device) -> torch.Tensor:
-        """The features on ``device``, usable by the calling thread's current stream (no host sync)."""
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self.ready is not None and self.features.device == device:
-            stream = torch.cuda.current_stream(device)
-            stream.wait_event(self.ready)
-            self.features.record_stream(stream)  # allocated on the target's stream: no early reuse
-            return self.features
-        return self.features.to(device, non_blocking=True)
-
-
-# devices with a fused AdamW kernel (torch >= 2.4 has CPU and CUDA ones)
-_FUSED_ADAMW = ("cuda", "cpu")
-
-
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-class TargetReplica:
-    """One target thread's frozen model: batch -> FeatureBatch on ``dest``.
-
-    A copy to another GPU runs against a stream of this replica's own on that GPU: a copy between the
-    CURRENT streams would wait for the drafter's queued work there (and make it wait for this
-    forward), i.e. targets and drafters in lock-step. The host waits for its own forward and copy only.
-    """
-
-    def __init__(self, model: TargetModel, device: str, dest: str) -> None:
-        self.model = model
-        self.device = device
-        self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
-        self._dest_stream: t.Any = None  # created lazily, on the target's thread
-
-    def produce(self, batch: t.Any) -> FeatureBatch:
-        dev = torch.device(self.device)
-        ready = None
-        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
-            ids = batch.input_ids.to(dev, non_blocking=True)
-            att = batch.attention_mask.to(dev, non_blocking=True)
-            feats = t.cast(torch.Tensor, self.model.features(ids, att))
-            dest = torch.device(self.dest)
-            if dest != dev:
-                if dest.type == "cpu":
-                    out = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
-                    out.copy_(feats, non_blocking=True)
-                    _sync_device(dev)  # the consumer must not read before the copy lands
-                else:
-                    out, ready = self._to_gpu(feats, dest)
-                feats = out
-        return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index), ready)
-
-    def _to_gpu(self, feats: torch.Tensor, dest: torch.device) -> tuple[torch.Tensor, t.Any]:
-        if self._dest_stream is None:
-            self._dest_stream = torch.cuda.Stream(dest)
-        with torch.cuda.stream(self._dest_stream):  # dest's current stream for this thread only
-            out = torch.empty(feats.shape, dtype=feats.dtype, device=dest)
-            out.copy_(feats, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._dest_stream)
-        ready.synchronize()  # the host waits for this forward and copy, never for the drafter
-        return out, ready
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class DrafterReplica:
-    """One drafter thread's replica: its model, fp32 masters, AdamW, anchor generator and frozen head."""
-
-    def __init__(
-        self,
-        model: DFlashDraftModel,
-        head: TargetHead,
-        *,
-        device: str,
-        cfg: RunConfig,
-        schedule: LRSchedule,
-        seed: int,
-        index: int,
-    ) -> None:
-        self.model = model
-        self.head = head
-        self.device = device
-        self.cfg = cfg
-        self.schedule = schedule
-        self.index = index
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.separate_masters = any(p.dtype != torch.float32 for p in self.params)
-        if self.separate_masters:
-            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
-        else:
-            self.masters = self.params
-        o = cfg.optim
-        # fused: one kernel for all tensors, and the step counters stay on the device (the default
-        # for-each/single-tensor paths read them on the host per parameter)
-        fused = torch.device(device).type in _FUSED_ADAMW
-        self.optimizer = torch.optim.AdamW(
-            self.masters,
-            lr=o.lr,
-            betas=o.betas,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            fused=fused or None,
-            foreach=None if fused else True,
-        )
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
-
-    def trainable(self) -> list[torch.Tensor]:
-        """What averaging averages: the fp32 masters (the parameters themselves in fp32)."""
-        return list(self.masters)
-
-    @torch.no_grad()
-    def sync_from_masters(self) -> None:
-        if self.separate_masters:
-            torch._foreach_copy_(self.params, self.masters)  # type: ignore[arg-type]  # Parameters are Tensors; the stub's list is invariant
-
-    def _grads_to_masters(self) -> None:
-        """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
-        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
-        for m in self.masters:
-            m.grad = None
-        if not pairs:
-            return
-        flat = torch.empty(sum(g.numel() for _, g in pairs), dtype=torch.float32, device=pairs[0][1].device)
-        views = [v.view_as(g) for v, (_, g) in zip(flat.split([g.numel() for _, g in pairs]), pairs)]
-        torch._foreach_copy_(views, [g.detach() for _, g in pairs])
-        for (m, _), v in zip(pairs, views):
-            m.grad = v
-
-    def recover(self) -> None:
-        """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads.
-
-        No ``torch.cuda.empty_cache()``: it empties the cache of EVERY GPU (stalling the other threads),
-        and the caching allocator already frees this device's cached blocks and retries before it
-        raises an out-of-memory error.
-        """
-        self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int = 1) -> StepStats:
-        """One optimizer update on one batch, or on several (gradient accumulation: the pipeline hands
-        ``optim.sequences_per_update`` sequences' worth of batches at once)."""
-        dev = torch.device(self.device)
-        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
-            return self._step(payload, step=step, micro_batches=micro_batches)
-
-    def accumulate(self, payloads: t.Sequence[FeatureBatch], *, micro_batches: int = 1) -> dict[str, t.Any]:
-        """Backward over every batch, then the masters' grads divided by ONE weight sum over all of them.
-
-        Each micro-batch backpropagates its weighted CE SUM; the sum of the weight sums divides the
-        gradients once at the end (a device tensor: no host sync), so k accumulated batches give the
-        gradient of the concatenated batch's loss, not a mean of per-batch means. The sums go backward
-        divided by the FIRST micro-batch's weight sum (its own loss for the first: one batch is exactly the
-        plain mean loss), which keeps fp16/bf16 grads at the size of a mean loss's.
-        Returns the step's figures (device tensors).
-        """
-        d = self.cfg.drafter
-        self.model.train()
-        self.model.zero_grad(set_to_none=True)
-        rows_total = sum(p.input_ids.shape[0] for p in payloads)
-        loss_sum: torch.Tensor | None = None
-        weight_sum: torch.Tensor | None = None
-        acc_sum: torch.Tensor | None = None
-        tau_sum: torch.Tensor | None = None
-        slots: torch.Tensor | None = None
-        blocks = 0
-        scale: torch.Tensor | None = None
-        for payload in payloads:
-            feats = payload.take(torch.device(self.device))
-            rows = payload.input_ids.shape[0]
-            anchors = d.num_anchors
-            if micro_batches > 1 and rows >= 2:
-                cuts = [(a * rows // micro_batches, (a + 1) * rows // micro_batches) for a in range(micro_batches)]
-            else:
-                cuts = [(0, rows)]
-                if micro_batches > 1:  # one sequence: halve the anchors instead
-                    anchors = max(1, anchors // micro_batches)
-            # The step's figures stay on the device (float64): no host sync here; the metrics read them.
-            for a, b in cuts:
-                out = drafter_loss(
-                    self.model,
-                    self.head,
-                    payload.input_ids[a:b],
-                    payload.loss_mask[a:b],
-                    feats[a:b],
-                    num_anchors=anchors,
-                    gamma=d.loss_gamma,
-                    generator=self.generator,
-                    chunk_size=d.loss_chunk,
-                )
-                if scale is None:
-                    scale = out.weight_sum.detach()
-                    out.loss.backward()
-                else:
-                    (out.loss_sum / scale).backward()
-                share = (b - a) / rows_total
-                loss_sum = _add(loss_sum, out.loss_sum.detach().double())
-                weight_sum = _add(weight_sum, out.weight_sum.double())
-                acc_sum = _add(acc_sum, out.acc * share)
-                if out.n_blocks:  # tau_tf is NaN only without blocks
-                    tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
-                    blocks += out.n_blocks
-                slots = _add(slots, out.acc_per_slot * share)
-        assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
-        if self.separate_masters:
-            self._grads_to_masters()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        if grads:  # in fp32 on the masters: the one normalisation
-            torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
-        return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
-
-    def _step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int) -> StepStats:
-        payloads = [payload] if isinstance(payload, FeatureBatch) else list(payload)
-        lr = self.schedule(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        fig = self.accumulate(payloads, micro_batches=micro_batches)
-        if self.cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        self.sync_from_masters()
-        self.trained.extend(p.index for p in payloads)
-        tau_sum, blocks, slots = fig["tau_sum"], fig["blocks"], fig["slots"]
-        return StepStats(
-            loss=fig["loss"],
-            acc=fig["acc"],
-            tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
-            blocks=blocks,
-            lr=lr,
-            acc_per_slot=slots if slots is not None else (),
-        )
-
-
-def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
-    return part if total is None else total + part
-
-
-# --------------------------------------------------------------------------------------------
-# torch.compile and activation checkpointing
-
-
-def prepare_drafter(
-    model: DFlashDraftModel,
-    *,
-    activation_checkpointing: bool,
-    compile: bool,
-    backend: str | t.Callable[..., t.Any] = "inductor",
-    dynamic: bool | None = True,
-) -> None:
-    """Activation checkpointing inside each layer, then compile per layer (the order that works).
-
-    The layer checkpoints its own forward (``Qwen3DFlashDecoderLayer``, non-reentrant), and
-    ``Module.compile`` compiles that forward, so each compiled region contains its checkpoint whatever
-    the transformers version. ``fullgraph``: a graph break would leave flex attention outside the
-    graph. Compilation happens at the first call: ``warm_up`` makes it, serially, before any thread.
-    """
-    model.set_activation_checkpointing(activation_checkpointing)
-    if compile:
-        for layer in model.layers:
-            layer.compile(backend=backend, dynamic=dynamic, fullgraph=True)
-
-
-def warm_up(
-    replica: DrafterReplica, *, feature_size: int, vocab_size: int, mask_token_id: int, attention: str = "auto"
-) -> list[tuple[int, int, int]]:
-    """Compile forward and backward for every shape a run can meet, serially, before threads exist.
-
-    Returns the ``(rows, seq, blocks)`` it ran (``warm_up_shapes``). Throwaway data; the replica's
-    weights and optimizer are untouched (gradients are dropped). A drafter whose parameters need no
-    gradient (tests) runs forward only.
-    """
-    import torch._dynamo.config as dynamo_config
-
-    d = replica.cfg.drafter
-    flex = attention == "flex" or (attention == "auto" and torch.device(replica.device).type == "cuda")
-    shapes = warm_up_shapes(
-        rows=replica.cfg.data.batch_size,
-        max_length=replica.cfg.data.max_length,
-        num_anchors=d.num_anchors,
-        block_size=d.block_size,
-        flex=flex,
-        taken=_model_sizes(replica.model),
-    )
-    gen = torch.Generator().manual_seed(0)
-    # Each shape is a cache entry per layer input kind (the first layer's input needs no grad, the
-    # others' do); past the limit dynamo would run the layer eager. Hitting it anyway is an error.
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes))
-    # No duck sizing: a warm-up size equal to a model size (hidden 64 = 8 blocks x 8) would be tied to
-    # it and specialised, and real batches would miss the cache.
-    with (
-        torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]  # set up by install_config_module
-        dynamo_config.patch(fail_on_recompile_limit_hit=True),
-    ):
-        for rows, seq, blocks in shapes:
-            ids = torch.randint(0, vocab_size, (rows, seq), generator=gen)
-            ids[ids == mask_token_id] = 0
-            mask = torch.zeros(rows, seq, dtype=torch.long)
-            mask[:, seq - blocks - 1 :] = 1  # exactly `blocks` anchor candidates per row
-            feats = torch.randn(rows, seq, feature_size, generator=gen).to(replica.device, replica.model.dtype)
-            out = drafter_loss(
-                replica.model,
-                replica.head,
-                ids,
-                mask,
-                feats,
-                num_anchors=blocks,
-                gamma=d.loss_gamma,
-                generator=torch.Generator(device=replica.device).manual_seed(0),
-                chunk_size=d.loss_chunk,
-                attention=attention,
-            )
-            if out.loss.requires_grad:
-                out.loss.backward()
-    replica.model.zero_grad(set_to_none=True)
-    return shapes
-
-
-# flex_attention's tile: the BlockMask has ceil(Q/128) query and ceil(K/128) key tiles.
-_TILE = 128
-
-
-def warm_up_shapes(
-    *, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool, taken: t.Collection[int] = ()
-) -> list[tuple[int, int, int]]:
-    """``(rows, seq, blocks)`` batches that compile every graph a run can need.
-
-    dynamo compiles a size of 0 or 1 as a constant (a graph of its own) and any other size as a
-    symbol, so each size that can be 1 in a real batch is warmed up at 1 and at >= 2, in every
-    combination that can occur: rows (a batch of one sequence), and with flex attention the blocks (a
-    short sequence has one anchor), the query tiles and the key tiles (one tile up to 128 tokens).
-    Sizes >= 2 are kept apart from each other and from the model's sizes (``taken``) where possible.
-    """
-    avoid = set(taken) | {0, 1, block_size, _TILE}
-    many_rows = next(r for r in range(2, 1 << 20) if r not in avoid)
-    max_blocks = max(1, min(num_anchors, max_length - 1))
-
-    def pick(blocks: int, hi: int) -> tuple[int, int] | None:
-        # the longest seq <= hi whose sizes >= 2 collide with nothing, else the longest seq <= hi
-        seqs = range(min(hi, max_length), blocks, -1)
-        for seq in seqs:
-            sizes = [seq, blocks * block_size, seq + blocks * block_size] + ([blocks] if blocks > 1 else [])
-            if len(set(sizes)) == len(sizes) and not set(sizes) & (avoid | {many_rows}):
-                return seq, blocks
-        return (seqs[0], blocks) if seqs else None
-
-    def kind(seq: int, blocks: int) -> tuple[bool, ...]:
-        if not flex:  # dense attention: blocks only change the (symbolic) query length
-            return ()
-        q, kv = blocks * block_size, seq + blocks * block_size
-        return blocks == 1, q <= _TILE, kv <= _TILE
-
-    one_tile = max(1, _TILE // block_size)  # most blocks whose queries fit one tile
-    cases: dict[tuple[bool, ...], tuple[int, int]] = {}
-    for blocks in sorted(
-        {max_blocks, min(max_blocks, one_tile), min(max_blocks, 3), min(max_blocks, 2), 1}, reverse=True
-    ):
-        for hi in (max_length, _TILE - blocks * block_size):  # several key tiles, then one
-            found = pick(blocks, hi)
-            if found is not None:
-                cases.setdefault(kind(*found), found)
-    row_cases = [1, many_rows] if rows >= 2 else [1]
-    return [(r, seq, blocks) for r in row_cases for seq, blocks in cases.values()]
-
-
-def _model_sizes(model: torch.nn.Module) -> set[int]:
-    """Every size of every parameter and buffer: warm-up sizes avoid them (see ``warm_up``)."""
-    return {int(n) for p in (*model.parameters(), *model.buffers()) for n in p.shape}
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,7 +156,7 @@ class Run:
         self.start_step = 0
         self.position: DataPosition | None = None
         self.last_saved: int | None = None
-        self.run_id: str | None = None  # chosen by _find_resume: kept across resumes, new for a fresh start
+        self.run_id: str | None = None  # chosen by dflash.resume: kept across resumes, new for a fresh start
         self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep)
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
@@ -594,11 +167,7 @@ class Run:
             self.group = NodeGroup.from_env(self.env, timeout=cfg.distributed.timeout)
         except ValueError as e:
             raise ConfigError("distributed", str(e)) from None
-        self._tokens = 0  # target tokens trained since the last barrier (the group's per-node split)
-        self._tokens_lock = threading.Lock()
-        self._last_sync = time.monotonic()
-        self._syncs = 0  # barriers so far: every node must be at the same one
-        self.group_stop = 0  # the signal another node of the group received (we stopped with it)
+        self.barrier = GroupBarrier(self.group) if self.group is not None else None
         spec = self.env.get(FAULT_ENV, "").strip()
         try:
             self.injector = faults_from_env(spec, self.ckpt_dir) if spec else FaultInjector()
@@ -633,47 +202,20 @@ class Run:
                         f"a run over {len(self.nodes)} nodes needs at least {need}",
                     )
         if self.group is None:
-            resume = self._find_resume()
+            resume, self.run_id = find_resume(cfg.checkpoint.resume, self.ckpt_dir)
         else:
-            resume = self._group_resume()
+            resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
         self.targets = self._build_targets()
         t0 = self.targets[0].model
         self.vocab_size = t0.vocab_size
-        tokenizer = self._tokenizer()
-        self.init_drafter = self._init_drafter(t0) if cfg.drafter.init_from else None
-        mask_id = cfg.drafter.mask_token_id
-        if self.init_drafter is not None:
-            init_mask = self.init_drafter.mask_token_id
-            if mask_id is not None and mask_id != init_mask:
-                raise ConfigError(
-                    "drafter.mask_token_id",
-                    f"{mask_id} differs from {init_mask}, the id the drafter in "
-                    f"drafter.init_from was trained with; leave it out",
-                )
-            mask_id = init_mask
-        elif mask_id is None:
-            published = published_mask_token_id(t0.model.config)
-            if published is not None and (tokenizer is None or len(tokenizer) <= published):
-                mask_id = published  # what published drafters of this family use: warm starts and comparisons agree
-            else:
-                mask_id = default_mask_token_id(t0.vocab_size, len(tokenizer) if tokenizer is not None else None)
-        elif mask_id >= t0.vocab_size:
-            raise ConfigError("drafter.mask_token_id", f"{mask_id} is outside the target vocabulary ({t0.vocab_size})")
-        self.mask_token_id = mask_id
-        if self.init_drafter is not None:
-            self.draft_config = self.init_drafter.config
-        else:
-            self.draft_config = draft_config_for(
-                t0.model.config,
-                num_layers=cfg.drafter.layers,
-                block_size=cfg.drafter.block_size,
-                mask_token_id=mask_id,
-                target_layer_ids=t0.layer_ids,
-            )
+        spec = drafter_spec(cfg, t0)  # the MASK id and drafter config: dflash.models, as eval builds them
+        self.init_drafter = spec.init
+        self.mask_token_id = mask_id = spec.mask_token_id
+        self.draft_config = spec.config
         self.dataset = JsonlDataset(
             cfg.data.path,
             format=cfg.data.format,
-            tokenizer=tokenizer,
+            tokenizer=spec.tokenizer,
             max_length=cfg.data.max_length,
             vocab_size=t0.vocab_size,
             mask_token_id=mask_id,
@@ -698,7 +240,15 @@ class Run:
         )
         self.drafters = self._build_drafters()
         if resume is not None:
-            self._restore(resume)
+            self.position = restore(
+                resume,
+                self.drafters,
+                self.draft_config,
+                drafter_offset=self.drafter_offset,
+                data_fingerprint=self._data_fingerprint(),
+                run_id=self.run_id,
+            )
+            self.start_step = self.last_saved = resume.step
         self.averager = Averager.for_replicas(
             [r.trainable() for r in self.drafters],
             cross_reduce=self.group.cross_reduce if self.group is not None else None,
@@ -710,30 +260,6 @@ class Run:
         ]
         self.shard_starts = starts
         self.sources = [Shard(self.dataset, self.plan, start=s, stride=self.all_shards) for s in starts]
-
-    def _init_drafter(self, t0: TargetModel) -> DFlashDraftModel:
-        """The drafter of ``drafter.init_from`` (ours or a published z-lab folder), checked against this run."""
-        d = self.cfg.drafter
-        key = "drafter.init_from"
-        try:
-            model = ckpt.load_drafter(Path(t.cast(str, d.init_from)).expanduser())
-        except ckpt.CheckpointError as e:
-            raise ConfigError(key, str(e)) from None
-        c = model.config
-        text = t0.model.config.get_text_config() if hasattr(t0.model.config, "get_text_config") else t0.model.config
-        checks = [
-            ("vocab_size", c.vocab_size, t0.vocab_size, "the target's vocabulary"),
-            ("hidden_size", c.hidden_size, int(text.hidden_size), "the target's hidden size"),
-            ("num_target_layers", c.num_target_layers, int(text.num_hidden_layers), "the target's layers"),
-            ("target_layer_ids", list(model.target_layer_ids), list(t0.layer_ids), "the target layers this run reads"),
-            ("num_hidden_layers", c.num_hidden_layers, d.layers, "drafter.layers"),
-            ("block_size", model.block_size, d.block_size, "drafter.block_size"),
-        ]
-        for name, theirs, ours, what in checks:
-            if theirs != ours:
-                raise ConfigError(key, f"{d.init_from}: {name} is {theirs}, but {what} is {ours}")
-        logger.info("drafter: warm start from %s (MASK id %d)", d.init_from, model.mask_token_id)
-        return model
 
     def _derive_steps(self, cfg: RunConfig) -> RunConfig:
         """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
@@ -768,138 +294,16 @@ class Run:
         self.cfg = cfg
         return cfg
 
-    def _group_resume(self) -> ckpt.Checkpoint | None:
-        """Every node looks in its own checkpoint dir; the newest checkpoint of any node (newest run, then
-        step) is sent to all. torchrun's c10d rendezvous may hand rank 0 to another box after a restart, and
-        with no shared filesystem the checkpoints are on whichever box was rank 0 when they were written."""
-        assert self.group is not None
-        group = self.group
-        group.doing = "resume"
-        mine: ckpt.Checkpoint | None = None
-        problem: str | None = None
-        try:
-            mine = self._find_resume()
-        except ConfigError as e:  # said to every node below, so none waits for a collective that never comes
-            problem = str(e)
-        key = (self.run_id or "", mine.step) if mine is not None else None
-        found = group.all_gather((key, problem))
-        have = [(k, rank) for rank, (k, _) in enumerate(found) if k is not None]
-        if not have:
-            problems = [p for _, p in found if p]
-            if problems:
-                raise ConfigError("checkpoint.resume", f"on every node: {problems[0]}")
-            self.run_id = group.broadcast(self.run_id)  # a fresh start: rank 0's run id for all
-            return None
-        src = max(have)[1]
-        if src != group.rank:
-            logger.info(
-                "resume: node %d holds the newest checkpoint (step %d); it is sent to this node", src, max(have)[0][1]
-            )
-        self.run_id, resume = group.broadcast((self.run_id, mine) if group.rank == src else None, src=src)
-        return t.cast("ckpt.Checkpoint | None", resume)
-
-    def _find_resume(self) -> ckpt.Checkpoint | None:
-        """The checkpoint to continue (loaded and verified), and this run's id (``self.run_id``)."""
-        mode = self.cfg.checkpoint.resume
-        if mode == "never":
-            moved = ckpt.move_aside(self.ckpt_dir)
-            if moved:
-                logger.warning(
-                    'checkpoint.resume = "never": the checkpoints already in %s were moved aside to %s '
-                    "(nothing deleted); starting from step 0",
-                    self.ckpt_dir,
-                    ", ".join(p.name for p in moved),
-                )
-            self.run_id = ckpt.new_run_id()
-            return None
-        if mode == "auto":
-            tried = []
-            for path in ckpt.resume_order(self.ckpt_dir):
-                try:
-                    c = ckpt.load_checkpoint(path, map_location="cpu")
-                except ckpt.CheckpointError as e:
-                    logger.warning(
-                        "resume: skipping %s: %s; trying the previous complete checkpoint",
-                        path,
-                        str(e).removeprefix(f"{path}: "),
-                    )
-                    tried.append(path.name)
-                    continue
-                self.run_id = self._lineage(c)
-                return c
-            if tried:  # fail closed: never quietly start over on top of a run whose checkpoints all went bad
-                raise ConfigError(
-                    "checkpoint.resume",
-                    f"no checkpoint in {self.ckpt_dir} is intact ({', '.join(tried)}); "
-                    'move them away, or set checkpoint.resume = "never" to start over',
-                )
-            self.run_id = ckpt.new_run_id()
-            return None
-        path = Path(mode).expanduser()
-        if not path.is_dir():
-            raise ConfigError(
-                "checkpoint.resume", f'expected "auto", "never" or a checkpoint directory; {path} does not exist'
-            )
-        try:
-            c = ckpt.load_checkpoint(path, map_location="cpu")
-        except ckpt.CheckpointError as e:
-            raise ConfigError("checkpoint.resume", str(e)) from e
-        self.run_id = self._lineage(c)
-        return c
-
-    def _lineage(self, c: ckpt.Checkpoint) -> str:
-        """Continue the checkpoint's run, unless that run already went further (a fork: continuing it
-        under the same id would prune or overwrite its later checkpoints) or has no id (written before ids)."""
-        if c.run_id is None:
-            run_id = ckpt.new_run_id()
-            logger.info("resume: %s has no run id (an older checkpoint); this run is %s", c.path, run_id)
-            return run_id
-        later = [
-            p.name for p in ckpt.list_complete(self.ckpt_dir) if ckpt.run_of(p) == c.run_id and _step_number(p) > c.step
-        ]
-        if later:
-            run_id = ckpt.new_run_id()
-            logger.warning(
-                "resume: run %s already has later checkpoints (%s) than %s; continuing as run %s, "
-                "which leaves them alone",
-                c.run_id,
-                ", ".join(later),
-                c.path,
-                run_id,
-            )
-            return run_id
-        return c.run_id
-
     def _build_targets(self) -> list[TargetReplica]:
         cfg = self.cfg
-        dtype = torch_dtype(cfg.target.dtype)
         devices = list(cfg.devices.targets)
         drafter_devices = list(cfg.devices.drafters)
         out = []
         for i, dev in enumerate(devices):
-            if cfg.target.tiny is not None:
-                tiny = cfg.target.tiny
-                tc = tiny_target_config_of(tiny)
-                model = TargetModel.from_config(
-                    tc,
-                    dtype=dtype,
-                    device=dev,
-                    seed=tiny.seed,
-                    layer_ids=cfg.drafter.target_layer_ids,
-                    num_draft_layers=cfg.drafter.layers,
-                )
-            else:
-                assert cfg.target.path is not None
-                try:
-                    model = TargetModel.from_pretrained(
-                        cfg.target.path,
-                        dtype=dtype,
-                        device=dev,
-                        layer_ids=cfg.drafter.target_layer_ids,
-                        num_draft_layers=cfg.drafter.layers,
-                    )
-                except OSError as e:
-                    raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
+            try:
+                model = load_target(cfg, dev)
+            except OSError as e:  # target.path (a tiny target is built, not read)
+                raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
             if cfg.queue.mode == "per-drafter":
                 dest = drafter_devices[i % len(drafter_devices)]
             elif len(set(drafter_devices)) == 1:
@@ -909,26 +313,12 @@ class Run:
             out.append(TargetReplica(model, dev, dest))
         return out
 
-    def _tokenizer(self) -> t.Any:
-        d = self.cfg.data
-        path = d.tokenizer or (self.cfg.target.path if d.format != "tokens" else None)
-        if path is None:
-            return None
-        try:
-            return load_tokenizer(path)
-        except DataError:
-            if d.tokenizer is not None or d.format == "chat":
-                raise
-            return None  # the target folder has no tokenizer; pre-tokenized data needs none
-
     def _build_drafters(self) -> list[DrafterReplica]:
         cfg = self.cfg
         dtype = torch_dtype(cfg.drafter.dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            base = DFlashDraftModel(self.draft_config)
-        if self.init_drafter is not None:
-            base.load_state_dict(self.init_drafter.state_dict(), strict=True)
+        base = initial_drafter(self.draft_config, seed=cfg.seed, init=self.init_drafter)
+        ckpt.check_servable(base, self.draft_config, vocab_size=self.vocab_size)
+        replica_cfg = ReplicaConfig.of(cfg)
         heads: dict[str, TargetHead] = {}
         out = []
         for j, dev in enumerate(cfg.devices.drafters):
@@ -946,7 +336,7 @@ class Run:
                     model,
                     heads[dev],
                     device=dev,
-                    cfg=cfg,
+                    cfg=replica_cfg,
                     schedule=self.schedule,
                     seed=cfg.seed * 1000 + self.drafter_offset + j,
                     index=j,
@@ -954,56 +344,9 @@ class Run:
             )
         return out
 
-    def _restore(self, c: ckpt.Checkpoint) -> None:
-        path = c.path
-        mine, theirs = self.draft_config, c.config
-        for key, name in (
-            ("num_hidden_layers", "drafter.layers"),
-            ("block_size", "drafter.block_size"),
-            ("hidden_size", "target"),
-            ("vocab_size", "target"),
-        ):
-            if getattr(mine, key) != getattr(theirs, key):
-                raise ConfigError(
-                    name,
-                    f"the checkpoint {path} has {key}={getattr(theirs, key)}, this run {getattr(mine, key)}; "
-                    'resume it with the same model, or set checkpoint.resume = "never"',
-                )
-        if mine.target_layer_ids != theirs.target_layer_ids or mine.mask_token_id != theirs.mask_token_id:
-            raise ConfigError("drafter", f"the checkpoint {path} was trained on other target layers or another MASK id")
-        for r in self.drafters:
-            r.model.load_state_dict(c.state_dict, strict=True)
-        state = c.trainer_state or {}
-        opt = c.optimizer_state or {}
-        masters = opt.get("masters")
-        for j, r in enumerate(self.drafters):
-            if r.separate_masters:
-                with torch.no_grad():
-                    if masters is not None:
-                        for m, saved in zip(r.masters, masters):
-                            m.copy_(saved)
-                    else:
-                        for m, p in zip(r.masters, r.params):
-                            m.copy_(p)
-            saved_opts = opt.get("replicas") or []
-            if saved_opts:
-                r.optimizer.load_state_dict(saved_opts[j % len(saved_opts)])
-            gens = state.get("generators") or []
-            if self.drafter_offset + j < len(gens):  # every node's, in rank order (a group's checkpoint)
-                r.generator.set_state(gens[self.drafter_offset + j])
-        if "rng" in state:
-            ckpt.restore_rng_state(state["rng"])
-        self.start_step = c.step
-        self.last_saved = c.step
-        if "data" in state:
-            pos = DataPosition.from_dict(state["data"])
-            expect = f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}"
-            if pos.fingerprint and pos.fingerprint != expect:
-                logger.warning(
-                    "resume: the data or its batching changed since %s; continuing at the saved batch indices", path
-                )
-            self.position = pos
-        logger.info("resuming from %s at step %d (run %s)", path, c.step, self.run_id)
+    def _data_fingerprint(self) -> str:
+        """The data and its batching: a resumed run whose data changed is told so."""
+        return f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}"
 
     # running ----------------------------------------------------------------------------
 
@@ -1013,7 +356,7 @@ class Run:
         After averaging every replica holds the same weights, so one is saved; so are ONE replica's AdamW
         moments (the first at the barrier): the others' differ only by the batches they saw, and saving
         them all multiplied the barrier's copies and the bytes on disk by the number of drafters.
-        ``_restore`` gives each replica its own moments when a checkpoint has several (older ones do).
+        ``resume.restore`` gives each replica its own moments when a checkpoint has several (older ones do).
         """
         if step == self.last_saved:
             return None
@@ -1032,7 +375,7 @@ class Run:
         trainer_state: dict[str, t.Any] = {
             "step": step,
             "run_id": self.run_id,
-            "data": DataPosition(tuple(position), f"{self.dataset.fingerprint()}:{self.plan.fingerprint()}").to_dict(),
+            "data": DataPosition(tuple(position), self._data_fingerprint()).to_dict(),
             "targets": self.all_shards,
             "drafters": sum(n[1] for n in self.nodes),
             "nodes": len(self.nodes),
@@ -1083,39 +426,12 @@ class Run:
             self.writer.check()  # a failed background write ends the run at the next barrier
 
     def _group_sync(self, ev: SyncEvent, group: NodeGroup) -> None:
-        """A barrier of a node of a group: the same collectives in the same order on every node.
-
-        Headers first (the nodes must be at the same barrier; per-node throughput; a pending stop), then
-        the averaging over every node's replicas (also before a checkpoint: rank 0 saves its replica for
-        all), then the checkpoint, then the stop: a SIGTERM on any node stops every node here.
-        """
-        now = time.monotonic()
-        with self._tokens_lock:
-            tokens, self._tokens = self._tokens, 0
-        seconds, self._last_sync = now - self._last_sync, now
-        self._syncs += 1
+        """A barrier of a node of a group (``distributed.GroupBarrier``): the headers, the averaging over every
+        node's replicas (also before a checkpoint: rank 0 saves its replica for all), the checkpoint, the stop."""
+        assert self.barrier is not None
         stop = self.signals.received if self.signals is not None and self.signals.received is not None else 0
-        header = Header(
-            index=self._syncs,
-            step=ev.step,
-            average=ev.average,
-            checkpoint=ev.checkpoint,
-            final=ev.final,
-            replicas=len(ev.replicas),
-            tokens=tokens,
-            seconds=seconds,
-            stop=stop,
-        )
-        rnd = group.exchange(header, doing="the barrier")
+        rnd = self.barrier.meet(ev, stop=stop)
         step = rnd.headers[0].step  # with several drafters per node the steps in flight differ a little: rank 0's
-        if group.is_main:
-            per = [h.tokens / max(h.seconds, 1e-9) / 1e3 for h in rnd.headers]
-            logger.info(
-                "nodes | step %d | %.1f Ktok/s | %s",
-                step,
-                sum(per),
-                " | ".join(f"node-{r} {k:.1f}" for r, k in enumerate(per)),
-            )
         if ev.average or ev.checkpoint:
             group.doing = "averaging"
             reps = [self.drafters[j] for j in ev.replicas]
@@ -1143,18 +459,12 @@ class Run:
                 step,
             )
         if rnd.stop and not ev.final and self.pipeline is not None:
-            asked = [r for r, h in enumerate(rnd.headers) if h.stop]
-            logger.warning(
-                "stop requested on node(s) %s: every node stops after the barrier at step %d",
-                ", ".join(map(str, asked)),
-                step,
-            )
-            self.group_stop = rnd.stop
+            self.barrier.stopping(rnd, step)
             self.pipeline.request_stop()  # from a drafter thread: the drafters leave after this barrier
 
     def _on_step(self, step: int, stats: StepStats, tokens: int) -> None:
-        with self._tokens_lock:
-            self._tokens += tokens
+        if self.barrier is not None:
+            self.barrier.count(tokens)
         if self.metrics is not None:
             self.metrics.record(step, stats, tokens)
 
@@ -1245,7 +555,8 @@ class Run:
             self.run_dir / "metrics.jsonl",
         )
         self.metrics.start()
-        self._last_sync = time.monotonic()
+        if self.barrier is not None:
+            self.barrier.restart()
         try:
             if compiled:  # a miss would be unfused attention (out of memory) or a compile in a thread: fail
                 torch.compiler.set_stance("fail_on_recompile")
@@ -1260,7 +571,8 @@ class Run:
         self._finish_writes()  # the final checkpoint is on disk before we say so or exit
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
-        received = signals.received if signals is not None and signals.received is not None else self.group_stop
+        group_stop = self.barrier.stop if self.barrier is not None else 0  # another node's signal: we stopped with it
+        received = signals.received if signals is not None and signals.received is not None else group_stop
         if result.reason == "stopped" and received:
             logger.warning("stopped at step %d after a checkpoint", result.steps)
             return 128 + received
@@ -1274,10 +586,6 @@ def weights_digest(tensors: t.Sequence[torch.Tensor]) -> str:
     for p in tensors:
         h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def _step_number(path: Path) -> int:
-    return int(path.name.removeprefix("step-"))
 
 
 def run_training(cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, stream: t.TextIO | None = None) -> int:
@@ -1296,15 +604,4 @@ def run_training(cfg: RunConfig, *, environ: t.Mapping[str, str] | None = None, 
         signals.restore()
 
 
-__all__ = [
-    "DrafterReplica",
-    "FeatureBatch",
-    "LRSchedule",
-    "Run",
-    "TargetReplica",
-    "prepare_drafter",
-    "run_training",
-    "torch_dtype",
-    "warm_up",
-    "weights_digest",
-]
+__all__ = ["Run", "run_training", "weights_digest"]

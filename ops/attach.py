@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ops import tmux
+from ops.far import tmux
 from ops.hosts import Host
 from ops.session import session_name
 
@@ -19,7 +19,7 @@ def attach_argv(host: Host, session: str | None = None) -> list[str]:
         return ["env", "-u", "TMUX", *inner]
     if host.container is not None:
         inner = [*host.pct, "exec", str(host.container), "--", *inner]
-    from ops.transport import remote_command, ssh_config_word
+    from ops.transport import remote_command, ssh_config_word  # here: paramiko, for ssh hosts only
 
     ssh = ["ssh", "-t", "-o", "StrictHostKeyChecking=yes"]
     if host.port:

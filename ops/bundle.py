@@ -20,6 +20,7 @@ import tomllib
 import typing as t
 from pathlib import Path
 
+import ops
 from ops.errors import BundleError
 from ops.far import release
 
@@ -121,8 +122,6 @@ def release_id(files: t.Iterable[FileEntry]) -> str:
 
 def source_root() -> Path | None:
     """The checkout dflashctl runs from (the folder holding the imported ``ops`` with our pyproject.toml), or None."""
-    import ops
-
     root = Path(ops.__file__).resolve().parent.parent
     pyproject = root / "pyproject.toml"
     if not pyproject.is_file():
@@ -148,8 +147,7 @@ def build_bundle(root: str | os.PathLike[str] | None = None) -> Bundle:
             tops = [base / name for name in INCLUDE]
         else:
             # Installed (wheel) layout: only the two packages exist; configs come with the checkout.
-            import dflash
-            import ops
+            import dflash  # here: the operator side imports the training core for this layout only
 
             pkgs = [Path(str(m.__file__)).resolve().parent for m in (dflash, ops)]
             base = pkgs[0].parent

@@ -22,6 +22,9 @@ from ops.states import State
 
 logger = logging.getLogger("ops")
 
+# Each command imports what it uses inside its function: `dflashctl status` does not load deploy, doctor,
+# plot or supervise (importing all of them doubles the start-up, 0.23 s -> 0.47 s here).
+
 
 class ExitCode(enum.IntEnum):
     OK = 0
@@ -38,7 +41,7 @@ class ExitCode(enum.IntEnum):
     CRASH_LOOP = 11
 
 
-# DESIGN.md section 6: the state a status reports -> the exit code of `status`.
+# docs/design.md section 6: the state a status reports -> the exit code of `status`.
 STATE_EXIT: dict[str, ExitCode] = {
     State.RUNNING: ExitCode.OK,
     State.STALLED: ExitCode.STALLED,
@@ -159,7 +162,7 @@ class Seconds(click.ParamType[float]):
 
 def _check_session(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """--session follows hosts.toml's rule for `session`, checked here once, before anything runs."""
-    from ops.hosts import check_name
+    from ops.keypath import check_name
 
     return None if value is None else check_name(value, "--session")
 
@@ -413,7 +416,7 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
 
 @cli.command("status")
 @_session_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (DESIGN.md section 6).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object (docs/design.md section 6).")
 @click.option("--watch", type=Seconds(0.5), metavar="S", help="Repeat every S seconds until Ctrl-C.")
 @click.option(
     "--facts", "show_facts", is_flag=True, help="Print the raw facts the state is computed from (for bug reports)."

@@ -1,6 +1,6 @@
 """`dflashctl deploy`: content-addressed releases, incremental upload, atomic switch, rollback.
 
-Layout on the far side (DESIGN.md section 4)::
+Layout on the far side (docs/design.md section 4)::
 
     <workdir>/releases/<id>/            one per deploy; <id> = first 16 hex of the manifest's sha256
     <workdir>/releases/<id>/.release.json   the manifest (full id, per-file sha256/size/mode)
@@ -37,6 +37,7 @@ from ops.errors import DeployError, MissingDependencies, NotDeployed, RunActive
 from ops.far.release import state_digest
 from ops.far_call import Reply, call, cannot_exec
 from ops.hosts import Host
+from ops.supervise import default_state_dir, private_dir
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -231,8 +232,6 @@ class Cache:
 
     def __init__(self, host: Host, state_dir: Path | None = None) -> None:
         if state_dir is None:
-            from ops.supervise import default_state_dir
-
             state_dir = default_state_dir()
         key = json.dumps([host.name, host.address, host.port, host.container, host.workdir])
         self.path = state_dir / "deploy-cache" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
@@ -248,8 +247,6 @@ class Cache:
         return {"current": None, "files": None, "hashes": []}
 
     def save(self, current: str, files: list[list[t.Any]], hashes: list[str]) -> None:
-        from ops.supervise import private_dir
-
         try:
             private_dir(self.path.parent.parent)  # dflashctl's state dir: 0700, as restart-on-crash keeps it
             self.path.parent.mkdir(exist_ok=True, mode=0o700)

@@ -11,21 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import typing as t
 
 from ops import errors
 from ops.deploy import REQUIRED_MODULES
 from ops.hosts import Host
+from ops.proxmox import Container
 from ops.transport import CommandResult, LocalTransport, Transport
-
-if t.TYPE_CHECKING:
-    from ops.proxmox import Container
 
 logger = logging.getLogger(__name__)
 
 OK, FAIL, SKIP = "ok", "fail", "skip"
 MIN_FREE_BYTES = 1 << 30  # below 1 GiB a checkpoint write will fail
-TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (DESIGN.md section 6)
+TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (docs/design.md section 6)
 
 # One call inside the target: facts about the interpreter, printed as one JSON line.
 PYTHON_PROBE = r"""
@@ -126,7 +125,7 @@ def diagnose(host: Host) -> HostReport:
         _inside(rep, host, LocalTransport())
         return rep.report
 
-    from ops.transport import SSHTransport, scan_host_key
+    from ops.transport import SSHTransport, scan_host_key  # here: paramiko, for ssh hosts only
 
     try:
         scan = scan_host_key(host)
@@ -147,7 +146,7 @@ def diagnose(host: Host) -> HostReport:
         note = f"; {scan.note}" if scan.note else ""
         rep.add("host-key", OK, f"{scan.key_type} {scan.fingerprint} (pinned in {', '.join(files)}{note})")
     elif scan.verdict == "revoked":
-        from ops.transport import revoked_error
+        from ops.transport import revoked_error  # here: paramiko, for ssh hosts only
 
         revoked = revoked_error(tgt, scan.key, scan.revoked_at)
         rep.fail("host-key", revoked.detail, revoked, blocks=True)
@@ -181,8 +180,6 @@ def diagnose(host: Host) -> HostReport:
         rep.add("login", OK, f"{tgt.where} with {keys}")
         where: Transport | Container = transport
         if host.container is not None:
-            from ops.proxmox import Container
-
             ct = Container(
                 transport,
                 host.container,
@@ -311,8 +308,6 @@ def _why(res: CommandResult) -> str:
 
 
 def _version(text: str) -> tuple[int, int] | None:
-    import re
-
     m = re.search(r"(\d+)\.(\d+)", text)
     return (int(m.group(1)), int(m.group(2))) if m else None
 

@@ -24,7 +24,7 @@ class ConfigError(OpsError):
 
 
 class UnreachableError(OpsError):
-    """The host cannot be reached or refused us. ``cause`` is one of DESIGN.md section 6's unreachable causes."""
+    """The host cannot be reached or refused us. ``cause`` is one of docs/design.md section 6's unreachable causes."""
 
     cause: t.ClassVar[str] = Cause.UNKNOWN
 

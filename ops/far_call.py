@@ -1,6 +1,6 @@
 """The operator side of every far-side verb: run one program, read its one JSON answer (the envelope).
 
-The agent (ops/agent.py, JSON request on stdin) and the release program (ops/far/release.py, JSON
+The agent (ops/far/agent.py, JSON request on stdin) and the release program (ops/far/release.py, JSON
 request as an argv item: its stdin is the upload) answer alike: one JSON object, ``{"ok": true,
 "protocol", "verb", ...}`` or ``{"ok": false, "protocol", "verb", "error": <kind>, "message"}``.
 Callers word their own errors from ``Reply``; this module only runs and reads.

@@ -1,4 +1,4 @@
-"""Host groups: one run on several hosts (DESIGN.md section 13).
+"""Host groups: one run on several hosts (docs/design.md section 13).
 
 ``[groups.NAME]`` in hosts.toml names hosts that train as one ``torchrun`` job: one ``dflash train``
 process per host, a c10d rendezvous at ``rdzv``. ``dflashctl --group NAME <verb>`` does the verb on every
@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import dataclasses
 import typing as t
 
+from ops import keypath
 from ops.errors import ConfigError
 
 if t.TYPE_CHECKING:
@@ -133,8 +134,6 @@ def torchrun_around(
 
 def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
     """``[groups.*]`` of hosts.toml; every error names its key path (``groups.big.hosts[1]``)."""
-    from ops.hosts import _argv, _int, _only_keys, _str, check_name
-
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -142,30 +141,36 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
     out: dict[str, Group] = {}
     for name, table in raw.items():
         p = f"groups.{name}"
-        check_name(name, p)
+        keypath.check_name(name, p)
         if name in hosts:
             raise ConfigError(p, f'"{name}" is also a host: a group needs a name of its own')
         if not isinstance(table, dict):
             raise ConfigError(p, "expected a table")
-        _only_keys(table, {"hosts", "rdzv", "nproc_per_node", "max_restarts", "command", "local_addrs"}, p)
+        keypath.only_keys(table, {"hosts", "rdzv", "nproc_per_node", "max_restarts", "command", "local_addrs"}, p)
         members = table.get("hosts")
         if not isinstance(members, list) or not members:
             raise ConfigError(f"{p}.hosts", "expected a list of host names, at least one")
         names: list[str] = []
         for i, m in enumerate(members):
-            h = _str(m, f"{p}.hosts[{i}]", nonempty=True)
+            h = keypath.string(m, f"{p}.hosts[{i}]", nonempty=True)
             if h not in hosts:
                 raise ConfigError(f"{p}.hosts[{i}]", f'no such host: "{h}" (known: {", ".join(sorted(hosts))})')
             if h in names:
                 raise ConfigError(f"{p}.hosts[{i}]", f'"{h}" is listed twice')
             names.append(h)
-        rdzv = _str(table["rdzv"], f"{p}.rdzv", nonempty=True) if "rdzv" in table else _default_rdzv(hosts[names[0]])
+        rdzv = (
+            keypath.string(table["rdzv"], f"{p}.rdzv", nonempty=True)
+            if "rdzv" in table
+            else _default_rdzv(hosts[names[0]])
+        )
         host_part, sep, port = rdzv.rpartition(":")
         if not sep or not host_part or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"{p}.rdzv", f'expected "HOST:PORT", got "{rdzv}"')
-        nproc = _int(table.get("nproc_per_node", 1), f"{p}.nproc_per_node", minimum=1, maximum=64)
-        restarts = _int(table.get("max_restarts", DEFAULT_MAX_RESTARTS), f"{p}.max_restarts", minimum=0, maximum=1000)
-        command = _argv(table["command"], f"{p}.command") if "command" in table else None
+        nproc = keypath.integer(table.get("nproc_per_node", 1), f"{p}.nproc_per_node", minimum=1, maximum=64)
+        restarts = keypath.integer(
+            table.get("max_restarts", DEFAULT_MAX_RESTARTS), f"{p}.max_restarts", minimum=0, maximum=1000
+        )
+        command = keypath.argv(table["command"], f"{p}.command") if "command" in table else None
         store = next((h for h in names if _address(hosts[h]) == host_part), None)
         local_addrs = _local_addrs(table.get("local_addrs"), names, host_part, f"{p}.local_addrs")
         group = Group(
@@ -186,8 +191,6 @@ def parse_groups(raw: t.Any, hosts: t.Mapping[str, Host]) -> dict[str, Group]:
 
 def _local_addrs(raw: t.Any, names: t.Sequence[str], rdzv_host: str, p: str) -> dict[str, str]:
     """``local_addrs = {host = "ADDR"}``; by default, on one loopback, 127.0.0.1, 127.0.0.2, ... in order."""
-    from ops.hosts import _str
-
     if raw is None:
         loopback = rdzv_host == "localhost" or rdzv_host.startswith("127.")
         return {h: f"127.0.0.{i + 1}" for i, h in enumerate(names)} if loopback else {}
@@ -197,7 +200,7 @@ def _local_addrs(raw: t.Any, names: t.Sequence[str], rdzv_host: str, p: str) -> 
     for h, addr in raw.items():
         if h not in names:
             raise ConfigError(f"{p}.{h}", f'"{h}" is not a host of this group ({", ".join(names)})')
-        out[h] = _str(addr, f"{p}.{h}", nonempty=True)
+        out[h] = keypath.string(addr, f"{p}.{h}", nonempty=True)
     if len(set(out.values())) < len(out):
         raise ConfigError(p, "two hosts have the same address: each node needs its own")
     return out

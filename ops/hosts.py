@@ -1,4 +1,4 @@
-"""The inventory: hosts.toml read once into frozen dataclasses (DESIGN.md section 2).
+"""The inventory: hosts.toml read once into frozen dataclasses (docs/design.md section 2).
 
 Every unknown key and every bad value is a ``ConfigError`` that names its full key path,
 e.g. ``hosts.pve.port: expected an integer, got "x"``.
@@ -7,23 +7,16 @@ e.g. ``hosts.pve.port: expected an integer, got "x"``.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-import re
-import shlex
 import tomllib
 import typing as t
 from pathlib import Path
 
+from ops import keypath
 from ops.errors import ConfigError
-
-if t.TYPE_CHECKING:
-    from ops.group import Group
+from ops.group import Group, parse_groups
 
 ENV_VAR = "DFLASHCTL_HOSTS"
-MAX_COMMAND = 64 * 1024  # characters of `command`/`pct`: Linux allows 128 KiB for one argv item
-SHOW_MAX = 120  # characters of a bad value quoted in an error message
 USER_FILE = "~/.config/dflashctl/hosts.toml"
 
 # What a new user gets with no hosts.toml anywhere: this machine, the tiny CPU run.
@@ -175,25 +168,21 @@ def parse_inventory(text: str, *, path: Path | None, base: Path) -> Inventory:
         raise ConfigError(where, f"not valid TOML: {e}") from e
     except RecursionError as e:  # tomllib recurses once per nested array or inline table
         raise ConfigError(where, "not valid TOML here: values nested too deeply") from e
-    _only_keys(data, {"default", "hosts", "groups"}, "")
+    keypath.only_keys(data, {"default", "hosts", "groups"}, "")
     hosts_raw = data.get("hosts", {})
     if not isinstance(hosts_raw, dict) or not hosts_raw:
         raise ConfigError("hosts", "expected at least one [hosts.<name>] table")
     hosts = {name: _parse_host(name, raw, base) for name, raw in hosts_raw.items()}
     if "default" in data:
-        default = _str(data["default"], "default")
+        default = keypath.string(data["default"], "default")
     elif len(hosts) == 1:
         default = next(iter(hosts))
     else:
         raise ConfigError("default", "required when there is more than one host")
     if default not in hosts:
         raise ConfigError("default", f'names no host: "{default}" (known: {", ".join(sorted(hosts))})')
-    from ops.group import parse_groups  # ops.group builds on this module's parsers
-
     return Inventory(path=path, default=default, hosts=hosts, groups=parse_groups(data.get("groups"), hosts))
 
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _COMMON = {
     "transport",
@@ -225,10 +214,10 @@ _SSH = {
 def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
     p = f"hosts.{name}"
     if not isinstance(raw, dict):
-        raise ConfigError(p, f"expected a table, got {_show(raw)}")
+        raise ConfigError(p, f"expected a table, got {keypath.show(raw)}")
     transport = raw.get("transport", "ssh" if "address" in raw else None)
     if transport not in ("local", "ssh"):
-        got = "nothing" if transport is None else _show(transport)
+        got = "nothing" if transport is None else keypath.show(transport)
         raise ConfigError(f"{p}.transport", f'expected "local" or "ssh", got {got}')
     allowed = _COMMON | (_SSH if transport == "ssh" else set())
     for key in raw:
@@ -239,67 +228,68 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
     kw: dict[str, t.Any] = {"name": name, "transport": transport}
     for key in ("python", "session", "tmux_socket"):
         if key in raw:
-            kw[key] = _str(raw[key], f"{p}.{key}", nonempty=True)
+            kw[key] = keypath.string(raw[key], f"{p}.{key}", nonempty=True)
     for key in ("hang_after", "startup_grace"):
         if key in raw:
-            kw[key] = _number(raw[key], f"{p}.{key}", minimum=0)
+            kw[key] = keypath.number(raw[key], f"{p}.{key}", minimum=0)
     if "keep_releases" in raw:
-        kw["keep_releases"] = _int(raw["keep_releases"], f"{p}.keep_releases", minimum=2)
+        kw["keep_releases"] = keypath.integer(raw["keep_releases"], f"{p}.keep_releases", minimum=2)
     if "command" not in raw:
         raise ConfigError(f"{p}.command", "required: the training command the session runs")
-    kw["command"] = _argv(raw["command"], f"{p}.command")
+    kw["command"] = keypath.argv(raw["command"], f"{p}.command")
     if "env" in raw:
         env = raw["env"]
         if not isinstance(env, dict):
-            raise ConfigError(f"{p}.env", f"expected a table of strings, got {_show(env)}")
+            raise ConfigError(f"{p}.env", f"expected a table of strings, got {keypath.show(env)}")
         for k in env:
-            if not _ENV_NAME.fullmatch(k):
+            if not keypath.ENV_NAME.fullmatch(k):
                 raise ConfigError(
                     f"{p}.env.{k}",
                     "not a valid environment variable name (letters, digits, '_'; not starting with a digit)",
                 )
-        kw["env"] = {k: _str(v, f"{p}.env.{k}") for k, v in env.items()}
+        kw["env"] = {k: keypath.string(v, f"{p}.env.{k}") for k, v in env.items()}
     for key in ("session", "tmux_socket"):
         if key in kw:
-            check_name(kw[key], f"{p}.{key}")
+            keypath.check_name(kw[key], f"{p}.{key}")
 
     if transport == "local":
-        workdir = _local_path(raw.get("workdir", ".dflash"), f"{p}.workdir", base)
+        workdir = keypath.local_path(raw.get("workdir", ".dflash"), f"{p}.workdir", base)
         kw["workdir"] = workdir
-        kw["run_dir"] = _local_path(raw.get("run_dir", f"{workdir}/runs"), f"{p}.run_dir", base)
+        kw["run_dir"] = keypath.local_path(raw.get("run_dir", f"{workdir}/runs"), f"{p}.run_dir", base)
         if "python" in kw and "/" in kw["python"]:
-            kw["python"] = _local_path(kw["python"], f"{p}.python", base)
+            kw["python"] = keypath.local_path(kw["python"], f"{p}.python", base)
         return Host(**kw)
 
     if "address" not in raw:
         raise ConfigError(f"{p}.address", 'required for transport = "ssh"')
-    kw["address"] = _str(raw["address"], f"{p}.address", nonempty=True)
+    kw["address"] = keypath.string(raw["address"], f"{p}.address", nonempty=True)
     if "@" in kw["address"] or any(c.isspace() for c in kw["address"]):
         raise ConfigError(
-            f"{p}.address", f'expected a host name or address (put the user in "user"), got {_show(kw["address"])}'
+            f"{p}.address",
+            f'expected a host name or address (put the user in "user"), got {keypath.show(kw["address"])}',
         )
-    _ssh_word(kw["address"], f"{p}.address")
+    keypath.ssh_word(kw["address"], f"{p}.address")
     if "port" in raw:
-        kw["port"] = _int(raw["port"], f"{p}.port", minimum=1, maximum=65535)
+        kw["port"] = keypath.integer(raw["port"], f"{p}.port", minimum=1, maximum=65535)
     for key in ("user", "identity_file", "known_hosts", "ssh_config"):
         if key in raw:
-            kw[key] = _str(raw[key], f"{p}.{key}", nonempty=True)
+            kw[key] = keypath.string(raw[key], f"{p}.{key}", nonempty=True)
     if "user" in kw:
-        _ssh_word(kw["user"], f"{p}.user")
+        keypath.ssh_word(kw["user"], f"{p}.user")
     for key in ("identity_file", "known_hosts", "ssh_config"):
         if key in kw:
-            _ssh_path(kw[key], f"{p}.{key}")
+            keypath.ssh_path(kw[key], f"{p}.{key}")
     if "connect_timeout" in raw:
-        kw["connect_timeout"] = _number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
+        kw["connect_timeout"] = keypath.number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
     if "container" in raw:
-        kw["container"] = _int(raw["container"], f"{p}.container", minimum=100)
+        kw["container"] = keypath.integer(raw["container"], f"{p}.container", minimum=100)
     if "pct" in raw:
-        kw["pct"] = _argv(raw["pct"], f"{p}.pct")
+        kw["pct"] = keypath.argv(raw["pct"], f"{p}.pct")
     for key in ("workdir", "run_dir"):
         if key in raw:
-            value = _str(raw[key], f"{p}.{key}", nonempty=True)
+            value = keypath.string(raw[key], f"{p}.{key}", nonempty=True)
             if not value.startswith("/"):
-                raise ConfigError(f"{p}.{key}", f"expected an absolute path on the host, got {_show(value)}")
+                raise ConfigError(f"{p}.{key}", f"expected an absolute path on the host, got {keypath.show(value)}")
             kw[key] = value
     kw.setdefault("workdir", "/root/dflash")
     kw.setdefault("run_dir", f"{kw['workdir']}/runs")
@@ -310,7 +300,7 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
 
 def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:
     if not isinstance(raw, dict):
-        raise ConfigError(p, f"expected a table, got {_show(raw)}")
+        raise ConfigError(p, f"expected a table, got {keypath.show(raw)}")
     allowed = {"node", "backend", "api_host", "port", "user", "token_name", "token_value_env", "verify_ssl"}
     for key in raw:
         if key not in allowed:
@@ -318,138 +308,20 @@ def _parse_proxmox(raw: t.Any, p: str, *, default_host: str) -> ProxmoxApi:
     for key in ("node", "token_name", "token_value_env"):
         if key not in raw:
             raise ConfigError(f"{p}.{key}", "required")
-    backend = _str(raw.get("backend", "https"), f"{p}.backend")
+    backend = keypath.string(raw.get("backend", "https"), f"{p}.backend")
     if backend != "https":
         # proxmoxer's ssh backends accept any host key; we only use the token API.
-        raise ConfigError(f"{p}.backend", f'only "https" is supported, got {_show(backend)}')
+        raise ConfigError(f"{p}.backend", f'only "https" is supported, got {keypath.show(backend)}')
     verify = raw.get("verify_ssl", True)
     if not isinstance(verify, bool):
-        raise ConfigError(f"{p}.verify_ssl", f"expected true or false, got {_show(verify)}")
+        raise ConfigError(f"{p}.verify_ssl", f"expected true or false, got {keypath.show(verify)}")
     return ProxmoxApi(
-        node=_str(raw["node"], f"{p}.node", nonempty=True),
-        api_host=_str(raw.get("api_host", default_host), f"{p}.api_host", nonempty=True),
-        port=_int(raw.get("port", 8006), f"{p}.port", minimum=1, maximum=65535),
-        user=_str(raw.get("user", "root@pam"), f"{p}.user", nonempty=True),
-        token_name=_str(raw["token_name"], f"{p}.token_name", nonempty=True),
-        token_value_env=_env_name(raw["token_value_env"], f"{p}.token_value_env"),
+        node=keypath.string(raw["node"], f"{p}.node", nonempty=True),
+        api_host=keypath.string(raw.get("api_host", default_host), f"{p}.api_host", nonempty=True),
+        port=keypath.integer(raw.get("port", 8006), f"{p}.port", minimum=1, maximum=65535),
+        user=keypath.string(raw.get("user", "root@pam"), f"{p}.user", nonempty=True),
+        token_name=keypath.string(raw["token_name"], f"{p}.token_name", nonempty=True),
+        token_value_env=keypath.env_name(raw["token_value_env"], f"{p}.token_value_env"),
         verify_ssl=verify,
         backend=backend,
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Value checks: each names the key path it checks.
-
-
-def _show(value: t.Any) -> str:
-    """A value in a message: JSON (one line, escapes shown), cut to SHOW_MAX characters."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
-    return text if len(text) <= SHOW_MAX else f"{text[:SHOW_MAX]}... ({len(text)} characters)"
-
-
-def _only_keys(table: dict[str, t.Any], allowed: set[str], prefix: str) -> None:
-    for key in table:
-        if key not in allowed:
-            raise ConfigError(f"{prefix}{key}", "unknown key")
-
-
-def _str(value: t.Any, path: str, *, nonempty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(path, f"expected a string, got {_show(value)}")
-    if nonempty and not value.strip():
-        raise ConfigError(path, "must not be empty")
-    return value
-
-
-def _int(value: t.Any, path: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(path, f"expected an integer, got {_show(value)}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f"{minimum if minimum is not None else '-inf'}..{maximum if maximum is not None else 'inf'}"
-        raise ConfigError(path, f"expected an integer in {bounds}, got {value}")
-    return value
-
-
-def _number(value: t.Any, path: str, *, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(path, f"expected a number of seconds, got {_show(value)}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(path, f"expected at least {minimum:g}, got {value}")
-    return float(value)
-
-
-def _env_name(value: t.Any, path: str) -> str:
-    name = _str(value, path, nonempty=True)
-    if not _ENV_NAME.fullmatch(name):
-        raise ConfigError(
-            path,
-            f"not a valid environment variable name (letters, digits, '_'; not starting with a digit), got {_show(name)}",
-        )
-    return name
-
-
-def _argv(value: t.Any, path: str) -> tuple[str, ...]:
-    """A command: a string split with shlex (``"sudo pct"``) or a list of strings."""
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        if sum(len(v) for v in value) > MAX_COMMAND:
-            raise ConfigError(path, f"too long: {sum(len(v) for v in value)} characters (at most {MAX_COMMAND})")
-        return tuple(value)
-    if isinstance(value, str):
-        if len(value) > MAX_COMMAND:  # shlex.split is slow on huge strings: minutes for 10 MB
-            raise ConfigError(path, f"too long: {len(value)} characters (at most {MAX_COMMAND})")
-        try:
-            argv = shlex.split(value)
-        except ValueError as e:
-            raise ConfigError(path, f"cannot split into words: {e}") from e
-        if argv:
-            return tuple(argv)
-    raise ConfigError(path, f"expected a non-empty command (string or list of strings), got {_show(value)}")
-
-
-def _local_path(value: t.Any, path: str, base: Path) -> str:
-    text = _str(value, path, nonempty=True)
-    p = Path(text).expanduser()
-    # normpath, not resolve(): a venv's bin/python is a symlink that must stay one.
-    return os.path.normpath(p if p.is_absolute() else base / p)
-
-
-# One rule for session and tmux socket names, wherever they come from (hosts.toml, --session): a
-# tmux target (no ':' or '.'), a folder name, an argv item (never starting with '-'), ASCII only.
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")
-NAME_RULE = "letters, digits, '-', '_' only (ASCII, 1 to 64, not starting with '-')"
-
-
-def valid_name(value: str) -> bool:
-    return _NAME.fullmatch(value) is not None
-
-
-def check_name(value: str, path: str) -> str:
-    """``value`` when it is a valid session / socket name, else a ConfigError naming ``path``."""
-    if not valid_name(value):
-        raise ConfigError(path, f"use {NAME_RULE}, got {_show(value)}")
-    return value
-
-
-def _has_control(value: str) -> bool:
-    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
-
-
-def _ssh_word(value: str, path: str) -> None:
-    """address and user end up as ssh's destination argument: never an option, never two words."""
-    if value.startswith("-"):
-        raise ConfigError(path, f"must not start with '-' (ssh would read it as an option), got {_show(value)}")
-    if _has_control(value) or any(c.isspace() for c in value):
-        raise ConfigError(path, f"must not contain spaces or control characters, got {_show(value)}")
-
-
-def _ssh_path(value: str, path: str) -> None:
-    """identity_file, known_hosts, ssh_config: also written into ssh options (``attach``)."""
-    if _has_control(value):
-        raise ConfigError(path, f"must not contain control characters, got {_show(value)}")
-    if "${" in value:
-        raise ConfigError(
-            path, f"must not contain '${{' (ssh would expand it as an environment variable), got {_show(value)}"
-        )

@@ -1,8 +1,8 @@
 """`dflashctl plot`: the run's dashboard, from the metrics.jsonl of every attempt of a session.
 
-Fetching is incremental: ONE agent call (``read``, ops/agent.py) per round brings each attempt's
+Fetching is incremental: ONE agent call (``read``, ops/far/agent.py) per round brings each attempt's
 records (run.json, exit.json, stop.json), its metrics.jsonl from the offset this machine already has
-(complete lines, at most ``ops.agent.READ_CAP`` bytes per call: rounds go on while an attempt has
+(complete lines, at most ``ops.far.agent.READ_CAP`` bytes per call: rounds go on while an attempt has
 more), the log tail of an attempt that crashed (its cause, by ``ops.probe.diagnose``, once) and the
 checkpoints. What came is kept under the state dir (the one restart-on-crash uses)::
 
@@ -25,9 +25,13 @@ import io
 import json
 import os
 import typing as t
+from html import escape
 from pathlib import Path
 
 from ops import errors
+from ops import session as run
+from ops.probe import diagnose
+from ops.session import session_name
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -115,8 +119,6 @@ class Fetched:
 
 def end_of(m: t.Mapping[str, t.Any], tail: t.Sequence[str] | None) -> str | None:
     """How an attempt ended, as its mark says it: succeeded, stopped, crashed: <cause>; None: no exit record."""
-    from ops.probe import diagnose
-
     exit_rec, stop, run = m.get("exit"), m.get("stop"), m.get("run") or {}
     if not exit_rec:
         return None
@@ -139,8 +141,6 @@ def end_of(m: t.Mapping[str, t.Any], tail: t.Sequence[str] | None) -> str | None
 
 def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None = None) -> Fetched:
     """Bring the cache up to date with the host: only bytes not fetched yet."""
-    from ops import session as run
-
     meta = cache.load()
     have: dict[str, dict[str, t.Any]] = meta["attempts"]
     new = calls = 0
@@ -436,8 +436,6 @@ def draw(
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=80)
         png = base64.b64encode(buf.getvalue()).decode("ascii")
-        from html import escape
-
         page = (
             f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{escape(title)}</title></head>\n'
             f'<body><img alt="{escape(title)}" src="data:image/png;base64,{png}"></body></html>\n'
@@ -473,8 +471,6 @@ def plot(
 ) -> Result:
     check_out(out)
     require_matplotlib()  # before any fetch: a missing extra is said at once
-    from ops.session import session_name
-
     host = remote.host
     name = session_name(host, session)
     cache = Cache(state_dir, host.name, name)

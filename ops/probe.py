@@ -1,4 +1,4 @@
-"""Facts -> ``Status``: the pure classification behind `dflashctl status` (DESIGN.md section 6).
+"""Facts -> ``Status``: the pure classification behind `dflashctl status` (docs/design.md section 6).
 
 No I/O. The input is one dict the operator side assembles (``ops.session.gather``):
 
@@ -23,7 +23,7 @@ import signal as signal_mod
 import time
 import typing as t
 
-from ops import tmux as tmux_mod
+from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.

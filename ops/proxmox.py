@@ -22,15 +22,15 @@ import shlex
 import time
 import typing as t
 
-from ops.errors import ConfigError, ContainerDown, RemoteCommandError
-from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, _seconds
+from ops.errors import ConfigError, ConnectionRefused, ContainerDown, RemoteCommandError
+from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, timeout_arg
 
 if t.TYPE_CHECKING:
     from ops.hosts import ProxmoxApi
 
 logger = logging.getLogger(__name__)
 
-# Status values a container can have (DESIGN.md section 11: container.status).
+# Status values a container can have (docs/design.md section 11: container.status).
 RUNNING, STOPPED, MISSING = "running", "stopped", "missing"
 
 
@@ -69,7 +69,7 @@ class Container:
     def run(self, argv: t.Sequence[str], *, stdin: Stdin = None, timeout: float = DEFAULT_TIMEOUT) -> CommandResult:
         """Run argv inside the container; ``ContainerDown`` when it is stopped or missing."""
         argv = tuple(str(a) for a in argv)
-        inner = ["timeout", "-k", str(KILL_AFTER), _seconds(timeout), *argv]
+        inner = ["timeout", "-k", str(KILL_AFTER), timeout_arg(timeout), *argv]
         started = time.monotonic()
         # The host-side deadline is later than the inner one, so the inner timeout fires first and
         # kills the command where it runs.
@@ -166,7 +166,7 @@ class Container:
                     f"{self.config_key}.token_value_env",
                     f"environment variable {self.api.token_value_env} is not set (it holds the API token's secret)",
                 )
-            from proxmoxer import ProxmoxAPI
+            from proxmoxer import ProxmoxAPI  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
 
             self._api_client = ProxmoxAPI(
                 self.api.api_host,
@@ -181,7 +181,9 @@ class Container:
         return self._api_client
 
     def _api_current(self) -> dict[str, t.Any]:
-        from proxmoxer.core import ResourceException
+        from proxmoxer.core import (
+            ResourceException,  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
+        )
 
         assert self.api is not None
         try:
@@ -196,8 +198,6 @@ class Container:
                 what=f"PVE API status of {self.label}",
             ) from e
         except OSError as e:  # requests' connection errors are OSErrors
-            from ops.errors import ConnectionRefused
-
             raise ConnectionRefused(
                 self.label, f"PVE API at {self.api.api_host}:{self.api.port} unreachable: {e}"
             ) from e
@@ -207,7 +207,9 @@ class Container:
         return status if status in (RUNNING, MISSING) else STOPPED
 
     def _api_start(self, timeout: float) -> None:
-        from proxmoxer.core import ResourceException
+        from proxmoxer.core import (
+            ResourceException,  # here: only hosts with [hosts.X.proxmox] load proxmoxer (and requests)
+        )
         from proxmoxer.tools import Tasks
 
         assert self.api is not None

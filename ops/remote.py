@@ -12,10 +12,8 @@ import dataclasses
 import typing as t
 
 from ops.hosts import Host
+from ops.proxmox import Container
 from ops.transport import DEFAULT_TIMEOUT, CommandResult, LocalTransport, Stdin, Transport
-
-if t.TYPE_CHECKING:
-    from ops.proxmox import Container
 
 
 @dataclasses.dataclass
@@ -38,8 +36,7 @@ def connect(host: Host) -> Remote:
     """Open the host's transport (raises ``UnreachableError`` subclasses) and wrap its container."""
     if host.is_local:
         return Remote(host, LocalTransport())
-    from ops.proxmox import Container
-    from ops.transport import SSHTransport
+    from ops.transport import SSHTransport  # here: paramiko is imported for ssh hosts only
 
     transport = SSHTransport.connect(host)
     container = (

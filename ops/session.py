@@ -13,8 +13,11 @@ import re
 import time
 import typing as t
 
-from ops import errors, tmux
-from ops.hosts import Host, check_name
+from ops import errors, far_call
+from ops.far import tmux
+from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
+from ops.hosts import Host
+from ops.keypath import check_name
 from ops.probe import Status, classify
 
 if t.TYPE_CHECKING:
@@ -34,8 +37,10 @@ def session_name(host: Host, session: str | None) -> str:
 
 
 def request(host: Host, session: str | None = None) -> dict[str, t.Any]:
-    """What every agent verb needs to find the run: session, socket and the host's paths."""
+    """What every agent verb needs to find the run: session, socket and the host's paths; and the protocol
+    this dflashctl speaks, which the agent checks before it acts."""
     return {
+        "protocol": AGENT_PROTOCOL,
         "session": session_name(host, session),
         "socket": host.tmux_socket,
         "run_dir": host.run_dir,
@@ -102,8 +107,7 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
 
 
 def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
-    """The raw fallback: plain tmux through Remote.run, stderr read by ops.tmux's table."""
-    from ops.far.protocol import RunResult, tmux_facts
+    """The raw fallback: plain tmux through Remote.run, stderr read by ops.far.tmux's table."""
 
     def run(argv: list[str]) -> RunResult:
         res = remote.run(argv, timeout=TAIL_TIMEOUT)
@@ -254,7 +258,7 @@ def read(
     cap: int | None = None,
 ) -> dict[str, t.Any]:
     """One ``read`` call: ``attempts`` = {"<n>": {"offset", "run", "tail"}} of what the caller has;
-    ``tail``: the log tails wanted of the other attempts (``ops.agent.read``)."""
+    ``tail``: the log tails wanted of the other attempts (``ops.far.agent.read``)."""
     host = remote.host
     req = request(host, session)
     req.update(attempts={k: dict(v) for k, v in attempts.items()}, tail=tail)
@@ -274,11 +278,12 @@ def read(
 
 
 # --------------------------------------------------------------------------------------------
-# The agent protocol, operator side (the agent itself is ops/agent.py, run in the container)
+# The agent protocol, operator side (the agent itself is ops/far/agent.py, run in the container)
 
 
 class AgentUnavailable(Exception):
-    """The agent could not run at all (no python, nothing deployed): ``reason`` says why."""
+    """The agent could not run at all (no python, nothing deployed, a release without this dflashctl's
+    agent): ``reason`` says why."""
 
     def __init__(self, reason: str, *, not_deployed: bool = False) -> None:
         super().__init__(reason)
@@ -286,10 +291,13 @@ class AgentUnavailable(Exception):
         self.not_deployed = not_deployed
 
 
-AGENT_PROTOCOL = 1  # ops.agent.PROTOCOL of the agent this dflashctl understands
+# The protocol this dflashctl speaks: the number its own far side answers with (ops/far/protocol.py), so
+# a release deployed by this dflashctl always agrees; another number means another dflashctl deployed it.
+AGENT_PROTOCOL = PROTOCOL
 
-# A constant program; the release path and the verb travel as argv items, never inside the code.
-BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.agent import main; sys.exit(main())"
+# A constant program; the release path and the verb travel as argv items, never inside the code. Where it
+# finds the agent is part of the protocol: a release without ops/far/agent.py is another dflashctl's.
+BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); from ops.far.agent import main; sys.exit(main())"
 
 
 def agent_argv(workdir: str, python: str, verb: str) -> list[str]:
@@ -310,8 +318,6 @@ def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: floa
     transport errors (unreachable, container down) pass through untouched."""
     host = remote.host
     argv = agent_argv(host.workdir, host.python, verb)
-    from ops import far_call  # the one operator-side call() and "cannot exec" test (deploy uses them too)
-
     reply = far_call.call(remote, argv, stdin=json.dumps(dict(req)).encode(), timeout=timeout)
     res = reply.result
     if res.timed_out:
@@ -320,8 +326,16 @@ def call(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: floa
     last = err.splitlines()[-1] if err else ""
     if far_call.cannot_exec(res):
         raise AgentUnavailable(f"cannot run {host.python}: {last or f'exit {res.exit_code}'}")
-    if re.search(r"No module named '?ops(\.agent|\.tmux|\.runner)?'?$", last):
-        raise AgentUnavailable(f"nothing is deployed at {os.path.join(host.workdir, 'current')}", not_deployed=True)
+    current = os.path.join(host.workdir, "current")
+    missing = re.search(r"No module named '?(ops(?:\.[\w.]+)?)'?$", last)
+    if missing and missing.group(1) == "ops":
+        raise AgentUnavailable(f"nothing is deployed at {current}", not_deployed=True)
+    if missing:
+        # Another dflashctl's layout, e.g. a release from before the agent moved (ops/agent.py, no ops/far/agent.py).
+        raise AgentUnavailable(
+            f"the release at {current} does not have this dflashctl's agent (no module {missing.group(1)}): "
+            "run `dflashctl deploy`"
+        )
     answer = reply.answer
     if answer is None:
         if res.exit_code != 0:

@@ -1,4 +1,4 @@
-"""The words of the contract (DESIGN.md sections 6 and 8), defined once: run states, their causes, and
+"""The words of the contract (docs/design.md sections 6 and 8), defined once: run states, their causes, and
 restart-on-crash's actions.
 
 ``StrEnum``: a member IS its string (``"crashed" == State.CRASHED``, ``json.dumps`` and f-strings

@@ -1,4 +1,4 @@
-"""Shared pytest set-up. The real-process fixtures (sshd, fake Proxmox, tmux) live in ops.testing."""
+"""Shared pytest set-up. The real-process fixtures (sshd, fake Proxmox, tmux) live in testkit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-# Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (ops/testing/plugin.py).
-pytest_plugins = ["ops.testing.plugin"]
+# Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py).
+pytest_plugins = ["testkit.plugin"]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,9 @@
-"""What runs on the far side (inside the container), stdlib only, in real modules.
+"""What runs on the far side (inside the container), stdlib only, in real modules (tests/ops/test_layout.py
+holds every module here to the stdlib and to ``ops.far.*``).
 
+- ``agent``    probe/start/stop/tail/read: one JSON request on stdin, one JSON answer
+- ``runner``   the wrapper tmux runs: runner (pane) + keeper (records) + the command writing train.log
+- ``tmux``     tmux argv builders and the table that reads tmux's stderr (the operator's raw fallback too)
 - ``procfs``   processes and the machine: stat, boot time, THE liveness verdict (by start time)
 - ``records``  a session's attempt layout and its run.json / exit.json
 - ``atomic``   records written then renamed; symlinks switched by rename

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import typing as t
 
-from ops import tmux
+from ops.far import tmux
 from ops.far.procfs import ProcessFacts
 
 PROTOCOL = 1
@@ -26,14 +26,14 @@ class Envelope(t.TypedDict, total=False):
     ok: t.Required[bool]
     protocol: int
     verb: str
-    error: str  # when not ok: the kind (usage, bad-request, busy, run-active, recheck, need-content...)
+    error: str  # when not ok: the kind (usage, bad-request, protocol, busy, run-active, recheck, need-content...)
     message: str  # when not ok: one line for a person
 
 
 # --------------------------------------------------------------------------------------------
 # The agent's facts (probe)
 
-Pane = dict[str, str]  # ops.tmux.PANE_FIELDS -> value
+Pane = dict[str, str]  # ops.far.tmux.PANE_FIELDS -> value
 
 
 class TmuxFacts(t.TypedDict):

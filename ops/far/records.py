@@ -3,7 +3,7 @@
     <run_dir>/<session>/attempt-<n>/{run.json, exit.json, stop.json, train.log, metrics.jsonl}
     <run_dir>/<session>/current -> attempt-<n>
 
-Written by the runner (ops/runner.py), read by the agent and the release program's "is a run live" check.
+Written by the runner (ops/far/runner.py), read by the agent and the release program's "is a run live" check.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ an old interpreter to report it. The request is one JSON object (an argv item, s
 stdin is the tar); the answer is one JSON object on stdout, the envelope every far-side verb uses
 (``ops.far.protocol``): ``{"ok": true, "protocol", "verb", ...}`` or ``{"ok": false, ..., "error", "message"}``.
 
-Layout (DESIGN.md section 4)::
+Layout (docs/design.md section 4)::
 
     <workdir>/releases/<id>/            one per deploy; <id> = first 16 hex of the manifest's sha256
     <workdir>/releases/<id>/.release.json   the manifest (full id, per-file sha256/size/mode)
@@ -195,7 +195,7 @@ def run_state(run_dir: str, session: str) -> dict[str, t.Any]:
 
 
 def inspect(workdir: str, run_dir: str, session: str, modules: t.Sequence[str]) -> dict[str, t.Any]:
-    import importlib.util
+    import importlib.util  # here: only inspect asks (the program runs one verb, on any python >= 3.7)
 
     missing = []
     for name in modules:
@@ -272,7 +272,7 @@ def sync_fs(path: str) -> None:
     """Flush the release's filesystem once (syncfs), not every file: one call instead of hundreds."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        import ctypes
+        import ctypes  # here, in the try: a minimal python may lack _ctypes (then os.sync())
 
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.syncfs(fd) != 0:

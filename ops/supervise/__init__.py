@@ -1,6 +1,6 @@
 """restart-on-crash: watch one run and bring it back after a crash, without thrashing and never blind.
 
-Two halves (DESIGN.md sections 8 and 11):
+Two halves (docs/design.md sections 8 and 11):
 
 - ``Policy`` is a pure state machine: it takes a ``Status`` and the time and returns a ``Decision``
   (``restart``, ``stop-then-restart``, ``start-container``, ``wait``, ``give-up``, ``done``) with its

@@ -18,13 +18,14 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
+from ops import session as run
 from ops.group import Group, fan_out, verdict
 from ops.hosts import Host
 from ops.probe import Status, iso
 from ops.states import Action, Cause, State
 from ops.supervise.loop import Supervisor, save_stack
 from ops.supervise.policy import Decision, Options
-from ops.supervise.state import IncidentLog, Lock, _slug
+from ops.supervise.state import IncidentLog, Lock, slug
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -69,7 +70,7 @@ class GroupSupervisor(Supervisor):
         self.members = list(members)
         name = f"group-{group.name}"  # never a host's name: hosts.toml refuses a group named like a host
         self.incidents = IncidentLog(self.state_dir, name, self.session)
-        base = f"{_slug(name)}.{_slug(self.session)}"
+        base = f"{slug(name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{name}/{self.session}")
         self.memory_path = self.state_dir / "supervise" / f"{base}.json"
         self._remotes: dict[str, Remote] = {}
@@ -109,7 +110,6 @@ class GroupSupervisor(Supervisor):
     def probe(self) -> Status:
         """Every node at once; the group's status is the worst node's (the node named in the headline),
         or, when all run, the first node's; its attempt is the highest of the nodes'."""
-        from ops import session as run
 
         def one(host: Host) -> Status:
             st = run.status(host, self.session, lambda: self._remote_of(host))
@@ -152,8 +152,6 @@ class GroupSupervisor(Supervisor):
     def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
         """Stop the nodes still alive, then start every node (a new attempt each; the highest is returned);
         or start the stopped container of the node that is down."""
-        from ops import session as run
-
         hosts = {h.name: h for h in self.members}
         if d.action == Action.START_CONTAINER:
             for node in self._last:

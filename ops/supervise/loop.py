@@ -16,10 +16,12 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
+from ops import session as run
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
 from ops.probe import Status, iso
+from ops.remote import connect as connect_remote
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.policy import (
     DONE,
@@ -29,11 +31,11 @@ from ops.supervise.policy import (
     Decision,
     Options,
     Policy,
-    _dur,
     describe,
+    duration,
     reconnect_delay,
 )
-from ops.supervise.state import IncidentLog, Lock, _slug, default_state_dir, incident_for, private_dir, run_hook
+from ops.supervise.state import IncidentLog, Lock, default_state_dir, incident_for, private_dir, run_hook, slug
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote
@@ -125,8 +127,6 @@ class Supervisor:
         rng: random.Random | None = None,
         hide_env: t.Sequence[str] = (),
     ) -> None:
-        from ops import session as run
-
         self.host = host
         self.session = run.session_name(host, session)
         self.opts = opts
@@ -136,15 +136,13 @@ class Supervisor:
         self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
         self._emit = emit
         if connect is None:
-            from ops.remote import connect as connect_remote
-
             connect = connect_remote
         self._connect_fn = connect
         self.clock = clock
         self.rng = rng or random.Random()
         self.policy = Policy(opts, rng=self.rng)
         self.incidents = IncidentLog(self.state_dir, host.name, self.session)
-        base = f"{_slug(host.name)}.{_slug(self.session)}"
+        base = f"{slug(host.name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{host.name}/{self.session}")
         self.memory_path = self.state_dir / "supervise" / f"{base}.json"
         self._remote: Remote | None = None
@@ -172,8 +170,6 @@ class Supervisor:
             self._remote = None
 
     def probe(self) -> Status:
-        from ops import session as run
-
         try:
             st = run.status(self.host, self.session, self._connect)
         except Exception as e:  # a bug or an untyped library error must not end an overnight watch
@@ -378,7 +374,7 @@ class Supervisor:
                 self._drop()
             delay = self.policy.recovered(now, d.action, ok=False, error=str(e))
             inc.update(outcome="failed", error=str(e), done_at=iso(now))
-            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {_dur(delay)}" if delay else ""))
+            self.emit(f"{d.action} failed: {e}; re-probing" + (f", next try in {duration(delay)}" if delay else ""))
             self._open = (path, inc)
             self._announce(path, inc)
             return False
@@ -391,8 +387,6 @@ class Supervisor:
     def _act(self, st: Status, d: Decision, inc: dict[str, t.Any]) -> int | None:
         """The recovery itself (the incident's bookkeeping is ``_recover``'s): the attempt it started, or
         None when it started none (a container start: the next probe decides)."""
-        from ops import session as run
-
         remote = self._connect()
         if d.action == START_CONTAINER:
             if remote.container is None:
@@ -439,7 +433,7 @@ class Supervisor:
 
     def _outage_over(self, now: float, lasted: float, tries: int) -> None:
         self.emit(
-            f"reachable again after {_dur(lasted)} ({tries} reconnect tr{'y' if tries == 1 else 'ies'}); re-probed"
+            f"reachable again after {duration(lasted)} ({tries} reconnect tr{'y' if tries == 1 else 'ies'}); re-probed"
         )
         if self._outage is None:
             return

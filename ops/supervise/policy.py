@@ -32,7 +32,7 @@ RECONNECT_CAP = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The command-line options of restart-on-crash (defaults: DESIGN.md section 11)."""
+    """The command-line options of restart-on-crash (defaults: docs/design.md section 11)."""
 
     interval: float = 30.0
     backoff: float = 10.0
@@ -65,7 +65,7 @@ class Options:
 
 
 def _when(delay: float, opts: Options) -> str:
-    return ("now (--once)" if opts.once else "now") if delay <= 0 else f"in {_dur(delay)}"
+    return ("now (--once)" if opts.once else "now") if delay <= 0 else f"in {duration(delay)}"
 
 
 def backoff_delay(streak: int, backoff: float, max_backoff: float, rng: random.Random) -> float:
@@ -95,7 +95,7 @@ def parse_iso(text: str | None) -> float | None:
         return None
 
 
-def _dur(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 10:
         return f"{seconds:.1f}s"
     if seconds < 120:
@@ -348,7 +348,7 @@ class Policy:
                 if n >= o.max_restarts:
                     return Decision(
                         GIVE_UP,
-                        f"crash loop: {n} restart tries within --window {_dur(o.window)} "
+                        f"crash loop: {n} restart tries within --window {duration(o.window)} "
                         f"(--max-restarts {o.max_restarts}), the last one failed ({p.error}); "
                         f"last failure: {what}",
                         new=True,
@@ -369,25 +369,25 @@ class Policy:
         # Twice = two different attempts, each failing before --min-uptime (a supervisor restarted by
         # cron or systemd may judge the same crashed attempt again: that is not a second crash).
         if fp is not None and fp == self.last_fingerprint and early and st.attempt != self.last_failure_attempt:
-            lived = f"after {_dur(uptime)}" if uptime is not None else "early"
+            lived = f"after {duration(uptime)}" if uptime is not None else "early"
             return Decision(
                 GIVE_UP,
                 f"crash loop: the same failure twice in a row, the second {lived}, before "
-                f"--min-uptime {_dur(o.min_uptime)}: {what}",
+                f"--min-uptime {duration(o.min_uptime)}: {what}",
                 new=True,
             )
         n = self.restarts_in_window(now)
         if n >= o.max_restarts:
             return Decision(
                 GIVE_UP,
-                f"crash loop: {n} restarts within --window {_dur(o.window)} (--max-restarts "
+                f"crash loop: {n} restarts within --window {duration(o.window)} (--max-restarts "
                 f"{o.max_restarts}); last failure: {what}",
                 new=True,
             )
         self.last_fingerprint, self.last_failure_attempt = (fp, st.attempt) if early else (None, None)
         delay = self._backoff(self.streak)
         verb = "stop and restart" if action == STOP_THEN_RESTART else "restart"
-        reason = f"{verb} {_when(delay, o)} (restart {n + 1} of at most {o.max_restarts} within {_dur(o.window)})"
+        reason = f"{verb} {_when(delay, o)} (restart {n + 1} of at most {o.max_restarts} within {duration(o.window)})"
         self.pending = Pending(key, action, now + delay, reason)
         return Decision(action, reason, delay=delay, new=True)
 

@@ -20,6 +20,7 @@ from ops.far.atomic import write_json_atomic
 from ops.probe import Status, iso
 from ops.states import RECOVERY
 from ops.supervise.policy import Decision, Options
+from ops.transport import LocalTransport
 
 HOOK_TIMEOUT = 60.0
 
@@ -46,7 +47,7 @@ def private_dir(path: Path) -> Path:
     return path
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
 
 
@@ -115,7 +116,9 @@ class IncidentLog:
         self.count += 1
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
         att = f"attempt{incident['attempt']}" if incident.get("attempt") is not None else "noattempt"
-        name = f"{stamp}-{_slug(self.host)}-{_slug(self.session)}-{att}-{incident['state']}-{os.getpid()}-{self.count}.json"
+        name = (
+            f"{stamp}-{slug(self.host)}-{slug(self.session)}-{att}-{incident['state']}-{os.getpid()}-{self.count}.json"
+        )
         return self.dir / name
 
     def write(self, path: Path, incident: dict[str, t.Any]) -> None:
@@ -163,8 +166,6 @@ def run_hook(
     """``--on-event``: the incident as JSON on stdin, its gist in DFLASHCTL_* variables, without the
     secret variables named in ``hide_env`` (the inventory's API tokens). Through LocalTransport
     (its own session: a Ctrl-C meant for us does not reach it); never raises."""
-    from ops.transport import LocalTransport
-
     env = {
         "DFLASHCTL_STATE": incident.get("state") or "",
         "DFLASHCTL_CAUSE": incident.get("cause") or "",

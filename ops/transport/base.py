@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import typing as t
 
-from ops.errors import CommandTimeout
+from ops.errors import CommandTimeout, RemoteCommandError
 
 # What stdin may be: bytes, a binary file, or an iterator of chunks (streamed, never held whole).
 Stdin = bytes | t.BinaryIO | t.Iterable[bytes] | None
@@ -48,8 +48,6 @@ class CommandResult:
 
     def check(self, what: str | None = None) -> CommandResult:
         """Return self when the command succeeded, else raise ``RemoteCommandError``/``CommandTimeout``."""
-        from ops.errors import RemoteCommandError
-
         if self.timed_out:
             raise CommandTimeout(self.argv, self.timeout or 0.0)
         if self.exit_code != 0:
@@ -94,7 +92,7 @@ def iter_stdin(stdin: Stdin) -> t.Iterator[bytes]:
             yield bytes(chunk)
 
 
-def _seconds(timeout: float) -> str:
+def timeout_arg(timeout: float) -> str:
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     return f"{timeout:.3f}".rstrip("0").rstrip(".")

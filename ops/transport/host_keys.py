@@ -14,11 +14,9 @@ import secrets
 import typing as t
 from pathlib import Path
 
+from ops.errors import HostKeyRejected, HostKeyRevoked
 from ops.transport._paramiko import paramiko
 from ops.transport.ssh_config import SSHTarget
-
-if t.TYPE_CHECKING:
-    from ops.errors import HostKeyRevoked
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +176,7 @@ def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-class _HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # paramiko ships no types
+class HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # paramiko ships no types
     """Our own known_hosts check in the place of paramiko's (nothing is loaded into the client, so
     paramiko asks us about every key): unknown or changed -> ``HostKeyRejected``, nothing runs."""
 
@@ -187,8 +185,6 @@ class _HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # par
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        from ops.errors import HostKeyRejected
-
         verdict, entries = self.known.check(self.target.known_name, key)
         if verdict == "known":
             return
@@ -223,8 +219,6 @@ class _HostKeyCheck(paramiko.MissingHostKeyPolicy):  # type: ignore[misc]  # par
 
 def revoked_error(target: SSHTarget, key: paramiko.PKey, where: t.Sequence[str]) -> HostKeyRevoked:
     """The one refusal for a revoked key (connect, doctor and trust-host say the same)."""
-    from ops.errors import HostKeyRevoked
-
     fp = fingerprint(key)
     return HostKeyRevoked(
         target.label,
@@ -283,7 +277,7 @@ def record_host_key(scan: HostKeyScan, *, replace: bool = False) -> str:
     return str(path)
 
 
-def _line_names(hosts: str, name: str) -> bool:
+def line_names(hosts: str, name: str) -> bool:
     """True when a known_hosts host field names ``name`` itself (plain or hashed), not by pattern."""
     name = name.lower()
     for h in hosts.split(","):
@@ -299,9 +293,9 @@ def _without_name(line: str, name: str) -> str | None:
     (``@revoked``, ``@cert-authority``), comments, pattern and unreadable lines stay as they are:
     --replace drops the old key of this host, never a revocation or another host's entry."""
     fields = line.split()
-    if not fields or fields[0].startswith(("#", "@")) or not _line_names(fields[0], name):
+    if not fields or fields[0].startswith(("#", "@")) or not line_names(fields[0], name):
         return line
-    rest = [h for h in fields[0].split(",") if not _line_names(h, name)]
+    rest = [h for h in fields[0].split(",") if not line_names(h, name)]
     if not [h for h in rest if not h.startswith("!")]:
         return None
     return line.replace(fields[0], ",".join(rest), 1)

@@ -14,6 +14,8 @@ import threading
 import time
 import typing as t
 
+from ops import errors
+from ops.errors import ConnectionLost
 from ops.transport._paramiko import paramiko
 from ops.transport.base import (
     CHUNK,
@@ -23,10 +25,10 @@ from ops.transport.base import (
     CommandResult,
     Stdin,
     Transport,
-    _seconds,
     iter_stdin,
+    timeout_arg,
 )
-from ops.transport.host_keys import HostKeyScan, KnownHosts, _HostKeyCheck, _line_names, fingerprint
+from ops.transport.host_keys import HostKeyCheck, HostKeyScan, KnownHosts, fingerprint, line_names
 from ops.transport.ssh_config import SSHTarget, resolve_target
 
 if t.TYPE_CHECKING:
@@ -73,8 +75,6 @@ class _Transport(paramiko.Transport):  # type: ignore[misc]  # paramiko ships no
 
 def _unreachable(target: SSHTarget, exc: BaseException) -> BaseException:
     """Turn what paramiko/socket raised while connecting into our typed error (or return it as is)."""
-    from ops import errors
-
     where = f"{target.hostname}:{target.port}"
     if isinstance(exc, errors.OpsError):
         return exc
@@ -135,7 +135,7 @@ def _client(target: SSHTarget, sock: t.Any) -> paramiko.SSHClient:
     """An authenticated client for ``target`` over ``sock`` (or a fresh TCP connection)."""
     known = KnownHosts(target.known_hosts)
     client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(_HostKeyCheck(target, known))
+    client.set_missing_host_key_policy(HostKeyCheck(target, known))
     try:
         client.connect(
             target.hostname,
@@ -203,8 +203,6 @@ class SSHTransport(Transport):
         return bool(tr is not None and tr.is_active() and tr.is_authenticated())
 
     def _transport(self) -> paramiko.Transport:
-        from ops.errors import ConnectionLost
-
         tr = self._client.get_transport() if self._client is not None else None
         if tr is None or not tr.is_active():
             raise ConnectionLost(
@@ -215,7 +213,7 @@ class SSHTransport(Transport):
     def run(self, argv: t.Sequence[str], *, stdin: Stdin = None, timeout: float = DEFAULT_TIMEOUT) -> CommandResult:
         argv = tuple(str(a) for a in argv)
         # Quoted once; the remote `timeout` kills the command even when our side stops waiting.
-        command = remote_command(["timeout", "-k", str(KILL_AFTER), _seconds(timeout), *argv])
+        command = remote_command(["timeout", "-k", str(KILL_AFTER), timeout_arg(timeout), *argv])
         logger.debug("ssh %s: %s", self.target.label, shlex.join(argv))
         started = time.monotonic()
         try:
@@ -313,8 +311,6 @@ def remote_command(argv: t.Sequence[str]) -> str:
 
 
 def _lost(target: SSHTarget, exc: BaseException) -> Exception:
-    from ops.errors import ConnectionLost
-
     return ConnectionLost(
         target.label, f"the ssh connection to {target.hostname}:{target.port} broke: {exc or type(exc).__name__}"
     )
@@ -401,5 +397,5 @@ def scan_host_key(host: Host) -> HostKeyScan:
     name = target.known_name
     verdict, entries = known.check(name, key)
     recorded = tuple((f, k.get_name(), fingerprint(k)) for f, k in entries)
-    patterns = tuple(f"{e.file}:{e.line} ({e.hosts})" for e in known.matching(name) if not _line_names(e.hosts, name))
+    patterns = tuple(f"{e.file}:{e.line} ({e.hosts})" for e in known.matching(name) if not line_names(e.hosts, name))
     return HostKeyScan(target, key, verdict, recorded, known.note(name), tuple(known.revoked_at(name, key)), patterns)

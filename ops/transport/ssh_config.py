@@ -11,6 +11,7 @@ import re
 import socket
 import typing as t
 
+from ops.errors import ConfigError
 from ops.transport._paramiko import paramiko
 
 if t.TYPE_CHECKING:
@@ -44,8 +45,6 @@ class SSHTarget:
 def resolve_target(host: Host) -> SSHTarget:
     """The host's ssh endpoint: hosts.toml first, then ``~/.ssh/config`` (HostName, User, Port,
     IdentityFile, ProxyJump one hop, ProxyCommand), then ssh's defaults."""
-    from ops.errors import ConfigError
-
     assert host.address is not None, "an ssh host always has an address"
     cfg = _ssh_config(host.ssh_config).lookup(host.address)
     if host.identity_file:
@@ -100,8 +99,6 @@ def expand_proxy_command(raw: str, *, host: Host, hostname: str, port: int, user
     """OpenSSH's ProxyCommand tokens (``%%``, ``%h``, ``%p``, ``%r``, ``%n``, ``%u``, ``%d``, ``%i``,
     ``%L``, ``%l``, ``%C``) with the final host, port and user; ``~`` at the start of a word is HOME
     (ssh hands the line to a shell; paramiko does not, so we do what that shell would)."""
-    from ops.errors import ConfigError
-
     local = socket.gethostname()
     values = {
         "%": "%",
@@ -135,19 +132,13 @@ def _ssh_config(path: str) -> paramiko.SSHConfig:
     try:
         return _SSHConfig.from_path(full)
     except UnicodeDecodeError as e:
-        from ops.errors import ConfigError
-
         raise ConfigError(full, f"cannot read ssh config: not UTF-8 text (byte {e.start})") from e
     except (OSError, paramiko.ConfigParseError) as e:
-        from ops.errors import ConfigError
-
         raise ConfigError(full, f"cannot read ssh config: {e}") from e
 
 
 def _jump_target(host: Host, spec: str, key_files: tuple[str, ...], known_hosts: tuple[str, ...]) -> SSHTarget:
     """One ProxyJump hop, ``[user@]host[:port]`` or a Host alias of ~/.ssh/config."""
-    from ops.errors import ConfigError
-
     if "," in spec:
         raise ConfigError(f"{host.ssh_config} ProxyJump", f"only one hop is supported, got {spec!r}")
     user, _, rest = spec.rpartition("@")

@@ -80,7 +80,8 @@ def test_files_config_keys_and_parameter_names_are_zlab(tmp_path) -> None:
     assert cfg["model_type"] == "qwen3"
     assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 8
-    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 5]}
+    assert cfg["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 5], "block_size": 4}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 6]  # vLLM reads these layer ids as they are
     assert cfg["layer_types"] == ["full_attention", "full_attention"] and cfg["sliding_window"] is None
     assert cfg["rope_theta"] == 10000.0  # for transformers 4.x readers
     assert cfg["dtype"] == "float32" and cfg["tie_word_embeddings"] is False

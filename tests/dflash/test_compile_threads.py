@@ -1,4 +1,4 @@
-"""Compiled drafters in threads (DESIGN 16): compiled once, serially, for every shape; never recompiled
+"""Compiled drafters in threads (docs/design.md section 16): compiled once, serially, for every shape; never recompiled
 in a thread; flex attention never unfused.
 
 Three drafter threads on the CPU with the batch shapes of configs/tiny-cpu.toml (4 rows, up to 96
@@ -25,10 +25,11 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
+from dflash.compile import warm_up, warm_up_shapes
 from dflash.config import load_config
 from dflash.drafter import CompileMissError
 from dflash.loss import drafter_loss
-from dflash.train import Run, warm_up, warm_up_shapes
+from dflash.train import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.batching import BatchPlan
+from dflash.chat import load_tokenizer
 from dflash.data import (
-    BatchPlan,
     ChatRenderer,
     DataError,
     DataPosition,
@@ -18,7 +19,6 @@ from dflash.data import (
     Shard,
     collate,
     has_anchor,
-    load_tokenizer,
     shard_starts,
 )
 

@@ -41,8 +41,8 @@ from dflash.loss import (
 )
 from dflash.metrics import Metrics
 from dflash.pipeline import FeatureQueue, Item, Pipeline, PipelineOptions, StepStats
+from dflash.replicas import DrafterReplica, FeatureBatch, LRSchedule, TargetReplica
 from dflash.target import TargetModel, tiny_target_config
-from dflash.train import DrafterReplica, FeatureBatch, LRSchedule, TargetReplica
 
 pytestmark = pytest.mark.timeout(120)
 

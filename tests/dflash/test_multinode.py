@@ -29,7 +29,7 @@ from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 from dflash.tiny import TinySpec, make_tiny
 from dflash.train import Run, weights_digest
 from ops.group import NODE_ENV
-from ops.testing import free_port, pid_alive, retry_until
+from testkit import free_port, pid_alive, retry_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

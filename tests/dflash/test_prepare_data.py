@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chat_templates import QWEN3, SPLIT, WORDS
 
 from dflash.chat import BadRecord, Renderer, messages_of
 from dflash.config import load_config
 from dflash.data import DataError, JsonlDataset
 from dflash.store import DIE_AFTER_ENV, PrepareSpec, StoreError, TokenStore, prepare
+from testkit.chat_templates import QWEN3, SPLIT, WORDS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
@@ -386,7 +386,7 @@ def test_config_chat_template_kwargs(tmp_path: Path) -> None:
 
 
 def test_the_vectorized_plan_of_a_store_follows_the_list_plans_rules() -> None:
-    from dflash.data import BatchPlan
+    from dflash.batching import BatchPlan
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 300, size=3000)

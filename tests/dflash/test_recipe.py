@@ -14,7 +14,8 @@ import torch
 
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.data import collate
-from dflash.train import FeatureBatch, Run
+from dflash.replicas import FeatureBatch
+from dflash.train import Run
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

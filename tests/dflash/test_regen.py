@@ -21,10 +21,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from chat_templates import QWEN3, SPLIT, WORDS
 from packaging.version import Version
 
-from ops.testing import free_port, retry_until
+from testkit import free_port, retry_until
+from testkit.chat_templates import QWEN3, SPLIT, WORDS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -165,8 +165,7 @@ def reference(target: Path, records: list[dict[str, t.Any]]) -> tuple[dict[int, 
     TargetModel.generate_greedy): an implementation independent of regen's batched ``generate``."""
     import torch
 
-    from dflash.chat import messages_of
-    from dflash.data import load_tokenizer
+    from dflash.chat import load_tokenizer, messages_of
     from dflash.target import TargetModel
 
     tok = load_tokenizer(str(target))

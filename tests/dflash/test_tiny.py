@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.chat import Renderer, messages_of
+from dflash.chat import Renderer, load_tokenizer, messages_of
 from dflash.config import load_config
-from dflash.data import JsonlDataset, load_tokenizer
+from dflash.data import JsonlDataset
 from dflash.target import TargetModel
 from dflash.tiny import CHAT_TEMPLATE, Language, TinyError, TinySpec, load_manifest, make_tiny
 from dflash.train import Run

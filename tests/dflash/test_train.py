@@ -24,8 +24,9 @@ from dflash.config import ConfigError, RunConfig, load_config
 from dflash.data import collate
 from dflash.loss import drafter_loss
 from dflash.pipeline import PipelineError
-from dflash.train import LRSchedule, Run
-from ops.testing import retry_until
+from dflash.replicas import LRSchedule
+from dflash.train import Run
+from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

@@ -11,13 +11,14 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 
-from ops import errors, session, tmux
+from ops import errors, session
+from ops.far import tmux
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote
-from ops.testing import TmuxServers, pid_alive, retry_until
 from ops.transport import LocalTransport
+from testkit import TmuxServers, pid_alive, retry_until
+from testkit.runkit import fake_release, reap_runs, train_command
 
 
 def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) -> Host:
@@ -45,7 +46,7 @@ def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) 
 
 
 def dflashctl(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit.hostsfile import dflashctl_argv
 
     return subprocess.Popen(
         [*dflashctl_argv(), "--hosts", str(tmp_path / "hosts.toml"), *args],
@@ -200,7 +201,11 @@ def test_tail_follow_reads_new_lines_by_offset(local: Remote, tmp_path: Path) ->
 def test_agent_answers_json_for_bad_requests(tmp_path: Path) -> None:
     def agent(verb: str, stdin: str) -> tuple[int, dict]:
         p = subprocess.run(
-            [sys.executable, "-m", "ops.agent", verb, "--json"], input=stdin, capture_output=True, text=True, timeout=30
+            [sys.executable, "-m", "ops.far.agent", verb, "--json"],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         return p.returncode, json.loads(p.stdout)
 
@@ -227,7 +232,7 @@ def test_session_option_is_checked_before_anything_runs(tmp_path: Path, tmux_soc
 def test_probe_without_tmux_installed(tmp_path: Path) -> None:
     req = {"session": "dflash", "socket": "nosuch", "run_dir": str(tmp_path), "tmux": str(tmp_path / "no-tmux")}
     p = subprocess.run(
-        [sys.executable, "-m", "ops.agent", "probe", "--json"],
+        [sys.executable, "-m", "ops.far.agent", "probe", "--json"],
         input=json.dumps(req),
         capture_output=True,
         text=True,
@@ -290,7 +295,7 @@ def test_probe_reads_nvidia_smi_per_gpu(tmp_path: Path) -> None:
 
     def probe(**env: str) -> dict:
         p = subprocess.run(
-            [sys.executable, "-m", "ops.agent", "probe", "--json"],
+            [sys.executable, "-m", "ops.far.agent", "probe", "--json"],
             input=req,
             capture_output=True,
             text=True,

@@ -6,7 +6,10 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -140,3 +143,47 @@ def test_tar_stream_stops_short_when_a_file_changes_after_hashing(tmp_path: Path
     stream = TarStream(bundle, [bundle.by_path()["dflash/train.py"]], bundle.manifest_bytes())
     b"".join(stream)
     assert stream.error is not None and "cannot read" in stream.error
+
+
+def test_the_checkout_bundle_ships_the_far_side_and_no_test_scaffolding() -> None:
+    """The GPU box gets the agent, the runner and their modules, never testkit/ (a fake pct, a fake Proxmox)."""
+    paths = {f.path for f in build_bundle().files}
+    assert {"ops/far/agent.py", "ops/far/runner.py", "ops/far/tmux.py", "ops/far/protocol.py"} <= paths
+    assert [p for p in paths if p.startswith(("testkit/", "tests/", "bench/")) or "/testing/" in p] == []
+
+
+def test_the_wheel_leaves_the_test_scaffolding_out(tmp_path: Path) -> None:
+    """A real wheel, built from a copy of the checkout: dflash and ops (the far side too), not testkit."""
+    root = source_root()
+    assert root is not None
+    src = tmp_path / "src"
+    for name in ("dflash", "ops", "testkit", "pyproject.toml", "README.md"):
+        if not (root / name).exists():
+            continue
+        if (root / name).is_dir():
+            shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(root / name, src / name)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    (wheel,) = tmp_path.glob("dflash-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"dflash", "ops"}
+    assert [n for n in names if "/testing/" in n or "pct.py" in n] == []
+    assert "ops/far/agent.py" in names

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from runkit import REPO, reap_runs
 
 from dflash.tiny import TinySpec, make_tiny
-from ops.testing import CliResult, retry_until
-from ops.testing.hostsfile import dflashctl_argv, dump_hosts
+from testkit import CliResult, retry_until
+from testkit.hostsfile import dflashctl_argv, dump_hosts
+from testkit.runkit import REPO, reap_runs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -248,28 +248,3 @@ def test_restart_on_crash_restarts_the_run_which_resumes_from_its_checkpoint(dem
     assert st["state"] == "succeeded" and st["attempt"] == 2 and st["_exit"] == 4
     incidents = [json.loads(p.read_text()) for p in (state / "incidents").glob("*.json")]
     assert any(i.get("state") == "crashed" and i.get("cause") == "python-exception" for i in incidents), incidents
-
-
-# ---------------------------------------------------------------------------------------------
-# README.md stays true to the code
-
-
-def test_readme_tomls_parse_and_its_state_table_is_the_cli_s() -> None:
-    from ops.cli import STATE_EXIT
-    from ops.hosts import parse_inventory
-
-    text = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```toml\n(.*?)```", text, re.S)
-    hosts = [b for b in blocks if "[hosts." in b]
-    assert len(hosts) == 3
-    inv = parse_inventory(hosts[0], path=None, base=REPO)
-    shipped = parse_inventory((REPO / "hosts.toml").read_text(), path=None, base=REPO)
-    assert inv.get("local") == shipped.get("local"), "README shows the shipped local host"
-    pve = parse_inventory(hosts[1], path=None, base=REPO).get("pve")
-    assert pve.container == 200 and pve.address == "pve.example.internal" and pve.proxmox is not None
-    big = parse_inventory(hosts[2], path=None, base=REPO)  # "More than one box": a two-host group
-    assert big.group("big").hosts == ("pve1", "pve2") and big.group("big").rdzv == "10.0.0.11:29400"
-    assert big.group("big").node_command(big.get("pve2"))[:3] == ("python", "-m", "torch.distributed.run")
-    rows = dict(re.findall(r"^\| `([a-z-]+)` \| (\d+) \|", text, re.M))
-    assert {k: int(v) for k, v in rows.items()} == {k: int(v) for k, v in STATE_EXIT.items()}
-    assert "scripts/demo     #" in text and "scripts/test     #" in text

@@ -29,8 +29,8 @@ from ops.deploy import REMOTE_PROGRAM, Progress, deploy, rollback
 from ops.errors import DeployError, MissingDependencies, NotDeployed, OpsError, RunActive
 from ops.hosts import Host, parse_inventory
 from ops.remote import Remote, connect
-from ops.testing import retry_until
 from ops.transport import CommandResult
+from testkit import retry_until
 
 # --------------------------------------------------------------------------------------------
 # Fixtures
@@ -471,7 +471,7 @@ def write_run(
     pid_start: int | None = None,
     **extra: int | None,
 ) -> None:
-    """A run record as ops.runner writes it (the keys deploy reads)."""
+    """A run record as ops.far.runner writes it (the keys deploy reads)."""
     attempt = target.run_dir / target.host.session / "attempt-1"
     attempt.mkdir(parents=True)
     (target.run_dir / target.host.session / "current").symlink_to("attempt-1")
@@ -530,7 +530,7 @@ def test_an_ended_run_or_a_reused_pid_does_not_block(
     write_source(src, mark="v2")
     assert deploy(local.remote, local.host, source=str(src), echo=lambda s: None).action == "deployed"
     # The runner's pid_start (clock ticks since boot) decides when present: another start = another process.
-    from ops.runner import proc_stat
+    from ops.far.runner import proc_stat
 
     ticks = proc_stat(live_process.pid)[1]
     for pid_start, blocked in ((ticks + 1, False), (ticks, True)):
@@ -731,7 +731,7 @@ def test_after_deploying_this_checkout_the_agent_runs_from_current(pve_hosts: t.
     assert summary.startswith("deployed ") and " to pve (ct 200): " in summary
     release = summary.split()[1]
     assert os.readlink(pve_hosts.workdir / "current") == f"releases/{release}"
-    assert (pve_hosts.workdir / "current" / "ops" / "agent.py").is_file()
+    assert (pve_hosts.workdir / "current" / "ops" / "far" / "agent.py").is_file()
     after = pve_hosts.cli("status", "--json")
     assert json.loads(after.stdout)["mode"] == "agent", after.stdout  # the agent now runs from current
 
@@ -780,7 +780,7 @@ def test_a_command_that_outlived_its_runner_still_blocks(
     local: Target, src: Path, live_process: subprocess.Popen[bytes]
 ) -> None:
     # The runner was SIGKILLed (its pid is gone) but its keeper and the training command go on: still a live run.
-    from ops.runner import proc_stat
+    from ops.far.runner import proc_stat
 
     gone = subprocess.Popen(["true"])
     gone.wait()

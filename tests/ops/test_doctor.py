@@ -10,9 +10,9 @@ import pytest
 
 from ops import doctor
 from ops.hosts import parse_inventory
-from ops.testing import PveHosts
-from ops.testing.hostsfile import dump_hosts
-from ops.testing.sshd import keygen
+from testkit import PveHosts
+from testkit.hostsfile import dump_hosts
+from testkit.sshd import keygen
 
 
 def checks(result: t.Any, host: str = "pve") -> dict[str, dict[str, t.Any]]:

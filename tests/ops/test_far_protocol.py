@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import agent
+from ops.far import agent
 from ops.far.procfs import ProcessFacts
 from ops.far.protocol import AttemptFacts, Envelope, ProbeFacts, TmuxFacts
 

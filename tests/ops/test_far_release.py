@@ -175,7 +175,7 @@ def test_one_liveness_verdict(tmp_path: Path) -> None:
 
 
 def procfs_retry(check: t.Callable[[], bool]) -> bool:
-    from ops.testing import retry_until
+    from testkit import retry_until
 
     retry_until(check, 10)
     return True

@@ -25,10 +25,10 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 
-from ops.testing import PveHosts, retry_until
-from ops.testing.hostsfile import dflashctl_argv
+from testkit import PveHosts, retry_until
+from testkit.hostsfile import dflashctl_argv
+from testkit.runkit import fake_release, reap_runs, train_command
 
 VMID = 200
 K = 5  # checkpoint every K steps
@@ -523,7 +523,7 @@ def test_hung_process_is_stopped_and_restarted_with_restart_stalled(rig: Rig) ->
     if shutil.which("py-spy", path=os.path.dirname(sys.executable)):
         dump = (rig.attempt(1) / "py-spy-dump.txt").read_text()
         assert stack["saved"] == str(rig.attempt(1) / "py-spy-dump.txt") and stack["error"] is None
-        assert "fake_train.py" in dump and "end (fake_train.py" in stack["stack"]  # where it hangs
+        assert "fake_train.py" in dump and "end (testkit/fake_train.py" in stack["stack"]  # where it hangs
         assert sup.events(r"saved the hung process's stack to ")
     else:
         assert stack["saved"] is None and "py-spy is not installed" in stack["error"]

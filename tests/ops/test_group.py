@@ -19,7 +19,7 @@ import pytest
 from ops.errors import ConfigError
 from ops.group import Verdict, fan_out, parse_groups, verdict
 from ops.hosts import Host
-from ops.testing import retry_until
+from testkit import retry_until
 
 
 def host(name: str, **kw: t.Any) -> Host:
@@ -242,7 +242,7 @@ class Pair:
 
 @pytest.fixture
 def pair(tmp_path: Path, tmux_servers: t.Any) -> t.Iterator[Pair]:
-    from runkit import fake_release, reap_runs, train_command
+    from testkit.runkit import fake_release, reap_runs, train_command
 
     until = tmp_path / "until"
     command = shlex.join(train_command("--steps", "1", "--interval", "0.2", "--until", str(until)))
@@ -322,9 +322,8 @@ def test_restart_on_crash_restarts_the_whole_group_when_one_node_crashes(pair: P
 def test_a_group_of_two_containers_over_ssh_names_the_one_that_went_down(pve_hosts: t.Any, tmux_servers: t.Any) -> None:
     """Two fake Proxmox containers (ct 200, 201) behind the test sshd: the group runs on both; stopping
     container 201 makes the group `container-down`, naming it (exit 9)."""
-    from runkit import fake_release, train_command
-
-    from ops.testing.hostsfile import dump_hosts
+    from testkit.hostsfile import dump_hosts
+    from testkit.runkit import fake_release, train_command
 
     pve_hosts.pve.create(201, start=True)
     until = pve_hosts.root / "until"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.testing import free_port, retry_until
-from ops.testing.hostsfile import dump_hosts
+from testkit import free_port, retry_until
+from testkit.hostsfile import dump_hosts
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 20  # [distributed] timeout: a lost peer ends the other within it

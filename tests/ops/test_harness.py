@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ops.testing import FakePve, PveHosts, Sshd, TmuxServers, pid_alive, retry_until
-from ops.testing.pve import shared_tmp_paths
-from ops.testing.tmux import socket_path
+from testkit import FakePve, PveHosts, Sshd, TmuxServers, pid_alive, retry_until
+from testkit.pve import shared_tmp_paths
+from testkit.tmux import socket_path
 
 
 def test_retry_until_returns_the_value_and_reports_the_last_one() -> None:
@@ -141,7 +141,7 @@ def test_stop_kills_everything_and_destroy_removes_the_config(fake_pve: FakePve)
 
 
 def test_close_kills_every_init_it_started() -> None:
-    from ops.testing.plugin import require
+    from testkit.plugin import require
 
     require("namespaces")  # under CI=true a failure, never a skip
     pve = FakePve()

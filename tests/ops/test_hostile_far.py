@@ -13,13 +13,14 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 from test_agent import attempt_dir, dflashctl, make_host, wait_state
 
-from ops import agent, errors, session
+from ops import errors, session
+from ops.far import agent
 from ops.remote import Remote
-from ops.testing import pid_alive, retry_until
 from ops.transport import LocalTransport
+from testkit import pid_alive, retry_until
+from testkit.runkit import fake_release, reap_runs, train_command
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +170,7 @@ def test_env_secrets_never_reach_an_argv(tmp_path: Path, tmux_socket: str) -> No
         text=True,
         timeout=10,
     ).stdout
-    assert "ops.runner" in start_cmd and secret not in start_cmd and "--env-file" in start_cmd
+    assert "ops.far.runner" in start_cmd and secret not in start_cmd and "--env-file" in start_cmd
     assert not list(attempt_dir(remote, 1).glob(".env*"))  # read and unlinked by the runner
 
 
@@ -272,7 +273,8 @@ import json, os, subprocess, sys
 repo, disk, hosts, socket = sys.argv[1:5]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk], check=True)
 sys.path.insert(0, repo)
-from ops import agent, probe
+from ops import probe
+from ops.far import agent
 
 FILL = ("import os, sys\n"
         "f = open(os.path.join(os.environ['DFLASH_RUN_DIR'], '..', '..', 'fill'), 'ab', buffering=0)\n"
@@ -280,7 +282,7 @@ FILL = ("import os, sys\n"
         "os._exit(int(sys.argv[1]))  # nothing more can be printed: the log is on the full disk\n")
 
 def runner(adir, code):
-    p = subprocess.run([sys.executable, "-m", "ops.runner", "--attempt-dir", adir, "--session", "dflash",
+    p = subprocess.run([sys.executable, "-m", "ops.far.runner", "--attempt-dir", adir, "--session", "dflash",
                         "--attempt", adir[-1], "--", sys.executable, "-c", FILL, str(code)],
                        capture_output=True, text=True, timeout=120, cwd=repo)
     return {"rc": p.returncode, "stderr": p.stderr, "files": sorted(os.listdir(adir)),
@@ -305,10 +307,9 @@ print(json.dumps(out))
 
 
 def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux_socket: str) -> None:
-    from runkit import REPO
-
-    from ops.testing import missing_requirement
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit import missing_requirement
+    from testkit.hostsfile import dflashctl_argv
+    from testkit.runkit import REPO
 
     why = missing_requirement("namespaces")
     if why:

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from runkit import RELAY
 
 from ops import errors
 from ops.hosts import Host, parse_inventory
-from ops.testing import PveHosts, Sshd
-from ops.testing.hostsfile import dump_hosts
-from ops.testing.plugin import require
 from ops.transport import SSHTransport, scan_host_key
+from testkit import PveHosts, Sshd
+from testkit.hostsfile import dump_hosts
+from testkit.plugin import require
+from testkit.runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -358,7 +358,7 @@ def test_todays_names_stay_valid(name: str) -> None:
 
 
 def run_hosts(path: Path) -> subprocess.CompletedProcess[str]:
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit.hostsfile import dflashctl_argv
 
     return subprocess.run(
         [*dflashctl_argv(), "--hosts", str(path), "hosts"], capture_output=True, text=True, timeout=120

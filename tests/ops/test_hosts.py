@@ -219,7 +219,7 @@ def test_shipped_hosts_toml_parses() -> None:
 def test_cli_reports_a_config_error_with_exit_1(tmp_path: Path) -> None:
     import subprocess
 
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit.hostsfile import dflashctl_argv
 
     f = tmp_path / "hosts.toml"
     f.write_text('[hosts.pve]\naddress = "h"\ncommand = "x"\nport = "x"\n')

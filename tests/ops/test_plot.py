@@ -17,11 +17,11 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import REPO, fake_release, reap_runs
 from test_demo_flow import LocalDemo, tiny  # noqa: F401  (tiny: the module-scoped fixture)
 
-from ops.testing import retry_until
-from ops.testing.hostsfile import dflashctl_argv
+from testkit import retry_until
+from testkit.hostsfile import dflashctl_argv
+from testkit.runkit import REPO, fake_release, reap_runs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -238,7 +238,7 @@ def test_plot_without_matplotlib_says_which_extra_to_install_in_one_line(tmp_pat
 def test_plot_over_ssh_and_pct(pve_hosts: t.Any, tmp_path: Path) -> None:
     """The same `read` verb through ssh + `pct exec` (the harness's fake Proxmox host), with the fake
     trainer: a crash by exception, then a second attempt that succeeds."""
-    from runkit import train_command
+    from testkit.runkit import train_command
 
     pve_hosts.write(command=train_command("--steps", "4", "--interval", "0.01", "--then", "exception:boom"))
     fake_release(pve_hosts.workdir)

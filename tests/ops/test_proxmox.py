@@ -14,7 +14,7 @@ import pytest
 from ops import errors
 from ops.proxmox import Container
 from ops.remote import Remote, connect
-from ops.testing import PveHosts, retry_until
+from testkit import PveHosts, retry_until
 
 NASTY = ["-x", "--keep-env", "a b", "it's", 'say "hi"', "x;id", "$(id)", "`id`", "l1\nl2", "*", "", "ünï ☃"]
 

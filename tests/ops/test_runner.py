@@ -10,17 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ops import runner
-from ops.testing import pid_alive, retry_until
-
-FAKE = str(Path(__file__).with_name("fake_train.py"))
+from ops.far import runner
+from testkit import pid_alive, retry_until
+from testkit.runkit import FAKE_TRAIN as FAKE
 
 
 def runner_argv(adir: Path, *command: str, env: tuple[str, ...] = (), python: str | None = None) -> list[str]:
     argv = [
         sys.executable,
         "-m",
-        "ops.runner",
+        "ops.far.runner",
         "--attempt-dir",
         str(adir),
         "--session",
@@ -182,7 +181,18 @@ def test_grandchild_holding_the_pipe_does_not_hold_the_runner(tmp_path: Path) ->
 
 def test_usage_errors(tmp_path: Path) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "ops.runner", "--attempt-dir", str(tmp_path), "--session", "s", "--attempt", "1", "--"],
+        [
+            sys.executable,
+            "-m",
+            "ops.far.runner",
+            "--attempt-dir",
+            str(tmp_path),
+            "--session",
+            "s",
+            "--attempt",
+            "1",
+            "--",
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -195,7 +205,7 @@ def test_usage_errors(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "ops.runner",
+            "ops.far.runner",
             "--attempt-dir",
             str(adir),
             "--session",

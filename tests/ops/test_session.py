@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, reap_runs, train_command
 
 from ops import session
 from ops.hosts import parse_inventory
-from ops.testing import PveHosts, retry_until
+from testkit import PveHosts, retry_until
+from testkit.runkit import fake_release, reap_runs, train_command
 
 INVENTORY = """
 default = "here"
@@ -94,7 +94,7 @@ def test_attach_exec_attaches_a_terminal(pve_hosts: PveHosts) -> None:
     assert pve_hosts.cli("start").exit_code == 0
     master, slave = pty.openpty()
     env = pve_hosts.env({"TERM": "xterm"})
-    from ops.testing.hostsfile import dflashctl_argv
+    from testkit.hostsfile import dflashctl_argv
 
     proc = subprocess.Popen(
         [*dflashctl_argv(), "--hosts", str(pve_hosts.path), "attach", "--exec"],
@@ -140,7 +140,7 @@ def test_session_names_are_checked(bad: str) -> None:
 
 
 def test_operator_and_agent_speak_the_same_protocol() -> None:
-    from ops import agent
+    from ops.far import agent
 
     assert session.AGENT_PROTOCOL == agent.PROTOCOL
 

@@ -16,10 +16,10 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from runkit import fake_release, train_command
 
-from ops.testing import CliResult, PveHosts, retry_until
 from ops.transport import remote_command
+from testkit import CliResult, PveHosts, retry_until
+from testkit.runkit import fake_release, train_command
 
 VMID = 200
 

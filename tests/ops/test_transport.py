@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from runkit import RELAY
 
 from ops import errors
 from ops.hosts import Host, parse_inventory
-from ops.testing import PveHosts, Sshd, pid_alive, retry_until
-from ops.testing.hostsfile import dump_hosts
 from ops.transport import LocalTransport, SSHTransport, resolve_target
 from ops.transport.ssh import _unreachable
+from testkit import PveHosts, Sshd, pid_alive, retry_until
+from testkit.hostsfile import dump_hosts
+from testkit.runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
@@ -200,7 +200,7 @@ def test_name_resolution_error_is_typed() -> None:
 
 
 def test_wrong_client_key_is_an_auth_error(sshd: Sshd, tmp_path: Path) -> None:
-    from ops.testing.sshd import keygen
+    from testkit.sshd import keygen
 
     keygen(tmp_path / "other", "other")
     with pytest.raises(errors.AuthenticationFailed) as info:

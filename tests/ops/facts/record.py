@@ -22,12 +22,10 @@ import typing as t
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # runkit
 sys.path.insert(0, str(HERE.parents[2]))  # the repo
 
-from runkit import fake_release, train_command  # noqa: E402
-
-from ops.testing import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
+from testkit import FakePve, PveHosts, Sshd, retry_until  # noqa: E402
+from testkit.runkit import fake_release, train_command  # noqa: E402
 
 VMID = 200
 
@@ -413,7 +411,7 @@ def _(p: Player) -> dict[str, t.Any]:
 
 @scenario("unreachable-auth", "a client key the server does not know", state="unreachable", cause="auth")
 def _(p: Player) -> dict[str, t.Any]:
-    from ops.testing.sshd import keygen
+    from testkit.sshd import keygen
 
     other = p.root / "other_key"
     if not other.exists():

@@ -32,7 +32,7 @@ class Sshd:
     def __init__(
         self, root: Path, *, port: int | None = None, user: str = "root", login_shell: str | None = None
     ) -> None:
-        from ops.testing import free_port
+        from testkit import free_port
 
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""tmux: argv builders and the table that reads tmux's stderr (DESIGN.md sections 5-7).
+"""tmux: argv builders and the table that reads tmux's stderr (docs/design.md sections 5-7).
 
 Shared by the agent (inside the container) and the operator's raw fallback, so it is stdlib only.
 Every client-side tmux failure exits 1; only the stderr text tells a dead server from a missing

@@ -2,7 +2,7 @@
 
     <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read> --json  < request.json
 
-(``ops.session.agent_argv``; by hand, ``python -m ops.agent probe --json < request.json`` does the same.)
+(``ops.session.agent_argv``; by hand, ``python -m ops.far.agent probe --json < request.json`` does the same.)
 
 The request is ONE JSON object on stdin (session, socket, run_dir, workdir, python, command, env,
 options), so no user value is ever quoted into a command line. stdlib only (it runs with whatever
@@ -15,6 +15,7 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
@@ -26,8 +27,7 @@ import sys
 import time
 import typing as t
 
-from ops import tmux
-from ops.far import lock, protocol, records
+from ops.far import lock, protocol, records, tmux
 from ops.far.atomic import switch_link, write_json_atomic
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -55,7 +55,7 @@ from ops.far.records import (
 )
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
-from ops.runner import DISK_FULL_BYTES, disk_free, iso, reserve
+from ops.far.runner import DISK_FULL_BYTES, disk_free, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read")
 TMUX_TIMEOUT = 10.0
@@ -255,8 +255,6 @@ _GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu"
 
 
 def _start_gpus() -> subprocess.Popen[bytes] | None:
-    import shutil
-
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
@@ -511,7 +509,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     runner = [
         python,
         "-m",
-        "ops.runner",
+        "ops.far.runner",
         "--attempt-dir",
         adir,
         "--session",
@@ -787,8 +785,6 @@ def read(req: Request) -> dict[str, t.Any]:
     from the offset the caller already has (complete lines only, base64, at most ``cap`` bytes in all:
     the caller loops while an attempt says ``more``), the log tail of the attempts it asks one for
     (``tail``: true, or "crashed" = when it ended non-zero and not on request: to name the cause), and the checkpoints under ``<run_dir>/<session>/checkpoints``."""
-    import base64
-
     sdir = session_dir(req)
     known = req.get("attempts") or {}
     if not isinstance(known, dict):
@@ -891,7 +887,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     if len(args) != 1 or args[0] not in HANDLERS:
         print(
             json.dumps(
-                {"ok": False, "error": "usage", "message": f"usage: python -m ops.agent {{{','.join(VERBS)}}} --json"}
+                {
+                    "ok": False,
+                    "error": "usage",
+                    "message": f"usage: python -m ops.far.agent {{{','.join(VERBS)}}} --json",
+                }
             )
         )
         return 2
@@ -913,6 +913,17 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(json.dumps({"ok": False, "error": "bad-request", "message": f"{verb}: bad request: {e}"}))
         return 2
+    if req.get("protocol", PROTOCOL) != PROTOCOL:
+        # Another dflashctl's request: refuse before acting (a start must not start a run it cannot report).
+        answer = {
+            "ok": False,
+            "protocol": PROTOCOL,
+            "verb": verb,
+            "error": "protocol",
+            "message": f"this agent speaks protocol {PROTOCOL}, the request {req['protocol']}: run `dflashctl deploy`",
+        }
+        sys.stdout.write(json.dumps(answer) + "\n")
+        return 0
     try:
         result = HANDLERS[verb](req)
         answer = {"ok": True, "protocol": PROTOCOL, "verb": verb, **result}

@@ -1,6 +1,4 @@
-"""Helpers for the start/stop/status/tail tests (issue 3): a fake release and the fake trainer.
-
-Imported by name (pytest puts tests/ops on sys.path): `from runkit import ...`."""
+"""Helpers for the start/stop/status/tail tests (issue 3) and the ops benches: a fake release and the fake trainer."""
 
 from __future__ import annotations
 
@@ -15,10 +13,10 @@ import time
 import typing as t
 from pathlib import Path
 
-from ops.runner import proc_stat
-from ops.testing import FakePve, PveHosts, Sshd
+from ops.far.runner import proc_stat
+from testkit import FakePve, PveHosts, Sshd
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 FAKE_TRAIN = str(Path(__file__).with_name("fake_train.py"))
 
 
@@ -27,9 +25,7 @@ def fake_release(workdir: Path, release_id: str = "r0000000000000001") -> Path:
     ``current -> releases/<id>`` as a relative symlink."""
     rel = workdir / "releases" / release_id
     rel.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(
-        REPO / "ops", rel / "ops", ignore=shutil.ignore_patterns("__pycache__", "testing"), dirs_exist_ok=True
-    )
+    shutil.copytree(REPO / "ops", rel / "ops", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     link = workdir / "current"
     if link.is_symlink():
         link.unlink()

@@ -14,8 +14,8 @@ from pathlib import Path
 from ops.hosts import Host, Inventory, load_inventory
 
 if t.TYPE_CHECKING:
-    from ops.testing.pve import FakePve
-    from ops.testing.sshd import Sshd
+    from testkit.pve import FakePve
+    from testkit.sshd import Sshd
 
 TomlValue = str | int | float | bool | list[t.Any] | dict[str, t.Any]
 

@@ -1,6 +1,6 @@
-"""The runner: the wrapper tmux runs around the training command (DESIGN.md section 5). stdlib only.
+"""The runner: the wrapper tmux runs around the training command (docs/design.md section 5). stdlib only.
 
-    python -m ops.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
+    python -m ops.far.runner --attempt-dir DIR --session S --attempt N [--cwd DIR] [--python P]
                          [--release ID] [--env-file FILE] -- COMMAND ARGS...
 
 Three processes, so that no single kill takes the evidence or the training down:
@@ -180,7 +180,7 @@ def note(log_fd: int | None, pane: Pane | None, text: str) -> None:
 def parse_args(argv: t.Sequence[str]) -> t.Any:
     import argparse  # here: the agent imports this module too, and must start fast
 
-    p = argparse.ArgumentParser(prog="python -m ops.runner", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ops.far.runner", description=__doc__.split("\n\n")[0])
     p.add_argument("--attempt-dir", required=True)
     p.add_argument("--session", required=True)
     p.add_argument("--attempt", type=int, required=True)
@@ -292,7 +292,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         try:
             code = _keep(args.command, env, attempt_dir, record, log_fd, ready_w, pane)
         except BaseException:
-            import traceback
+            import traceback  # here: only when the keeper fails (the agent imports this module and must start fast)
 
             note(log_fd, pane, "the keeper failed: " + traceback.format_exc().replace("\n", "\n[dflash runner] "))
         finally:
@@ -407,7 +407,7 @@ def _record(
 def _show_until_exit(keeper: int, ready_r: int, log_path: str, pane: Pane) -> int:
     """Copy the log into the pane until the keeper has exited (its end of ``ready_r`` closes then);
     returns the keeper's wait status."""
-    import selectors
+    import selectors  # here: the agent imports this module too, and must start fast
 
     sel = selectors.DefaultSelector()
     sel.register(ready_r, selectors.EVENT_READ)

@@ -1,4 +1,4 @@
-"""FakePve: a fake Proxmox host on this machine, driven through the fake ``pct`` (ops/testing/pct.py)."""
+"""FakePve: a fake Proxmox host on this machine, driven through the fake ``pct`` (testkit/pct.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ops.testing import pct as pct_program
+from testkit import pct as pct_program
 
 # Container-visible test folders live outside /tmp: a container has its own tmpfs there.
 BASE = "/var/tmp"
@@ -21,7 +21,7 @@ BASE = "/var/tmp"
 
 def shared_tmp_paths() -> list[str]:
     """Folders the tests run from that a container must see: the checkout and the interpreter's prefix."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     found: list[str] = []
     for p in (str(repo), sys.prefix, os.path.realpath(sys.prefix)):
         if p.startswith("/tmp/") and not any(p == f or p.startswith(f + "/") for f in found):

@@ -18,10 +18,10 @@ import time
 import typing as t
 from pathlib import Path
 
-from ops.testing import pct as pct_program
+from testkit import pct as pct_program
 
 if t.TYPE_CHECKING:
-    from ops.testing.pve import FakePve
+    from testkit.pve import FakePve
 
 
 def self_signed_cert(folder: Path) -> tuple[Path, Path]:

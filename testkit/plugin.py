@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.testing import FakePve, PveHosts, Sshd, TmuxServers, missing_requirement
+from testkit import FakePve, PveHosts, Sshd, TmuxServers, missing_requirement
 
 
 def require(what: str) -> None:
@@ -65,7 +65,7 @@ def fake_pve() -> t.Iterator[FakePve]:
 @pytest.fixture
 def fake_pve_api(fake_pve: FakePve) -> t.Iterator[t.Any]:
     """The fake PVE REST API (https on 127.0.0.1, token ``root@pam!dflashctl=s3cret``) over fake_pve's state."""
-    from ops.testing.pveapi import FakePveApi
+    from testkit.pveapi import FakePveApi
 
     with FakePveApi(fake_pve) as api:
         yield api

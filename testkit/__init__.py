@@ -1,6 +1,6 @@
 """The real-process test harness: a real sshd, a fake Proxmox host whose containers are real
 pid+mount namespaces, per-test tmux servers. Used by tests/ (through the pytest plugin
-``ops.testing.plugin``) and by the bench/ scripts.
+``testkit.plugin``) and by the bench/ scripts.
 
 Nothing here is imported by dflashctl itself.
 """
@@ -117,7 +117,7 @@ def missing_requirement(what: str) -> str | None:
 
 
 # Imported last: these modules use the helpers above.
-from ops.testing.hostsfile import CliResult, PveHosts  # noqa: E402
-from ops.testing.pve import FakePve  # noqa: E402
-from ops.testing.sshd import Sshd  # noqa: E402
-from ops.testing.tmux import TmuxServers  # noqa: E402
+from testkit.hostsfile import CliResult, PveHosts  # noqa: E402
+from testkit.pve import FakePve  # noqa: E402
+from testkit.sshd import Sshd  # noqa: E402
+from testkit.tmux import TmuxServers  # noqa: E402

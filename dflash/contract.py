@@ -1,0 +1,220 @@
+"""The serving contract: what vLLM, SGLang and vllm-project/speculators read from a drafter folder.
+
+Every folder this project writes for an engine (a checkpoint's ``config.json`` + ``model.safetensors``,
+``dflash export`` in either format) goes through here: ``serving_keys`` adds the keys that make every
+engine read the layers the drafter was trained on, ``check`` refuses, in one line, what an engine would
+refuse or, worse, silently get wrong. Checkpoint saves and exports call both (``dflash.checkpoint``,
+``dflash.export``), so the rules live only here. (``dflash/drafter.py`` checks the mask id and the
+sliding window of a config it builds too: it is also the served remote code, which cannot import this.)
+
+The rules, with the engine code each one was read from (engine facts: ``../shared/research/serving.md``):
+
+- **Layer ids.** A z-lab ``target_layer_id`` k is the output of target decoder layer k (HF
+  ``hidden_states[k + 1]``). vLLM and SGLang capture the residual stream ENTERING a layer, so both read
+  layer k + 1: SGLang ``set_dflash_layers_to_capture`` stores ``k + 1`` (python/sglang/srt/models/qwen3.py);
+  vLLM ``get_eagle3_aux_layers_from_config`` (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py) takes
+  ``eagle_aux_hidden_state_layer_ids`` AS IS when present and derives ``k + 1`` itself only since
+  vllm-project/vllm PR #40727 (2026-04-23); older builds read one layer early without an error. So
+  config.json carries ``eagle_aux_hidden_state_layer_ids = [k + 1 ...]``: right on old and new vLLM alike;
+  SGLang does not read it for DFLASH.
+- **Block size.** ``dflash_config.block_size`` equals the top-level ``block_size``: SGLang
+  (``parse_dflash_draft_config``, python/sglang/srt/speculative/dflash_utils.py) and the speculators
+  converter (src/speculators/convert/dflash/converter.py) read either place.
+- **MASK id** below the target's vocabulary: SGLang cannot resize the target's embeddings
+  (``_resolve_mask_token_id``, python/sglang/srt/speculative/dflash_worker.py); vLLM embeds the block with
+  the target's embedding table.
+- **Sliding layers need a window**: vLLM ``_resolve_layer_attention``
+  (vllm/model_executor/models/qwen3_dflash.py) raises without one; SGLang builds a causal window of
+  ``sliding_window - 1`` from it.
+- **Weight names** are z-lab's bare names (``layers.{i}.self_attn.q_proj.weight``, ``fc.weight``, ...),
+  nothing else: SGLang's ``DFlashDraftModel.load_weights`` (python/sglang/srt/models/dflash.py) skips an
+  unknown name SILENTLY and serves that weight's random init; vLLM prepends ``model.`` to each name
+  (``DFlashQwen3ForCausalLM.load_weights``) and fails on one it does not know.
+- **fc** is ``[hidden_size, target_hidden_size x len(target_layer_ids)]``: vLLM sizes it from the aux
+  layers (``_get_dflash_fc_input_size``) and raises "DFlash drafter expects N concatenated aux hidden
+  features"; SGLang checks the shape on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+import shlex
+import typing as t
+
+from dflash.errors import InputError
+
+__all__ = [
+    "ContractError",
+    "Target",
+    "check",
+    "serving_keys",
+    "sglang_command",
+    "vllm_command",
+    "vllm_speculators_command",
+    "weight_names",
+]
+
+SLIDING_ATTENTION = "sliding_attention"
+
+# Per decoder layer, the names z-lab's DFlashDraftModel has (q/k/v/o biases only with attention_bias).
+_LAYER_WEIGHTS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
+_TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
+
+
+class ContractError(InputError, ValueError):
+    """A drafter folder an engine would refuse or serve wrongly: one line naming the key and the engine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What is known of the target a drafter serves with (None: unknown, the drafter's own config stands in)."""
+
+    vocab_size: int | None = None
+    hidden_size: int | None = None
+    num_layers: int | None = None
+
+
+def serving_keys(data: dict[str, t.Any]) -> dict[str, t.Any]:
+    """``data`` (a config.json dict) with the keys every engine needs to read the trained layers: a copy."""
+    out = copy.deepcopy(data)
+    dflash = dict(out.get("dflash_config") or {})
+    ids = dflash.get("target_layer_ids")
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    if isinstance(out.get("block_size"), int):
+        # a published config may carry its own (z-lab's Qwen3.5 drafters keep it only here): a different
+        # one stays, for ``check`` to refuse, rather than being overwritten without a word
+        dflash.setdefault("block_size", out["block_size"])
+    out["dflash_config"] = dflash
+    return out
+
+
+def weight_names(data: t.Mapping[str, t.Any]) -> set[str]:
+    """The weight names z-lab's DFlashDraftModel has for this config.json (no embedding, no lm_head)."""
+    per_layer = _LAYER_WEIGHTS + (_BIASES if data.get("attention_bias") else ())
+    names = {f"layers.{i}.{w}" for i in range(int(data.get("num_hidden_layers") or 0)) for w in per_layer}
+    return names | set(_TOP_WEIGHTS)
+
+
+def _first(names: t.Iterable[str], limit: int = 3) -> str:
+    ordered = sorted(names, key=lambda n: (int(m.group(1)) if (m := _LAYER_NAME.match(n)) else -1, n))
+    more = f" (+{len(ordered) - limit} more)" if len(ordered) > limit else ""
+    return ", ".join(ordered[:limit]) + more
+
+
+def check(
+    data: t.Mapping[str, t.Any],
+    shapes: t.Mapping[str, t.Sequence[int]],
+    *,
+    target: Target | None = None,
+) -> None:
+    """Refuse (``ContractError``, one line) a folder an engine would refuse or get wrong.
+
+    ``data``: the config.json dict as written; ``shapes``: every weight's name and shape as written;
+    ``target``: the target's facts where known (the run's target), else the drafter's config stands in.
+    """
+    target = target or Target()
+    dflash = data.get("dflash_config") or {}
+    vocab = target.vocab_size if target.vocab_size is not None else data.get("vocab_size")
+    mask = dflash.get("mask_token_id", data.get("mask_token_id"))
+    whose = "the target's" if target.vocab_size is not None else "the drafter's"
+    if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
+        raise ContractError(f"dflash_config.mask_token_id: expected a token id, got {mask!r}")
+    if isinstance(vocab, int) and mask >= vocab:
+        raise ContractError(
+            f"dflash_config.mask_token_id {mask} is not below {whose} vocabulary size {vocab}: SGLang cannot "
+            "resize the target's embeddings and vLLM embeds the MASK row with them"
+        )
+
+    layer_types = list(data.get("layer_types") or [])
+    window = data.get("sliding_window")
+    if SLIDING_ATTENTION in layer_types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        i = layer_types.index(SLIDING_ATTENTION)
+        raise ContractError(
+            f"layer_types[{i}] is sliding_attention but sliding_window is {window!r}: vLLM refuses a sliding "
+            "layer without a window and SGLang builds its causal window from it"
+        )
+
+    if data.get("block_size") != dflash.get("block_size", data.get("block_size")):
+        raise ContractError(
+            f"dflash_config.block_size {dflash.get('block_size')} differs from block_size {data.get('block_size')}: "
+            "SGLang and the speculators converter read either one"
+        )
+
+    expected = weight_names(data)
+    unknown = set(shapes) - expected
+    if unknown:
+        raise ContractError(
+            f"weights outside z-lab's DFlashDraftModel names: {_first(unknown)}: SGLang skips them silently "
+            "(serving random weights in their place) and vLLM refuses them"
+        )
+    missing = expected - set(shapes)
+    if missing:
+        raise ContractError(f"weights missing: {_first(missing)}: an engine would serve them uninitialised")
+
+    ids = dflash.get("target_layer_ids")
+    hidden = data.get("hidden_size")
+    target_hidden = target.hidden_size or data.get("target_hidden_size") or hidden
+    if isinstance(ids, list) and isinstance(hidden, int) and isinstance(target_hidden, int):
+        want = [hidden, target_hidden * len(ids)]
+        got = list(shapes["fc.weight"])
+        if got != want:
+            raise ContractError(
+                f"fc.weight is {got}, not [hidden_size {hidden}, target_hidden_size {target_hidden} x "
+                f"{len(ids)} target layers]: vLLM and SGLang size fc from target_layer_ids and refuse it"
+            )
+    if isinstance(ids, list) and target.num_layers is not None:
+        bad = [i for i in ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ContractError(
+                f"dflash_config.target_layer_ids {ids}: {bad} outside the target's {target.num_layers} layers"
+            )
+
+
+# ---- how to start them ---------------------------------------------------------------------
+
+
+def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = ()) -> str:
+    """``vllm serve`` for a z-lab folder. ``"method": "dflash"`` is named unless the drafter's path says
+    "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1;
+    ``--attention-backend flash_attn``: full-attention drafter layers are non-causal (FlashInfer has no
+    non-causal attention); mixed sliding/full layers need vLLM's V2 model runner (qwen3_dflash.py raises)."""
+    spec: dict[str, t.Any] = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
+    if "dflash" in drafter.lower():
+        del spec["method"]
+    kinds = set(layer_types)
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
+    return (
+        f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))} "
+        "--attention-backend flash_attn"
+    )
+
+
+def vllm_speculators_command(*, drafter: str) -> str:
+    """``vllm serve`` for a speculators folder: its config names the target (the verifier) and the tokens."""
+    return f"vllm serve {shlex.quote(drafter)} --attention-backend flash_attn"
+
+
+def sglang_command(*, target: str, drafter: str, block_size: int) -> str:
+    """SGLang's DFLASH flags (python/sglang/srt/server_args.py); --speculative-num-draft-tokens is the block."""
+    return (
+        f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-draft-tokens {block_size}"
+    )

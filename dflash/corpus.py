@@ -1,0 +1,272 @@
+"""The corpus pass ``prepare-data`` and ``regen`` share: input formats, resumable shards, drop records.
+
+Both read a chat corpus (JSONL, a JSON array, parquet or a ``datasets`` ``save_to_disk`` folder) record by
+record and write their output resumably, one shard at a time:
+
+- input formats: anything but JSON lines is converted once into ``WORK/input.jsonl`` (record k is line k;
+  ``as_json_lines``), so a shard is a byte range of one file of lines (``shard_ranges``: the input's sha256,
+  line count and ranges of ``shard_lines`` lines, in one read);
+- resumable parts: ``WORK/plan.json`` says what the parts were made from (``start_parts``: another plan
+  starts over); shard s is written to ``WORK/parts/part-s.tmp`` and renamed to ``part-s`` when complete
+  (``fresh_part``, ``finish_part``), so a killed run again skips the shards done (``pending``);
+- drop records: a shard's ``part.json`` holds its counts, the line numbers of the records it dropped per
+  reason and each reason's message; ``merge_part`` adds them up (``DROP_LINES_KEPT`` lines kept per reason),
+  ``drops_by_row`` restates them as 0-based rows for tabular input, ``drop_lines`` is the "dropped N"
+  summary the commands print.
+
+What a shard does with its records (render tokens, regenerate answers) is the command's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import typing as t
+from pathlib import Path
+
+from dflash.errors import InputError
+
+MAX_LINE_BYTES = 4 << 20  # a longer line is dropped unparsed: no conversation that long fits max_len
+LINE_TOO_LONG = f"a line longer than {MAX_LINE_BYTES >> 20} MiB"  # its drop message
+DROP_LINES_KEPT = 100  # line numbers kept per drop reason
+DATASETS_HINT = "pip install 'dflash[datasets]'"
+
+
+class CorpusError(InputError, ValueError):
+    """The input cannot be read as a corpus; one line that starts with the command's name."""
+
+
+# --------------------------------------------------------------------------------------------
+# Input formats
+
+
+def tabular_kind(src: Path, *, command: str) -> str:
+    """ "parquet", "datasets" (a ``save_to_disk`` folder) or "" (JSON lines / a JSON array)."""
+    if src.is_dir():
+        if (src / "dataset_dict.json").is_file():
+            splits = json.loads((src / "dataset_dict.json").read_text()).get("splits", [])
+            raise CorpusError(
+                f"{command}: --in {src} holds several splits ({', '.join(splits)}): give one "
+                f"split's folder, e.g. {src / (splits[0] if splits else 'train')}"
+            )
+        if not (src / "dataset_info.json").is_file() and not (src / "state.json").is_file():
+            raise CorpusError(
+                f"{command}: --in {src} is a folder but not a dataset saved with save_to_disk "
+                "(no state.json); give a JSONL, JSON or parquet file or such a folder"
+            )
+        return "datasets"
+    with src.open("rb") as f:
+        magic = f.read(4)
+    return "parquet" if magic == b"PAR1" or src.suffix == ".parquet" else ""
+
+
+def as_json_lines(src: Path, tabular: str | None, head: bytes, work: Path, *, command: str) -> Path:
+    """``src`` as JSON lines (record k is line k): itself, or a JSON array / parquet / datasets folder
+    converted once into ``work/input.jsonl`` (prepare-data and regen, both resumable, reuse it)."""
+    if not (tabular or head.startswith(b"[")):
+        return src
+    work.mkdir(parents=True, exist_ok=True)
+    lines = work / "input.jsonl"
+    if not lines.is_file():
+        tmp = work / "input.jsonl.tmp"
+        if tabular:
+            _rows_to_jsonl(src, tabular, tmp, command)
+        else:
+            _json_array_to_jsonl(src, tmp, command)
+        os.replace(tmp, lines)
+    return lines
+
+
+def _json_array_to_jsonl(src: Path, dest: Path, command: str) -> None:
+    try:
+        data = json.loads(src.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorpusError(f"{command}: {src} is not valid JSON: {e}") from None
+    if not isinstance(data, list):
+        raise CorpusError(f"{command}: {src}: expected a JSON array of records or JSON lines")
+    with open(dest, "w") as f:
+        for rec in data:  # record k of the array becomes line k
+            f.write(json.dumps(rec) + "\n")
+
+
+def _rows_to_jsonl(src: Path, kind: str, dest: Path, command: str) -> None:
+    """Row k of a parquet file or datasets folder becomes line k + 1, in batches (memory: one batch)."""
+    try:  # the optional [datasets] extra (pyarrow comes with it): imported only for such input
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+        else:
+            import datasets
+    except ImportError:
+        raise CorpusError(f"{command}: reading {kind} input needs the datasets extra: {DATASETS_HINT}") from None
+    try:
+        if kind == "parquet":
+            batches: t.Iterable[t.Any] = (b.to_pylist() for b in pq.ParquetFile(src).iter_batches(batch_size=1024))
+        else:
+            ds = datasets.load_from_disk(str(src))
+            batches = ([dict(zip(b, row)) for row in zip(*b.values())] for b in ds.iter(batch_size=1024))
+        with open(dest, "w") as f:
+            for rows in batches:
+                f.writelines(json.dumps(r, default=str) + "\n" for r in rows)
+    except CorpusError:
+        raise
+    except Exception as e:  # a broken file: pyarrow and datasets raise many kinds; one line, never a traceback
+        raise CorpusError(
+            f"{command}: --in {src}: cannot read it as {kind}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Shards and resumable parts
+
+
+def shard_ranges(src: Path, shard_lines: int) -> tuple[str, int, list[tuple[int, int, int]]]:
+    """sha256, line count and shard byte ranges ``(start, end, first_line)`` of the input, in one read."""
+    h = hashlib.sha256()
+    ranges: list[tuple[int, int, int]] = []
+    offset = start = 0
+    lines = 0
+    with open(src, "rb") as f:
+        for raw in iter(lambda: f.readline(1 << 20), b""):
+            h.update(raw)
+            offset += len(raw)
+            if raw.endswith(b"\n") or len(raw) < (1 << 20):
+                lines += 1
+                if lines % shard_lines == 0:
+                    ranges.append((start, offset, lines - shard_lines + 1))
+                    start = offset
+    if offset > start:
+        ranges.append((start, offset, (lines // shard_lines) * shard_lines + 1))
+    return h.hexdigest(), lines, ranges
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardJob:
+    index: int
+    src: str
+    start: int  # byte offsets
+    end: int
+    first_line: int  # 1-based line number of the first line
+    lines: int
+    part: str  # the finished part folder
+
+
+def start_parts(work: Path, plan: dict[str, t.Any], *, command: str, log: t.Callable[[str], None]) -> Path:
+    """``work/parts``, kept when ``work/plan.json`` is this plan, else emptied (parts of another input or setting)."""
+    plan_path, parts = work / "plan.json", work / "parts"
+    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
+        log(f"{command}: {work} holds parts of another input or setting: starting over")
+        shutil.rmtree(parts, ignore_errors=True)
+    parts.mkdir(exist_ok=True)
+    plan_path.write_text(json.dumps(plan, indent=1))
+    return parts
+
+
+def shard_jobs(lines_src: Path, ranges: list[tuple[int, int, int]], nlines: int, parts: Path) -> list[ShardJob]:
+    jobs = []
+    for i, (a, b, first) in enumerate(ranges):
+        last = ranges[i + 1][2] - 1 if i + 1 < len(ranges) else nlines
+        jobs.append(ShardJob(i, str(lines_src), a, b, first, last - first + 1, str(parts / f"part-{i:06d}")))
+    return jobs
+
+
+def pending(jobs: list[ShardJob], *, command: str, log: t.Callable[[str], None]) -> list[ShardJob]:
+    """The jobs whose part is not complete yet (a resumed run says how many are done)."""
+    todo = [j for j in jobs if not Path(j.part).is_dir()]
+    if len(todo) < len(jobs):
+        log(f"{command}: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
+    return todo
+
+
+def read_lines(job: ShardJob) -> t.Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of the shard's lines, blank ones included; None for a line over MAX_LINE_BYTES
+    (skipped unread)."""
+    with open(job.src, "rb") as f:
+        f.seek(job.start)
+        lineno = job.first_line - 1
+        while f.tell() < job.end:
+            lineno += 1
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):  # skip the rest of the line unread
+                    raw = f.readline(MAX_LINE_BYTES)
+                yield lineno, None
+                continue
+            yield lineno, raw
+
+
+def fresh_part(job: ShardJob) -> Path:
+    """The shard's ``.tmp`` folder, empty."""
+    tmp = Path(job.part + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_part(
+    tmp: Path, job: ShardJob, counts: dict[str, int], drops: dict[str, list[int]], messages: dict[str, str]
+) -> None:
+    """The part's record (``part.json``), then the rename that makes it complete."""
+    (tmp / "part.json").write_text(json.dumps({"counts": counts, "drops": drops, "messages": messages}))
+    os.replace(tmp, job.part)
+
+
+# --------------------------------------------------------------------------------------------
+# Drop records
+
+
+def merge_part(
+    part: Path, counts: dict[str, int], drops: dict[str, dict[str, t.Any]], *, maxed: t.Collection[str] = ()
+) -> None:
+    """Add a part's counts (the largest for the keys in ``maxed``) and drops into the totals."""
+    info = json.loads((part / "part.json").read_text())
+    for k, v in info["counts"].items():
+        counts[k] = max(counts[k], v) if k in maxed else counts[k] + v
+    for reason, lines in info["drops"].items():
+        d = drops.setdefault(reason, {"count": 0, "lines": [], "message": info["messages"].get(reason, "")})
+        d["count"] += len(lines)
+        d["lines"] = sorted(d["lines"] + lines)[:DROP_LINES_KEPT]
+
+
+def drops_by_row(drops: dict[str, dict[str, t.Any]]) -> None:
+    """Tabular input: drops by row (0-based, as ds[k] and the parquet row), not by line of our conversion."""
+    for d in drops.values():
+        d["rows"] = [line - 1 for line in d.pop("lines")]
+
+
+def drop_lines(command: str, drops: t.Mapping[str, t.Mapping[str, t.Any]]) -> list[str]:
+    """The summary a command prints: one "dropped N" line per reason, with the first lines (or rows)."""
+    out = []
+    for reason, d in drops.items():
+        unit = "row" if "rows" in d else "line"  # parquet / datasets input: rows
+        more = " ..." if d["count"] > len(d[unit + "s"]) else ""
+        out.append(
+            f"{command}: dropped {d['count']} {reason}: {d['message']} ({unit} "
+            f"{', '.join(map(str, d[unit + 's'][:10]))}{more})"
+        )
+    return out
+
+
+__all__ = [
+    "DATASETS_HINT",
+    "DROP_LINES_KEPT",
+    "LINE_TOO_LONG",
+    "MAX_LINE_BYTES",
+    "CorpusError",
+    "ShardJob",
+    "as_json_lines",
+    "drop_lines",
+    "drops_by_row",
+    "finish_part",
+    "fresh_part",
+    "merge_part",
+    "pending",
+    "read_lines",
+    "shard_jobs",
+    "shard_ranges",
+    "start_parts",
+    "tabular_kind",
+]

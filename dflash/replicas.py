@@ -1,0 +1,341 @@
+"""The replicas a run trains with: one target per target thread, one drafter per drafter thread.
+
+- ``TargetReplica``: a frozen target on its device, batch -> ``FeatureBatch`` (the features on the
+  consumer's device, or pinned host memory);
+- ``DrafterReplica``: a drafter with its fp32 master weights, AdamW, anchor generator and the target's
+  frozen head; one ``step`` is one optimizer update over one batch or several (gradient accumulation, one
+  weight sum), with the OOM retry's halved batch (``micro_batches``);
+- ``LRSchedule``: the learning rate at a global step; ``DTYPES``: the dtypes a config names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing as t
+
+import torch
+
+from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
+from dflash.drafter import DFlashDraftModel
+from dflash.loss import drafter_loss
+from dflash.pipeline import StepStats
+from dflash.target import TargetHead, TargetModel
+
+# The dtypes a config names (target.dtype, drafter.dtype), once for training, eval and regen.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+class LRSchedule:
+    """lr at a (1-based) global step: linear warmup, then cosine/linear decay to min_lr_ratio * lr."""
+
+    def __init__(self, *, lr: float, total_steps: int, warmup_ratio: float, schedule: str, min_lr_ratio: float) -> None:
+        self.lr = lr
+        self.total = max(1, total_steps)
+        self.warmup = math.ceil(warmup_ratio * self.total)
+        self.schedule = schedule
+        self.min_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if self.warmup and step <= self.warmup:
+            return self.lr * step / self.warmup
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.schedule == "linear":
+            scale = 1.0 - progress
+        else:
+            scale = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_ratio + (1.0 - self.min_ratio) * scale)
+
+
+@dataclasses.dataclass(slots=True)
+class FeatureBatch:
+    """A queue item's payload: target features and the tokens they belong to."""
+
+    input_ids: torch.Tensor  # [B, S] (CPU)
+    loss_mask: torch.Tensor  # [B, S] (CPU)
+    features: torch.Tensor  # [B, S, n*H] on the consumer's device, or (pinned) CPU
+    index: int  # global batch index
+    ready: t.Any = None  # a CUDA event after the copy into the consumer's GPU (made on the target's own stream)
+
+    @property
+    def nbytes(self) -> int:
+        """What the item holds in memory (the queue's byte bound counts it)."""
+        return int(self.features.nbytes + self.input_ids.nbytes + self.loss_mask.nbytes)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The features on ``device``, usable by the calling thread's current stream (no host sync)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.ready is not None and self.features.device == device:
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(self.ready)
+            self.features.record_stream(stream)  # allocated on the target's stream: no early reuse
+            return self.features
+        return self.features.to(device, non_blocking=True)
+
+
+# devices with a fused AdamW kernel (torch >= 2.4 has CPU and CUDA ones)
+_FUSED_ADAMW = ("cuda", "cpu")
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class TargetReplica:
+    """One target thread's frozen model: batch -> FeatureBatch on ``dest``.
+
+    A copy to another GPU runs against a stream of this replica's own on that GPU: a copy between the
+    CURRENT streams would wait for the drafter's queued work there (and make it wait for this
+    forward), i.e. targets and drafters in lock-step. The host waits for its own forward and copy only.
+    """
+
+    def __init__(self, model: TargetModel, device: str, dest: str) -> None:
+        self.model = model
+        self.device = device
+        self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
+        self._dest_stream: t.Any = None  # created lazily, on the target's thread
+
+    def produce(self, batch: t.Any) -> FeatureBatch:
+        dev = torch.device(self.device)
+        ready = None
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+            ids = batch.input_ids.to(dev, non_blocking=True)
+            att = batch.attention_mask.to(dev, non_blocking=True)
+            feats = t.cast(torch.Tensor, self.model.features(ids, att))
+            dest = torch.device(self.dest)
+            if dest != dev:
+                if dest.type == "cpu":
+                    out = torch.empty(feats.shape, dtype=feats.dtype, pin_memory=True)
+                    out.copy_(feats, non_blocking=True)
+                    _sync_device(dev)  # the consumer must not read before the copy lands
+                else:
+                    out, ready = self._to_gpu(feats, dest)
+                feats = out
+        return FeatureBatch(batch.input_ids, batch.loss_mask, feats, int(batch.index), ready)
+
+    def _to_gpu(self, feats: torch.Tensor, dest: torch.device) -> tuple[torch.Tensor, t.Any]:
+        if self._dest_stream is None:
+            self._dest_stream = torch.cuda.Stream(dest)
+        with torch.cuda.stream(self._dest_stream):  # dest's current stream for this thread only
+            out = torch.empty(feats.shape, dtype=feats.dtype, device=dest)
+            out.copy_(feats, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._dest_stream)
+        ready.synchronize()  # the host waits for this forward and copy, never for the drafter
+        return out, ready
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    """The sections of a run's config a drafter replica reads: AdamW and clipping (``optim``), anchors and the
+    loss (``drafter``), and the batch shapes its warm-up compiles for (``data``: batch_size, max_length)."""
+
+    optim: OptimConfig
+    drafter: DrafterConfig
+    data: DataConfig
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> ReplicaConfig:
+        return cls(cfg.optim, cfg.drafter, cfg.data)
+
+
+class DrafterReplica:
+    """One drafter thread's replica: its model, fp32 masters, AdamW, anchor generator and frozen head."""
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        head: TargetHead,
+        *,
+        device: str,
+        cfg: ReplicaConfig,
+        schedule: LRSchedule,
+        seed: int,
+        index: int,
+    ) -> None:
+        self.model = model
+        self.head = head
+        self.device = device
+        self.cfg = cfg
+        self.schedule = schedule
+        self.index = index
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.separate_masters = any(p.dtype != torch.float32 for p in self.params)
+        if self.separate_masters:
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        else:
+            self.masters = self.params
+        o = cfg.optim
+        # fused: one kernel for all tensors, and the step counters stay on the device (the default
+        # for-each/single-tensor paths read them on the host per parameter)
+        fused = torch.device(device).type in _FUSED_ADAMW
+        self.optimizer = torch.optim.AdamW(
+            self.masters,
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
+
+    def trainable(self) -> list[torch.Tensor]:
+        """What averaging averages: the fp32 masters (the parameters themselves in fp32)."""
+        return list(self.masters)
+
+    @torch.no_grad()
+    def sync_from_masters(self) -> None:
+        if self.separate_masters:
+            torch._foreach_copy_(self.params, self.masters)  # type: ignore[arg-type]  # Parameters are Tensors; the stub's list is invariant
+
+    def _grads_to_masters(self) -> None:
+        """fp32 copies of the model's gradients as the masters' grads: one buffer, one for-each copy."""
+        pairs = [(m, p.grad) for m, p in zip(self.masters, self.params) if p.grad is not None]
+        for m in self.masters:
+            m.grad = None
+        if not pairs:
+            return
+        flat = torch.empty(sum(g.numel() for _, g in pairs), dtype=torch.float32, device=pairs[0][1].device)
+        views = [v.view_as(g) for v, (_, g) in zip(flat.split([g.numel() for _, g in pairs]), pairs)]
+        torch._foreach_copy_(views, [g.detach() for _, g in pairs])
+        for (m, _), v in zip(pairs, views):
+            m.grad = v
+
+    def recover(self) -> None:
+        """After an OOM, outside the ``except`` (the failed attempt's frames are gone): drop the grads.
+
+        No ``torch.cuda.empty_cache()``: it empties the cache of EVERY GPU (stalling the other threads),
+        and the caching allocator already frees this device's cached blocks and retries before it
+        raises an out-of-memory error.
+        """
+        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int = 1) -> StepStats:
+        """One optimizer update on one batch, or on several (gradient accumulation: the pipeline hands
+        ``optim.sequences_per_update`` sequences' worth of batches at once)."""
+        dev = torch.device(self.device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nullcontext():
+            return self._step(payload, step=step, micro_batches=micro_batches)
+
+    def accumulate(self, payloads: t.Sequence[FeatureBatch], *, micro_batches: int = 1) -> dict[str, t.Any]:
+        """Backward over every batch, then the masters' grads divided by ONE weight sum over all of them.
+
+        Each micro-batch backpropagates its weighted CE SUM; the sum of the weight sums divides the
+        gradients once at the end (a device tensor: no host sync), so k accumulated batches give the
+        gradient of the concatenated batch's loss, not a mean of per-batch means. The sums go backward
+        divided by the FIRST micro-batch's weight sum (its own loss for the first: one batch is exactly the
+        plain mean loss), which keeps fp16/bf16 grads at the size of a mean loss's.
+        Returns the step's figures (device tensors).
+        """
+        d = self.cfg.drafter
+        self.model.train()
+        self.model.zero_grad(set_to_none=True)
+        rows_total = sum(p.input_ids.shape[0] for p in payloads)
+        loss_sum: torch.Tensor | None = None
+        weight_sum: torch.Tensor | None = None
+        acc_sum: torch.Tensor | None = None
+        tau_sum: torch.Tensor | None = None
+        slots: torch.Tensor | None = None
+        blocks = 0
+        scale: torch.Tensor | None = None
+        for payload in payloads:
+            feats = payload.take(torch.device(self.device))
+            rows = payload.input_ids.shape[0]
+            anchors = d.num_anchors
+            if micro_batches > 1 and rows >= 2:
+                cuts = [(a * rows // micro_batches, (a + 1) * rows // micro_batches) for a in range(micro_batches)]
+            else:
+                cuts = [(0, rows)]
+                if micro_batches > 1:  # one sequence: halve the anchors instead
+                    anchors = max(1, anchors // micro_batches)
+            # The step's figures stay on the device (float64): no host sync here; the metrics read them.
+            for a, b in cuts:
+                out = drafter_loss(
+                    self.model,
+                    self.head,
+                    payload.input_ids[a:b],
+                    payload.loss_mask[a:b],
+                    feats[a:b],
+                    num_anchors=anchors,
+                    gamma=d.loss_gamma,
+                    generator=self.generator,
+                    chunk_size=d.loss_chunk,
+                )
+                if scale is None:
+                    scale = out.weight_sum.detach()
+                    out.loss.backward()
+                else:
+                    (out.loss_sum / scale).backward()
+                share = (b - a) / rows_total
+                loss_sum = _add(loss_sum, out.loss_sum.detach().double())
+                weight_sum = _add(weight_sum, out.weight_sum.double())
+                acc_sum = _add(acc_sum, out.acc * share)
+                if out.n_blocks:  # tau_tf is NaN only without blocks
+                    tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
+                    blocks += out.n_blocks
+                slots = _add(slots, out.acc_per_slot * share)
+        assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
+        if self.separate_masters:
+            self._grads_to_masters()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if grads:  # in fp32 on the masters: the one normalisation
+            torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
+        return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
+
+    def _step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int) -> StepStats:
+        payloads = [payload] if isinstance(payload, FeatureBatch) else list(payload)
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        fig = self.accumulate(payloads, micro_batches=micro_batches)
+        if self.cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        self.sync_from_masters()
+        self.trained.extend(p.index for p in payloads)
+        tau_sum, blocks, slots = fig["tau_sum"], fig["blocks"], fig["slots"]
+        return StepStats(
+            loss=fig["loss"],
+            acc=fig["acc"],
+            tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
+            blocks=blocks,
+            lr=lr,
+            acc_per_slot=slots if slots is not None else (),
+        )
+
+
+def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total + part
+
+
+__all__ = [
+    "DTYPES",
+    "DrafterReplica",
+    "FeatureBatch",
+    "LRSchedule",
+    "ReplicaConfig",
+    "TargetReplica",
+    "torch_dtype",
+]

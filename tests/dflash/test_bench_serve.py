@@ -1,0 +1,214 @@
+"""Issue 23 section 2: ``dflash bench serve`` against a server that speaks as vLLM and SGLang do.
+
+No GPU engine runs here: the server is ``EngineDouble`` (testkit/engine_double.py), a real HTTP server
+on 127.0.0.1 whose /metrics are the engines' own names, label sets and exposition text (prometheus_client),
+with counters that move per request as the engines' do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash import engine_metrics
+from dflash.__main__ import main
+from dflash.serve_bench import percentile, sha256_file
+from testkit import free_port
+from testkit.engine_double import EngineDouble
+
+REPO = Path(__file__).resolve().parents[2]
+# the double's cycle (3, 1, 2, 0): requests of 1 + 2 * 10 tokens take 8 verify steps, accepting 12 drafts
+TOKENS = 21
+VLLM_AL = 1 + (3 + 1 + 2 + 0) / 4
+CASES = ("unreachable", "no-drafter", "concurrency", "empty", "both", "not-a-report")
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def chat_prompts(path: Path, n: int = 5) -> Path:
+    path.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"}]}) + "\n" for i in range(n))
+    )
+    return path
+
+
+def only_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ": concurrency " not in ln]  # progress lines
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_vllm_acceptance_from_its_counters_beside_the_offline_tau_of_the_same_prompts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = chat_prompts(tmp_path / "eval.jsonl")
+    report = tmp_path / "eval.json"  # what `dflash eval --json` writes (the keys bench serve reads)
+    report.write_text(
+        json.dumps(
+            {
+                "tau": 2.41,
+                "max_new_tokens": TOKENS,
+                "position_acceptance": [0.7, 0.45, 0.2],
+                "protocol": {
+                    "prompts_sha256": sha256_file(prompts),
+                    "chat_template_kwargs": {"enable_thinking": False},
+                    "stop_at_eos": True,
+                },
+            }
+        )
+    )
+    out = tmp_path / "bench.json"
+    with EngineDouble("vllm") as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1,3"]
+        assert main([*args, "--eval", str(report), "--json", str(out)]) == 0
+        sent = list(engine.requests)
+    got = json.loads(out.read_text())
+    assert got["engine"] == "vllm" and got["model"] == "tiny-target" and got["num_prompts"] == 5
+    assert got["max_new_tokens"] == TOKENS  # the report's: the same protocol as the offline figure
+    assert [lv["concurrency"] for lv in got["levels"]] == [1, 3]
+    for lv in got["levels"]:
+        assert lv["requests"] == 5 and lv["output_tokens"] == 5 * TOKENS
+        assert lv["acceptance_length"] == VLLM_AL and lv["acceptance_source"] == "vllm counters"
+        assert lv["drafts"] == 5 * 8 and lv["accepted_tokens"] == 5 * 12 and lv["draft_tokens"] == 5 * 8 * 3
+        assert lv["position_acceptance"] == [0.75, 0.5, 0.25]
+        lat = lv["latency_s"]
+        assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+        assert lv["output_tokens_per_s"] == pytest.approx(lv["output_tokens"] / lv["seconds"])
+    assert got["offline"]["tau"] == 2.41 and got["offline"]["same_prompts"] is True
+    # a warm-up request, then every prompt once per level; greedy, the report's template kwargs
+    assert len(sent) == 1 + 2 * 5
+    assert all(b["temperature"] == 0 and b["max_tokens"] == TOKENS for b in sent)
+    assert all(b["chat_template_kwargs"] == {"enable_thinking": False} and "ignore_eos" not in b for b in sent)
+    assert sorted(b["messages"][0]["content"] for b in sent[1:6]) == [f"question {i}" for i in range(5)]
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("server:  http://127.0.0.1:") and text[0].endswith("(vLLM, model tiny-target)")
+    assert text[3].split()[:3] == ["1", "5", str(5 * TOKENS)] and text[3].endswith("2.50 (40 drafts)")
+    assert "acceptance by position (1..B-1), concurrency 1: 0.75 0.50 0.25" in text
+    assert (
+        f"offline tau (dflash eval, {report}): 2.41 on the same prompts file (sha256), up to 21 new tokens each" in text
+    )
+
+
+def test_sglang_acceptance_from_its_gauge_with_token_and_text_prompts(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n" + json.dumps({"prompt": "Once upon a time"}) + "\n")
+    out = tmp_path / "bench.json"
+    # one log interval = one cycle of the double's acceptance: the gauge reads exactly its mean
+    with EngineDouble("sglang", log_interval=4) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "2"]
+        assert main([*args, "--max-new", str(TOKENS), "--ignore-eos", "--json", str(out)]) == 0
+        sent = list(engine.requests)
+        gauge = engine_metrics.read(engine.metrics_text()).accept_length
+    got = json.loads(out.read_text())
+    (level,) = got["levels"]
+    assert got["engine"] == "sglang" and got["ignore_eos"] is True
+    assert level["acceptance_length"] == gauge == VLLM_AL
+    assert level["acceptance_source"] == "sglang gauge (last log interval)" and level["drafts"] is None
+    assert {json.dumps(b["prompt"]) for b in sent} == {"[5, 6, 7]", '"Once upon a time"'}
+    assert all(b["ignore_eos"] is True and "messages" not in b for b in sent)
+
+
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        ("unreachable", "bench serve: cannot reach http://127.0.0.1:{port}/metrics: [Errno 111] Connection refused"),
+        (
+            "no-drafter",
+            "bench serve: {url}/metrics has no speculative-decoding metrics (vllm:spec_decode_num_drafts_total or "
+            "sglang:spec_accept_length): is a drafter served (vLLM --speculative-config, SGLang "
+            "--speculative-algorithm DFLASH --enable-metrics)?",
+        ),
+        (
+            "concurrency",
+            "bench serve: --concurrency: expected positive integers separated by commas, such as 1,8,32; got '1,eight'",
+        ),
+        ("empty", "bench serve: --prompts: no prompts in {tmp}/empty.jsonl"),
+        ("both", "bench serve: give --eval REPORT or --drafter CKPT, not both"),
+        ("not-a-report", "bench serve: --eval: {tmp}/p.jsonl is not JSON (Extra data: line 2 column 1 (char 58))"),
+    ],
+    ids=lambda v: v if v in CASES else "",
+)
+def test_bad_inputs_are_refused_in_one_line_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, line: str
+) -> None:
+    prompts = chat_prompts(tmp_path / "p.jsonl", 2)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with EngineDouble("vllm", spec=case != "no-drafter") as engine:
+        port = free_port()
+        server = f"http://127.0.0.1:{port}" if case == "unreachable" else engine.url
+        args = ["bench", "serve", "--server", server, "--prompts", str(prompts)]
+        extra = {
+            "concurrency": ["--concurrency", "1,eight"],
+            "empty": ["--prompts", str(tmp_path / "empty.jsonl")],
+            "both": ["--eval", "r.json", "--drafter", "ck"],
+            "not-a-report": ["--eval", str(prompts)],
+        }.get(case, [])
+        assert main([*args, *extra]) == 2
+        assert engine.requests == []
+    assert only_line(capsys) == line.format(port=port, url=engine.url, tmp=tmp_path)
+
+
+def test_a_server_that_fails_during_the_run_ends_it_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = chat_prompts(tmp_path / "p.jsonl", 2)
+    with EngineDouble("vllm", fail_status=404) as engine:
+        assert main(["bench", "serve", "--server", engine.url, "--prompts", str(prompts)]) == 1
+    assert only_line(capsys) == (
+        f"bench serve: {engine.url}/v1/chat/completions answered 404 Not Found: The model does not exist."
+    )
+
+
+def test_the_offline_tau_computed_here_is_dflash_evals_on_the_same_prompts(tmp_path: Path) -> None:
+    from dflash.config import load_config
+    from dflash.train import Run
+
+    cfg = load_config(
+        REPO / "configs" / "tiny-random.toml",
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "checkpoint.interval=0",
+            "checkpoint.resume=never",
+            "devices.drafters=cpu",
+            "devices.targets=cpu",
+            "max_steps=1",
+        ],
+    )
+    assert Run(cfg, environ={}).train() == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [3 + i, 40, 41, 42 + i]}) + "\n" for i in range(3)))
+    eval_json, bench_json = tmp_path / "eval.json", tmp_path / "bench.json"
+    ck = str(tmp_path / "ck")
+    assert main(["eval", "--drafter", ck, "--prompts", str(prompts), "--max-new", "8", "--json", str(eval_json)]) == 0
+    with EngineDouble("vllm") as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1"]
+        assert main([*args, "--drafter", ck, "--max-new", "8", "--json", str(bench_json)]) == 0
+    offline = json.loads(bench_json.read_text())["offline"]
+    evaluated = json.loads(eval_json.read_text())
+    assert offline["tau"] == evaluated["tau"] and offline["position_acceptance"] == evaluated["position_acceptance"]
+    assert offline["same_prompts"] is True and offline["source"] == f"computed: dflash eval --drafter {ck}"
+
+
+def test_exposition_text_is_read_as_prometheus_writes_it() -> None:
+    text = (
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.\n"
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="a \\"b\\", c}"} 4.0\n'
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 6.0\n'
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09\n'
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0\n'
+        'vllm:num_requests_running{engine="0"} 2.0 1700000000000\n'
+    )
+    samples = engine_metrics.parse(text)
+    assert samples[0].labels == {"engine": "0", "model_name": 'a "b", c}'} and samples[-1].value == 2.0
+    r = engine_metrics.read(text)
+    assert r.engine == "vllm" and r.drafts == 10.0 and r.accepted == 15.0 and r.per_position == (0.0, 2.0)
+    a = engine_metrics.acceptance(engine_metrics.Reading("vllm"), r)
+    assert a.length == 2.5 and a.per_position == (0.0, 0.2)
+    with pytest.raises(engine_metrics.MetricsError, match="^line 2: x: 'fast' is not a number$"):
+        engine_metrics.parse("# ok\nx fast\n")
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([1.0], 99) == 1.0

@@ -1,0 +1,148 @@
+"""The layout's rules, read from the source: the far side (ops/far) is stdlib only and imports nothing of
+the operator side; ops/ has no import circle and no import of another module's private names; no module
+is over 1,000 lines."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OPS = REPO / "ops"
+FAR = OPS / "far"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(OPS.rglob("*.py"))}
+
+
+class Import(t.NamedTuple):
+    line: int
+    module: str  # what the statement names: "ops.far", "json"
+    names: tuple[str, ...]  # the names of a `from` import; () for `import x`
+    type_only: bool  # under `if TYPE_CHECKING:` (never runs)
+
+
+def imports(path: Path) -> list[Import]:
+    """Every import statement of a module, wherever it stands (module level, functions, branches)."""
+    found: list[Import] = []
+
+    def walk(node: ast.AST, type_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(child.lineno, a.name, (), type_only) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                assert child.level == 0, f"{path}:{child.lineno}: relative import"
+                names = tuple(a.name for a in child.names)
+                found.append(Import(child.lineno, child.module or "", names, type_only))
+            walk(child, type_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)))
+
+    walk(ast.parse(path.read_text()), False)
+    return found
+
+
+def targets(imp: Import) -> list[str]:
+    """The ops modules an import runs: ``from ops.far import lock`` -> ops.far.lock."""
+    if not imp.names:
+        return [imp.module] if imp.module in MODULES else []
+    subs = [f"{imp.module}.{n}" for n in imp.names if f"{imp.module}.{n}" in MODULES]
+    rest = [n for n in imp.names if f"{imp.module}.{n}" not in MODULES]
+    return subs + ([imp.module] if rest and imp.module in MODULES else [])
+
+
+def test_the_far_side_imports_the_stdlib_and_itself_only() -> None:
+    """Everything under ops/far runs in the container with whatever python is there (the agent with -I -S)."""
+    bad = []
+    for path in sorted(FAR.rglob("*.py")):
+        for imp in imports(path):
+            top = imp.module.split(".")[0]
+            ok = (
+                imp.module == "__future__"
+                or top in sys.stdlib_module_names
+                or imp.module == "ops.far"
+                or imp.module.startswith("ops.far.")
+            )
+            if not ok:
+                bad.append(f"{path.relative_to(REPO)}:{imp.line}: {imp.module}")
+    assert bad == []
+    assert {"agent.py", "runner.py", "tmux.py", "protocol.py", "release.py"} <= {p.name for p in FAR.glob("*.py")}
+
+
+def test_the_agent_and_the_runner_load_nothing_but_the_stdlib_and_ops_far() -> None:
+    """What the far side's entry points really load, run as the agent runs (-I -S: no site-packages)."""
+    code = (
+        "import sys, json; sys.path.insert(0, sys.argv[1])\n"
+        "import ops.far.agent, ops.far.runner, ops.far.release, ops.far.tmux\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    loaded = json.loads(p.stdout)
+    ours = [m for m in loaded if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
+    assert ours and all(m in ("ops", "ops.far") or m.startswith("ops.far.") for m in ours), ours
+
+
+def test_ops_has_no_import_circle() -> None:
+    """Imports that run (module level or inside a function; not TYPE_CHECKING ones) form no cycle."""
+    edges = {
+        name: {m for imp in imports(path) if not imp.type_only for m in targets(imp) if m != name}
+        for name, path in MODULES.items()
+    }
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [])
+    assert [" -> ".join(c) for c in cycles] == []
+
+
+def test_no_ops_module_imports_another_modules_private_names() -> None:
+    bad = []
+    for name, path in MODULES.items():
+        for imp in imports(path):
+            if not imp.module.startswith("ops") or imp.module == name:
+                continue
+            for n in imp.names:
+                private = n.startswith("_") and not n.startswith("__")
+                if private and f"{imp.module}.{n}" not in MODULES:  # a private module of a package is its own
+                    bad.append(f"{path.relative_to(REPO)}:{imp.line}: {imp.module}.{n}")
+    assert bad == []
+
+
+def test_no_module_is_over_1000_lines() -> None:
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
+        for top in ("ops", "testkit", "bench")
+        for p in (REPO / top).rglob("*.py")
+    }
+    assert {p: n for p, n in sizes.items() if n > 1000} == {}
+
+
+def test_every_bench_runs_as_a_module_of_the_bench_package() -> None:
+    """`python -m bench.NAME` from the repo root: the docstring says so, and nothing edits sys.path."""
+    benches = sorted(p for p in (REPO / "bench").glob("*.py") if p.name != "__init__.py")
+    assert benches and (REPO / "bench" / "__init__.py").is_file()
+    for path in benches:
+        text = path.read_text()
+        assert f"python -m bench.{path.stem}" in (ast.get_docstring(ast.parse(text)) or ""), path.name
+        assert "sys.path" not in text, path.name
