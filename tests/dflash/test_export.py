@@ -92,8 +92,11 @@ def load_in_fresh_interpreter(
     return torch.load(tmp_path / "out.pt")
 
 
-@pytest.mark.floor
-@pytest.mark.parametrize("transformers_4", [False, True], ids=["this-transformers", "transformers-4.57"])
+# floor: the remote code under this venv's transformers; the 4.57 case runs once (in .venv's run): the same subprocess
+@pytest.mark.parametrize(
+    "transformers_4",
+    [pytest.param(False, id="this-transformers", marks=pytest.mark.floor), pytest.param(True, id="transformers-4.57")],
+)
 @pytest.mark.parametrize("sliding", [False, True])
 def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
     tmp_path: Path, target: TargetModel, sliding: bool, transformers_4: bool, request: pytest.FixtureRequest
@@ -168,6 +171,7 @@ def run_config(tmp_path: Path, name: str, *overrides: str):
     )
 
 
+@pytest.mark.floor  # a published folder's config.json read by this transformers
 def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
     import zlab_reference
 
@@ -212,6 +216,7 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
 # ---- dflash export --------------------------------------------------------------------------
 
 
+@pytest.mark.floor  # AutoModel in 5.13-5.18 registers the remote class (drafter.py's config_class)
 def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     tmp_path: Path, target: TargetModel, capsys: pytest.CaptureFixture[str]
 ) -> None:
