@@ -66,10 +66,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(reason)
 
 
+def _side_python(venv: str, builds: str) -> str:
+    python = REPO / venv / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        _missing(f"{python} does not exist (scripts/floor-venv {builds} builds it)")
+    return str(python)
+
+
 @pytest.fixture(scope="session")
 def tf457_python() -> str:
     """The interpreter of .venv-tf457: transformers 4.57 (z-lab's pin), torch, safetensors, no dflash."""
-    python = REPO / ".venv-tf457" / "bin" / "python"
-    if not os.access(python, os.X_OK):
-        _missing(f"{python} does not exist (scripts/floor-venv tf457 builds it)")
-    return str(python)
+    return _side_python(".venv-tf457", "tf457")
+
+
+@pytest.fixture(scope="session")
+def floor_python() -> str:
+    """The interpreter of .venv-floor: transformers 5.17, speculators 0.9.0, the project (editable)."""
+    return _side_python(".venv-floor", "floor")
