@@ -10,15 +10,25 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
-VERSIONS = "import json, importlib.metadata as md; print(json.dumps({n: md.version(n) for n in NAMES}))"
+VERSIONS = """
+import json, importlib.metadata as md
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+print(json.dumps({n: version(n) for n in NAMES}))
+"""
 
 
-def versions(python: str, *names: str) -> dict[str, str]:
+def versions(python: str, *names: str) -> dict[str, str | None]:
     code = f"NAMES = {list(names)!r}\n{VERSIONS}"
     proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -28,9 +38,18 @@ def versions(python: str, *names: str) -> dict[str, str]:
 def test_the_side_venvs_hold_the_versions_they_prove(floor_python: str, tf457_python: str) -> None:
     floor = versions(floor_python, "transformers", "torch", "speculators", "dflash")
     assert floor["transformers"] == "5.17.0" and floor["speculators"] == "0.9.0", floor
-    assert floor["torch"].startswith("2.13.0"), floor  # the wheel on disk; torch 2.11 is the GPU check's
+    assert str(floor["torch"]).startswith("2.13.0"), floor  # the wheel on disk; torch 2.11 is the GPU check's
     tf457 = versions(tf457_python, "transformers", "torch", "safetensors")
-    assert tf457["transformers"].startswith("4.57."), tf457
+    assert str(tf457["transformers"]).startswith("4.57."), tf457
+
+
+def test_the_floor_venv_has_every_test_requirement(floor_python: str) -> None:
+    # pytest imports every module of tests/dflash before -m deselects, so the floor run needs all of [test]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in pyproject["optional-dependencies"]["test"]]
+    got = versions(floor_python, *(r.name for r in reqs))
+    wrong = {r.name: got[r.name] for r in reqs if got[r.name] is None or not r.specifier.contains(str(got[r.name]))}
+    assert not wrong, f"in .venv-floor, not as [test] asks: {wrong}"
 
 
 def test_the_floor_run_fails_under_ci_when_speculators_is_missing(floor_python: str, tmp_path: Path) -> None:
