@@ -22,15 +22,15 @@ H hidden, h heads, g kv heads, D head dim.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import typing as t
 
 import torch
-from huggingface_hub.dataclasses import strict
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedConfig, Qwen3Config
+from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3PreTrainedModel,
@@ -39,6 +39,23 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash.target import build_target_layer_ids
+
+# This module is also the checkpoints' remote code (dflash/hf_remote), which must load on transformers 4.x
+# (z-lab pins 4.57.1) as well as 5.x. 5.0 made configs dataclasses: PreTrainedConfig subclasses get fields
+# and __post_init__, checked by huggingface_hub's @strict. 4.x spells it PretrainedConfig, its configs take
+# keywords in __init__, and @strict refuses a class that is not a dataclass.
+try:
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
+_DATACLASS_CONFIGS = dataclasses.is_dataclass(Qwen3Config)
+if _DATACLASS_CONFIGS:
+    from huggingface_hub.dataclasses import strict
+else:  # transformers 4.x
+
+    def strict(cls: t.Any) -> t.Any:  # type: ignore[no-redef]
+        return cls
+
 
 try:  # flex_attention is the GPU training path; the dense SDPA path needs nothing optional
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -101,9 +118,26 @@ class DFlashDraftConfig(Qwen3Config):
     num_target_layers: int | None = None
     dflash_config: dict | None = None
 
-    def __post_init__(self, **kwargs: t.Any) -> None:
-        super().__post_init__(**kwargs)
-        self._check_dflash_keys()
+    if _DATACLASS_CONFIGS:
+
+        def __post_init__(self, **kwargs: t.Any) -> None:
+            super().__post_init__(**kwargs)
+            self._check_dflash_keys()
+
+    else:  # transformers 4.x: a keyword __init__, as its own configs have
+
+        def __init__(
+            self,
+            block_size: int = 16,
+            num_target_layers: int | None = None,
+            dflash_config: dict | None = None,
+            **kwargs: t.Any,
+        ) -> None:
+            self.block_size = block_size
+            self.num_target_layers = num_target_layers
+            self.dflash_config = dflash_config
+            super().__init__(**kwargs)
+            self._check_dflash_keys()
 
     def _check_dflash_keys(self) -> None:
         for key in DRAFTER_SIZES:  # a config.json is a user's file: a size of -1 fails here, not in torch
@@ -471,7 +505,11 @@ class Qwen3DFlashDecoderLayer(nn.Module):
 class DFlashDraftModel(Qwen3PreTrainedModel):
     """The drafter. ``forward`` returns the final-normed block hidden states ``[B, Q, H]``."""
 
-    config_class = DFlashDraftConfig
+    # Qwen3Config, as z-lab's class has: AutoModel (trust_remote_code) reads config.json as a Qwen3Config
+    # (model_type qwen3), and transformers 5.13-5.18 then register this class for that config class, refusing
+    # a config_class of another name ("not consistent with the config class you passed"); 4.57, 5.0-5.12 and
+    # 5.19+ skip the registration. __init__ turns the Qwen3Config into a DFlashDraftConfig.
+    config_class = Qwen3Config
     config: DFlashDraftConfig
     base_model_prefix = ""
     _no_split_modules = ["Qwen3DFlashDecoderLayer"]

@@ -47,7 +47,7 @@ if t.TYPE_CHECKING:
 # CUDA build, not the CPU pin of pyproject.toml.
 REQUIRED_MODULES: dict[str, str] = {
     "torch": "torch",
-    "transformers": "transformers>=5.24,<6",
+    "transformers": "transformers>=5.17,<6",
     "safetensors": "safetensors>=0.4",
     "accelerate": "accelerate>=1.1",  # targets load straight onto their GPU (device_map)
     "numpy": "numpy>=1.24",  # the averaging engine

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import typing as t
+from pathlib import Path
 
 import pytest
 
 # Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py).
 pytest_plugins = ["testkit.plugin"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Tiny models on a 2-core machine: one torch thread per process keeps tests from fighting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -34,3 +39,47 @@ def _root_logging() -> t.Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+# ---- the side venvs of scripts/floor-venv ---------------------------------------------------------
+
+
+def _missing(reason: str) -> t.NoReturn:
+    """Skip, or under CI=true fail: CI builds every side venv (scripts/test), so a missing one is a bug."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _in_floor_venv() -> bool:
+    return Path(sys.prefix).resolve() == REPO / ".venv-floor"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``speculators`` tests run in .venv-floor only (speculators 0.9.0 needs transformers <= 5.19):
+    skipped elsewhere, a failure there under CI=true when the package is missing."""
+    if item.get_closest_marker("speculators") is None or importlib.util.find_spec("speculators") is not None:
+        return
+    reason = "speculators is not installed (it lives in .venv-floor: scripts/floor-venv; scripts/test runs it)"
+    if _in_floor_venv():
+        _missing(reason)
+    pytest.skip(reason)
+
+
+def _side_python(venv: str, builds: str) -> str:
+    python = REPO / venv / "bin" / "python"
+    if not os.access(python, os.X_OK):
+        _missing(f"{python} does not exist (scripts/floor-venv {builds} builds it)")
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def tf457_python() -> str:
+    """The interpreter of .venv-tf457: transformers 4.57 (z-lab's pin), torch, safetensors, no dflash."""
+    return _side_python(".venv-tf457", "tf457")
+
+
+@pytest.fixture(scope="session")
+def floor_python() -> str:
+    """The interpreter of .venv-floor: transformers 5.17, speculators 0.9.0, the project (editable)."""
+    return _side_python(".venv-floor", "floor")

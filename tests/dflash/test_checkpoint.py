@@ -28,6 +28,10 @@ from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.loss import drafter_loss
 from dflash.target import TargetModel, tiny_target_config
 
+# floor (scripts/test runs it again in .venv-floor): save_pretrained / config.json and z-lab's class loading our
+# weights: transformers' own serialisation
+pytestmark = pytest.mark.floor
+
 MASK = 511
 
 

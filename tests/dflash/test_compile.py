@@ -85,6 +85,7 @@ def checkpoints_in(graphs: list[torch.fx.GraphModule]) -> int:
     return sum(n.target is torch.ops.higher_order.tag_activation_checkpoint for g in graphs for n in g.graph.nodes)
 
 
+@pytest.mark.floor  # floor: transformers' Qwen3 modules inside the compiled layer
 def test_compile_with_checkpointing_matches_neither(parts: dict[str, object]) -> None:
     torch._dynamo.reset()
     plain, plain_grads, plain_calls = loss_and_grads(parts, checkpointing=False, compile=False)
@@ -105,6 +106,7 @@ def test_compile_with_checkpointing_matches_neither(parts: dict[str, object]) ->
     assert any(g.abs().sum() > 0 for g in both_grads)
 
 
+@pytest.mark.floor  # floor: transformers' own checkpointing switch differs by release
 def test_checkpointing_does_not_come_from_transformers(parts: dict[str, object]) -> None:
     model = copy.deepcopy(parts["drafter"])
     assert isinstance(model, DFlashDraftModel)

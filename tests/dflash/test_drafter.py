@@ -8,6 +8,10 @@ import torch
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel, DraftCache, draft_config_for
 from dflash.target import TargetModel, tiny_target_config
 
+# floor (scripts/test runs it again in .venv-floor): the drafter's config is a transformers config (a dataclass under
+# @strict on 5.x) and its layers are Qwen3's
+pytestmark = pytest.mark.floor
+
 MASK = 511
 
 # z-lab dflash/model.py: DFlashDraftModel.{layers, norm, fc, hidden_norm}; Qwen3DFlashDecoderLayer.{self_attn,

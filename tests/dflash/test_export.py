@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(240)
 LOAD = textwrap.dedent("""
     import importlib.abc, sys
     repo = sys.argv[1]
-    venv = repo + "/.venv/"  # the interpreter's own site-packages may live under the checkout
+    venv = sys.prefix + "/"  # the interpreter's own site-packages may live under the checkout (.venv*)
     sys.path[:] = [p for p in sys.path if p and not (p == repo or (p.startswith(repo + "/") and not p.startswith(venv)))]
 
     class NoDflash(importlib.abc.MetaPathFinder):
@@ -46,7 +46,9 @@ LOAD = textwrap.dedent("""
     with torch.no_grad():
         hidden = model(position_ids=x["position_ids"], noise_embedding=x["noise_embedding"],
                        target_hidden=x["target_hidden"])
-    torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype)}, out)
+    import transformers
+    torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype),
+                "transformers": transformers.__version__}, out)
 """)
 
 
@@ -72,12 +74,14 @@ def inputs(target: TargetModel) -> dict[str, torch.Tensor]:
         }
 
 
-def load_in_fresh_interpreter(folder: Path, x: dict[str, torch.Tensor], tmp_path: Path) -> dict[str, object]:
+def load_in_fresh_interpreter(
+    folder: Path, x: dict[str, torch.Tensor], tmp_path: Path, python: str = sys.executable
+) -> dict[str, object]:
     torch.save(x, tmp_path / "inputs.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        [python, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -88,10 +92,17 @@ def load_in_fresh_interpreter(folder: Path, x: dict[str, torch.Tensor], tmp_path
     return torch.load(tmp_path / "out.pt")
 
 
+# floor: the remote code under this venv's transformers; the 4.57 case runs once (in .venv's run): the same subprocess
+@pytest.mark.parametrize(
+    "transformers_4",
+    [pytest.param(False, id="this-transformers", marks=pytest.mark.floor), pytest.param(True, id="transformers-4.57")],
+)
 @pytest.mark.parametrize("sliding", [False, True])
 def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
-    tmp_path: Path, target: TargetModel, sliding: bool
+    tmp_path: Path, target: TargetModel, sliding: bool, transformers_4: bool, request: pytest.FixtureRequest
 ) -> None:
+    # transformers 4.57 (z-lab's pin, .venv-tf457): the remote code must load there too, bit for bit
+    python = request.getfixturevalue("tf457_python") if transformers_4 else sys.executable
     kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
     drafter = new_drafter(**kw).eval()
     path = save_checkpoint(tmp_path / "ckpt", step=3, drafter=drafter, trainer_state={})
@@ -100,7 +111,8 @@ def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_packag
     assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert (path / "dflash.py").read_text() == hf_remote.source()
     x = inputs(target)
-    got = load_in_fresh_interpreter(path, x, tmp_path)
+    got = load_in_fresh_interpreter(path, x, tmp_path, python)
+    assert str(got["transformers"]).startswith("4.57.") == transformers_4
     assert str(got["module"]).startswith("transformers_modules.") and str(got["module"]).endswith(".dflash")
     with torch.no_grad():
         ours = drafter(**x)
@@ -159,6 +171,7 @@ def run_config(tmp_path: Path, name: str, *overrides: str):
     )
 
 
+@pytest.mark.floor  # a published folder's config.json read by this transformers
 def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
     import zlab_reference
 
@@ -203,6 +216,7 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
 # ---- dflash export --------------------------------------------------------------------------
 
 
+@pytest.mark.floor  # AutoModel in 5.13-5.18 registers the remote class (drafter.py's config_class)
 def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     tmp_path: Path, target: TargetModel, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -17,7 +17,9 @@ from dflash.train import Run
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "configs" / "tiny-data.jsonl"
 
-pytestmark = pytest.mark.timeout(240)
+# floor (scripts/test runs it again in .venv-floor): the target and the drafter built through transformers' loading
+# (from_pretrained, configs)
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
 
 def write_config(tmp_path: Path, name: str, *, vocab_size: int, seed: int, drafter: str = "") -> Path:

@@ -19,7 +19,9 @@ from dflash.target import tiny_target_config
 MASK = 511
 SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5}
 
-pytestmark = pytest.mark.timeout(240)
+# floor (scripts/test runs it again in .venv-floor): the exported config.json is transformers' to_dict of the drafter
+# config
+pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,10 @@ from dflash.loss import Anchors, block_inputs, drafter_loss, training_masks
 from dflash.spec_decode import Sampler, speculative_generate, target_greedy, target_sample
 from dflash.target import TargetModel, tiny_target_config
 
+# floor (scripts/test runs it again in .venv-floor): the target's KV cache and its forward's cache argument changed
+# between transformers releases
+pytestmark = pytest.mark.floor
+
 MASK = 511
 BLOCK = 6
 

@@ -1,7 +1,7 @@
 """Issue 23: ``dflash export --format speculators`` against the REAL vllm-project/speculators package.
 
 speculators 0.9.0 needs transformers <= 5.19: scripts/test runs the ``speculators`` tests in the floor venv
-that has it (.venv-floor); where it is not installed they skip. Two checks: speculators' own config class
+that has it (.venv-floor); where it is not installed they skip (under CI=true in .venv-floor they fail). Two checks: speculators' own config class
 and model read our export; its own z-lab -> speculators converter, run on our z-lab export, writes the
 config and weights our speculators export has (the differences are ours on purpose, each said below and
 in dflash/speculators_format.py).
@@ -23,8 +23,9 @@ from dflash.checkpoint import save_checkpoint
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.target import tiny_target_config
 
+# Skipped where speculators is not installed, a failure in .venv-floor under CI=true (tests/conftest.py): a
+# module-level importorskip would skip there too.
 pytestmark = [pytest.mark.speculators, pytest.mark.timeout(300)]
-speculators = pytest.importorskip("speculators", reason="needs vllm-project/speculators (the floor venv has it)")
 
 SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5}
 # keys the converter writes differently on purpose (dflash/speculators_format.py says why), or versions

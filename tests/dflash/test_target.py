@@ -7,6 +7,10 @@ import torch
 
 from dflash.target import TargetModel, build_target_layer_ids, default_mask_token_id, tiny_target_config
 
+# floor (scripts/test runs it again in .venv-floor): target loading (from_pretrained, device_map through accelerate),
+# hooks on Qwen3 layers, generate and its cache
+pytestmark = pytest.mark.floor
+
 
 @pytest.fixture(scope="module")
 def target() -> TargetModel:

@@ -12,6 +12,8 @@ parity tests that load our weights into this class fail.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers import DynamicCache, Qwen3Config
@@ -169,6 +171,12 @@ def _crop_to(cache, length):
         cache.crop(-remove)
 
 
+def _cache_arg(target, cache):
+    # transformers 5.24 renamed the forward's past_key_values (z-lab's name, all 5.23 and older have) to cache
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 @torch.no_grad()
 def reference_generate(model, target, input_ids, max_new_tokens, block_size=None, stop_token_ids=None):
     """z-lab's greedy ``dflash_generate``: (output_ids [1, <= P + max_new], acceptance lengths incl. the bonus).
@@ -186,7 +194,7 @@ def reference_generate(model, target, input_ids, max_new_tokens, block_size=None
     out = target(
         input_ids,
         position_ids=position_ids[:, :num_input],
-        cache=target_cache,
+        **_cache_arg(target, target_cache),
         use_cache=True,
         output_hidden_states=True,
     )
@@ -212,7 +220,7 @@ def reference_generate(model, target, input_ids, max_new_tokens, block_size=None
         out = target(
             block_ids,
             position_ids=position_ids[:, start : start + block_size],
-            cache=target_cache,
+            **_cache_arg(target, target_cache),
             use_cache=True,
             output_hidden_states=True,
         )

@@ -562,7 +562,7 @@ def test_missing_modules_are_named_and_install_is_offered(tmp_path: Path, src: P
     out, echo = lines()
     deploy(remote, host, source=str(src), dry_run=True, install=True, echo=echo)
     assert out[0].startswith("would pip-install into ") and out[0].endswith(
-        "torch transformers>=5.24,<6 safetensors>=0.4 accelerate>=1.1 numpy>=1.24 click>=8.1"
+        "torch transformers>=5.17,<6 safetensors>=0.4 accelerate>=1.1 numpy>=1.24 click>=8.1"
     )
 
 
