@@ -220,17 +220,7 @@ def fetch(remote: Remote, session: str | None, last: int | None = None) -> dict[
     req = run.request(host, session)
     if last is not None:
         req["last"] = last
-    try:
-        a = run.call(remote, "history", req, timeout=HISTORY_TIMEOUT)
-    except run.AgentUnavailable as e:
-        if e.not_deployed:
-            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
-        raise errors.AgentError(f"{host.label}: {e.reason}") from None
-    if not a.get("ok"):
-        if a.get("error") == "usage":  # an agent older than this verb
-            raise errors.AgentError(f"{host.label}: the deployed agent has no history: run `dflashctl deploy`")
-        raise errors.OpsError(f"{host.label}: history: {a.get('message')}")
-    return a
+    return run.ask(remote, "history", req, timeout=HISTORY_TIMEOUT, lacking="has no history")
 
 
 def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:

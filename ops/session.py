@@ -176,12 +176,7 @@ def start(
     )
     if start_id is not None:
         req["start_id"] = start_id
-    try:
-        answer = call(remote, "start", req, timeout=START_TIMEOUT)
-    except AgentUnavailable as e:
-        if e.not_deployed:
-            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
-        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+    answer = call_deployed(remote, "start", req, timeout=START_TIMEOUT)
     if not answer.get("ok"):
         kind, message = answer.get("error"), answer.get("message")
         if kind == "not-deployed":
@@ -315,16 +310,27 @@ def read(
     req.update(attempts={k: dict(v) for k, v in attempts.items()}, tail=tail)
     if cap is not None:
         req["cap"] = cap  # bytes per call (the agent's READ_CAP at most)
+    return ask(remote, "read", req, timeout=READ_TIMEOUT, lacking="cannot read metrics")
+
+
+def call_deployed(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: float) -> dict[str, t.Any]:
+    """One agent call whose failure to run is an error: NotDeployed (with the fix) or AgentError, one line."""
     try:
-        a = call(remote, "read", req, timeout=READ_TIMEOUT)
+        return call(remote, verb, dict(req), timeout=timeout)
     except AgentUnavailable as e:
         if e.not_deployed:
-            raise errors.NotDeployed(f"{host.label}: {e.reason}: run `dflashctl deploy` first") from None
-        raise errors.AgentError(f"{host.label}: {e.reason}") from None
+            raise errors.NotDeployed(f"{remote.host.label}: {e.reason}: run `dflashctl deploy` first") from None
+        raise errors.AgentError(f"{remote.host.label}: {e.reason}") from None
+
+
+def ask(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: float, lacking: str) -> dict[str, t.Any]:
+    """``call_deployed`` for a verb newer agents have: an older one's `usage` answer says to redeploy
+    (``lacking``: what it cannot do, "cannot read metrics"); any other refusal is one line naming the verb."""
+    a = call_deployed(remote, verb, req, timeout=timeout)
     if not a.get("ok"):
         if a.get("error") == "usage":  # an agent older than this verb
-            raise errors.AgentError(f"{host.label}: the deployed agent cannot read metrics: run `dflashctl deploy`")
-        raise errors.OpsError(f"{host.label}: read: {a.get('message')}")
+            raise errors.AgentError(f"{remote.host.label}: the deployed agent {lacking}: run `dflashctl deploy`")
+        raise errors.OpsError(f"{remote.host.label}: {verb}: {a.get('message')}")
     return a
 
 

@@ -172,6 +172,17 @@ def attempt_facts(req: Request, lines: int = DIAG_LINES) -> AttemptFacts | None:
     return None if adir is None else facts_of(adir, lines, req)
 
 
+def numbered_attempts(sdir: str) -> list[tuple[int, str]]:
+    """The session dir's attempt dirs as (number, name), oldest first; none when it does not exist yet."""
+    try:
+        names = os.listdir(sdir)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
+    return sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
+
+
 def facts_of(adir: str, lines: int = DIAG_LINES, req: Request | None = None) -> AttemptFacts:
     """One attempt dir's records, its processes' liveness, the log's last ``lines`` and the last metrics record;
     with the session's request, its live members too (the current attempt's probe; history needs none)."""
@@ -828,13 +839,7 @@ def read(req: Request) -> dict[str, t.Any]:
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (cap, *offsets)):
         raise Refused("bad-request", "cap and attempts.*.offset: expected whole numbers >= 0")
     budget = max(1, min(cap, READ_CAP))
-    try:
-        names = os.listdir(sdir)
-    except FileNotFoundError:
-        names = []
-    except OSError as e:
-        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
-    numbered = sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
+    numbered = numbered_attempts(sdir)
     attempts = []
     for n, name in numbered:
         adir = os.path.join(sdir, name)
@@ -909,13 +914,7 @@ def history(req: Request) -> dict[str, t.Any]:
     if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
         raise Refused("bad-request", "last: expected a whole number >= 1")
     sdir = session_dir(req)
-    try:
-        names = os.listdir(sdir)
-    except FileNotFoundError:
-        names = []
-    except OSError as e:
-        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
-    numbered = sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
+    numbered = numbered_attempts(sdir)
     attempts = []
     for _, name in numbered[-last:] if last else numbered:
         adir = os.path.join(sdir, name)

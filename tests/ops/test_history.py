@@ -94,7 +94,9 @@ def test_history_after_a_night_oom_then_the_tmux_server_gone_then_a_restart(rig:
         None,
     )
     assert a2["ended_at"] is None and a2["last_seen_at"] >= a2["started_at"]
-    assert a2["step"] == steps2[-1] and a2["resumed_from"]["step"] == resumed_step(rig, 2) == steps2[0] - 1
+    # the step is the last metrics record's; the SIGKILL may land between a step line and its record
+    assert a2["step"] in (steps2[-1], steps2[-1] - 1), (a2["step"], steps2[-3:])
+    assert a2["resumed_from"]["step"] == resumed_step(rig, 2) == steps2[0] - 1
     by2 = a2["started_by"]
     assert (by2["by"], by2["action"], by2["pid"]) == ("supervisor", "restart", sup.proc.pid)
     assert by2["after"] == {
