@@ -67,13 +67,14 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import typing as t
 import warnings
 from pathlib import Path
+
+from bench import gpu_oom
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +94,6 @@ PEAK_BF16 = (
     ("4090", 165e12),
     ("3090", 71e12),
 )
-# `dflash train` whose last drafter GPU is capped once its warm-up is done (``oom_child``): the OOM is the real
-# allocator's, in a drafter step (a cap at start would hit the target's load on a shared GPU instead).
-OOM_CHILD = "import sys; from bench.gpu_smoke import oom_child; sys.exit(oom_child(sys.argv[1:]))"
 QWEN3_VOCAB = 151936  # the GPU configuration's vocabulary: --cpu runs it too, at a tiny width
 
 
@@ -644,159 +642,20 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# The forced OOM, read back the way `dflashctl status` reads a run
+# The forced OOM (bench/gpu_oom.py runs it): its config
 
 
-def end_leftovers(record: Path) -> None:
-    """SIGKILL the command and keeper a timed-out OOM run left (the pids it recorded, same start time)."""
-    import signal
-
-    from ops.far.runner import proc_stat
-
-    try:
-        run = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return
-    for key in ("child", "keeper"):
-        pid, start = run.get(f"{key}_pid"), run.get(f"{key}_start")
-        st = proc_stat(pid) if isinstance(pid, int) else None
-        if st is not None and st[1] == start:
-            os.kill(pid, signal.SIGKILL)
-
-
-def oom_child(argv: t.Sequence[str]) -> int:
-    """``GPU MARGIN_BYTES SHAPES_JSON dflash-args...``: ``dflash train`` whose GPU is capped after its warm-up.
-
-    The run's warm-up (``dflash.train.warm_up_replicas``, wrapped here: the smoke's shapes only) compiles
-    and builds everything a step needs but the step's activations; then the allocator's cache is emptied and
-    the GPU capped at what it holds plus the margin, so the first drafter step's logits cannot fit."""
-    import torch
-
-    import dflash.train as train
-
-    gpu, margin, shapes = int(argv[0]), float(argv[1]), [tuple(s) for s in json.loads(argv[2])]
-    warm = train.warm_up_replicas
-
-    def warm_then_cap(replicas: t.Any, **kw: t.Any) -> t.Any:
-        out = warm(replicas, **{**kw, "shapes": shapes or kw.get("shapes")})
-        torch.cuda.synchronize(gpu)
-        torch.cuda.empty_cache()
-        held = torch.cuda.memory_reserved(gpu)
-        total = torch.cuda.get_device_properties(gpu).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (held + margin) / total), gpu)
-        print(f"gpu_smoke: GPU {gpu} capped at {(held + margin) / 2**30:.2f} GiB after warm-up", file=sys.stderr)
-        return out
-
-    train.warm_up_replicas = warm_then_cap  # type: ignore[assignment]  # the child's own module: a test hook
-    from dflash.__main__ import main as dflash_main
-
-    return int(dflash_main(list(argv[3:])) or 0)
-
-
-def forced_oom(
-    args: argparse.Namespace,
-    tmp: Path,
-    raw: dict[str, t.Any],
-    drafters: list[str],
-    shapes: t.Sequence[tuple[int, int, int]] | None,
-) -> dict[str, t.Any]:
-    from ops import probe
-    from ops.far import agent
-
+def oom_config(raw: dict[str, t.Any], tmp: Path, drafters: list[str]) -> Path:
+    """The smoke's config for the OOM run: 4 steps, no compile, only the capped GPU drafting (with drafters
+    left elsewhere the run would go on without it, by design)."""
     cfg = copy.deepcopy(raw)
     cfg["max_steps"] = 4
     cfg["compile"] = False  # the OOM comes before compiling would pay off; keep the run short
     cfg["checkpoint"] = {**cfg["checkpoint"], "dir": str(tmp / "oom-ckpt")}
-    # Only the capped GPU drafts: with drafters left elsewhere the run would go on without it (by design).
     cfg["devices"] = {**cfg["devices"], "drafters": [drafters[-1]]}
-    cfg_path = tmp / "oom.toml"
-    cfg_path.write_text(to_toml(cfg))
-    env = dict(os.environ)
-    if args.cpu:
-        gpu = 0  # the injected message names GPU 0 for a CPU device
-        command = [sys.executable, "-m", "dflash", "train", "--config", str(cfg_path)]
-        env["DFLASH_FAULT"] = "oom-at-step:1"
-        how = "injected (DFLASH_FAULT=oom-at-step:1: the allocator's text, raised in the drafter step)"
-    else:
-        gpu = int(drafters[-1].split(":")[1])
-        command = [
-            sys.executable,
-            "-c",
-            OOM_CHILD,
-            str(gpu),
-            str(args.oom_margin_gib * 2**30),
-            json.dumps([list(x) for x in shapes or []]),
-            "train",
-            "--config",
-            str(cfg_path),
-        ]
-        how = f"real: GPU {gpu}'s allocator capped after warm-up at what it holds + {args.oom_margin_gib:g} GiB"
-    session = "smoke"
-    run_dir = tmp / "runs"
-    attempt = run_dir / session / "attempt-1"
-    runner = [
-        sys.executable,
-        "-m",
-        "ops.far.runner",
-        "--attempt-dir",
-        str(attempt),
-        "--session",
-        session,
-        "--attempt",
-        "1",
-        "--cwd",
-        str(ROOT),
-        "--python",
-        sys.executable,
-        "--",
-        *command,
-    ]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            runner,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=args.oom_timeout,
-        )
-        runner_rc: int | None = proc.returncode
-    except subprocess.TimeoutExpired:  # the runner is killed; its keeper and the command live on by design
-        runner_rc = None
-        end_leftovers(attempt / "run.json")
-    req = {
-        "session": session,
-        "socket": f"dflash-smoke-{os.getpid()}",
-        "run_dir": str(run_dir),
-        "workdir": str(tmp),
-        "python": sys.executable,
-    }
-    facts = {
-        "host": "local",
-        "session": session,
-        "socket": req["socket"],
-        "container_id": None,
-        "hang_after": 600,
-        "startup_grace": 0,
-        "checked_at": time.time(),
-        "mode": "agent",
-        "agent": {"ok": True, "protocol": agent.PROTOCOL, "verb": "probe", **agent.probe(req)},
-    }
-    st = probe.classify(facts)
-    return {
-        "how": how,
-        "gpu_expected": gpu,
-        "runner_exit": runner_rc,
-        "seconds": time.perf_counter() - t0,
-        "state": st.state,
-        "cause": st.cause,
-        "gpu": st.gpu,
-        "detail": (st.detail or "")[:300],
-        "log": str(attempt / "train.log"),
-    }
+    path = tmp / "oom.toml"
+    path.write_text(to_toml(cfg))
+    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -887,7 +746,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         oom = None
         if not args.no_oom:
             say("forcing an OOM under the runner")
-            oom = forced_oom(args, tmp, raw, drafters, run.warm_up_shapes)
+            oom = gpu_oom.forced_oom(args, tmp, oom_config(raw, tmp, drafters), drafters, run.warm_up_shapes)
         result = {
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
             "gpus": 0 if args.cpu else torch.cuda.device_count(),

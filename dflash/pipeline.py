@@ -50,6 +50,7 @@ import typing as t
 import torch
 
 from dflash.errors import DflashError
+from dflash.feature_queue import FeatureQueue, Item, format_bytes, payload_bytes, pinned_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -85,18 +86,6 @@ class Injector(t.Protocol):
 
 # --------------------------------------------------------------------------------------------
 # What flows and what workers do
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Item:
-    """One batch of target features in the queue."""
-
-    payload: t.Any
-    tokens: int  # target tokens behind it (Ktok/s)
-    position: int  # its global batch index
-    shard: int
-    target: int
-    nbytes: int = 0  # memory the payload holds (the queue's byte bound)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -457,143 +446,6 @@ class _Coordinator:
         self.cond.notify_all()
 
 
-# --------------------------------------------------------------------------------------------
-# The queue
-
-
-def _pinned_peak() -> int:
-    """The caching host allocator's peak of pinned memory (in use + cached); 0 without CUDA or its stats."""
-    if not torch.cuda.is_available():
-        return 0
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except (AttributeError, RuntimeError):
-        return 0
-    return int(stats.get("allocated_bytes.peak", 0) or 0)
-
-
-def payload_bytes(payload: t.Any) -> int:
-    """Bytes a queue item holds: ``payload.nbytes`` (FeatureBatch, a tensor), 0 for anything else."""
-    n = getattr(payload, "nbytes", 0)
-    return int(n) if isinstance(n, int) else 0
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-class FeatureQueue:
-    """A FIFO bounded by items AND by the bytes its items hold (``Item.nbytes``); ``queue.Queue``'s
-    put/get/qsize/maxsize.
-
-    Bytes are held from ``reserve`` (a target, before its forward allocates the features) or ``put`` until
-    the consumer's ``release`` (a drafter, after the step that used them): an item a drafter has taken still
-    holds its pinned host memory or GPU memory, so it still counts. ``put`` of an unreserved item and
-    ``reserve`` block while the bytes would overflow the bound; nothing held admits anything, so a batch
-    larger than ``max_bytes`` still flows (alone). ``peak_bytes`` is the most it ever held.
-
-    Progress: drafters that accumulate hold items while they wait for more, so when what they hold already
-    fills the bound (drafters x accumulate items larger than ``max_bytes``: 3 x 11 items of 2048 tokens of
-    a 27B target's features are ~4.4 GB) nothing could be admitted and every worker would wait forever.
-    So while a consumer waits on an empty queue and no item is being made, one item is admitted over the
-    bound: the excess is one item at a time, beyond what the waiting drafters hold.
-    """
-
-    def __init__(self, maxsize: int, max_bytes: int | None = None) -> None:
-        self.maxsize = maxsize
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.peak_bytes = 0
-        self.queue: collections.deque[Item] = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
-        self._making = 0  # reservations not yet put (items being made)
-        self._starved = 0  # consumers waiting in ``get`` on an empty queue
-
-    def qsize(self) -> int:
-        with self._cond:
-            return len(self.queue)
-
-    def _room(self, nbytes: int) -> bool:
-        if self.bytes == 0 or self.max_bytes is None or self.bytes + nbytes <= self.max_bytes:
-            return True
-        # over the bound: only so that a starved consumer gets its next item (see the class's "Progress")
-        return not self.queue and self._making == 0 and self._starved > 0
-
-    def _wait(self, ok: t.Callable[[], bool], timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not ok():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise queue.Full
-            self._cond.wait(left)
-
-    def _hold(self, nbytes: int) -> None:
-        self.bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
-
-    def reserve(self, nbytes: int, timeout: float | None = None) -> None:
-        """Hold ``nbytes`` for an item about to be made (``put(..., reserved=True)`` then adds no more)."""
-        with self._cond:
-            self._wait(lambda: self._room(nbytes), timeout)
-            self._hold(nbytes)
-            self._making += 1
-
-    def unreserve(self, nbytes: int) -> None:
-        """A reserved item will not be put (its forward failed, or the run stops): its bytes are free."""
-        with self._cond:
-            self._making = max(0, self._making - 1)
-            self.bytes = max(0, self.bytes - nbytes)
-            self._cond.notify_all()
-
-    def adjust(self, delta: int) -> None:
-        """A held item turned out ``delta`` bytes larger (or smaller) than reserved."""
-        with self._cond:
-            self.bytes = max(0, self.bytes + delta)
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
-            self._cond.notify_all()
-
-    def release(self, nbytes: int) -> None:
-        """The consumer is done with an item: its bytes are free."""
-        if nbytes:
-            with self._cond:
-                self.bytes = max(0, self.bytes - nbytes)
-                self._cond.notify_all()
-
-    def put(self, item: Item, timeout: float | None = None, *, reserved: bool = False) -> None:
-        with self._cond:
-            if reserved:
-                self._wait(lambda: len(self.queue) < self.maxsize or not self.queue, timeout)
-                self._making = max(0, self._making - 1)
-            else:
-                self._wait(lambda: len(self.queue) < self.maxsize and self._room(item.nbytes), timeout)
-                self._hold(item.nbytes)
-            self.queue.append(item)
-            self._cond.notify_all()
-
-    def get(self, timeout: float | None = None) -> Item:
-        """The next item; its bytes stay held until ``release``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            if not self.queue:
-                self._starved += 1
-                self._cond.notify_all()  # a producer held back by the bound may now admit one item
-                try:
-                    while not self.queue:
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            raise queue.Empty
-                        self._cond.wait(left)
-                finally:
-                    self._starved -= 1
-            item = self.queue.popleft()
-            self._cond.notify_all()
-            return item
-
-
 class _DeviceTimer:
     """Busy time of a CUDA drafter: timing events around each step on the drafter's stream.
 
@@ -768,7 +620,7 @@ class Pipeline:
             self._draining.set()
             self.coord.drain()
             hung = self._join()
-            pinned = _pinned_peak()
+            pinned = pinned_host_bytes(peak=True)
             logger.info(
                 "queue: peak %s of features held (queued or in a drafter step)%s",
                 format_bytes(sum(q.peak_bytes for q in self.queues)),

@@ -19,6 +19,7 @@ import torch
 
 from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
 from dflash.drafter import DFlashDraftModel
+from dflash.feature_queue import empty_host_cache, pinned_host_bytes
 from dflash.loss import drafter_loss
 from dflash.pipeline import StepStats
 from dflash.target import TargetHead, TargetModel
@@ -223,25 +224,6 @@ class TargetReplica:
         batches of other widths leave blocks no later one fits. Above ``pinned_limit`` the unused ones go."""
         if self.pinned_limit is not None and pinned_host_bytes() > self.pinned_limit:
             empty_host_cache()
-
-
-def pinned_host_bytes(peak: bool = False) -> int:
-    """Pinned host memory torch's caching host allocator holds (in use + cached), or its peak; 0 if unknown."""
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except (AttributeError, RuntimeError):  # a torch without host stats, or no CUDA
-        return 0
-    key = "allocated_bytes.peak" if peak else "allocated_bytes.current"
-    return int(stats.get(key, stats.get(f"allocated_bytes.all.{'peak' if peak else 'current'}", 0)) or 0)
-
-
-def empty_host_cache() -> None:
-    """Free the caching host allocator's unused pinned blocks (no-op where torch has no such call)."""
-    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
-        torch._C, "_host_emptyCache", None
-    )
-    if fn is not None:
-        fn()
 
 
 class _nullcontext:

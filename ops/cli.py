@@ -1,22 +1,21 @@
 """dflashctl: deploy, start, watch and restart DFlash training on a remote GPU box (or this machine).
 
-This module is the only place that maps states and errors to exit codes (``ExitCode``,
-``STATE_EXIT``, ``ERROR_EXIT``). Commands raise ``OpsError`` subclasses or return a state; ``main``
-turns either into one message and one code.
+Exit codes are mapped in one place, ``ops.exit_codes`` (``ExitCode``, ``STATE_EXIT``, ``ERROR_EXIT``;
+re-exported here). Commands raise ``OpsError`` subclasses or return a state; ``main`` turns either into
+one message and one code. The --group forms are in ``ops.group_commands``.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import sys
-import threading
 import typing as t
 
 import click
 
-from ops import errors
+from ops import errors, group_commands
+from ops.exit_codes import ExitCode, exit_code_for_error, exit_code_for_state
 from ops.hosts import Host, Inventory, load_inventory
 from ops.states import State
 
@@ -24,54 +23,6 @@ logger = logging.getLogger("ops")
 
 # Each command imports what it uses inside its function: `dflashctl status` does not load deploy, doctor,
 # plot or supervise (importing all of them doubles the start-up, 0.23 s -> 0.47 s here).
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0
-    ERROR = 1  # dflashctl's own error: bad config, bad argument values
-    USAGE = 2  # click's usage error
-    STALLED = 3
-    SUCCEEDED = 4
-    CRASHED = 5
-    LOST = 6
-    NOT_STARTED = 7
-    STOPPED = 8
-    CONTAINER_DOWN = 9
-    UNREACHABLE = 10
-    CRASH_LOOP = 11
-
-
-# docs/design.md section 6: the state a status reports -> the exit code of `status`.
-STATE_EXIT: dict[str, ExitCode] = {
-    State.RUNNING: ExitCode.OK,
-    State.STALLED: ExitCode.STALLED,
-    State.SUCCEEDED: ExitCode.SUCCEEDED,
-    State.CRASHED: ExitCode.CRASHED,
-    State.LOST: ExitCode.LOST,
-    State.NOT_STARTED: ExitCode.NOT_STARTED,
-    State.STOPPED: ExitCode.STOPPED,
-    State.CONTAINER_DOWN: ExitCode.CONTAINER_DOWN,
-    State.UNREACHABLE: ExitCode.UNREACHABLE,
-}
-
-# Errors -> exit codes; the first matching class wins (subclasses before their parents).
-ERROR_EXIT: tuple[tuple[type[errors.OpsError], ExitCode], ...] = (
-    (errors.UnreachableError, ExitCode.UNREACHABLE),
-    (errors.ContainerDown, ExitCode.CONTAINER_DOWN),
-    (errors.CrashLoop, ExitCode.CRASH_LOOP),
-    (errors.OpsError, ExitCode.ERROR),
-)
-
-
-def exit_code_for_error(exc: errors.OpsError) -> ExitCode:
-    for cls, code in ERROR_EXIT:
-        if isinstance(exc, cls):
-            return code
-    return ExitCode.ERROR
-
-
-def exit_code_for_state(state: str) -> ExitCode:
-    return STATE_EXIT[state]
 
 
 class App:
@@ -320,7 +271,7 @@ def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bo
                 ).summary
             )
 
-        return _on_group(app, one)
+        return group_commands.on_each(app.members(), app.group_name, one)
     if rollback:
         outcome = deploy.rollback(app.remote(), app.host, force=force, dry_run=dry_run, echo=click.echo)
     else:
@@ -351,7 +302,7 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     from ops import session as run
 
     if app.group_name is not None:
-        return _group_start(app, session, replace)
+        return group_commands.start(app.members(), app.group_name, session, replace)
     out = run.start(app.remote(), session, replace=replace)
     name = session or app.host.session
     if out.get("replaced"):
@@ -373,45 +324,6 @@ def start_cmd(app: App, session: str | None, replace: bool) -> ExitCode:
     if out.get("warning"):
         click.echo(f"  warning: {out['warning']}", err=True)
     return ExitCode.OK
-
-
-def _group_start(app: App, session: str | None, replace: bool) -> ExitCode:
-    """Every node at once (ops/group_start.py); on Ctrl-C each host's outcome, and what this start
-    started is stopped (a node left alone would wait in a rendezvous that cannot complete)."""
-    from ops.group_start import GroupStart
-    from ops.remote import connect
-
-    gs = GroupStart(app.members(), session, replace=replace, connect=connect)
-    try:
-        nodes = gs.run()
-    except KeyboardInterrupt:
-        click.echo(f"group {app.group_name}: interrupted (Ctrl-C): stopping what this start started", err=True)
-        clean = False
-        try:
-            clean = gs.abort(_say)
-        except KeyboardInterrupt:
-            pass
-        left = "nothing this start made is left running" if clean else "see `dflashctl --group status`"
-        click.echo(f"group {app.group_name}: interrupted; {left}", err=True)
-        return ExitCode.ERROR
-    code = ExitCode.OK
-    for n in nodes:
-        if n.error is None:
-            out = n.out or {}
-            _say(
-                n.host.name,
-                f"started attempt {out.get('attempt')}: runner pid {out.get('pid')}, command pid {out.get('child_pid')}",
-            )
-        elif isinstance(n.error, errors.OpsError):
-            _say(n.host.name, f"error: {n.error}", err=True)
-            code = code or exit_code_for_error(n.error)
-        else:
-            raise n.error
-    failed = [n.host.name for n in nodes if n.error is not None]
-    click.echo(
-        f"group {app.group_name}: " + (f"failed on {', '.join(failed)}" if failed else f"done on {len(nodes)} hosts")
-    )
-    return code
 
 
 @cli.command("stop")
@@ -439,7 +351,7 @@ def stop_cmd(app: App, session: str | None, grace: float) -> ExitCode:
                 out
             )
 
-        return _on_group(app, one)
+        return group_commands.on_each(app.members(), app.group_name, one)
     out = run.stop(app.remote(), session, grace=grace)
     if not out.get("stopped") and out.get("reason"):
         click.echo(f"nothing stopped: {out['reason']}")
@@ -491,7 +403,7 @@ def status_cmd(
         label = "all" if every_host else f"group {app.group_name}"
         try:
             while True:
-                code = _status_of_many(hosts, session, label, as_json=as_json, stamp=bool(watch))
+                code = group_commands.status_of_many(hosts, session, label, as_json=as_json, stamp=bool(watch))
                 if not watch:
                     return code
                 time.sleep(watch)
@@ -549,7 +461,7 @@ def tail_cmd(app: App, session: str | None, lines: int, follow: bool, source: st
             chunk = run.tail(remote, session, lines=lines, source=source)
             return "\n".join([f"[{chunk.source}] {chunk.reason}", *chunk.lines])  # printed host by host
 
-        return _on_group(app, one)
+        return group_commands.on_each(app.members(), app.group_name, one)
     remote = app.remote()
     chunk = run.tail(remote, session, lines=lines, source=source, follow=follow)
     click.echo(f"[{chunk.source}] {chunk.reason}", err=True)
@@ -972,98 +884,6 @@ def plot_cmd(
         click.echo(f"  attempt {a.number}: {len(a.records)} records, {steps}, {a.end or 'running'}")
     click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else "") + f" ({r.points} points)")
     return ExitCode.OK
-
-
-# --- host groups (issue 15): every host at once; the fan-out and the verdict are in ops/group.py -------
-
-_say_lock = threading.Lock()  # one host's line is never cut by another's
-
-
-def _say(name: str, text: str, *, err: bool = False) -> None:
-    with _say_lock:
-        for line in text.splitlines() or [""]:
-            click.echo(f"{name}: {line}", err=err)
-
-
-def _on_group(app: App, verb: t.Callable[[Host, t.Any, t.Callable[[str], None]], str]) -> ExitCode:
-    """``verb(host, remote, say)`` on every host of --group at once (a connection each); its result is the
-    host's last line. A host's error is that host's line; the exit code is the first failing host's."""
-    from ops.group import fan_out
-    from ops.remote import connect
-
-    def one(host: Host) -> str:
-        remote = connect(host)
-        try:
-            return verb(host, remote, lambda m: _say(host.name, m))
-        finally:
-            remote.close()
-
-    outcomes = fan_out(app.members(), one)
-    code = ExitCode.OK
-    for o in outcomes:
-        if o.error is None:
-            _say(o.host, o.value or "")
-        elif isinstance(o.error, errors.OpsError):
-            _say(o.host, f"error: {o.error}", err=True)
-            code = code or exit_code_for_error(o.error)
-        else:
-            raise o.error
-    failed = [o.host for o in outcomes if o.error is not None]
-    click.echo(
-        f"group {app.group_name}: " + (f"failed on {', '.join(failed)}" if failed else f"done on {len(outcomes)} hosts")
-    )
-    return code
-
-
-def _status_of_many(hosts: list[Host], session: str | None, label: str, *, as_json: bool, stamp: bool) -> ExitCode:
-    import json
-    import time
-
-    from ops.group import fan_out, verdict
-    from ops.probe import Status
-    from ops.remote import Remote, connect
-    from ops.session import status
-
-    def one(host: Host) -> Status:
-        opened: list[Remote] = []
-
-        def connect_once() -> Remote:
-            if not opened:
-                opened.append(connect(host))
-            return opened[0]
-
-        try:
-            return status(host, session, connect_once)
-        finally:
-            for r in opened:
-                r.close()
-
-    outcomes = fan_out(hosts, one)
-    for o in outcomes:
-        if o.error is not None:
-            raise o.error  # status never raises for a host that is down: this is a bug or a bad config
-    states = [o.value for o in outcomes if o.value is not None]
-    v = verdict(states)
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "group": label,
-                    "state": v.state,
-                    "node": v.node,
-                    "why": v.why,
-                    "hosts": [st.to_json() for st in states],
-                }
-            )
-        )
-    else:
-        if stamp:
-            click.echo(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
-        width = max(len(h.name) for h in hosts)
-        for st in states:
-            click.echo(f"{st.host:<{width}}  {st.headline()}")
-        click.echo(f"{label}: {v.line()}")
-    return exit_code_for_state(v.state)
 
 
 def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:

@@ -59,7 +59,7 @@ INSPECT_TIMEOUT = 60.0
 # The far-side program (ops/far/release.py and the helpers it imports), sent by value with -c on every
 # call: it cannot live in a release, the first deploy has none. User values travel inside the JSON
 # request (one argv item) or the tar on stdin, never in code.
-RELEASE_DEPS = ("procfs", "records", "atomic", "lock")
+RELEASE_DEPS = ("procfs", "atomic", "records", "lock")  # each after what it imports
 REMOTE_PROGRAM = far.program("release", RELEASE_DEPS)
 
 

@@ -26,6 +26,7 @@ import typing as t
 from ops.far import members, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
+from ops.workers import as_float, as_int, worker_table, workers_of
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
 BOOT_SLACK = 1.0
@@ -127,7 +128,7 @@ def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> Sup
         by=text("by"),
         where=text("where"),
         mode=text("mode"),
-        pid=_int(rec.get("pid")),
+        pid=as_int(rec.get("pid")),
         interval=float(interval) if isinstance(interval, (int, float)) else None,
         started_at=iso(rec["started_at"]) if isinstance(rec.get("started_at"), (int, float)) else None,
         last_probe=iso(rec["at"]) if isinstance(rec.get("at"), (int, float)) else None,
@@ -483,77 +484,14 @@ def _from_shell(exit_code: int | None) -> int | None:
     return None
 
 
-def workers_of(metrics: dict[str, t.Any] | None, gpus: list[dict[str, t.Any]] | None) -> list[dict[str, t.Any]] | None:
-    """The workers of the last metrics.jsonl record (fractions of its log interval), with the nvidia-smi
-    figures of the GPU a worker runs on (``cuda:N`` = nvidia-smi index N) when the agent sampled them."""
-    rec = (metrics or {}).get("last")
-    ws = rec.get("workers") if isinstance(rec, dict) else None
-    if not isinstance(ws, list) or not ws:
-        return None
-    by_index = {g.get("index"): g for g in gpus or [] if isinstance(g, dict)}
-    out = []
-    for w in ws:
-        if not isinstance(w, dict):
-            continue
-        device = w.get("device") if isinstance(w.get("device"), str) else None
-        gpu = by_index.get(_int(device.split(":", 1)[1])) if device and device.startswith("cuda:") else None
-        out.append(
-            {
-                "name": w.get("name"),
-                "role": w.get("role"),
-                "device": device,
-                "busy": _float(w.get("busy")),
-                "wait": _float(w.get("wait")),
-                "barrier": _float(w.get("barrier")),
-                "batches_s": _float(w.get("batches_s")),
-                "dead": bool(w.get("dead")),
-                "step": _int(rec.get("step")) if isinstance(rec, dict) else None,
-                "gpu_util_pct": _float(gpu.get("utilization_pct")) if gpu else None,
-                "gpu_memory_used_mib": _float(gpu.get("memory_used_mib")) if gpu else None,
-                "gpu_memory_total_mib": _float(gpu.get("memory_total_mib")) if gpu else None,
-            }
-        )
-    return out or None
-
-
-def worker_table(workers: list[dict[str, t.Any]] | None) -> list[str]:
-    """The status lines of ``workers``: busy, and waiting on the queue (a drafter starved, a target blocked)."""
-    if not workers:
-        return []
-
-    def pct(v: float | None) -> str:
-        return f"{round(100 * v):3d}%" if v is not None else "   ?"
-
-    step = workers[0].get("step")
-    out = [
-        f"  workers:   at step {step}" if step is not None else "  workers:",
-        f"    {'worker':<11} {'device':<8} {'busy':>4}  {'waiting':<12} {'batch/s':>7}  gpu",
-    ]
-    for w in workers:
-        waits = "starved" if w.get("role") == "drafter" else "blocked"
-        gpu = ""
-        if w.get("gpu_util_pct") is not None or w.get("gpu_memory_used_mib") is not None:
-            gpu = (
-                f"{pct((w['gpu_util_pct'] or 0) / 100).strip()} util, "
-                f"{w.get('gpu_memory_used_mib') or 0:.0f}/{w.get('gpu_memory_total_mib') or 0:.0f} MiB"
-            )
-        bs = w.get("batches_s")
-        row = (
-            f"    {w.get('name') or '?':<11} {w.get('device') or '?':<8} {pct(w.get('busy'))}  "
-            f"{pct(w.get('wait'))} {waits:<7} {bs if bs is not None else 0:7.1f}  {gpu}"
-        ).rstrip()
-        out.append(row + ("  (dead)" if w.get("dead") else ""))
-    return out
-
-
 def progress_of(metrics: dict[str, t.Any] | None, log: dict[str, t.Any] | None) -> Progress | None:
     """The last metrics.jsonl record, else the last `step N | loss X ...` line of the log."""
     rec = (metrics or {}).get("last")
     if isinstance(rec, dict) and rec.get("step") is not None:
         return Progress(
-            step=_int(rec.get("step")),
-            loss=_float(rec.get("loss")),
-            ktok_s=_float(rec.get("ktok_s")),
+            step=as_int(rec.get("step")),
+            loss=as_float(rec.get("loss")),
+            ktok_s=as_float(rec.get("ktok_s")),
             at=rec.get("at") if isinstance(rec.get("at"), str) else iso((metrics or {}).get("mtime")),
         )
     return progress_from_lines((log or {}).get("tail") or [], iso((log or {}).get("mtime")))
@@ -565,23 +503,9 @@ def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | No
         if m:
             k = _KTOK.search(line)
             return Progress(
-                step=int(m.group(1)), loss=_float(m.group(2)), ktok_s=_float(k.group(1)) if k else None, at=at
+                step=int(m.group(1)), loss=as_float(m.group(2)), ktok_s=as_float(k.group(1)) if k else None, at=at
             )
     return None
-
-
-def _int(v: t.Any) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None
-
-
-def _float(v: t.Any) -> float | None:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -938,7 +862,7 @@ def _classify_by_tmux(
         s.state, s.cause, s.detail = State.LOST, Cause.UNKNOWN, "tmux did not answer"
         return
     if tm.session == "alive" and pane is not None:
-        s.pid = _int(pane.get("pane_pid"))
+        s.pid = as_int(pane.get("pane_pid"))
         if pane.get("pane_dead") != "1":
             s.state = State.RUNNING
             s.progress = progress_from_lines(lines, None)
@@ -948,8 +872,8 @@ def _classify_by_tmux(
             )
             return
         status, sig = pane.get("pane_dead_status") or "", pane.get("pane_dead_signal") or ""
-        s.exit_code = _int(status) if status else None
-        s.signal = _int(sig) if sig else None
+        s.exit_code = as_int(status) if status else None
+        s.signal = as_int(sig) if sig else None
         s.evidence.append(
             f"tmux: pane_dead=1 pane_dead_status={status or '(empty)'} pane_dead_signal={sig or '(empty)'}"
         )

@@ -276,7 +276,7 @@ def _state_rows(text: str) -> dict[str, tuple[int, str]]:
 
 @pytest.mark.parametrize("page", ["README.md", "docs/status.md", "docs/design.md"])
 def test_the_state_tables_are_the_cli_s(page: str) -> None:
-    from ops.cli import STATE_EXIT
+    from ops.exit_codes import STATE_EXIT
     from ops.states import CAUSES, State
 
     rows = _state_rows(_read(REPO / page))

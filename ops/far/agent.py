@@ -29,7 +29,7 @@ import typing as t
 
 from ops.far import history as far_history
 from ops.far import lock, members, nvidia_smi, protocol, records, tmux, watch
-from ops.far.atomic import switch_link, write_json_atomic
+from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -308,24 +308,6 @@ def _disk_refusal(e: OSError, what: str) -> Refused:
     return Refused("run-dir", f"{what}: {e.strerror or e}")
 
 
-def _next_attempt_dir(sdir: str) -> tuple[int, str]:
-    os.makedirs(sdir, exist_ok=True)
-    while True:
-        existing = [n for name in os.listdir(sdir) if (n := _attempt_number(name)) is not None]
-        n = max(existing, default=0) + 1
-        path = os.path.join(sdir, f"attempt-{n}")
-        try:
-            os.mkdir(path)  # atomic: two starts never share an attempt
-        except FileExistsError:
-            continue
-        return n, path
-
-
-def _point_current(sdir: str, name: str) -> None:
-    """`current -> attempt-<n>` switched atomically (relative symlink, then rename over)."""
-    switch_link(sdir, records.CURRENT, name, tmp_prefix=".")
-
-
 def _describe(af: AttemptFacts, live: ProcessFacts) -> str:
     run = af.get("run") or {}
     started = run.get("started_at")
@@ -473,7 +455,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         )
 
     try:
-        n, adir = _next_attempt_dir(sdir)
+        n, adir = records.next_attempt_dir(sdir)
     except OSError as e:
         raise _disk_refusal(e, f"cannot create an attempt under {sdir}") from None
     try:
@@ -543,7 +525,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     ren = _run(base + ["rename-session", "-t", tmux.exact(staging), session], env=env)
     if ren["exit_code"] != 0:
         warning = f"the run lives in tmux session '{staging}': renaming it failed ({ren['stderr'].strip()})"
-    _point_current(sdir, os.path.basename(adir))
+    records.point_current(sdir, os.path.basename(adir))
     exit_rec, _ = _read_json(os.path.join(adir, EXIT_JSON))
     out: dict[str, t.Any] = {
         "attempt": n,

@@ -13,6 +13,8 @@ import os
 import re
 import typing as t
 
+from ops.far.atomic import switch_link
+
 RUN_JSON = "run.json"
 EXIT_JSON = "exit.json"
 STOP_JSON = "stop.json"
@@ -61,3 +63,22 @@ def read_json(path: str) -> tuple[dict[str, t.Any] | None, str | None]:
     except (OSError, ValueError) as e:
         return None, f"{path}: {e}"
     return (data, None) if isinstance(data, dict) else (None, f"{path}: not a JSON object")
+
+
+def next_attempt_dir(sdir: str) -> tuple[int, str]:
+    """A new `attempt-<n>` dir, n one more than any there (made here: two starts never share one)."""
+    os.makedirs(sdir, exist_ok=True)
+    while True:
+        existing = [n for name in os.listdir(sdir) if (n := attempt_number(name)) is not None]
+        n = max(existing, default=0) + 1
+        path = os.path.join(sdir, f"attempt-{n}")
+        try:
+            os.mkdir(path)  # atomic: two starts never share an attempt
+        except FileExistsError:
+            continue
+        return n, path
+
+
+def point_current(sdir: str, name: str) -> None:
+    """`current -> attempt-<n>` switched atomically (relative symlink, then rename over)."""
+    switch_link(sdir, CURRENT, name, tmp_prefix=".")
