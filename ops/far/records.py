@@ -69,8 +69,8 @@ def next_attempt_dir(sdir: str) -> tuple[int, str]:
     """A new `attempt-<n>` dir, n one more than any there (made here: two starts never share one)."""
     os.makedirs(sdir, exist_ok=True)
     while True:
-        existing = [n for name in os.listdir(sdir) if (n := attempt_number(name)) is not None]
-        n = max(existing, default=0) + 1
+        numbers = [attempt_number(name) for name in os.listdir(sdir)]  # no := here: the release program is 3.7
+        n = max([x for x in numbers if x is not None], default=0) + 1
         path = os.path.join(sdir, f"attempt-{n}")
         try:
             os.mkdir(path)  # atomic: two starts never share an attempt
