@@ -333,14 +333,18 @@ def _lost_cause(row: Row, nxt: t.Mapping[str, t.Any] | None, incidents: t.Sequen
 
 
 def place(rows: list[Row], incidents: t.Sequence[Incident]) -> list[Incident]:
-    """Each incident under the newest attempt started by its time (a group's: that attempt's last row);
-    returns those older than every attempt shown."""
+    """Each incident under the attempt it is about, else the newest attempt started by its time (a group's:
+    that attempt's last row); returns those older than every attempt shown."""
     starts = sorted(
         ((parse_iso(r.started_at), k) for k, r in enumerate(rows) if parse_iso(r.started_at) is not None),
         key=lambda x: (x[0], rows[x[1]].attempt or 0, x[1]),
     )
     before = []
     for inc in incidents:
+        about = [k for k, r in enumerate(rows) if inc.attempt is not None and r.attempt == inc.attempt]
+        if about:  # the attempt it is about: its time has whole seconds, and a restart starts the next in the same one
+            rows[max(about)].incidents.append(inc)
+            continue
         when = parse_iso(inc.time)
         if when is None:
             continue

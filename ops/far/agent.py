@@ -515,7 +515,9 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     if run is None:
         spane = _pane(tmux_facts(staged))
         if spane is None or spane.get("pane_dead") == "1":
-            said = " | ".join([line.strip() for line in capture(staged, 100)["lines"] if line.strip()][-5:])
+            # tmux's own "Pane is dead" line is not the runner's; tmux can lose a fast exit's last output
+            lines = [ln.strip() for ln in capture(staged, 100)["lines"] if ln.strip()]
+            said = " | ".join([ln for ln in lines if not ln.startswith("Pane is dead")][-5:])
             _run(base + ["kill-session", "-t", tmux.exact(staging)], env=env)
             raise undo("runner-failed", f"the runner died at once, nothing was started: {said or 'it printed nothing'}")
         warning = "the runner wrote no run.json yet"

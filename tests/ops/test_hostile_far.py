@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,8 +108,13 @@ def test_a_runner_that_dies_at_once_leaves_no_attempt(tmp_path: Path, tmux_socke
     py.write_text(f'#!/bin/sh\ncase "$1" in -I) exec {sys.executable} "$@";; esac\necho "py: runner refused"; exit 3\n')
     py.chmod(0o755)
     broken = local_host(tmp_path, tmux_socket, ["true"], python=str(py))
-    with pytest.raises(errors.AgentError, match=r"the runner died at once, nothing was started: py: runner refused"):
+    # what it printed, when tmux kept it: a pane whose process exits at once can lose its last output
+    # (seen here: only tmux's "Pane is dead" line left, in 3 runs of 5), and that line is not the runner's
+    with pytest.raises(errors.AgentError) as e:
         session.start(broken)
+    assert re.search(
+        r"the runner died at once, nothing was started: (py: runner refused|it printed nothing)$", str(e.value)
+    )
     assert sorted(p.name for p in sdir(remote).glob("attempt-*")) == ["attempt-1"]
     assert session.status(remote.host, None, lambda: remote).state == "crashed"
 
