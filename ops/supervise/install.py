@@ -90,6 +90,8 @@ class HostSide:
             kind, message = reply.answer.get("error"), reply.answer.get("message")
             if kind == "not-installed":
                 raise errors.NotInstalled(f"{self.host.name}: {message}")
+            if kind == "bad-config":
+                raise errors.ConfigError(str(reply.answer.get("key")), f"{message} (on {self.host.name})")
             if kind in ("locked", "refused", "taken"):
                 raise errors.SupervisorLocked(f"{self.host.name}: {message}")
             raise errors.SuperviseError(f"{self.host.name}: {message}")

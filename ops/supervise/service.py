@@ -33,7 +33,7 @@ from pathlib import Path
 from ops import errors
 from ops.far import tmux
 from ops.far.atomic import write_json_atomic
-from ops.hosts import load_inventory
+from ops.hosts import Host, load_inventory
 from ops.supervise import unit
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.loop import Supervisor
@@ -55,6 +55,14 @@ class Failed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class BadConfig(Failed):
+    """A value the user gave is wrong (``key``: what names it): the operator's side raises a ConfigError."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__("bad-config", message)
+        self.key = key
 
 
 def _run(argv: list[str], timeout: float = 60.0) -> CommandResult:
@@ -246,6 +254,7 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
             f"--notify: {sys.executable} on this host cannot import apprise: install it for that python "
             "(apt install python3-apprise, or pip install apprise), or install without --notify",
         )
+    _check_notify(list(req.get("notify") or []))
 
     replaced = _stop(place, (before or {}).get("mode"), socket, by) if before else None
     if before and before.get("mode") != mode and before.get("mode") == "systemd":
@@ -297,6 +306,19 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
         "log": place.path(unit.LOG),
         "command": unit.supervisor_argv(place.root, place.session, opts, loop=mode == "tmux"),
     }
+
+
+def _check_notify(urls: list[str]) -> None:
+    """The supervisor's notifier is built from these URLs: what it would refuse is refused now, in one line."""
+    if not urls:
+        return
+    from ops.notify import check_url  # apprise is the host's optional extra
+
+    for i, url in enumerate(urls, 1):
+        try:
+            check_url(url, i)
+        except errors.ConfigError as e:
+            raise BadConfig(e.path, e.message) from None
 
 
 def _first_probe(place: Place, by: str) -> dict[str, t.Any]:
@@ -526,9 +548,7 @@ def serve(root: str, session: str, argv: list[str]) -> int:
             hide_env=inventory.secret_env,
             heartbeat=heartbeat,
             keep_watching=True,
-            **notify_options(
-                list(secrets_.get("notify") or []), log, [str(v) for v in (secrets_.get("env") or {}).values()]
-            ),
+            **notify_options(list(secrets_.get("notify") or []), log, [host, *inventory.hosts.values()]),
         )
         log(f"{unit.MARK}: supervisor of {by}/{session} started (pid {os.getpid()}, {service.get('mode')} mode)")
         outcome = sup.run()
@@ -540,15 +560,16 @@ def serve(root: str, session: str, argv: list[str]) -> int:
     return 0
 
 
-def notify_options(urls: list[str], log: t.Callable[[str], None], secrets: list[str]) -> dict[str, t.Any]:
+def notify_options(urls: list[str], log: t.Callable[[str], None], hosts: list[Host]) -> dict[str, t.Any]:
     """Where `supervise install --notify URL` reaches the supervisor: a Notifier for its Supervisor
-    keyword. The URLs come from env.json, never from argv; the API token's value is scrubbed from messages."""
+    keyword. The URLs come from env.json, never from argv; what is scrubbed from messages is what
+    restart-on-crash scrubs (``notifier_for``): the host entry's env values and the API token's value."""
     if not urls:
         return {}
-    from ops.notify import Notifier  # only with --notify: apprise is the host's optional extra
+    from ops.notify import notifier_for  # only with --notify: apprise is the host's optional extra
 
     try:
-        return {"notifier": Notifier(urls, secrets=secrets, say=log)}
+        return {"notifier": notifier_for(urls, hosts, os.environ, log)}
     except errors.ConfigError as e:  # apprise gone since install: the supervisor watches on, unannounced
         log(f"{unit.MARK}: note: {e}; no notifications are sent")
         return {}
@@ -585,6 +606,8 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         answer = {"ok": True, "verb": verb, **HANDLERS[verb](req)}
     except Failed as e:
         answer = {"ok": False, "verb": verb, "error": e.kind, "message": str(e)}
+        if isinstance(e, BadConfig):
+            answer["key"] = e.key
     except (OSError, errors.OpsError) as e:
         answer = {"ok": False, "verb": verb, "error": "failed", "message": f"{verb}: {e}"}
     sys.stdout.write(json.dumps(answer) + "\n")

@@ -398,3 +398,40 @@ def test_the_host_side_loads_nothing_but_the_stdlib_and_ops() -> None:
     assert p.returncode == 0, p.stderr
     ours = [m for m in json.loads(p.stdout) if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
     assert "ops.supervise.loop" in ours and all(m == "ops" or m.startswith("ops.") for m in ours), ours
+
+
+HF_TOKEN = "hf_Zq8secretTOKENvalue42"
+
+
+def test_the_installed_supervisor_scrubs_the_host_entrys_env_like_restart_on_crash(night: Night) -> None:
+    pytest.importorskip("apprise")
+    from ops.notify import REDACTED
+    from testkit.webhook import Webhook
+
+    # the run prints a secret of its env as its last line (a careless script), then fails
+    cmd = list(t.cast(list[str], night.hosts.pve_table["command"]))
+    wrapped = ["sh", "-c", '"$@"; echo "HF_TOKEN=$HF_TOKEN"; exit 3', "sh", *cmd]
+    night.hosts.write(env={"HF_TOKEN": HF_TOKEN}, command=wrapped)
+    night.start()
+    with Webhook() as hook:
+        night.install("--notify", hook.url)
+        retry_until(lambda: any("supervisor started" in x for x in hook.titles()), 60)
+        night.finish.touch()  # the trainer ends; the script prints the secret and exits 3
+        retry_until(lambda: any(": crashed (" in x for x in hook.titles()), 90)
+        assert f"HF_TOKEN={HF_TOKEN}" in night.log(1), "the secret is in the log..."
+        text = hook.texts()
+        assert HF_TOKEN not in text, "... and in no message"
+        assert f"HF_TOKEN={REDACTED}" in text
+
+
+def test_install_refuses_a_notify_url_apprise_does_not_understand_in_one_line(night: Night) -> None:
+    pytest.importorskip("apprise")
+    night.start()
+    r = night.cli("supervise", "install", *FAST, "--notify", "notaurl")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line == (
+        "dflashctl: --notify #1 (?://...): apprise does not understand this URL "
+        "(https://appriseit.com/services/ lists them) (on pve)"
+    ), r.output
+    assert night.supervisor_pid() is None and not (night.sdir / "service.json").exists()  # nothing started
