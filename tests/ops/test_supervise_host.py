@@ -567,5 +567,29 @@ def test_the_host_side_reads_its_own_files_checked_one_line_naming_file_and_key(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert p.returncode == 1 and p.stderr == (
-        f"{unit.MARK}: {sdir / unit.ENV_JSON}: notify: expected list, got str \"json://127.0.0.1:9/hook\"\n"
+        f'{unit.MARK}: {sdir / unit.ENV_JSON}: notify: expected list, got str "json://127.0.0.1:9/hook"\n'
     ), p.stderr
+
+
+def test_supervise_stop_ends_the_supervisor_while_a_webhook_trickles_its_answer(night: Night) -> None:
+    pytest.importorskip("apprise")
+    from testkit.webhook import Webhook
+
+    night.start()
+    with Webhook() as hook:
+        hook.answer("trickle", every=2.0)  # 200, then one byte every 2 s, for ever
+        night.install("--notify", hook.url)
+        pid = night.supervisor_pid()
+        assert pid is not None
+        retry_until(lambda: hook.streaming >= 1, 60)  # "supervisor started" is being answered, byte by byte
+        workers = [
+            int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()
+        ]
+        assert workers, "the delivery runs in a process of its own"
+        stopped = night.cli("supervise", "stop")
+        assert stopped.exit_code == 0, stopped.output
+        assert f"stopped the supervisor of pve/dflash (tmux, pid {pid})" in stopped.stdout, stopped.stdout
+        # its lock is let go just before it exits: it is gone right after (an orphan lived on for minutes)
+        retry_until(lambda: not pid_alive(pid), 15)
+        assert not [w for w in workers if pid_alive(w)], "no delivery process left behind"
+        assert hook.streaming >= 1 or hook.cut >= 1  # the webhook still trickled (or saw us hang up)
