@@ -165,12 +165,18 @@ class Courier:
         return bool(got.get("ok"))
 
     def close(self) -> None:
-        """End the worker now, whatever it is doing (a delivery in flight returns False)."""
+        """End the worker now, whatever it is doing (a delivery in flight returns False). Only the kill
+        here: the thread that waits on the worker sees its end of the pipe close and tidies up itself."""
         with self._lock:
             self._closed = True
             proc = self._proc
-        if proc is not None:
-            self._end(proc)
+        if proc is None:
+            return
+        try:
+            proc.kill()
+            proc.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
     @property
     def pid(self) -> int | None:

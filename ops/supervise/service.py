@@ -144,7 +144,7 @@ def lock_holder(path: str) -> dict[str, t.Any] | None:
                 return None
             try:
                 data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 data = {}
             return data if isinstance(data, dict) and data else {"pid": None}
         return None  # we got it: nobody holds it (closing the fd lets go)
@@ -540,14 +540,15 @@ class _install_lock:  # noqa: N801 (a context manager, named as it is used)
                 raise
             try:
                 who = json.loads(os.pread(self.fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 who = {}
             os.close(self.fd)
             self.fd = -1
-            pid = who.get("pid") if isinstance(who, dict) else None
+            who = who if isinstance(who, dict) else {}
+            pid = who.get("pid")
             raise Failed(
                 "busy",
-                f"another `supervise {(who or {}).get('verb', 'install')}` runs on this host now (pid {pid}): "
+                f"another `supervise {who.get('verb', 'install')}` runs on this host now (pid {pid}): "
                 "nothing was changed; run it again once that one is done",
             ) from None
         os.ftruncate(self.fd, 0)

@@ -485,6 +485,9 @@ def test_install_and_uninstall_touch_only_what_they_wrote(night: Night, tmp_path
     (night.dir / "notes.txt").write_text("mine\n")
     gone = night.cli("supervise", "uninstall")
     assert gone.exit_code == 0, gone.output
+    assert (
+        f"  removed {night.dir / unit.LAUNCHER}\n" in gone.stdout and f"  removed {night.dir}/bin\n" not in gone.stdout
+    )
     assert (night.dir / "bin" / "backup.sh").read_text() == "#!/bin/sh\n"
     assert (night.dir / "releases" / "myapp-1.0").is_dir() and (night.dir / "notes.txt").read_text() == "mine\n"
     assert not (night.dir / unit.LAUNCHER).exists() and not os.path.lexists(night.dir / "current")
