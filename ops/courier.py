@@ -79,7 +79,9 @@ class Courier:
                 close_fds=True,
             )
             self._proc = proc
-        if not self._send(proc, {"url": self.url}):
+        # the worker imports what this process imports (a user site, PYTHONPATH): -I drops those on its own
+        path = [p for p in sys.path if p and os.path.isabs(p)]
+        if not self._send(proc, {"url": self.url, "path": path}):
             return None
         return proc
 
@@ -264,9 +266,11 @@ def worker() -> int:
     _cap_memory()
     first = sys.stdin.readline()
     try:
-        url = json.loads(first)["url"]
+        hello = json.loads(first)
+        url = hello["url"]
+        sys.path[1:1] = [p for p in hello.get("path") or [] if isinstance(p, str) and p not in sys.path]
         import apprise
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         _say({"ok": False, "error": "bad request"})
         return 2
     except ImportError:

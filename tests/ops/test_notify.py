@@ -370,3 +370,28 @@ def test_endless_huge_and_trickling_answers_are_cut_and_never_hold_up_the_exit(r
     finally:
         for hook in hooks:
             hook.stop()
+
+
+def test_the_delivery_process_imports_apprise_from_where_the_supervisor_did(tmp_path: Path) -> None:
+    """apprise found through PYTHONPATH (or a user site) only: the worker, started with -I, still finds it."""
+    import shutil
+    import sysconfig
+
+    base = shutil.which("python3", path="/usr/bin:/bin")
+    if base is None or subprocess.run([base, "-c", "import apprise"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 outside this venv that cannot import apprise by itself")
+    repo = str(Path(__file__).resolve().parents[2])
+    code = (
+        "import sys\n"
+        "from ops.notify import Notifier, Message\n"
+        "n = Notifier([sys.argv[1]], say=print)\n"
+        "n.send(Message('x', 'via PYTHONPATH', 'body'))\n"
+        "import time; end = time.monotonic() + 60\n"
+        "while n.sent + n.failed == 0 and time.monotonic() < end: time.sleep(0.1)\n"
+        "n.close(); print('sent', n.sent)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{sysconfig.get_paths()['purelib']}"}
+    with Webhook() as hook:
+        p = subprocess.run([base, "-c", code, hook.url], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0 and "sent 1" in p.stdout, p.stdout + p.stderr
+        assert hook.titles() == ["via PYTHONPATH"]
