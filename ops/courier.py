@@ -181,6 +181,10 @@ class Courier:
             pass
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def pid(self) -> int | None:
         proc = self._proc
         return proc.pid if proc is not None else None

@@ -413,6 +413,9 @@ class Notifier:
                     if n > 1:
                         self.say(f"{tg.name}: delivered {msg.title!r} on try {n}")
                     break
+                if getattr(tg.service, "closed", False):
+                    self._count("dropped")  # ended by close(), which said so already
+                    break
                 if n == self.tries or tg.abort.is_set():
                     k = self._count("failed")
                     self.say(f"{tg.name}: gave up on {msg.title!r} after {n} tries ({k} failed so far)")
