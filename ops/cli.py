@@ -644,11 +644,10 @@ def restart_on_crash_cmd(
     if notify_urls:
         import os
 
-        from ops.notify import Notifier, secret_values
+        from ops.notify import notifier_for
 
         # every host's env values and API tokens: a message carries log lines, which could hold any of them
-        secrets = secret_values([*watched, *app.inventory.hosts.values()], os.environ)
-        notifier = Notifier(notify_urls, secrets=secrets, say=click.echo)
+        notifier = notifier_for(notify_urls, [*watched, *app.inventory.hosts.values()], os.environ, click.echo)
     sup: supervise.Supervisor
     if app.group_name is not None:
         from ops.supervise.group import GroupSupervisor

@@ -329,6 +329,27 @@ def _far_paths(raw: dict[str, t.Any], kw: dict[str, t.Any], p: str) -> None:
     kw.setdefault("run_dir", f"{kw['workdir']}/runs")
 
 
+# Folders of the host's own: a supervise dir is a folder of dflashctl's below one of these, never one of them.
+SYSTEM_DIRS = frozenset(
+    "/ /bin /boot /dev /etc /home /lib /lib32 /lib64 /libx32 /media /mnt /opt /proc /root /run /sbin /srv /sys "
+    "/tmp /usr /usr/bin /usr/lib /usr/lib64 /usr/libexec /usr/local /usr/local/bin /usr/local/lib /usr/local/sbin "
+    "/usr/sbin /usr/share /usr/src /var /var/cache /var/lib /var/lib/vz /var/local /var/log /var/opt /var/spool "
+    "/var/tmp /etc/pve /etc/systemd /etc/systemd/system".split()
+)
+
+
+def supervise_dir_problem(value: str) -> str | None:
+    """Why ``value`` cannot be the supervisor's folder on the host (None: it can). The operator's side and
+    the host's check it alike."""
+    if not value.startswith("/") or "\0" in value:
+        return "expected an absolute path on the Proxmox host"
+    if os.path.normpath(value) != value or value.startswith("//"):
+        return f"expected a normalised path (no '.', '..', '//' or trailing '/'): {os.path.normpath(value)!r}?"
+    if value in SYSTEM_DIRS:
+        return "a folder of the system itself: give a folder of dflashctl's own below it (default /var/lib/dflashctl)"
+    return None
+
+
 def _parse_supervise(raw: t.Any, p: str) -> SupervisePlace:
     if not isinstance(raw, dict):
         raise ConfigError(p, f"expected a table, got {keypath.show(raw)}")
@@ -336,9 +357,10 @@ def _parse_supervise(raw: t.Any, p: str) -> SupervisePlace:
     kw: dict[str, t.Any] = {}
     if "dir" in raw:
         value = keypath.string(raw["dir"], f"{p}.dir", nonempty=True)
-        if not value.startswith("/") or "\0" in value:
-            raise ConfigError(f"{p}.dir", f"expected an absolute path on the Proxmox host, got {keypath.show(value)}")
-        kw["dir"] = value.rstrip("/") or "/"
+        problem = supervise_dir_problem(value)
+        if problem:
+            raise ConfigError(f"{p}.dir", f"{problem}, got {keypath.show(value)}")
+        kw["dir"] = value
     if "python" in raw:
         kw["python"] = keypath.string(raw["python"], f"{p}.python", nonempty=True)
     if "mode" in raw:

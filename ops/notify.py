@@ -3,7 +3,9 @@
 The supervisor never waits on a notification: ``Notifier.send`` puts the message on a bounded queue per
 URL and returns at once; a thread per URL delivers it, retrying with backoff, so a service that is down
 or hangs delays only its own messages, never a probe. A full queue drops the message: counted, and said
-on the supervisor's output. Every message is scrubbed of what it must never carry before it is queued:
+on the supervisor's output. apprise itself runs in a worker process per URL (ops/courier.py): an answer
+is read a few KiB at most, a delivery has a whole deadline, and the supervisor's exit ends the workers
+instead of waiting on them. Every message is scrubbed of what it must never carry before it is queued:
 each value of the hosts' ``env``, the Proxmox API token's value (``token_value_env``) and the --notify
 URLs themselves (they hold the services' tokens); a log tail could print any of them.
 
@@ -28,6 +30,7 @@ import typing as t
 import urllib.parse
 
 from ops import errors
+from ops.courier import Courier
 from ops.hosts import Host
 from ops.states import Action, State
 
@@ -38,7 +41,7 @@ QUEUE_SIZE = 64  # messages waiting per URL; more are dropped (counted), the sup
 TRIES = 6  # deliveries tried per message and URL: 1 + 5 retries
 FIRST_RETRY = 1.0  # seconds before the first retry, doubled per retry up to MAX_RETRY
 MAX_RETRY = 60.0
-FLUSH = 10.0  # seconds the supervisor's exit waits for the messages still queued (its last words)
+FLUSH = 2.0  # seconds the supervisor's exit waits for the messages still queued (its last words); then it ends them
 TAIL_LINES = 10  # log lines in a message
 EVIDENCE_LINES = 5
 MIN_SECRET = 4  # shorter env values ("0", "1", "yes") are no secrets, and scrubbing them would blank every digit
@@ -59,6 +62,14 @@ def secret_values(hosts: t.Iterable[Host], environ: t.Mapping[str, str]) -> list
         out.extend(h.env.values())
         out.extend(environ[name] for name in h.secret_env if environ.get(name))
     return out
+
+
+def notifier_for(
+    urls: t.Sequence[str], hosts: t.Iterable[Host], environ: t.Mapping[str, str], say: t.Callable[[str], None]
+) -> Notifier:
+    """The Notifier of a supervisor watching ``hosts`` (restart-on-crash's and the Proxmox host's alike):
+    every secret of those hosts is scrubbed from its messages."""
+    return Notifier(urls, secrets=secret_values(hosts, environ), say=say)
 
 
 class Scrubber:
@@ -243,17 +254,22 @@ class Service(t.Protocol):
     def notify(self, body: str, title: str = ..., notify_type: t.Any = ...) -> t.Any: ...
 
 
-def _apprise_for(url: str, index: int) -> Service:
+def check_url(url: str, index: int) -> None:
+    """apprise is there and understands ``url``: refused now in one line, not found out at the first incident."""
     try:
         import apprise  # optional extra: only --notify needs it
     except ImportError:
         raise errors.ConfigError("--notify", NOTIFY_HINT) from None
-    service = apprise.Apprise()
-    if not service.add(url):
+    if not apprise.Apprise().add(url):
         raise errors.ConfigError(
             label(url, index), "apprise does not understand this URL (https://appriseit.com/services/ lists them)"
         )
-    return t.cast(Service, service)
+
+
+def _couriers(urls: t.Sequence[str]) -> list[Service]:
+    for i, u in enumerate(urls, 1):  # every URL checked before any worker starts
+        check_url(u, i)
+    return [Courier(u) for u in urls]
 
 
 class _Target:
@@ -320,7 +336,7 @@ class Notifier:
         self._lock = threading.Lock()
         self._filter = _ScrubFilter(self.scrub)
         logging.getLogger("apprise").addFilter(self._filter)
-        made = list(services) if services is not None else [_apprise_for(u, i) for i, u in enumerate(urls, 1)]
+        made = list(services) if services is not None else _couriers(urls)
         self.targets = [_Target(label(u, i), s, queue_size) for i, (u, s) in enumerate(zip(urls, made), 1)]
         for tg in self.targets:
             tg.thread = threading.Thread(target=self._work, args=(tg,), name=f"notify {tg.name}", daemon=True)
@@ -363,12 +379,15 @@ class Notifier:
             tg.abort.set()
             left = tg.left()
             busy = tg.thread is not None and tg.thread.is_alive()
+            end = getattr(tg.service, "close", None)
+            if callable(end):
+                end()  # a delivery still in flight is ended with its worker: the exit never waits on it
             if left or busy:
                 with self._lock:
                     self.dropped += left
                 self.say(
                     f"{tg.name}: not delivered within {timeout:g}s of the supervisor's end: "
-                    f"{left} queued message(s) dropped" + (", one still being sent" if busy else "")
+                    f"{left} queued message(s) dropped" + (", one in flight ended" if busy else "")
                 )
         logging.getLogger("apprise").removeFilter(self._filter)
 
@@ -376,10 +395,14 @@ class Notifier:
 
     def _deliver(self, tg: _Target, msg: Message) -> bool:
         try:
-            return bool(tg.service.notify(body=msg.body, title=msg.title, notify_type=msg.level))
+            ok = bool(tg.service.notify(body=msg.body, title=msg.title, notify_type=msg.level))
         except Exception as e:  # a plugin's bug must not kill the thread (the next message may get through)
             logger.info("%s: apprise raised %s", tg.name, self.scrub(f"{type(e).__name__}: {e}"))
             return False
+        why = getattr(tg.service, "error", "")
+        if not ok and why:
+            logger.info("%s: %s", tg.name, self.scrub(str(why)))
+        return ok
 
     def _work(self, tg: _Target) -> None:
         while (msg := tg.take()) is not None:
@@ -389,6 +412,9 @@ class Notifier:
                     self._count("sent")
                     if n > 1:
                         self.say(f"{tg.name}: delivered {msg.title!r} on try {n}")
+                    break
+                if getattr(tg.service, "closed", False):
+                    self._count("dropped")  # ended by close(), which said so already
                     break
                 if n == self.tries or tg.abort.is_set():
                     k = self._count("failed")

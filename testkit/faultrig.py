@@ -137,9 +137,11 @@ class Rig:
         assert r.exit_code == 0, r.output
         retry_until(lambda: len(self.steps(1)) >= 2, 30)
 
-    def supervise(self, *args: str, env: t.Mapping[str, str] | None = None) -> Supervisor:
-        """`dflashctl -v restart-on-crash --state-dir <rig's> ARGS` (``env``: more variables for it)."""
+    def supervise(self, *args: str, env: t.Mapping[str, str] | None = None, wrap: t.Sequence[str] = ()) -> Supervisor:
+        """`dflashctl -v restart-on-crash --state-dir <rig's> ARGS` (``env``: more variables for it; ``wrap``:
+        a command that execs it, e.g. ``prlimit --as=N --``)."""
         argv = [
+            *wrap,
             *dflashctl_argv(),
             "--hosts",
             str(self.hosts.path),

@@ -1,6 +1,11 @@
 """A webhook receiver on 127.0.0.1 for apprise's ``json://`` URLs: a real HTTP server that keeps every
 JSON body POSTed to it. ``hang()`` makes it take requests and answer none until ``release()`` (a service
-that hangs); before ``start()`` nothing listens on its port (a service that is down)."""
+that hangs); before ``start()`` nothing listens on its port (a service that is down).
+
+``answer(mode)`` makes it misbehave after it kept the message: ``endless`` answers 200 and streams a body
+with no end, ``huge`` the same with a Content-Length of a terabyte, ``trickle`` one byte every
+``trickle_every`` seconds, for ever. ``streamed`` counts the bytes of those bodies, ``cut`` the answers the
+client stopped reading (its end of the connection went), ``streaming`` the ones still being sent."""
 
 from __future__ import annotations
 
@@ -20,6 +25,12 @@ class Webhook:
         self._lock = threading.Lock()
         self._open = threading.Event()
         self._open.set()
+        self.mode = "ok"
+        self.trickle_every = 1.0
+        self.streamed = 0
+        self.cut = 0
+        self.streaming = 0
+        self._stopping = threading.Event()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -30,6 +41,7 @@ class Webhook:
     def start(self) -> Webhook:
         if self._server is not None:
             return self  # `with hook.start():` after a late start
+        self._stopping.clear()
         hook = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -50,15 +62,46 @@ class Webhook:
                     data = {"raw": body.decode("utf-8", "replace")}
                 with hook._lock:
                     hook.messages.append(data)
+                if hook.mode == "ok":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 self.send_response(200)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Type", "application/json")
+                if hook.mode == "huge":
+                    self.send_header("Content-Length", str(1 << 40))
                 self.end_headers()
+                hook._stream(self.wfile)
 
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self
+
+    def answer(self, mode: str, every: float = 1.0) -> None:
+        assert mode in ("ok", "endless", "huge", "trickle"), mode
+        self.mode, self.trickle_every = mode, every
+
+    def _stream(self, out: t.Any) -> None:
+        chunk = b"x" * (1 if self.mode == "trickle" else 1 << 16)
+        with self._lock:
+            self.streaming += 1
+        try:
+            while not self._stopping.is_set():
+                out.write(chunk)
+                out.flush()
+                with self._lock:
+                    self.streamed += len(chunk)
+                if self.mode == "trickle":
+                    self._stopping.wait(self.trickle_every)
+        except OSError:  # the client hung up: it read what it wanted
+            with self._lock:
+                self.cut += 1
+        finally:
+            with self._lock:
+                self.streaming -= 1
 
     def hang(self) -> None:
         self._open.clear()
@@ -76,6 +119,7 @@ class Webhook:
             return "\n".join(json.dumps(m) for m in self.messages)
 
     def stop(self) -> None:
+        self._stopping.set()
         self.release()
         if self._server is not None:
             self._server.shutdown()

@@ -90,6 +90,8 @@ class HostSide:
             kind, message = reply.answer.get("error"), reply.answer.get("message")
             if kind == "not-installed":
                 raise errors.NotInstalled(f"{self.host.name}: {message}")
+            if kind == "bad-config":
+                raise errors.ConfigError(str(reply.answer.get("key")), f"{message} (on {self.host.name})")
             if kind in ("locked", "refused", "taken"):
                 raise errors.SupervisorLocked(f"{self.host.name}: {message}")
             raise errors.SuperviseError(f"{self.host.name}: {message}")
@@ -128,6 +130,23 @@ class HostSide:
             )
 
 
+def _claim(side: HostSide) -> None:
+    """The supervise dir is dflashctl's (its marker), or new or empty and made so; else nothing is sent."""
+    place = side.host.supervise
+    argv = [place.python, "-I", "-c", unit.CLAIM, place.dir, unit.MARKER, *unit.OWN_NAMES]
+    reply = far_call.call(side.remote(), argv, timeout=CALL_TIMEOUT)
+    last = side._ran(reply, f"checking {place.dir}", CALL_TIMEOUT)
+    answer = reply.answer or {}
+    if answer.get("ok"):
+        return
+    why = answer.get("why") or last or f"exit {reply.result.exit_code}"
+    raise errors.ConfigError(
+        f"hosts.{side.host.name}.supervise.dir",
+        f"{place.dir} on {side.host.name} {why}: supervise installs only into a new or empty folder "
+        f"(or one it installed into: {unit.MARKER}); give a folder of its own, e.g. {place.dir}/dflashctl",
+    )
+
+
 def install(
     host: Host,
     session: str | None,
@@ -141,6 +160,7 @@ def install(
     side = HostSide(host)
     try:
         side.check_python()
+        _claim(side)
         outcome = deploy.deploy(side.remote(), side.target, modules=(), echo=echo)
         echo(outcome.summary)
         _refuse_foreign(side, name)

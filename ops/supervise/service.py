@@ -33,8 +33,8 @@ from pathlib import Path
 from ops import errors
 from ops.far import tmux
 from ops.far.atomic import write_json_atomic
-from ops.hosts import load_inventory
-from ops.supervise import unit
+from ops.hosts import Host, load_inventory, supervise_dir_problem
+from ops.supervise import record, unit
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.loop import Supervisor
 from ops.supervise.policy import Options
@@ -55,6 +55,14 @@ class Failed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class BadConfig(Failed):
+    """A value the user gave is wrong (``key``: what names it): the operator's side raises a ConfigError."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__("bad-config", message)
+        self.key = key
 
 
 def _run(argv: list[str], timeout: float = 60.0) -> CommandResult:
@@ -88,12 +96,37 @@ class Place:
         return os.path.join(self.dir, "supervise", f"{slug(by)}.{slug(self.session)}.lock")
 
     def read(self, name: str) -> dict[str, t.Any] | None:
+        """A record the supervisor writes (status.json): None when missing or unreadable (the next write mends it)."""
         try:
-            with open(self.path(name), encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError):
+            return record.load(self.path(name))
+        except record.BadRecord:
             return None
-        return data if isinstance(data, dict) else None
+
+    def service(self) -> dict[str, t.Any] | None:
+        """service.json, checked (BadRecord: one line naming the file and the key); None: not installed."""
+        path = self.path(unit.SERVICE_JSON)
+        doc = record.load(path)
+        if doc is None:
+            return None
+        for key in ("id", "by", "mode", "tmux_socket"):
+            record.field(doc, path, key, str)
+        if doc["mode"] not in ("systemd", "tmux"):
+            raise record.BadRecord(f'{path}: mode: expected "systemd" or "tmux", got {doc["mode"][:40]!r}')
+        record.field(doc, path, "container", int, required=False)
+        for key in ("installed_at", "release", "python"):
+            record.field(doc, path, key, str, required=False)
+        opts = record.field(doc, path, "options", dict)
+        try:
+            Options(**opts)
+        except (TypeError, ValueError, errors.ConfigError) as e:
+            raise record.BadRecord(f"{path}: options: {str(e)[:200]}") from None
+        return doc
+
+    def secrets(self) -> tuple[dict[str, str], list[str]]:
+        """env.json, checked: the environment the supervisor needs (the API token) and the --notify URLs."""
+        path = self.path(unit.ENV_JSON)
+        doc = record.load(path) or {}
+        return record.string_map(doc, path, "env"), record.strings(doc, path, "notify")
 
 
 def lock_holder(path: str) -> dict[str, t.Any] | None:
@@ -111,7 +144,7 @@ def lock_holder(path: str) -> dict[str, t.Any] | None:
                 return None
             try:
                 data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 data = {}
             return data if isinstance(data, dict) and data else {"pid": None}
         return None  # we got it: nobody holds it (closing the fd lets go)
@@ -206,10 +239,12 @@ def _stop(place: Place, mode: str | None, socket: str, by: str) -> dict[str, t.A
 
 def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
+    if not os.path.isfile(os.path.join(place.root, unit.MARKER)):
+        raise Failed("not-ours", f"{place.root} is not dflashctl's (no {unit.MARKER} in it): nothing was written")
     by, socket = str(req["by"]), str(req.get("tmux_socket") or "dflashctl-supervise")
     entry = dict(req["entry"])
     notes: list[str] = []
-    before = place.read(unit.SERVICE_JSON)
+    before = place.service()
     if before and (before.get("by"), before.get("container")) != (by, entry.get("container")):
         raise Failed(
             "taken",
@@ -246,6 +281,7 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
             f"--notify: {sys.executable} on this host cannot import apprise: install it for that python "
             "(apt install python3-apprise, or pip install apprise), or install without --notify",
         )
+    _check_notify(list(req.get("notify") or []))
 
     replaced = _stop(place, (before or {}).get("mode"), socket, by) if before else None
     if before and before.get("mode") != mode and before.get("mode") == "systemd":
@@ -283,12 +319,13 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
         if mode == "systemd":
             _disable_unit(place)
         raise Failed("refused", f"the supervisor did not start watching: {first['error']}")
+    runs = lock_holder(place.lock_path(by)) or {}  # the supervisor that holds the lock now is the one reported
     return {
         "mode": mode,
         "unit": unit.unit_name(place.session) if mode == "systemd" else None,
         "tmux_socket": socket if mode == "tmux" else None,
         "id": ident,
-        "pid": first.get("pid"),
+        "pid": runs.get("pid") if isinstance(runs.get("pid"), int) else first.get("pid"),
         "first_probe": first.get("last_probe"),
         "replaced": replaced,
         "updated": before is not None,
@@ -297,6 +334,19 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
         "log": place.path(unit.LOG),
         "command": unit.supervisor_argv(place.root, place.session, opts, loop=mode == "tmux"),
     }
+
+
+def _check_notify(urls: list[str]) -> None:
+    """The supervisor's notifier is built from these URLs: what it would refuse is refused now, in one line."""
+    if not urls:
+        return
+    from ops.notify import check_url  # apprise is the host's optional extra
+
+    for i, url in enumerate(urls, 1):
+        try:
+            check_url(url, i)
+        except errors.ConfigError as e:
+            raise BadConfig(e.path, e.message) from None
 
 
 def _first_probe(place: Place, by: str) -> dict[str, t.Any]:
@@ -323,7 +373,7 @@ def _disable_unit(place: Place) -> None:
 
 def status(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
-    service = place.read(unit.SERVICE_JSON)
+    service = place.service()
     if service is None:
         return {"installed": False, "dir": place.dir}
     by = str(service.get("by"))
@@ -364,9 +414,9 @@ def _incidents(place: Place, n: int) -> dict[str, t.Any]:
     shown = []
     for f in files[-n:] if n > 0 else []:
         try:
-            inc = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+            inc = record.load(str(f)) or {}
+        except record.BadRecord:
+            continue  # one unreadable incident hides none of the others
         keep = ("time", "attempt", "state", "cause", "detail", "action", "outcome", "next_attempt", "reason", "done_at")
         shown.append({k: inc.get(k) for k in keep})
     return {"count": len(files), "newest": shown}
@@ -374,7 +424,7 @@ def _incidents(place: Place, n: int) -> dict[str, t.Any]:
 
 def stop(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
-    service = place.read(unit.SERVICE_JSON)
+    service = place.service()
     if service is None:
         raise Failed("not-installed", f"no supervisor is installed for session {place.session} in {place.root}")
     out = _stop(place, service.get("mode"), str(service.get("tmux_socket")), str(service.get("by")))
@@ -383,7 +433,7 @@ def stop(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
 
 def uninstall(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
-    service = place.read(unit.SERVICE_JSON)
+    service = place.service()
     if service is None:
         raise Failed("not-installed", f"no supervisor is installed for session {place.session} in {place.root}")
     out = _stop(place, service.get("mode"), str(service.get("tmux_socket")), str(service.get("by")))
@@ -400,16 +450,54 @@ def uninstall(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
             pass
     others = [p for p in Path(place.root, "sessions").glob(f"*/{unit.SERVICE_JSON}")]
     if not others:  # the last session: dflashctl's code goes too (the incidents and logs stay)
-        for name in ("bin", "releases", "current", "previous", ".deploy.lock"):
-            target = os.path.join(place.root, name)
-            if os.path.islink(target) or os.path.isfile(target):
-                os.unlink(target)
-            elif os.path.isdir(target):
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                continue
-            removed.append(target)
+        removed += _remove_code(place.root)
     return {**out, "removed": removed, "kept": place.dir, "mode": service.get("mode")}
+
+
+def _remove_code(root: str) -> list[str]:
+    """What deploy and install wrote at the folder's top, and nothing else: the launcher, deploy's releases
+    (a folder with its manifest), the current/previous links into them, deploy's lock; each folder only once
+    it is empty; the marker last, when nothing but the sessions (incidents, logs) is left."""
+    removed: list[str] = []
+
+    def unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+
+    def rmdir(path: str) -> None:
+        try:
+            os.rmdir(path)  # only an empty folder: whatever else is there stays
+            removed.append(path)
+        except OSError:
+            pass
+
+    for name in ("current", "previous"):
+        link = os.path.join(root, name)
+        if os.path.islink(link) and os.readlink(link).startswith("releases/"):
+            unlink(link)
+    launcher = os.path.join(root, unit.LAUNCHER)
+    if os.path.isfile(launcher) and not os.path.islink(launcher):
+        unlink(launcher)
+    rmdir(os.path.join(root, "bin"))
+    releases = Path(root, "releases")
+    for rel in sorted(releases.iterdir()) if releases.is_dir() and not releases.is_symlink() else []:
+        if rel.is_dir() and not rel.is_symlink() and (rel / ".release.json").is_file():
+            shutil.rmtree(rel, ignore_errors=True)
+            removed.append(str(rel))
+    rmdir(str(releases))
+    for name in (".deploy.lock", unit.INSTALL_LOCK):
+        lock = os.path.join(root, name)
+        if os.path.isfile(lock) and not os.path.islink(lock):
+            unlink(lock)
+    rmdir(os.path.join(root, "runs"))
+    left = [n for n in os.listdir(root) if n not in ("sessions", unit.MARKER)] if os.path.isdir(root) else []
+    if not left and not os.path.isdir(os.path.join(root, "sessions")):
+        unlink(os.path.join(root, unit.MARKER))
+        rmdir(root)
+    return removed
 
 
 def logs(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
@@ -422,13 +510,53 @@ def logs(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
             f.seek(max(0, size - LOG_WINDOW))
             data = f.read()
     except FileNotFoundError:
-        if place.read(unit.SERVICE_JSON) is None:
+        if place.service() is None:
             raise Failed(
                 "not-installed", f"no supervisor is installed for session {place.session} in {place.root}"
             ) from None
         return {"log": path, "lines": []}
     lines = data.decode("utf-8", "replace").splitlines()
     return {"log": path, "lines": lines[-n:]}
+
+
+class _install_lock:  # noqa: N801 (a context manager, named as it is used)
+    """install and uninstall one at a time: a second one at once is refused, never run beside the first
+    (both would report success, and the supervisor left would be the last one's)."""
+
+    def __init__(self, root: str, verb: str) -> None:
+        self.path = os.path.join(root, unit.INSTALL_LOCK)
+        self.verb, self.fd = verb, -1
+
+    def __enter__(self) -> None:
+        if self.verb not in ("install", "uninstall") or not os.path.isfile(
+            os.path.join(os.path.dirname(self.path), unit.MARKER)
+        ):
+            return  # the other verbs only read; a folder that is not ours gets no lock file (install refuses it)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            try:
+                who = json.loads(os.pread(self.fd, 4096, 0).decode() or "{}")
+            except (OSError, ValueError, RecursionError):
+                who = {}
+            os.close(self.fd)
+            self.fd = -1
+            who = who if isinstance(who, dict) else {}
+            pid = who.get("pid")
+            raise Failed(
+                "busy",
+                f"another `supervise {who.get('verb', 'install')}` runs on this host now (pid {pid}): "
+                "nothing was changed; run it again once that one is done",
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "verb": self.verb}).encode(), 0)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the flock goes with it
 
 
 def _write_text(path: str, text: str, mode: int) -> None:
@@ -488,8 +616,16 @@ class LogFile:
 
 
 def serve(root: str, session: str, argv: list[str]) -> int:
+    try:
+        return _serve(root, session, argv)
+    except record.BadRecord as e:  # its own files, mangled: one line (the journal, the pane), then exit 1
+        print(f"{unit.MARK}: {e}", file=sys.stderr)
+        return 1
+
+
+def _serve(root: str, session: str, argv: list[str]) -> int:
     place = Place(root, session)
-    service = place.read(unit.SERVICE_JSON)
+    service = place.service()
     if service is None:
         print(f"{unit.MARK}: no supervisor is installed for session {session} in {root}", file=sys.stderr)
         return 1
@@ -500,8 +636,8 @@ def serve(root: str, session: str, argv: list[str]) -> int:
     except (SystemExit, errors.ConfigError) as e:
         log(f"{unit.MARK}: bad options {' '.join(argv)}: {e}")
         return 2
-    secrets_ = place.read(unit.ENV_JSON) or {}
-    os.environ.update({str(k): str(v) for k, v in dict(secrets_.get("env") or {}).items()})
+    env, urls = place.secrets()
+    os.environ.update(env)
     # The lock file names its holder by argv: install tells its own supervisor from a stranger by this.
     sys.argv = [unit.MARK, "run", root, session, *argv]
     heartbeat = Heartbeat(
@@ -526,9 +662,7 @@ def serve(root: str, session: str, argv: list[str]) -> int:
             hide_env=inventory.secret_env,
             heartbeat=heartbeat,
             keep_watching=True,
-            **notify_options(
-                list(secrets_.get("notify") or []), log, [str(v) for v in (secrets_.get("env") or {}).values()]
-            ),
+            **notify_options(urls, log, [host, *inventory.hosts.values()]),
         )
         log(f"{unit.MARK}: supervisor of {by}/{session} started (pid {os.getpid()}, {service.get('mode')} mode)")
         outcome = sup.run()
@@ -540,15 +674,16 @@ def serve(root: str, session: str, argv: list[str]) -> int:
     return 0
 
 
-def notify_options(urls: list[str], log: t.Callable[[str], None], secrets: list[str]) -> dict[str, t.Any]:
+def notify_options(urls: list[str], log: t.Callable[[str], None], hosts: list[Host]) -> dict[str, t.Any]:
     """Where `supervise install --notify URL` reaches the supervisor: a Notifier for its Supervisor
-    keyword. The URLs come from env.json, never from argv; the API token's value is scrubbed from messages."""
+    keyword. The URLs come from env.json, never from argv; what is scrubbed from messages is what
+    restart-on-crash scrubs (``notifier_for``): the host entry's env values and the API token's value."""
     if not urls:
         return {}
-    from ops.notify import Notifier  # only with --notify: apprise is the host's optional extra
+    from ops.notify import notifier_for  # only with --notify: apprise is the host's optional extra
 
     try:
-        return {"notifier": Notifier(urls, secrets=secrets, say=log)}
+        return {"notifier": notifier_for(urls, hosts, os.environ, log)}
     except errors.ConfigError as e:  # apprise gone since install: the supervisor watches on, unannounced
         log(f"{unit.MARK}: note: {e}; no notifications are sent")
         return {}
@@ -574,17 +709,23 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         for key in ("dir", "session"):
             if not isinstance(req.get(key), str):
                 raise ValueError(f"{key}: expected a string")
-        if not req["dir"].startswith("/") or "\0" in req["dir"]:
-            raise ValueError("dir: expected an absolute path")
+        problem = supervise_dir_problem(req["dir"])
+        if problem:
+            raise ValueError(f"dir: {problem}")
         if not all(c.isalnum() or c in "-_" for c in req["session"]) or not req["session"]:
             raise ValueError("session: letters, digits, '-', '_' only")
     except ValueError as e:
         print(json.dumps({"ok": False, "verb": verb, "error": "bad-request", "message": f"{verb}: bad request: {e}"}))
         return 2
     try:
-        answer = {"ok": True, "verb": verb, **HANDLERS[verb](req)}
+        with _install_lock(req["dir"], verb):
+            answer = {"ok": True, "verb": verb, **HANDLERS[verb](req)}
+    except record.BadRecord as e:
+        answer = {"ok": False, "verb": verb, "error": "bad-record", "message": f"{verb}: {e} (mend or remove it)"}
     except Failed as e:
         answer = {"ok": False, "verb": verb, "error": e.kind, "message": str(e)}
+        if isinstance(e, BadConfig):
+            answer["key"] = e.key
     except (OSError, errors.OpsError) as e:
         answer = {"ok": False, "verb": verb, "error": "failed", "message": f"{verb}: {e}"}
     sys.stdout.write(json.dumps(answer) + "\n")

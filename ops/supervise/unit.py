@@ -34,6 +34,46 @@ MARK = "dflashctl-supervise"  # argv[0] of an installed supervisor (its lock fil
 # its version with this before anything is sent. It runs on any python, 2.7 included.
 PYTHON_CHECK = "import json, sys; print(json.dumps({'ok': True, 'version': list(sys.version_info[:3])}))"
 
+# The folder is dflashctl's once this file is in it: install writes it first (into a folder that is new or
+# empty) and refuses a folder with anything else in it and no such file; uninstall removes it last.
+MARKER = ".dflashctl-supervise"
+# What deploy and install write at the folder's top (uninstall removes these, and only these).
+INSTALL_LOCK = ".install.lock"  # one install or uninstall at a time on this host
+OWN_NAMES = ("bin", "releases", "current", "previous", ".deploy.lock", INSTALL_LOCK, "sessions", "runs", MARKER)
+# Run by install before anything is sent (argv: the folder): claims the folder, or says why not. Stdlib only,
+# and no backslash in it (it travels as one ssh command line).
+CLAIM = """
+import json, os, sys, time
+d = sys.argv[1]; marker = os.path.join(d, sys.argv[2]); own = set(sys.argv[3:])
+def say(**kw):
+    print(json.dumps(kw)); sys.exit(0)
+if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
+    say(ok=False, why="exists and is not a folder")
+if os.path.isfile(marker):
+    say(ok=True, state="ours")
+names = sorted(os.listdir(d)) if os.path.isdir(d) else []
+def installed_before():  # a folder an install wrote before the marker existed: deploy's layout, nothing else
+    if any(n not in own for n in names) or not os.path.islink(os.path.join(d, "current")):
+        return False
+    for n in ("current", "previous"):
+        p = os.path.join(d, n)
+        if os.path.lexists(p) and not (os.path.islink(p) and os.readlink(p).startswith("releases/")):
+            return False
+    rel = os.path.join(d, "releases")
+    if os.path.isdir(rel) and any(not os.path.isfile(os.path.join(rel, r, ".release.json")) for r in os.listdir(rel) if not r.startswith(".")):
+        return False
+    b = os.path.join(d, "bin")
+    return not (os.path.isdir(b) and set(os.listdir(b)) - {"dflashctl-supervise"})
+if names and not installed_before():
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    say(ok=False, why="holds files dflashctl did not write (" + shown + ")")
+os.makedirs(d, mode=0o755, exist_ok=True)
+fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+with os.fdopen(fd, "w") as f:
+    print(json.dumps({"by": "dflashctl supervise install", "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}), file=f)
+say(ok=True, state="adopted" if names else "claimed")
+"""
+
 HOSTS_TOML = "hosts.toml"
 SERVICE_JSON = "service.json"
 ENV_JSON = "env.json"

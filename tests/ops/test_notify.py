@@ -294,3 +294,104 @@ def test_ops_imports_apprise_only_when_a_notifier_is_made() -> None:
     code = "import sys, ops.notify, ops.supervise, ops.cli, ops.history; print('apprise' in sys.modules)"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "False", p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Misbehaving services: an answer with no end, a huge one, one that trickles
+
+MEMORY_LIMIT = 3 << 30  # the supervisor runs under this address-space limit (prlimit --as): never the machine's
+RSS_BOUND = 400 << 20  # what the supervisor and its delivery workers may hold together, well above their ~100 MB
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _rss(pids: t.Iterable[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            line = next(x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+        total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_endless_huge_and_trickling_answers_are_cut_and_never_hold_up_the_exit(rig: Rig) -> None:
+    import signal
+    import time
+
+    from testkit import pid_alive
+
+    rig.configure()
+    rig.start()
+    hooks = [Webhook().start() for _ in range(3)]
+    for hook, mode in zip(hooks, ("endless", "huge", "trickle")):
+        hook.answer(mode)
+    try:
+        urls = [a for h in hooks for a in ("--notify", h.url)]
+        sup = rig.supervise(*FAST, *urls, wrap=["prlimit", f"--as={MEMORY_LIMIT}", "--"])
+        # "supervisor started" reaches each; each answer is read a few KiB, then its connection is closed
+        retry_until(lambda: all(h.messages for h in hooks), 60)
+        retry_until(lambda: all(h.cut >= 1 for h in hooks), 60)
+        rss = _rss(_tree(sup.proc.pid))
+        print(f"supervisor + workers: {rss / 2**20:.0f} MiB RSS; streamed {[h.streamed for h in hooks]} bytes")
+        assert rss < RSS_BOUND, rss
+        assert sup.proc.poll() is None and not sup.events(r"MemoryError")
+        # the deliveries counted as delivered (the services took them and said 200): the next message goes too
+        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+        rig.fault("once:exception")
+        sup.event(r"restarted: attempt 2 started")
+        retry_until(lambda: all(any("restarted: attempt 2" in x for x in h.titles()) for h in hooks), 90)
+        # a delivery stuck in a trickle when the supervisor is asked to stop: the exit does not wait on it
+        for hook in hooks:
+            hook.answer("trickle", every=2.0)
+        workers = [p for p in _tree(sup.proc.pid) if b"ops.courier" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 3, workers  # one delivery process per URL
+        started = time.monotonic()
+        sup.proc.send_signal(signal.SIGINT)
+        assert sup.wait(60) == 0, sup.text
+        print(f"exit {time.monotonic() - started:.1f}s after SIGINT, stuck deliveries: {[h.streaming for h in hooks]}")
+        assert not [p for p in workers if pid_alive(p)], "no delivery process outlives the supervisor"
+        # a trickle outlasts the exit's 2 s for its last words: each URL's were given up, and said so
+        for n in (1, 2, 3):
+            assert sup.events(rf"notify: --notify #{n} .*: not delivered within 2s of the supervisor's end"), sup.text
+    finally:
+        for hook in hooks:
+            hook.stop()
+
+
+def test_the_delivery_process_imports_apprise_from_where_the_supervisor_did(tmp_path: Path) -> None:
+    """apprise found through PYTHONPATH (or a user site) only: the worker, started with -I, still finds it."""
+    import shutil
+    import sysconfig
+
+    base = shutil.which("python3", path="/usr/bin:/bin")
+    if base is None or subprocess.run([base, "-c", "import apprise"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 outside this venv that cannot import apprise by itself")
+    repo = str(Path(__file__).resolve().parents[2])
+    code = (
+        "import sys\n"
+        "from ops.notify import Notifier, Message\n"
+        "n = Notifier([sys.argv[1]], say=print)\n"
+        "n.send(Message('x', 'via PYTHONPATH', 'body'))\n"
+        "import time; end = time.monotonic() + 60\n"
+        "while n.sent + n.failed == 0 and time.monotonic() < end: time.sleep(0.1)\n"
+        "n.close(); print('sent', n.sent)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{sysconfig.get_paths()['purelib']}"}
+    with Webhook() as hook:
+        p = subprocess.run([base, "-c", code, hook.url], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0 and "sent 1" in p.stdout, p.stdout + p.stderr
+        assert hook.titles() == ["via PYTHONPATH"]

@@ -398,3 +398,202 @@ def test_the_host_side_loads_nothing_but_the_stdlib_and_ops() -> None:
     assert p.returncode == 0, p.stderr
     ours = [m for m in json.loads(p.stdout) if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
     assert "ops.supervise.loop" in ours and all(m == "ops" or m.startswith("ops.") for m in ours), ours
+
+
+HF_TOKEN = "hf_Zq8secretTOKENvalue42"
+
+
+def test_the_installed_supervisor_scrubs_the_host_entrys_env_like_restart_on_crash(night: Night) -> None:
+    pytest.importorskip("apprise")
+    from ops.notify import REDACTED
+    from testkit.webhook import Webhook
+
+    # the run prints a secret of its env as its last line (a careless script), then fails
+    cmd = list(t.cast(list[str], night.hosts.pve_table["command"]))
+    wrapped = ["sh", "-c", '"$@"; echo "HF_TOKEN=$HF_TOKEN"; exit 3', "sh", *cmd]
+    night.hosts.write(env={"HF_TOKEN": HF_TOKEN}, command=wrapped)
+    night.start()
+    with Webhook() as hook:
+        night.install("--notify", hook.url)
+        retry_until(lambda: any("supervisor started" in x for x in hook.titles()), 60)
+        night.finish.touch()  # the trainer ends; the script prints the secret and exits 3
+        retry_until(lambda: any(": crashed (" in x for x in hook.titles()), 90)
+        assert f"HF_TOKEN={HF_TOKEN}" in night.log(1), "the secret is in the log..."
+        text = hook.texts()
+        assert HF_TOKEN not in text, "... and in no message"
+        assert f"HF_TOKEN={REDACTED}" in text
+
+
+def test_install_refuses_a_notify_url_apprise_does_not_understand_in_one_line(night: Night) -> None:
+    pytest.importorskip("apprise")
+    night.start()
+    r = night.cli("supervise", "install", *FAST, "--notify", "notaurl")
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line == (
+        "dflashctl: --notify #1 (?://...): apprise does not understand this URL "
+        "(https://appriseit.com/services/ lists them) (on pve)"
+    ), r.output
+    assert night.supervisor_pid() is None and not (night.sdir / "service.json").exists()  # nothing started
+
+
+def _tree_of(root: Path) -> dict[str, str]:
+    """Every path under ``root`` with what it is: a file's text, a link's target, a folder."""
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_text()
+    return out
+
+
+def test_install_and_uninstall_touch_only_what_they_wrote(night: Night, tmp_path: Path) -> None:
+    place = {"python": _python(), "mode": "tmux", "tmux_socket": night.socket}
+    # a folder of the user's: install refuses it, and changes nothing in it
+    mine = tmp_path / "mine"
+    (mine / "bin").mkdir(parents=True)
+    (mine / "bin" / "backup.sh").write_text("#!/bin/sh\necho backup\n")
+    (mine / "releases" / "myapp-1.0").mkdir(parents=True)
+    (mine / "releases" / "myapp-1.0" / "app.py").write_text("print('mine')\n")
+    (mine / "previous").write_text("the user's file called previous\n")
+    os.symlink("releases/myapp-1.0", mine / "current")
+    before = _tree_of(mine)
+    night.hosts.write(supervise={**place, "dir": str(mine)})
+    r = night.cli("supervise", "install", *FAST)
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith(
+        f"dflashctl: hosts.pve.supervise.dir: {mine} on pve holds files dflashctl did not write "
+        "(bin, current, previous, releases): supervise installs only into a new or empty folder"
+    ), line
+    assert _tree_of(mine) == before
+
+    # a system folder, a path that is not normalised or not absolute: refused where hosts.toml is read
+    for bad in ("/", "/usr/local", "/root", "/tmp/../etc", "/var/lib/dflashctl/", "var/lib/dflashctl"):
+        night.hosts.write(supervise={**place, "dir": bad})
+        r = night.cli("supervise", "status")
+        assert r.exit_code == 1, (bad, r.output)
+        [line] = [x for x in r.stderr.splitlines() if x.strip()]
+        assert line.startswith("dflashctl: hosts.pve.supervise.dir: "), (bad, line)
+
+    # its own folder, with the user's files put in it later: uninstall removes its own only
+    night.hosts.write(supervise={**place, "dir": str(night.dir)})
+    night.start()
+    night.install()
+    assert (night.dir / unit.MARKER).is_file()
+    (night.dir / "bin" / "backup.sh").write_text("#!/bin/sh\n")
+    (night.dir / "releases" / "myapp-1.0").mkdir()
+    (night.dir / "notes.txt").write_text("mine\n")
+    gone = night.cli("supervise", "uninstall")
+    assert gone.exit_code == 0, gone.output
+    assert (
+        f"  removed {night.dir / unit.LAUNCHER}\n" in gone.stdout and f"  removed {night.dir}/bin\n" not in gone.stdout
+    )
+    assert (night.dir / "bin" / "backup.sh").read_text() == "#!/bin/sh\n"
+    assert (night.dir / "releases" / "myapp-1.0").is_dir() and (night.dir / "notes.txt").read_text() == "mine\n"
+    assert not (night.dir / unit.LAUNCHER).exists() and not os.path.lexists(night.dir / "current")
+    assert [p.name for p in (night.dir / "releases").iterdir()] == ["myapp-1.0"]  # deploy's releases went
+    assert (night.sdir / "supervisor.log").exists() and (night.dir / unit.MARKER).is_file()
+
+
+def test_two_installs_at_once_one_runs_and_says_so_the_other_is_refused(night: Night) -> None:
+    night.start()
+    night.install()  # deployed: the two below race on the host-side install only
+    argv = [*dflashctl_argv(), "--hosts", str(night.hosts.path), "supervise", "install", *FAST]
+    procs = [
+        subprocess.Popen(
+            [*argv, "--max-restarts", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=night.hosts.env(), cwd=night.hosts.root,
+        )
+        for n in (3, 4)
+    ]  # fmt: skip
+    outs = [(p.wait(300), *p.communicate()) for p in procs]
+    ok = [o for o in outs if o[0] == 0]
+    refused = [o for o in outs if o[0] != 0]
+    service = json.loads((night.sdir / "service.json").read_text())
+    pid = night.supervisor_pid()
+    assert pid is not None
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    running = int(cmdline[cmdline.index(b"--max-restarts") + 1])
+    assert service["options"]["max_restarts"] == running
+    # the install whose policy runs reported the supervisor that runs
+    [winner] = [out for _, out, _ in ok if f"--max-restarts {running}" in out]
+    assert re.search(rf"on socket \S+, pid {pid}\n", winner), winner
+    if refused:  # they overlapped on the host: the second was refused in one line, nothing changed
+        [(_, _, err)] = refused
+        assert re.search(r"another `supervise install` runs on this host now \(pid \d+\): nothing was changed", err)
+        assert len(ok) == 1 and f"--max-restarts {running}" in ok[0][1], ok
+
+
+def test_the_host_side_reads_its_own_files_checked_one_line_naming_file_and_key(tmp_path: Path) -> None:
+    """service.json and env.json mangled (by hand, an older version, a crash): the host-side program and
+    the supervisor itself say one line naming the file and the key, never a traceback."""
+    repo = str(Path(__file__).resolve().parents[2])
+    root = tmp_path / "host-dflashctl"
+    sdir = root / "sessions" / "dflash"
+    sdir.mkdir(parents=True)
+    (root / unit.MARKER).write_text("{}\n")
+    good = {"id": "ab12", "by": "pve", "mode": "tmux", "tmux_socket": "s", "container": 200, "options": {}}
+    service = sdir / unit.SERVICE_JSON
+
+    def host(verb: str) -> dict[str, t.Any]:
+        req = json.dumps({"dir": str(root), "session": "dflash"})
+        p = subprocess.run(
+            [sys.executable, "-I", "-c", unit.BOOT, repo, verb], input=req, capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        [line] = p.stdout.splitlines()
+        return t.cast(dict[str, t.Any], json.loads(line))
+
+    cases = {
+        json.dumps({k: v for k, v in good.items() if k != "by"}): "by: missing",
+        json.dumps({**good, "mode": 5}): "mode: expected str, got int 5",
+        json.dumps({**good, "container": "200"}): 'container: expected int, got str "200"',
+        json.dumps({**good, "options": {"interval": "fast"}}): "options: ",
+        json.dumps({**good, "options": {"bogus": 1}}): "options: ",
+        '{"id": "ab12", "by": "pve", "mode": "tmux", "tmux_socket": "s", "options": {"interval": NaN}}': (
+            "not JSON: NaN is not a number JSON allows"
+        ),
+        "[" * 100_000 + "]" * 100_000: "nested too deeply",
+        "x" * (2 << 20): "bigger than 1 MiB",
+    }
+    for text, words in cases.items():
+        service.write_text(text)
+        for verb in ("status", "stop", "uninstall"):
+            answer = host(verb)
+            assert answer["ok"] is False and answer["error"] == "bad-record", answer
+            assert answer["message"].startswith(f"{verb}: {service}: ") and words in answer["message"], answer
+    # the supervisor itself: one line on its stderr (the journal, the tmux pane), exit 1
+    service.write_text(json.dumps(good))
+    (sdir / unit.ENV_JSON).write_text(json.dumps({"env": {}, "notify": "json://127.0.0.1:9/hook"}))
+    p = subprocess.run(
+        [sys.executable, "-I", "-c", unit.BOOT, repo, "run", str(root), "dflash"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 1 and p.stderr == (
+        f'{unit.MARK}: {sdir / unit.ENV_JSON}: notify: expected list, got str "json://127.0.0.1:9/hook"\n'
+    ), p.stderr
+
+
+def test_supervise_stop_ends_the_supervisor_while_a_webhook_trickles_its_answer(night: Night) -> None:
+    pytest.importorskip("apprise")
+    from testkit.webhook import Webhook
+
+    night.start()
+    with Webhook() as hook:
+        hook.answer("trickle", every=2.0)  # 200, then one byte every 2 s, for ever
+        night.install("--notify", hook.url)
+        pid = night.supervisor_pid()
+        assert pid is not None
+        retry_until(lambda: hook.streaming >= 1, 60)  # "supervisor started" is being answered, byte by byte
+        children = [
+            int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()
+        ]
+        workers = [c for c in children if b"ops.courier" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(workers) == 1, "the delivery runs in a process of its own"
+        stopped = night.cli("supervise", "stop")
+        assert stopped.exit_code == 0, stopped.output
+        assert f"stopped the supervisor of pve/dflash (tmux, pid {pid})" in stopped.stdout, stopped.stdout
+        # its lock is let go just before it exits: it is gone right after (an orphan lived on for minutes)
+        retry_until(lambda: not pid_alive(pid), 15)
+        assert not [w for w in workers if pid_alive(w)], "no delivery process left behind"
+        assert hook.streaming >= 1 or hook.cut >= 1  # the webhook still trickled (or saw us hang up)
