@@ -453,6 +453,16 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             grace=float(req.get("replace_grace", 10.0)),
             reason="replaced",
         )
+        if not replaced.get("ended"):
+            left = members.facts(session_members(req, (af.get("run") if af else None)))
+            raise Refused(
+                "run-active",
+                f"session '{session}': the run it replaces did not end"
+                + (f" ({members.describe(left)} still running)" if left else "")
+                + ": nothing was started beside it; stop it with `dflashctl stop`, then start again",
+                attempt=af.get("attempt") if af else None,
+                pid=left[0]["pid"] if left else None,
+            )
 
     try:
         n, adir = records.next_attempt_dir(sdir)
@@ -591,7 +601,9 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
             cur = _pane(tmux_facts(req))
             return cur is None or cur.get("pane_dead") == "1"
         if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
-            return True
+            # recorded, but the run is over only once nothing of it runs (a keeper killed after its
+            # record, or an older attempt's leftovers): those get the next steps, exit.json or not
+            return not (tagged and found())
         if tagged:
             return not members.keeper_alive(run) and not found()
         return _alive(attempt_facts(req, 0)) is None
