@@ -195,6 +195,21 @@ def _recorded(tag: str, session_dir: str, cache: dict[int, str | None]) -> bool:
     return cache[n] == tag
 
 
+def foreign_run(pane: t.Mapping[str, t.Any] | None, session_dir: str) -> str | None:
+    """The attempt dir of the runner in a pane when it lies outside ``session_dir``: the run of another
+    host entry (same container, socket and session, another run_dir), not one started by hand."""
+    try:
+        with open(f"/proc/{int((pane or {}).get('pane_pid') or 0)}/cmdline", "rb") as f:
+            argv = [w.decode("utf-8", "replace") for w in f.read(65536).split(b"\0")]
+    except (OSError, ValueError):
+        return None
+    if "ops.far.runner" not in argv[:3] or "--attempt-dir" not in argv[:-1]:
+        return None
+    adir = argv[argv.index("--attempt-dir") + 1]
+    here = os.path.realpath(session_dir)
+    return None if os.path.realpath(os.path.dirname(adir)) == here else adir[: records.MAX_TEXT]
+
+
 def keeper_alive(run: t.Mapping[str, t.Any]) -> bool:
     """Whether the keeper run.json names is alive (its pid AND its start time)."""
     return alive(run.get("keeper_pid"), run.get("keeper_start"))
