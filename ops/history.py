@@ -271,7 +271,8 @@ def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
 
 def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: t.Sequence[Incident]) -> list[Row]:
     """The agent's answer -> one Row per attempt, oldest first (incidents not placed yet)."""
-    attempts = [a for a in answer.get("attempts") or [] if isinstance(a, dict)]
+    # each attempt's records checked as the agent checks them (an older agent sends them as they are)
+    attempts = [c for a in answer.get("attempts") or [] if (c := probe.checked_attempt(a)) is not None]
     rows = []
     for k, af in enumerate(attempts):
         st = _classify(host, session, answer, af)

@@ -24,7 +24,7 @@ import signal as signal_mod
 import time
 import typing as t
 
-from ops.far import members, watch
+from ops.far import members, records, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
 from ops.workers import as_float, as_int, worker_table, workers_of
@@ -600,7 +600,7 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
         s.gpus = agent["gpus"]
     elif isinstance(agent.get("gpus"), dict) and agent["gpus"].get("error"):
         s.evidence.append(f"nvidia-smi failed: {agent['gpus']['error']}")
-    af = agent.get("attempt") or None
+    af = checked_attempt(agent.get("attempt") or None)
     if af is not None and af.get("run"):
         _classify_run(s, facts, agent, af)
     else:
@@ -619,6 +619,26 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
         elif s.supervisor.state == "unreadable":
             s.evidence.append(f"supervisor.json: unreadable heartbeat ({s.supervisor.unreadable})")
     return s
+
+
+def checked_attempt(af: t.Any) -> dict[str, t.Any] | None:
+    """An attempt's facts with its records read as the agent reads them (``ops.far.records.check``): an
+    older agent sends them unchecked, and a wrong-typed or non-finite value must not reach a figure."""
+    if not isinstance(af, dict):
+        return None
+    out: dict[str, t.Any] = dict(af)
+    problems: list[str] = []
+    for key, name in (("run", records.RUN_JSON), ("exit", records.EXIT_JSON), ("stop", records.STOP_JSON)):
+        rec = af.get(key)
+        if rec is not None and not isinstance(rec, dict):
+            out[key], problems = None, [*problems, f"{name}: not a JSON object"]
+        elif rec is not None:
+            out[key], found = records.check(name, rec)
+            problems += found
+    raw = af.get("errors")
+    errors: list[t.Any] = list(raw) if isinstance(raw, list) else []
+    out["errors"] = [*errors, *(p for p in problems if p not in errors)]
+    return out
 
 
 def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.Any], af: dict[str, t.Any]) -> None:
