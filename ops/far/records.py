@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import typing as t
 
 from ops.far.atomic import switch_link
@@ -167,7 +168,7 @@ MAX_INT = 1 << 63
 STARTED_BY_MAX = 2048  # bytes of started_by as JSON (what `start` accepts)
 MAX_LIST = 64  # entries of a list kept (`command` words, `left` / `killed` members)
 
-_INT, _NUM, _STR, _BOOL, _STRS, _DICT, _DICTS = "int", "num", "str", "bool", "strs", "dict", "dicts"
+_INT, _NUM, _STR, _BOOL, _STRS, _DICT, _DICTS, _TIME = "int", "num", "str", "bool", "strs", "dict", "dicts", "time"
 FIELDS = {
     RUN_JSON: {
         "session": _STR,
@@ -180,7 +181,7 @@ FIELDS = {
         "keeper_start": _INT,
         "tag": _STR,
         "subreaper": _BOOL,
-        "started_at": _STR,
+        "started_at": _TIME,
         "started_ts": _NUM,
         "command": _STRS,
         "cwd": _STR,
@@ -196,7 +197,7 @@ FIELDS = {
     EXIT_JSON: {
         "exit_code": _INT,
         "signal": _INT,
-        "ended_at": _STR,
+        "ended_at": _TIME,
         "ended_ts": _NUM,
         "oom_kill": _INT,
         "oom_kill_before": _INT,
@@ -206,7 +207,7 @@ FIELDS = {
         "killed": _DICTS,
     },
     STOP_JSON: {
-        "requested_at": _STR,
+        "requested_at": _TIME,
         "grace": _NUM,
         "reason": _STR,
         "by": _STR,
@@ -221,6 +222,7 @@ _EXPECTED = {
     _STRS: "a list of strings",
     _DICT: "an object",
     _DICTS: "a list of objects",
+    _TIME: "a time as 2026-11-29T15:02:11Z",
 }
 
 
@@ -244,6 +246,13 @@ def _fits(kind: str, value: t.Any) -> t.Any:
     elif kind == _STR:
         if isinstance(value, str):
             return _cut(value)
+    elif kind == _TIME:
+        if isinstance(value, str) and len(value) == 20:
+            try:
+                time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")
+                return value
+            except ValueError:
+                pass
     elif kind == _STRS:
         if isinstance(value, list) and all(isinstance(x, str) for x in value):
             return [_cut(x) for x in value[:MAX_LIST]]

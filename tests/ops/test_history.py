@@ -270,7 +270,9 @@ def test_one_bad_record_costs_its_row_not_the_table(rig: Rig) -> None:
     assert max(map(len, r.stdout.splitlines())) < 2000, "no value is printed whole"
     rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"^(\d+)\s.*$", r.stdout, re.M)}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6], r.stdout
+    assert "attempt-2/run.json: started_at: expected a time as 2026-11-29T15:02:11Z" in r.stdout, r.stdout
     assert "attempt-2/run.json: started_ts: expected a number" in r.stdout, r.stdout
+    assert rows[2].split()[1] == "?", "a mistyped time is no time"
     assert "attempt-3/run.json: NaN is not a number" in r.stdout, r.stdout
     assert "attempt-4/run.json: nested too deeply" in r.stdout, r.stdout
     assert "attempt-6/run.json: started_by: larger than 2048 bytes" in r.stdout, r.stdout
