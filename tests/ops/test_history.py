@@ -260,6 +260,7 @@ def test_one_bad_record_costs_its_row_not_the_table(rig: Rig) -> None:
     attempt(5, metrics='{"step": ' + "9" * 5000 + ', "loss": 1.0}')
     by = {"by": "operator", "user": "\x1b]0;pwned\x07\x1b]52;c;Zm9v\x07", "machine": "m" * 100_000, "why": "x"}
     attempt(6, run=json.dumps({**good, "started_by": by, "hostname": "\x1b[2J" + "h" * 100_000}))
+    attempt(7, run=json.dumps({**good, "started_by": {"by": "operator", "why": "w" * (2 << 20)}}))
     incidents = rig.state_dir / "incidents"
     incidents.mkdir(parents=True)
     (incidents / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -269,7 +270,8 @@ def test_one_bad_record_costs_its_row_not_the_table(rig: Rig) -> None:
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout, "control characters are escaped"
     assert max(map(len, r.stdout.splitlines())) < 2000, "no value is printed whole"
     rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"^(\d+)\s.*$", r.stdout, re.M)}
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6], r.stdout
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7], r.stdout
+    assert "attempt-7/run.json: larger than 1024 KiB" in r.stdout, "a 2 MiB record is neither sent nor printed"
     assert "attempt-2/run.json: started_at: expected a time as 2026-11-29T15:02:11Z" in r.stdout, r.stdout
     assert "attempt-2/run.json: started_ts: expected a number" in r.stdout, r.stdout
     assert rows[2].split()[1] == "?", "a mistyped time is no time"
