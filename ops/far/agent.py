@@ -956,7 +956,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         return 2
     verb = args[0]
     try:
-        req = json.loads(sys.stdin.read() or "{}")
+        req = records.parse_line(sys.stdin.read() or "{}")
         if not isinstance(req, dict):
             raise ValueError("expected a JSON object")
         missing = [k for k in REQUIRED[verb] if k not in req]

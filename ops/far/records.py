@@ -77,7 +77,7 @@ def _float(text: str) -> float:
     return x
 
 
-def _depth(value: t.Any) -> int:
+def depth(value: t.Any) -> int:
     """How deep lists and objects go in ``value`` (iterative: a deep one cannot exhaust the stack)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
@@ -101,7 +101,7 @@ def parse_record(raw: bytes) -> dict[str, t.Any]:
         raise ValueError("not UTF-8") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    if _depth(data) > MAX_DEPTH:
+    if depth(data) > MAX_DEPTH:
         raise ValueError(f"nested more than {MAX_DEPTH} deep")
     return data
 

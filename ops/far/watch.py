@@ -53,10 +53,17 @@ def clean(beat: t.Any) -> dict[str, t.Any] | None:
         value = beat.get(key)
         if isinstance(value, bool) and bool not in types:
             continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and number(value, 0.0, MAX_TIME) is None:
+            continue  # NaN, Infinity, negative or beyond any clock: never written, never a lease
         if isinstance(value, types):
             out[key] = value[:MAX_TEXT] if isinstance(value, str) else value
-    if "last_action" in out and len(json.dumps(out["last_action"])) > MAX_ACTION:
-        out["last_action"] = {"note": "last action too large to keep"}
+    if "last_action" in out:
+        try:
+            size = len(json.dumps(out["last_action"], allow_nan=False))
+        except (ValueError, RecursionError):
+            size = MAX_ACTION + 1
+        if size > MAX_ACTION or records.depth(out["last_action"]) > records.MAX_DEPTH:
+            out["last_action"] = {"note": "last action too large to keep"}
     return out
 
 

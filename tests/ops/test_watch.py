@@ -233,3 +233,16 @@ def test_a_heartbeat_that_cannot_be_trusted_holds_no_lease_and_status_says_so(pv
         assert sup.exit_code == 0 and "another supervisor" not in sup.output, (name, sup.output)
         assert (sdir / f"attempt-{n + 1}" / "run.json").exists(), (name, sup.output)
         retry_until(lambda: (sdir / f"attempt-{n + 1}" / "exit.json").exists(), 30)  # noqa: B023
+
+
+def test_a_heartbeat_request_with_numbers_that_are_not_numbers_writes_none_of_them(tmp_path: Path) -> None:
+    sdir = str(tmp_path / "s")
+    deep: t.Any = {}
+    for _ in range(50):
+        deep = {"a": deep}
+    req = {**beat("a"), "interval": float("inf"), "started_at": float("nan"), "pid": 10**400, "last_action": deep}
+    assert watch.beat(sdir, req, NOW)["written"]
+    rec = json.loads(Path(sdir, watch.HEARTBEAT).read_text(), parse_constant=pytest.fail)  # no NaN, no Infinity
+    assert "interval" not in rec and "started_at" not in rec and "pid" not in rec, rec
+    assert rec["last_action"] == {"note": "last action too large to keep"}
+    assert not watch.live(rec, NOW) and watch.unreadable(rec, NOW), "no interval: no lease"
