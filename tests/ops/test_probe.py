@@ -415,7 +415,7 @@ def test_records_from_an_older_agent_are_checked_before_any_figure() -> None:
     got = st.to_json()
     assert got["started_at"] is None and got["exit_code"] is None and got["ended_at"] is None, got
     text = "\n".join(got["evidence"])
-    for line in ("run.json: started_at: expected a string", "exit.json: exit_code: expected a whole number"):
+    for line in ("run.json: started_at: expected a time", "exit.json: exit_code: expected a whole number"):
         assert line in text, text
     assert "stop.json: not a JSON object" in text, text
     json.dumps(got, allow_nan=False)  # no NaN reaches --json
