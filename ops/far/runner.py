@@ -53,6 +53,7 @@ from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVE
 from ops.far.records import METRICS as METRICS
 
 RESERVE_BYTES = 16384  # room for a run record with a long command line
+STARTED_BY_FILE = 8 * records.STARTED_BY_MAX  # .started_by.json is indented: its object is what is limited
 MAX_NAMED = 8  # members named in exit.json's `left` and `killed` (each at most ~1.3 KB)
 # Less free space than this where the run writes is a full disk: `start` refuses, exit.json says so.
 DISK_FULL_BYTES = 1 << 20
@@ -157,16 +158,19 @@ def read_started_by(attempt_dir: str) -> dict[str, t.Any] | None:
     path = os.path.join(attempt_dir, STARTED_BY)
     try:
         with open(path, "rb") as f:
-            raw = f.read(records.STARTED_BY_MAX + 1)
+            raw = f.read(STARTED_BY_FILE + 1)  # the file is indented: the limit is on the object (compact), below
         os.unlink(path)
     except OSError:
         return None
-    if len(raw) > records.STARTED_BY_MAX:
-        return {"note": f"{STARTED_BY} was larger than {records.STARTED_BY_MAX} bytes: not kept"}
     try:
-        return records.parse_record(raw)
+        if len(raw) > STARTED_BY_FILE:
+            raise ValueError(f"larger than {STARTED_BY_FILE} bytes")
+        data = records.parse_record(raw)
+        if len(json.dumps(data)) > records.STARTED_BY_MAX:
+            raise ValueError(f"larger than {records.STARTED_BY_MAX} bytes as JSON")
+        return data
     except ValueError as e:
-        return {"note": f"{STARTED_BY} could not be read: {e}"}
+        return {"note": f"{STARTED_BY} was not kept: {e}"}
 
 
 # --------------------------------------------------------------------------------------------
