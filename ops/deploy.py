@@ -247,7 +247,7 @@ class Cache:
             doc = json.loads(self.path.read_text())
             if isinstance(doc, dict) and isinstance(doc.get("hashes"), list):
                 return doc
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             pass
         return {"current": None, "files": None, "hashes": []}
 

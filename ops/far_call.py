@@ -35,7 +35,7 @@ def last_answer(out: str) -> dict[str, t.Any] | None:
         return None
     try:
         answer = json.loads(lines[-1])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return answer if isinstance(answer, dict) and "ok" in answer else None
 

@@ -16,13 +16,13 @@ With ``--group``, one call per node at once, a row per node and attempt.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import typing as t
 from pathlib import Path
 
 from ops import errors, probe
 from ops import session as run
+from ops.far import records
 from ops.group import fan_out
 from ops.hosts import Host
 from ops.states import Cause, State
@@ -33,6 +33,8 @@ if t.TYPE_CHECKING:
 
 HISTORY_TIMEOUT = 60.0
 DETAIL_WIDTH = 160  # a crash's detail under its row in the table (--json has all of it)
+CELL_WIDTH = 80  # a started-by cell: names and reasons, never a value printed whole
+TEXT_KEEP = 400  # characters an incident's text field keeps when read
 
 
 @dataclasses.dataclass
@@ -81,6 +83,7 @@ class Row:
     cause_from: str | None  # where a lost attempt's cause comes from: records, supervisor, incident
     log: str | None
     incidents: list[Incident] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)  # its records' problems, each naming the file
 
     def to_json(self) -> dict[str, t.Any]:
         d = dataclasses.asdict(self)
@@ -131,6 +134,7 @@ class History:
         table = [cols]
         below: dict[int, list[str]] = {}
         for r in self.rows:
+            unread = r.started_at is None and bool(r.errors)  # its run.json could not be read: nothing is known
             table.append(
                 [
                     str(r.attempt),
@@ -138,17 +142,17 @@ class History:
                     _stamp(r.started_at),
                     _ended(r),
                     duration(r.duration_s) if r.duration_s is not None else "?",
-                    _state(r),
+                    "?" if unread else printable(_state(r), CELL_WIDTH),
                     _exit(r),
                     "-" if r.step is None else str(r.step),
                     f"step {r.resumed_from['step']}" if r.resumed_from else "-",
-                    _by(r.started_by),
+                    printable(_by(r.started_by), CELL_WIDTH),
                 ]
             )
-            notes = [f"    {i.line()}" for i in r.incidents]
-            if r.detail and r.state in (State.CRASHED, State.LOST):
-                detail = r.detail if len(r.detail) <= DETAIL_WIDTH else r.detail[: DETAIL_WIDTH - 3] + "..."
-                notes.insert(0, f"    {r.host + ': ' if group else ''}{detail}")
+            notes = [f"    {printable(i.line(), DETAIL_WIDTH)}" for i in r.incidents]
+            if r.detail and r.state in (State.CRASHED, State.LOST) and not unread:
+                notes.insert(0, f"    {r.host + ': ' if group else ''}{printable(r.detail, DETAIL_WIDTH)}")
+            notes[:0] = [f"    {r.host + ': ' if group else ''}{printable(e, DETAIL_WIDTH)}" for e in r.errors]
             if notes:
                 below[len(table) - 1] = notes
         widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
@@ -164,6 +168,13 @@ class History:
 
 # --------------------------------------------------------------------------------------------
 # Human cells
+
+
+def printable(text: str, width: int) -> str:
+    """``text`` as a terminal may show it: control characters escaped (no escape sequence from a record
+    reaches the terminal: titles, clipboard), cut to ``width``."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[: width * 2])
+    return out if len(out) <= width else out[: width - 3] + "..."
 
 
 def _clock(ts: str | None) -> str:
@@ -228,22 +239,31 @@ def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
     found = []
     for p in sorted((state_dir / "incidents").glob("*.json")):
         try:
-            d = json.loads(p.read_text())
+            d = records.parse_record(p.read_bytes())
         except (OSError, ValueError):
+            continue  # unreadable (not JSON, NaN, nested too deep...): skipped like any other
+        if d.get("host") != name or d.get("session") != session:
             continue
-        if not isinstance(d, dict) or d.get("host") != name or d.get("session") != session:
-            continue
+
+        def text(key: str) -> str | None:
+            v = d.get(key)  # noqa: B023
+            return v[:TEXT_KEEP] if isinstance(v, str) else None
+
+        def whole(key: str) -> int | None:
+            v = d.get(key)  # noqa: B023
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+
         found.append(
             Incident(
-                time=d.get("time"),
-                host=d.get("host"),
-                attempt=d.get("attempt") if isinstance(d.get("attempt"), int) else None,
-                state=d.get("state"),
-                cause=d.get("cause"),
-                action=d.get("action"),
-                outcome=d.get("outcome"),
-                reason=d.get("reason"),
-                next_attempt=d.get("next_attempt") if isinstance(d.get("next_attempt"), int) else None,
+                time=text("time"),
+                host=text("host"),
+                attempt=whole("attempt"),
+                state=text("state"),
+                cause=text("cause"),
+                action=text("action"),
+                outcome=text("outcome"),
+                reason=text("reason"),
+                next_attempt=whole("next_attempt"),
             )
         )
     return sorted(found, key=lambda i: parse_iso(i.time) or 0.0)
@@ -251,7 +271,8 @@ def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
 
 def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: t.Sequence[Incident]) -> list[Row]:
     """The agent's answer -> one Row per attempt, oldest first (incidents not placed yet)."""
-    attempts = [a for a in answer.get("attempts") or [] if isinstance(a, dict)]
+    # each attempt's records checked as the agent checks them (an older agent sends them as they are)
+    attempts = [c for a in answer.get("attempts") or [] if (c := probe.checked_attempt(a)) is not None]
     rows = []
     for k, af in enumerate(attempts):
         st = _classify(host, session, answer, af)
@@ -275,6 +296,7 @@ def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: 
             started_by=by if isinstance(by, dict) else None,
             cause_from="records" if st.cause else None,
             log=st.log,
+            errors=[str(e) for e in af.get("errors") or []],
         )
         if st.state == State.LOST:
             _lost_cause(row, nxt, incidents)

@@ -18,12 +18,13 @@ ended, so only the run's own exit record can tell those apart.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import signal as signal_mod
 import time
 import typing as t
 
-from ops.far import members, watch
+from ops.far import members, records, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
 from ops.workers import as_float, as_int, worker_table, workers_of
@@ -33,8 +34,10 @@ BOOT_SLACK = 1.0
 TAIL_KEEP = 30  # log lines kept on the Status for incident reports (not in the JSON)
 
 
-def iso(ts: float | None) -> str | None:
-    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+def iso(ts: t.Any) -> str | None:
+    """Epoch seconds -> ``2026-11-29T15:02:11Z``; None for what is not a time (absent, NaN, out of range)."""
+    x = watch.number(ts, 0.0, watch.MAX_TIME)
+    return None if x is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(x))
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,8 +69,10 @@ class SupervisorView:
     """Who watches the run, from the heartbeat its supervisor's probes leave (ops/far/watch.py).
 
     ``state``: ``none`` (no supervisor ever probed this session), ``watching``, ``stale`` (silent for more
-    than 3 of its intervals: it is not watching any more, whatever it thinks) or ``stopped`` (it stopped on
-    purpose). A stale supervisor is a fault shown in the evidence; it never changes the run's state."""
+    than 3 of its intervals: it is not watching any more, whatever it thinks), ``stopped`` (it stopped on
+    purpose) or ``unreadable`` (supervisor.json cannot be read, its numbers are not numbers, or it is from
+    ahead of the container's clock: it holds no lease). A stale or unreadable one is a fault shown in the
+    evidence; it never changes the run's state."""
 
     state: str
     by: str | None = None  # the name it goes by: the inventory's host name on the Proxmox host, else the machine's
@@ -80,6 +85,7 @@ class SupervisorView:
     silent_for: float | None = None  # seconds since its last probe, on the container's clock
     last_action: dict[str, t.Any] | None = None
     id: str | None = None
+    unreadable: str | None = None  # why the heartbeat cannot be read
 
     def phrase(self) -> str:
         """``supervised by pve (systemd, last probe 12 s ago)``, ``not supervised``, ..."""
@@ -95,6 +101,8 @@ class SupervisorView:
             )
         if self.state == "stopped":
             return f"not supervised (the supervisor {name} ({mode}) stopped {ago} ago)"
+        if self.state == "unreadable":
+            return f"not supervised: supervisor.json: unreadable heartbeat ({self.unreadable})"
         return "not supervised"
 
 
@@ -109,8 +117,11 @@ def _ago(seconds: float | None) -> str:
 def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> SupervisorView:
     if not rec:
         return SupervisorView("none")
+    bad = watch.unreadable(rec, now) if not rec.get("stopped") else None
     quiet = watch.silent_for(rec, now) if now is not None else None
-    if rec.get("stopped"):
+    if bad is not None:
+        state = "unreadable"
+    elif rec.get("stopped"):
         state = "stopped"
     elif now is not None and watch.live(rec, now):
         state = "watching"
@@ -121,7 +132,7 @@ def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> Sup
         v = rec.get(key)
         return v if isinstance(v, str) else None
 
-    interval = rec.get("interval")
+    interval = watch.number(rec.get("interval"), 0.0, watch.MAX_INTERVAL)
     action = rec.get("last_action")
     return SupervisorView(
         state=state,
@@ -129,12 +140,13 @@ def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> Sup
         where=text("where"),
         mode=text("mode"),
         pid=as_int(rec.get("pid")),
-        interval=float(interval) if isinstance(interval, (int, float)) else None,
-        started_at=iso(rec["started_at"]) if isinstance(rec.get("started_at"), (int, float)) else None,
-        last_probe=iso(rec["at"]) if isinstance(rec.get("at"), (int, float)) else None,
+        interval=interval,
+        started_at=iso(rec.get("started_at")),
+        last_probe=iso(rec.get("at")),
         silent_for=None if quiet is None else round(quiet, 1),
         last_action=dict(action) if isinstance(action, dict) else None,
         id=text("id"),
+        unreadable=bad,
     )
 
 
@@ -588,16 +600,45 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
         s.gpus = agent["gpus"]
     elif isinstance(agent.get("gpus"), dict) and agent["gpus"].get("error"):
         s.evidence.append(f"nvidia-smi failed: {agent['gpus']['error']}")
-    af = agent.get("attempt") or None
+    af = checked_attempt(agent.get("attempt") or None)
     if af is not None and af.get("run"):
         _classify_run(s, facts, agent, af)
     else:
         _classify_by_tmux(s, agent.get("tmux"), agent.get("pane_capture"), attempt=af)
+        other = agent.get("foreign_run")
+        if isinstance(other, str):
+            s.evidence.insert(
+                0,
+                f"the pane runs {other[:300]}: the run of another host entry (same container, socket and "
+                "session, another run_dir); this entry's run_dir holds no record of it",
+            )
     if "supervisor" in agent:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.get("supervisor"), agent.get("now"))
         if s.supervisor.state == "stale":
             s.evidence.append(f"supervisor: {s.supervisor.phrase()} (last probe at {s.supervisor.last_probe})")
+        elif s.supervisor.state == "unreadable":
+            s.evidence.append(f"supervisor.json: unreadable heartbeat ({s.supervisor.unreadable})")
     return s
+
+
+def checked_attempt(af: t.Any) -> dict[str, t.Any] | None:
+    """An attempt's facts with its records read as the agent reads them (``ops.far.records.check``): an
+    older agent sends them unchecked, and a wrong-typed or non-finite value must not reach a figure."""
+    if not isinstance(af, dict):
+        return None
+    out: dict[str, t.Any] = dict(af)
+    problems: list[str] = []
+    for key, name in (("run", records.RUN_JSON), ("exit", records.EXIT_JSON), ("stop", records.STOP_JSON)):
+        rec = af.get(key)
+        if rec is not None and not isinstance(rec, dict):
+            out[key], problems = None, [*problems, f"{name}: not a JSON object"]
+        elif rec is not None:
+            out[key], found = records.check(name, rec)
+            problems += found
+    raw = af.get("errors")
+    errors: list[t.Any] = list(raw) if isinstance(raw, list) else []
+    out["errors"] = [*errors, *(p for p in problems if p not in errors)]
+    return out
 
 
 def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.Any], af: dict[str, t.Any]) -> None:
@@ -919,6 +960,8 @@ def _classify_by_tmux(
 
 
 def _dur(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
     seconds = int(max(0, seconds))
     if seconds < 120:
         return f"{seconds}s"

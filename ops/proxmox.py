@@ -22,7 +22,7 @@ import shlex
 import time
 import typing as t
 
-from ops.errors import ConfigError, ConnectionRefused, ContainerDown, RemoteCommandError
+from ops.errors import ConfigError, ConnectionRefused, ContainerDown, RemoteCommandError, UnreachableError
 from ops.transport.base import DEFAULT_TIMEOUT, KILL_AFTER, TIMEOUT_EXITS, CommandResult, Stdin, Transport, timeout_arg
 
 if t.TYPE_CHECKING:
@@ -76,6 +76,7 @@ class Container:
         res = self.transport.run(
             self._pct("exec", str(self.vmid), "--", *inner), stdin=stdin, timeout=timeout + KILL_AFTER + 5
         )
+        self._raise_if_blind(res)
         self._raise_if_down(res)
         timed_out = res.timed_out or (res.exit_code in TIMEOUT_EXITS and time.monotonic() - started >= timeout)
         return dataclasses.replace(res, argv=argv, timed_out=timed_out, timeout=timeout)
@@ -140,6 +141,22 @@ class Container:
 
     def _pct(self, *args: str) -> list[str]:
         return [*self.pct, *args]
+
+    def _raise_if_blind(self, res: CommandResult) -> None:
+        """``pct`` itself cannot be run (missing, not executable: sh's 127/126 naming it, not the inner
+        command's): nothing inside can be seen, which is no answer about the run (never not-started)."""
+        if res.exit_code not in (126, 127):
+            return
+        program = re.escape(self.pct[0])
+        # sh's "sh: 1: PCT: not found", this machine's "PCT: No such file or directory", and the ssh side's
+        # `timeout` around it: "timeout: failed to run command 'PCT': ..." (never the inner command's name)
+        named = re.compile(
+            rf"(?:^|: ){program}: (?:.*: )?(?:not found|No such file or directory|Permission denied)"
+            rf"|failed to run command [‘'`]{program}['’]"
+        )
+        for line in res.err.strip().splitlines()[-3:]:
+            if named.search(line):
+                raise UnreachableError(self.label, f"cannot run {shlex.join(self.pct)}: {line.strip()}")
 
     def _raise_if_down(self, res: CommandResult) -> None:
         if res.exit_code == 0:

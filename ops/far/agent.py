@@ -36,7 +36,6 @@ from ops.far.protocol import (
     PROTOCOL,
     AttemptFacts,
     CaptureFacts,
-    DiskFacts,
     MemberFacts,
     Pane,
     ProbeFacts,
@@ -56,7 +55,7 @@ from ops.far.records import (
 )
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
-from ops.far.runner import DISK_FULL_BYTES, disk_free, iso, reserve
+from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read", "history")
 TMUX_TIMEOUT = 10.0
@@ -189,9 +188,8 @@ def facts_of(adir: str, lines: int = DIAG_LINES, req: Request | None = None) -> 
     errors: list[str] = []
     found: dict[str, dict[str, t.Any] | None] = {}
     for key, name in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
-        found[key], err = _read_json(os.path.join(adir, name))
-        if err:
-            errors.append(err)
+        found[key], problems = records.read_record(os.path.join(adir, name))
+        errors.extend(problems)
     run = found["run"] or {}
     return {
         "dir": adir,
@@ -237,10 +235,10 @@ def probe(req: Request) -> ProbeFacts:
     tf = tmux_facts(req)
     lines = min(int(req.get("lines", DIAG_LINES)), MAX_LINES)
     af = attempt_facts(req, lines)
-    pane_capture = None
+    pane_capture = foreign = None
     if (af is None or af.get("run") is None) and _session_alive(tf):
         # no run record (a session started by hand): the pane is the only log there is
-        pane_capture = capture(req, lines)
+        pane_capture, foreign = capture(req, lines), members.foreign_run(_pane(tf), session_dir(req))
     boot, boot_ticks = pid1_start()
     now = time.time()
     # Who watches the run (ops/far/watch.py): a supervisor's probe carries its heartbeat, written here.
@@ -257,17 +255,9 @@ def probe(req: Request) -> ProbeFacts:
         "tmux": tf,
         "attempt": af,
         "pane_capture": pane_capture,
+        "foreign_run": foreign,
         "gpus": nvidia_smi.finish(gpus),
     }
-
-
-def disk_facts(path: str) -> DiskFacts | None:
-    """Free space where the run writes (the nearest existing folder of ``path``)."""
-    probe_at = os.path.abspath(path)
-    while not os.path.isdir(probe_at) and os.path.dirname(probe_at) != probe_at:
-        probe_at = os.path.dirname(probe_at)
-    free = disk_free(probe_at)
-    return None if free is None else {"path": probe_at, "free": free, "full": free < DISK_FULL_BYTES}
 
 
 class SessionLock:
@@ -428,6 +418,12 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     leftovers = _leftovers(af)
     if live or pane_live or leftovers:
         what = _describe(af, live) if (af and live) else f"pane pid {pane['pane_pid']} (no run record)" if pane else "?"
+        other = members.foreign_run(pane, sdir) if pane is not None and not live else None
+        what = (
+            f"pane pid {(pane or {}).get('pane_pid')}: the run of {other}, another host entry's run_dir"
+            if other
+            else what
+        )
         if not req.get("replace"):
             if leftovers and not live:
                 raise Refused(
@@ -453,6 +449,16 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             grace=float(req.get("replace_grace", 10.0)),
             reason="replaced",
         )
+        if not replaced.get("ended"):
+            left = members.facts(session_members(req, (af.get("run") if af else None)))
+            raise Refused(
+                "run-active",
+                f"session '{session}': the run it replaces did not end"
+                + (f" ({members.describe(left)} still running)" if left else "")
+                + ": nothing was started beside it; stop it with `dflashctl stop`, then start again",
+                attempt=af.get("attempt") if af else None,
+                pid=left[0]["pid"] if left else None,
+            )
 
     try:
         n, adir = records.next_attempt_dir(sdir)
@@ -591,7 +597,9 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
             cur = _pane(tmux_facts(req))
             return cur is None or cur.get("pane_dead") == "1"
         if os.path.exists(os.path.join(af["dir"], EXIT_JSON)):
-            return True
+            # recorded, but the run is over only once nothing of it runs (a keeper killed after its
+            # record, or an older attempt's leftovers): those get the next steps, exit.json or not
+            return not (tagged and found())
         if tagged:
             return not members.keeper_alive(run) and not found()
         return _alive(attempt_facts(req, 0)) is None
@@ -803,13 +811,6 @@ def _follow(req: Request) -> dict[str, t.Any]:
     }
 
 
-def run_key(run: t.Mapping[str, t.Any] | None) -> str | None:
-    """Which run wrote an attempt dir: a dir removed and made again by another run gets another key."""
-    if not run:
-        return None
-    return f"{run.get('started_at')}|{run.get('pid')}|{run.get('pid_start')}"
-
-
 def read(req: Request) -> dict[str, t.Any]:
     """`dflashctl plot`: every attempt's records (run.json, exit.json, stop.json), its metrics.jsonl
     from the offset the caller already has (complete lines only, base64, at most ``cap`` bytes in all:
@@ -829,8 +830,8 @@ def read(req: Request) -> dict[str, t.Any]:
         adir = os.path.join(sdir, name)
         rec: dict[str, t.Any] = {"attempt": n}
         for key, fname in (("run", RUN_JSON), ("exit", EXIT_JSON), ("stop", STOP_JSON)):
-            rec[key] = _read_json(os.path.join(adir, fname))[0]
-        rec["run_key"] = run_key(rec["run"])
+            rec[key] = records.read_record(os.path.join(adir, fname))[0]
+        rec["run_key"] = records.run_key(rec["run"])
         ask = known.get(str(n))
         ask = ask if isinstance(ask, dict) else {}
         offset = ask.get("offset") or 0
@@ -955,7 +956,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         return 2
     verb = args[0]
     try:
-        req = json.loads(sys.stdin.read() or "{}")
+        req = records.parse_line(sys.stdin.read() or "{}")
         if not isinstance(req, dict):
             raise ValueError("expected a JSON object")
         missing = [k for k in REQUIRED[verb] if k not in req]

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
-from ops.far import tmux
+from ops.far import records, tmux
 from ops.far.protocol import LogFacts, MetricsFacts
 
 TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
@@ -57,9 +56,9 @@ def metrics_facts(path: str) -> MetricsFacts | None:
     last = None
     for line in reversed(data.decode("utf-8", "replace").splitlines()):
         try:
-            rec = json.loads(line)
+            rec = records.parse_line(line)
         except ValueError:
-            continue  # a line being written right now
+            continue  # a line being written right now (or one no record of ours is: skipped)
         if isinstance(rec, dict):
             last = rec
             break

@@ -11,6 +11,8 @@ They are found two ways, so that neither a setsid, a double fork nor the keeper'
 - the tag: every process of the run carries ``DFLASH_RUN_TAG=<session>/<attempt>/<nonce>`` and
   ``DFLASH_RUN_DIR=<attempt dir>`` in its environment, inherited by whatever it starts, so a scan of
   ``/proc/*/environ`` finds them after the keeper died (and the agent finds them without the keeper).
+  A tag counts only as its attempt's run.json records it, nonce and all: anyone can set those two
+  variables, and a process that merely names the session is not the run's (nor is it ours to end).
 
 The known limit: a process that starts with an emptied environment (``env -i``, an exec with a fresh
 environment) or overwrites its own (setproctitle) carries no tag; it is found through the tree only,
@@ -24,9 +26,11 @@ the pid.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import typing as t
 
+from ops.far import records
 from ops.far.procfs import Stat, alive, stat
 from ops.far.protocol import MemberFacts
 
@@ -59,10 +63,9 @@ def new_tag(session: str, attempt: int) -> str:
 
 def tag_attempt(tag: str | None) -> int | None:
     parts = (tag or "").split("/")
-    try:
-        return int(parts[1]) if len(parts) == 3 else None
-    except ValueError:
-        return None
+    if len(parts) != 3 or not re.fullmatch(r"[0-9]{1,9}", parts[1]):
+        return None  # anyone can set a tag: no 5,000-digit attempt number
+    return int(parts[1])
 
 
 def prctl(option: int, value: int) -> bool:
@@ -138,6 +141,7 @@ def scan(
     here = os.path.realpath(session_dir) if session_dir else None
     prefix = (session + "/") if session else None
     roots: dict[int, int | None] = {}  # pid -> the attempt its tag names
+    recorded: dict[int, str | None] = {}  # attempt -> the tag its run.json holds
     for pid in table:
         if pid == os.getpid():
             continue
@@ -151,6 +155,8 @@ def scan(
             continue
         elif here is not None and (run_dir is None or os.path.realpath(os.path.dirname(run_dir)) != here):
             continue  # another run_dir's session of the same name
+        elif here is not None and not _recorded(found, here, recorded):
+            continue  # a tag no attempt of the session recorded: not the run's
         roots[pid] = tag_attempt(found)
     children: dict[int, list[int]] = {}
     for st in table.values():
@@ -176,6 +182,32 @@ def scan(
             continue
         out.append(Member(pid, st.start, st.ppid, st.pgid, st.sid, st.state, attempt, argv_of(pid)))
     return sorted(out, key=lambda m: (m.start, m.pid))
+
+
+def _recorded(tag: str, session_dir: str, cache: dict[int, str | None]) -> bool:
+    """Whether ``tag`` is the one its attempt's run.json holds (the keeper's nonce, not just the names)."""
+    n = tag_attempt(tag)
+    if n is None or n < 1:
+        return False
+    if n not in cache:
+        run, _ = records.read_json(os.path.join(session_dir, records.attempt_name(n), records.RUN_JSON))
+        cache[n] = run.get("tag") if run is not None and isinstance(run.get("tag"), str) else None
+    return cache[n] == tag
+
+
+def foreign_run(pane: t.Mapping[str, t.Any] | None, session_dir: str) -> str | None:
+    """The attempt dir of the runner in a pane when it lies outside ``session_dir``: the run of another
+    host entry (same container, socket and session, another run_dir), not one started by hand."""
+    try:
+        with open(f"/proc/{int((pane or {}).get('pane_pid') or 0)}/cmdline", "rb") as f:
+            argv = [w.decode("utf-8", "replace") for w in f.read(65536).split(b"\0")]
+    except (OSError, ValueError):
+        return None
+    if "ops.far.runner" not in argv[:3] or "--attempt-dir" not in argv[:-1]:
+        return None
+    adir = argv[argv.index("--attempt-dir") + 1]
+    here = os.path.realpath(session_dir)
+    return None if os.path.realpath(os.path.dirname(adir)) == here else adir[: records.MAX_TEXT]
 
 
 def keeper_alive(run: t.Mapping[str, t.Any]) -> bool:

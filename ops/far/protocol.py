@@ -125,6 +125,7 @@ class ProbeFacts(t.TypedDict):
     tmux: TmuxFacts
     attempt: AttemptFacts | None
     pane_capture: CaptureFacts | None
+    foreign_run: str | None  # the pane's runner's attempt dir, when it is another run_dir's (no record here)
     gpus: list[GpuFacts] | dict[str, str] | None
 
 

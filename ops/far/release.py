@@ -91,7 +91,7 @@ def check_rows(rows: t.Any) -> list[Row]:
     seen = set()
     for row in rows:
         if not (isinstance(row, list) and len(row) == 4):
-            raise Refused(f"manifest: bad entry {row!r}")
+            raise Refused(f"manifest: bad entry {row!r:.200}")
         path, sha, size, mode = row
         parts = path.split("/") if isinstance(path, str) else [""]
         if (
@@ -101,11 +101,16 @@ def check_rows(rows: t.Any) -> list[Row]:
             or path == MANIFEST
             or path in seen
         ):
-            raise Refused(f"manifest: refused path {path!r} (must be relative, inside, unique)")
+            raise Refused(f"manifest: refused path {path!r:.200} (must be relative, inside, unique)")
         if not (
-            isinstance(sha, str) and len(sha) == 64 and isinstance(size, int) and size >= 0 and mode in (0o644, 0o755)
+            isinstance(sha, str)
+            and len(sha) == 64
+            and isinstance(size, int)
+            and not isinstance(size, bool)
+            and size >= 0
+            and mode in (0o644, 0o755)
         ):
-            raise Refused(f"manifest: bad entry for {path!r}")
+            raise Refused(f"manifest: bad entry for {path!r:.200}")
         seen.add(path)
     return rows
 
@@ -113,9 +118,9 @@ def check_rows(rows: t.Any) -> list[Row]:
 def read_manifest(rel: str) -> dict[str, t.Any] | None:
     try:
         with open(os.path.join(rel, MANIFEST), "rb") as f:
-            doc = json.loads(f.read().decode())
+            doc = records.parse_record(f.read())  # NaN, huge numbers, deep nesting: not a manifest
         return doc if isinstance(doc.get("files"), list) else None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return None
 
 
@@ -173,9 +178,9 @@ def damaged(rel: str, rows: t.Iterable[Row]) -> list[str]:
 def run_state(run_dir: str, session: str) -> dict[str, t.Any]:
     """The session's current attempt by its records: none, unknown, ended, alive or gone."""
     cur = os.path.join(run_dir, session, records.CURRENT)
-    run, err = records.read_json(os.path.join(cur, records.RUN_JSON))
-    if err is not None:
-        return {"state": "unknown", "detail": err}
+    run, problems = records.read_record(os.path.join(cur, records.RUN_JSON))
+    if run is None and problems:
+        return {"state": "unknown", "detail": problems[0]}
     if run is None:
         return {"state": "none"}
     info: dict[str, t.Any] = {
@@ -385,7 +390,7 @@ def install(workdir: str, want: str, keep: int, stdin: t.IO[bytes]) -> dict[str,
             raise Refused("the upload does not start with the manifest")
         body = tar.extractfile(first)
         assert body is not None
-        doc = json.loads(body.read().decode())
+        doc = records.parse_record(body.read())
         rows = check_rows(doc.get("files") or [])
         full = release_id(rows)
         if full != want or doc.get("id") != want:

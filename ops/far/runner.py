@@ -41,17 +41,19 @@ import typing as t
 
 # The records' names and the process facts live in ops.far (shared with the agent and the release
 # program); re-exported here for the code that has always imported them from the runner.
-from ops.far import members
+from ops.far import members, records
 from ops.far.atomic import write_json_atomic as write_json_atomic
 from ops.far.procfs import oom_kill_count as oom_kill_count
 from ops.far.procfs import pid1_start as pid1_start
 from ops.far.procfs import proc_stat as proc_stat
 from ops.far.procfs import start_epoch as start_epoch
+from ops.far.protocol import DiskFacts
 from ops.far.records import ENV_FILE as ENV_FILE
 from ops.far.records import EXIT_JSON, EXIT_RESERVED, LOG, RUN_JSON, RUN_RESERVED, STARTED_BY, STOP_JSON, read_json
 from ops.far.records import METRICS as METRICS
 
 RESERVE_BYTES = 16384  # room for a run record with a long command line
+STARTED_BY_FILE = 8 * records.STARTED_BY_MAX  # .started_by.json is indented: its object is what is limited
 MAX_NAMED = 8  # members named in exit.json's `left` and `killed` (each at most ~1.3 KB)
 # Less free space than this where the run writes is a full disk: `start` refuses, exit.json says so.
 DISK_FULL_BYTES = 1 << 20
@@ -129,6 +131,15 @@ def disk_free(path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def disk_facts(path: str) -> DiskFacts | None:
+    """Free space where the run writes (the nearest existing folder of ``path``)."""
+    probe_at = os.path.abspath(path)
+    while not os.path.isdir(probe_at) and os.path.dirname(probe_at) != probe_at:
+        probe_at = os.path.dirname(probe_at)
+    free = disk_free(probe_at)
+    return None if free is None else {"path": probe_at, "free": free, "full": free < DISK_FULL_BYTES}
+
+
 def read_env_file(path: str) -> dict[str, str]:
     """The run's environment ({"K": "V"}), from the 0600 file the agent wrote; the file is unlinked
     first, so the secret lives on disk only for the moment between `start` and here."""
@@ -147,11 +158,19 @@ def read_started_by(attempt_dir: str) -> dict[str, t.Any] | None:
     path = os.path.join(attempt_dir, STARTED_BY)
     try:
         with open(path, "rb") as f:
-            data = json.loads(f.read().decode("utf-8"))
+            raw = f.read(STARTED_BY_FILE + 1)  # the file is indented: the limit is on the object (compact), below
         os.unlink(path)
-    except (OSError, ValueError):
+    except OSError:
         return None
-    return data if isinstance(data, dict) else None
+    try:
+        if len(raw) > STARTED_BY_FILE:
+            raise ValueError(f"larger than {STARTED_BY_FILE} bytes")
+        data = records.parse_record(raw)
+        if len(json.dumps(data)) > records.STARTED_BY_MAX:
+            raise ValueError(f"larger than {records.STARTED_BY_MAX} bytes as JSON")
+        return data
+    except ValueError as e:
+        return {"note": f"{STARTED_BY} was not kept: {e}"}
 
 
 # --------------------------------------------------------------------------------------------

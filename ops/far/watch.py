@@ -12,15 +12,21 @@ its lease ends at once. (docs/design.md sections 4 and 18.)
 from __future__ import annotations
 
 import json
+import math
 import os
 import typing as t
 
-from ops.far import lock
+from ops.far import lock, records
 from ops.far.atomic import write_json_atomic
 
 HEARTBEAT = "supervisor.json"
 LOCK = ".supervisor.lock"
 STALE_AFTER = 3  # intervals without a heartbeat before a supervisor is called stale (and its lease ends)
+# The agent writes ``at`` and reads it on the same clock: a heartbeat from further ahead than this was
+# written before the clock stepped back (or by hand), and would hold the lease for as long as the step.
+FUTURE_SLACK = 5.0
+MAX_INTERVAL = 86400.0  # a supervisor probes at least once a day
+MAX_TIME = 253402300800.0  # 10000-01-01: past it no clock and no time formatting goes
 
 # The heartbeat's keys and their types: anything else in a request is dropped (nothing unbounded lands on disk).
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -47,37 +53,65 @@ def clean(beat: t.Any) -> dict[str, t.Any] | None:
         value = beat.get(key)
         if isinstance(value, bool) and bool not in types:
             continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and number(value, 0.0, MAX_TIME) is None:
+            continue  # NaN, Infinity, negative or beyond any clock: never written, never a lease
         if isinstance(value, types):
             out[key] = value[:MAX_TEXT] if isinstance(value, str) else value
-    if "last_action" in out and len(json.dumps(out["last_action"])) > MAX_ACTION:
-        out["last_action"] = {"note": "last action too large to keep"}
+    if "last_action" in out:
+        try:
+            size = len(json.dumps(out["last_action"], allow_nan=False))
+        except (ValueError, RecursionError):
+            size = MAX_ACTION + 1
+        if size > MAX_ACTION or records.depth(out["last_action"]) > records.MAX_DEPTH:
+            out["last_action"] = {"note": "last action too large to keep"}
     return out
 
 
 def read(session_dir: str) -> dict[str, t.Any] | None:
-    """The heartbeat record, None when there is none (or it is unreadable)."""
-    try:
-        with open(os.path.join(session_dir, HEARTBEAT), encoding="utf-8") as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
+    """The heartbeat record, None when there is none; ``{"unreadable": why}`` when it cannot be read
+    (such a record holds no lease, and `status` shows why)."""
+    rec, err = records.read_json(os.path.join(session_dir, HEARTBEAT), limit=records.MAX_SMALL)
+    return {"unreadable": err} if err is not None else rec
+
+
+def number(value: t.Any, low: float, high: float) -> float | None:
+    """``value`` as a float when it is a finite number in [low, high] (never a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return rec if isinstance(rec, dict) else None
+    try:
+        x = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return x if math.isfinite(x) and low <= x <= high else None
+
+
+def unreadable(rec: t.Mapping[str, t.Any], now: float | None) -> str | None:
+    """Why ``rec``'s lease cannot be read (``at`` or ``interval`` not a usable number, ``at`` ahead of
+    the container's clock), else None. Such a record holds no lease."""
+    if isinstance(rec.get("unreadable"), str):
+        return str(rec["unreadable"])[:300]
+    at, interval = number(rec.get("at"), 0.0, MAX_TIME), number(rec.get("interval"), 0.0, MAX_INTERVAL)
+    if at is None:
+        return f"at: {json.dumps(rec.get('at'))[:40]} is not a time"
+    if not interval:
+        return f"interval: {json.dumps(rec.get('interval'))[:40]} is not a number of seconds in (0, {MAX_INTERVAL:g}]"
+    if now is not None and at > now + FUTURE_SLACK:
+        return f"at is {at - now:.0f} s ahead of the container's clock"
+    return None
 
 
 def silent_for(rec: t.Mapping[str, t.Any], now: float) -> float | None:
-    at = rec.get("at")
-    return max(0.0, now - float(at)) if isinstance(at, (int, float)) else None
+    at = number(rec.get("at"), 0.0, MAX_TIME)
+    return None if at is None or at > now + FUTURE_SLACK else max(0.0, now - at)
 
 
 def live(rec: t.Mapping[str, t.Any] | None, now: float) -> bool:
-    """Whether the supervisor of ``rec`` still holds its lease: not stopped, heard from within STALE_AFTER
-    intervals."""
-    if not rec or rec.get("stopped"):
+    """Whether the supervisor of ``rec`` still holds its lease: not stopped, its numbers readable, heard
+    from within STALE_AFTER intervals."""
+    if not rec or rec.get("stopped") or unreadable(rec, now) is not None:
         return False
-    quiet, interval = silent_for(rec, now), rec.get("interval")
-    if quiet is None or not isinstance(interval, (int, float)) or interval <= 0:
-        return False
-    return quiet <= STALE_AFTER * float(interval)
+    quiet = silent_for(rec, now)
+    return quiet is not None and quiet <= STALE_AFTER * float(rec["interval"])
 
 
 def beat(session_dir: str, heartbeat: t.Any, now: float) -> dict[str, t.Any]:

@@ -103,10 +103,10 @@ class Heartbeat:
         return None
 
     def _locked(self, what: str, holder: t.Mapping[str, t.Any], now: float | None) -> errors.SupervisorLocked:
-        interval = holder.get("interval")
+        interval = watch.number(holder.get("interval"), 0.0, watch.MAX_INTERVAL)
         wait = (
-            f", or wait until it is stale ({watch.STALE_AFTER} x its {duration(float(interval))} interval)"
-            if isinstance(interval, (int, float))
+            f", or wait until it is stale ({watch.STALE_AFTER} x its {duration(interval)} interval)"
+            if interval is not None
             else ""
         )
         how = "`dflashctl supervise stop`" if holder.get("mode") in ("systemd", "tmux") else "Ctrl-C or kill <pid>"

@@ -237,7 +237,7 @@ class Supervisor:
             data = json.loads(self.memory_path.read_text())
         except FileNotFoundError:
             return
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             self.emit(f"note: ignoring an unreadable supervisor memory {self.memory_path}: {e}")
             return
         if isinstance(data, dict):

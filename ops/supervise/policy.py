@@ -227,7 +227,8 @@ class Policy:
             # Nothing about the run is known: the pending recovery (if any) waits for a real probe.
             return Decision(
                 WAIT,
-                f"unreachable ({st.cause}): not a crash; reconnecting with backoff and re-probing before any restart",
+                f"unreachable ({st.cause}): not a crash; blind (nothing of the run can be seen) until a probe answers: "
+                "reconnecting with backoff and re-probing before any restart",
                 new=first,
             )
         recovered = None

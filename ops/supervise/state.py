@@ -88,7 +88,7 @@ class Lock:
         try:
             data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
             return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return {}
 
     def release(self) -> None:

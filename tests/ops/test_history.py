@@ -231,3 +231,56 @@ def test_history_of_a_group_has_a_row_per_node(pve_hosts: PveHosts, tmux_servers
         until.touch()
         for table in (pve_hosts.pve_table, second):
             reap_runs(Path(str(table["run_dir"])))
+
+
+def test_one_bad_record_costs_its_row_not_the_table(rig: Rig) -> None:
+    """Records a crash, an older version or a person left: a mistyped time, NaN, a 100,000-deep run.json,
+    a 5,000-digit step, terminal control sequences and a huge value in started_by, a 100,000-deep incident."""
+    import shutil
+
+    rig.configure()
+    rig.start()
+    r = rig.cli("stop", "--grace", "10")
+    assert r.exit_code == 0, r.output
+    good = rig.run_json(1)
+
+    def attempt(n: int, run: str | None = None, metrics: str | None = None) -> Path:
+        d = rig.attempt(n)
+        shutil.copytree(rig.attempt(1), d)
+        if run is not None:
+            (d / "run.json").write_text(run)
+        if metrics is not None:
+            with open(d / "metrics.jsonl", "a") as f:
+                f.write(metrics + "\n")
+        return d
+
+    attempt(2, run=json.dumps({**good, "started_at": "2026-13-45T99:99:99Z", "started_ts": "yesterday"}))
+    attempt(3, run=json.dumps({**good, "started_ts": 1.0}).replace('"started_ts": 1.0', '"started_ts": NaN'))
+    attempt(4, run=json.dumps({**good, "x": 0}).replace('"x": 0', '"x": ' + "[" * 100_000 + "]" * 100_000))
+    attempt(5, metrics='{"step": ' + "9" * 5000 + ', "loss": 1.0}')
+    by = {"by": "operator", "user": "\x1b]0;pwned\x07\x1b]52;c;Zm9v\x07", "machine": "m" * 100_000, "why": "x"}
+    attempt(6, run=json.dumps({**good, "started_by": by, "hostname": "\x1b[2J" + "h" * 100_000}))
+    attempt(7, run=json.dumps({**good, "started_by": {"by": "operator", "why": "w" * (2 << 20)}}))
+    incidents = rig.state_dir / "incidents"
+    incidents.mkdir(parents=True)
+    (incidents / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+
+    r = rig.cli("history", "--state-dir", str(rig.state_dir))
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-3000:]
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout, "control characters are escaped"
+    assert max(map(len, r.stdout.splitlines())) < 2000, "no value is printed whole"
+    rows = {int(m.group(1)): m.group(0) for m in re.finditer(r"^(\d+)\s.*$", r.stdout, re.M)}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7], r.stdout
+    assert "attempt-7/run.json: larger than 1024 KiB" in r.stdout, "a 2 MiB record is neither sent nor printed"
+    assert "attempt-2/run.json: started_at: expected a time as 2026-11-29T15:02:11Z" in r.stdout, r.stdout
+    assert "attempt-2/run.json: started_ts: expected a number" in r.stdout, r.stdout
+    assert rows[2].split()[1] == "?", "a mistyped time is no time"
+    assert "attempt-3/run.json: NaN is not a number" in r.stdout, r.stdout
+    assert "attempt-4/run.json: nested too deeply" in r.stdout, r.stdout
+    assert "attempt-6/run.json: started_by: larger than 2048 bytes" in r.stdout, r.stdout
+    assert rows[3].split()[1] == "?" and rows[4].split()[1] == "?", "an unreadable run.json: its row says ?"
+    doc = history(rig)
+    steps = {a["attempt"]: a["step"] for a in doc["attempts"]}
+    assert steps[5] == steps[1] and steps[1] is not None, "the 5,000-digit record is skipped, the last good one read"
+    six = next(a for a in doc["attempts"] if a["attempt"] == 6)
+    assert six["started_by"] is None and any("started_by" in e for e in six["errors"]), six

@@ -206,3 +206,45 @@ def test_on_the_host_the_api_is_this_machine_s() -> None:
 def test_hosts_lists_a_local_container_host(on_host: OnTheHost) -> None:
     r = on_host.cli("hosts")
     assert r.exit_code == 0 and re.search(r"\* ct\s+local\s+this machine, ct 200", r.stdout), r.output
+
+
+def _blind(cli: t.Callable[..., CliResult], state_dir: Path) -> None:
+    """With a pct that cannot be run: unreachable (cause unknown) naming it, never not-started; the supervisor says so."""
+    st = cli("status", "--json")
+    assert st.exit_code == 10, st.output
+    doc = json.loads(st.stdout)
+    assert (doc["state"], doc["cause"]) == ("unreachable", "unknown"), doc
+    assert any("cannot run /nonexistent/pct" in e for e in doc["evidence"]), doc["evidence"]
+    from testkit.webhook import Webhook
+
+    with Webhook() as hook:
+        once = cli("restart-on-crash", "--once", "--notify", hook.url, "--state-dir", str(state_dir))
+        assert "unreachable (unknown)" in once.output and "cannot run /nonexistent/pct" in once.output, once.output
+        assert "blind" in once.output and "nothing runs under this session" not in once.output, once.output
+        retry_until(lambda: "cannot run /nonexistent/pct" in hook.texts(), 30)  # the supervisor says it is blind
+
+
+def test_a_pct_that_cannot_run_is_unreachable_not_not_started(on_host: OnTheHost) -> None:
+    from testkit.runkit import fake_release
+
+    on_host.table["command"] = ["sh", "-c", "echo step 1; exit 3"]
+    on_host.write()
+    fake_release(on_host.workdir)
+    r = on_host.cli("start")
+    assert r.exit_code == 0, r.output
+    retry_until(lambda: (on_host.run_dir / "dflash" / "attempt-1" / "exit.json").exists(), 30)
+    assert on_host.cli("status").exit_code == 5  # crashed, seen through pct
+    on_host.table["pct"] = "/nonexistent/pct"
+    on_host.write()
+    _blind(on_host.cli, on_host.root / "state")
+
+
+def test_a_pct_that_cannot_run_on_the_ssh_host_is_unreachable(pve_hosts: t.Any) -> None:
+    from testkit.runkit import fake_release
+
+    pve_hosts.write(command=["sh", "-c", "echo step 1; exit 3"])
+    fake_release(pve_hosts.workdir)
+    assert pve_hosts.cli("start").exit_code == 0
+    retry_until(lambda: (pve_hosts.run_dir / "dflash" / "attempt-1" / "exit.json").exists(), 30)
+    pve_hosts.write(pct="/nonexistent/pct")
+    _blind(pve_hosts.cli, pve_hosts.root / "state")

@@ -401,3 +401,22 @@ def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
     facts["agent"]["gpus"] = {"error": "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."}
     st = probe.classify(facts)
     assert st.gpus is None and any(e.startswith("nvidia-smi failed: NVIDIA-SMI has failed") for e in st.evidence)
+
+
+def test_records_from_an_older_agent_are_checked_before_any_figure() -> None:
+    """An agent from before the checked readers sends run.json / exit.json as they are on disk."""
+    doc = load("crashed-nonzero-exit")
+    facts = copy.deepcopy(doc["facts"])
+    af = facts["agent"]["attempt"]
+    af["run"].update(started_at=12345, pid="12", started_ts=float("nan"))
+    af["exit"].update(exit_code=float("nan"), ended_at=["x"], ended_ts=1e400)
+    af["stop"] = "not a record"
+    st = probe.classify(facts)
+    got = st.to_json()
+    assert got["started_at"] is None and got["exit_code"] is None and got["ended_at"] is None, got
+    text = "\n".join(got["evidence"])
+    for line in ("run.json: started_at: expected a time", "exit.json: exit_code: expected a whole number"):
+        assert line in text, text
+    assert "stop.json: not a JSON object" in text, text
+    json.dumps(got, allow_nan=False)  # no NaN reaches --json
+    assert st.lines()

@@ -114,6 +114,18 @@ class Run:
         table = self.table()
         return {(p, s) for p, s in procs if p in table and table[p]["start"] == s and table[p]["state"] not in "ZX"}
 
+    def forge(self, tag: str, run_dir: Path) -> Proc:
+        """A process the run never started, in a session of its own, carrying ``tag`` and ``run_dir`` as
+        a run's processes do (its SIGINT left at the default: a signal meant for the run would end it)."""
+        code = (
+            f"import os, subprocess; env = dict(os.environ, DFLASH_RUN_TAG={tag!r}, DFLASH_RUN_DIR={str(run_dir)!r}); "
+            "p = subprocess.Popen(['sleep', '3000'], env=env, start_new_session=True, stdin=subprocess.DEVNULL, "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid)"
+        )
+        r = self.pve.run_in(VMID, [sys.executable, "-c", code])
+        assert r.returncode == 0, r.stderr
+        return self.proc(int(r.stdout))
+
     def kill(self, sig: str, *pids: int) -> None:
         r = self.pve.run_in(VMID, ["kill", f"-{sig}", *map(str, pids)])
         assert r.returncode == 0, r.stderr
@@ -244,3 +256,48 @@ def test_a_keeper_killed_with_its_script_leaves_orphans_start_refuses_restart_st
     second = box.pidfile("trainer")
     assert box.alive({first, second}) == {second}, "the leftover was stopped before the new attempt started"
     assert box.status()[1]["attempt"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# who is the run's: the recorded tags (their nonce too), or the keeper's tree
+
+
+def test_a_process_that_forges_the_runs_tag_is_not_the_runs(box: Run) -> None:
+    box.configure([str(box.script(box.trainer("trainer")))])
+    run = started(box)
+    assert run["tag"].startswith("dflash/1/") and run["tag"] != "dflash/1/000000000000"
+    forged = box.forge("dflash/1/000000000000", box.attempt(1))  # the right names, a nonce nobody recorded
+    try:
+        code, st = box.status()
+        assert (code, st["state"]) == (0, "running"), st
+        assert forged[0] not in [m["pid"] for m in st["members"]], st["members"]
+        r = box.cli("stop", "--grace", "10")
+        assert r.exit_code == 0 and r.stdout.startswith("stopped attempt 1 by interrupt"), r.output
+        code, st = box.status()
+        assert (code, st["state"]) == (8, "stopped"), st
+        assert box.alive({forged}) == {forged}, "a stop ends the run's processes, never a stranger's"
+        r = box.cli("start")
+        assert r.exit_code == 0, r.output
+        assert box.record(2)["attempt"] == 2
+        r = box.cli("stop", "--grace", "10")
+        assert r.exit_code == 0, r.output
+        assert box.alive({forged}) == {forged}, "nor does a second stop"
+    finally:
+        box.kill("KILL", forged[0])
+
+
+def test_a_stop_ends_leftovers_that_outlive_their_exit_record(box: Run) -> None:
+    stubborn = box.trainer("stubborn", "--ignore-signals")
+    box.configure([str(box.script(stubborn))])
+    run = started(box)
+    left = box.pidfile("stubborn")
+    box.kill("KILL", run["keeper_pid"], run["child_pid"])  # nobody is left to end it
+    exit_json = box.attempt(1) / "exit.json"
+    # an exit record written beside a live process of the run (a keeper killed right after writing it)
+    exit_json.write_text(json.dumps({"exit_code": 0, "signal": None, "ended_at": "2026-01-01T00:00:00Z"}))
+    code, st = box.status()
+    assert left[0] in [m["pid"] for m in st["members"]], st
+    r = box.cli("stop", "--grace", "0.5")
+    assert r.exit_code == 0, r.output
+    assert box.alive({left}) == set(), "interrupt, TERM, then KILL: until the run's processes are gone"
+    assert f"killed pid {left[0]}" in r.stdout, r.stdout

@@ -341,3 +341,18 @@ def test_start_times_are_exact_to_the_tick_not_to_the_second() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_started_by_is_limited_as_the_agent_limits_it_not_by_its_indented_file(tmp_path: Path) -> None:
+    from ops.far import records, runner
+    from ops.far.atomic import write_json_atomic
+
+    near = {"by": "supervisor", "after": {"seen": {f"k{i}": i for i in range(150)}}}  # ~1.9 KB, 2.4 KB indented
+    assert len(json.dumps(near)) <= records.STARTED_BY_MAX
+    write_json_atomic(str(tmp_path / records.STARTED_BY), near)
+    assert (tmp_path / records.STARTED_BY).stat().st_size > records.STARTED_BY_MAX
+    assert runner.read_started_by(str(tmp_path)) == near
+    (tmp_path / records.STARTED_BY).write_text("[" * 5000 + "]" * 5000)
+    assert runner.read_started_by(str(tmp_path)) == {"note": ".started_by.json was not kept: nested too deeply"}
+    (tmp_path / records.STARTED_BY).write_text(json.dumps({"by": "x" * 3000}))
+    assert "larger than 2048 bytes" in runner.read_started_by(str(tmp_path))["note"]

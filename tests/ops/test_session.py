@@ -164,3 +164,26 @@ def test_an_agent_from_another_version_means_fallback(tmp_path: Path, tmux_socke
     st = session.status(host, None, lambda: remote)
     assert (st.state, st.mode) == ("not-started", "fallback")
     assert "the deployed agent speaks protocol 99, this dflashctl 1: run `dflashctl deploy`" in st.evidence[0]
+
+
+def test_two_entries_for_one_container_socket_and_session_name_the_other_run(pve_hosts: PveHosts) -> None:
+    """Two host entries with one container, tmux socket and session but two run_dirs: the second one's
+    status names the first one's run for what it is, and its start refuses naming it."""
+    import json
+
+    fake_release(pve_hosts.workdir)
+    assert pve_hosts.cli("start").exit_code == 0
+    theirs = pve_hosts.run_dir / "dflash" / "attempt-1"
+    retry_until(lambda: (theirs / "run.json").exists(), 30)
+    try:
+        pve_hosts.local_table = {**pve_hosts.pve_table, "run_dir": str(pve_hosts.run_dir.parent / "runs-b")}
+        pve_hosts.write()
+        st = pve_hosts.cli("--host", "local", "status", "--json")
+        doc = json.loads(st.stdout)
+        assert doc["state"] == "running", doc
+        assert f"the pane runs {theirs}: the run of another host entry" in doc["evidence"][0], doc["evidence"]
+        r = pve_hosts.cli("--host", "local", "start")
+        assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.output
+        assert f"the run of {theirs}, another host entry's run_dir" in r.stderr, r.stderr
+    finally:
+        assert pve_hosts.cli("stop", "--grace", "5").exit_code == 0

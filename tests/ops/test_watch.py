@@ -189,3 +189,60 @@ def test_heartbeat_status_file_of_an_installed_supervisor(tmp_path: Path) -> Non
     hb.ended()
     doc = json.loads(path.read_text())
     assert doc["error"] == "nothing deployed" and doc["ended_at"] and doc["last_probe"]["state"] == "crashed"
+
+
+# A supervisor.json that a clock step back, an older version or a person left: status reads it, a
+# supervisor takes the lease over it, nothing raises. Through the real dflashctl, sshd and container.
+BAD_LEASES = {
+    "an hour ahead": lambda now: f'"at": {now + 3600}, "interval": 30',
+    "interval Infinity": lambda now: f'"at": {now}, "interval": Infinity',
+    "at NaN": lambda now: '"at": NaN, "interval": 30',
+    "at 1e20": lambda now: '"at": 1e20, "interval": 30',
+    "at -1e20": lambda now: '"at": -1e20, "interval": 30',
+    "at 1e400": lambda now: '"at": 1e400, "interval": 30',
+}
+
+
+def test_a_heartbeat_that_cannot_be_trusted_holds_no_lease_and_status_says_so(pve_hosts: t.Any) -> None:
+    import time
+
+    from testkit import retry_until
+    from testkit.runkit import fake_release
+
+    pve_hosts.write(command=["sh", "-c", "echo step 1; exit 3"])
+    fake_release(pve_hosts.workdir)
+    r = pve_hosts.cli("start")
+    assert r.exit_code == 0, r.output
+    sdir = pve_hosts.run_dir / "dflash"
+    retry_until(lambda: (sdir / "attempt-1" / "exit.json").exists(), 30)
+    for n, (name, body) in enumerate(BAD_LEASES.items(), start=1):
+        (sdir / watch.HEARTBEAT).write_text(
+            '{"id": "ghost", "by": "ghost", "where": "gone", "mode": "systemd", "pid": 1, ' + body(time.time()) + "}"
+        )
+        st = pve_hosts.cli("status", "--json")
+        assert st.exit_code == 5 and "Traceback" not in st.stderr, (name, st.output)
+        doc = json.loads(st.stdout)
+        assert doc["state"] == "crashed" and doc["supervisor"]["state"] == "unreadable", (name, doc["supervisor"])
+        assert any(e.startswith("supervisor.json: unreadable heartbeat") for e in doc["evidence"]), (name, doc)
+        human = pve_hosts.cli("status")
+        assert human.exit_code == 5 and "Traceback" not in human.stderr, (name, human.output)
+        assert "unreadable heartbeat" in human.stdout and "supervised by ghost" not in human.stdout, human.stdout
+        # the crashed attempt is restarted: no ghost holds the lease
+        state = pve_hosts.root / f"state-{n}"
+        sup = pve_hosts.cli("restart-on-crash", "--once", "--backoff", "0", "--state-dir", str(state))
+        assert sup.exit_code == 0 and "another supervisor" not in sup.output, (name, sup.output)
+        assert (sdir / f"attempt-{n + 1}" / "run.json").exists(), (name, sup.output)
+        retry_until(lambda: (sdir / f"attempt-{n + 1}" / "exit.json").exists(), 30)  # noqa: B023
+
+
+def test_a_heartbeat_request_with_numbers_that_are_not_numbers_writes_none_of_them(tmp_path: Path) -> None:
+    sdir = str(tmp_path / "s")
+    deep: t.Any = {}
+    for _ in range(50):
+        deep = {"a": deep}
+    req = {**beat("a"), "interval": float("inf"), "started_at": float("nan"), "pid": 10**400, "last_action": deep}
+    assert watch.beat(sdir, req, NOW)["written"]
+    rec = json.loads(Path(sdir, watch.HEARTBEAT).read_text(), parse_constant=pytest.fail)  # no NaN, no Infinity
+    assert "interval" not in rec and "started_at" not in rec and "pid" not in rec, rec
+    assert rec["last_action"] == {"note": "last action too large to keep"}
+    assert not watch.live(rec, NOW) and watch.unreadable(rec, NOW), "no interval: no lease"
