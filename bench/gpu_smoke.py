@@ -600,11 +600,16 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
     t0 = time.perf_counter()
     warmed: list[tuple[int, int, int]] = []
     unchecked: list[tuple[int, int, int]] = []
+    failed: list[dict[str, t.Any]] = []
     for shape in shapes:
         if time.perf_counter() - t0 > args.class_budget:
             unchecked.append(shape)
             continue
-        warm_up(replica, shapes=[shape], **kw)
+        try:
+            warm_up(replica, shapes=[shape], **kw)
+        except Exception as e:  # a class the backend cannot compile is this check's finding, not the smoke's end
+            failed.append({"shape": shape, "error": first_line(e)})
+            continue
         warmed.append(shape)
     compile_s = time.perf_counter() - t0
     entries = compiled_entries()
@@ -637,8 +642,17 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
         "entries_after_warm_up": entries,
         "entries_added_by_feed": compiled_entries() - entries,
         "batches": fed,
-        "ok": all(f["ok"] for f in fed) and compiled_entries() == entries,
+        "failed": failed,
+        "ok": not failed and all(f["ok"] for f in fed) and compiled_entries() == entries,
     }
+
+
+def first_line(e: BaseException) -> str:
+    """The exception's type and the first line of its message that names an error (inductor's wrap the cause:
+    "backend='inductor' raised:" comes first)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln]
+    return f"{type(e).__name__}: {(named or lines or [''])[0]}"[:300]
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,7 +831,8 @@ def checks(args: argparse.Namespace, r: dict[str, t.Any]) -> list[dict[str, t.An
     if c is not None:
         out.append(
             {
-                "name": f"class check: {c['warmed']} of {c['classes']} shape classes fed after warm-up, all compiled",
+                "name": f"class check: {c['warmed']} of {c['classes']} shape classes fed after warm-up, all compiled"
+                + "".join(f"; compile failed for {f['shape']}: {f['error']}" for f in c.get("failed", [])),
                 "ok": c["ok"] and (args.cpu or c["eager_flex_calls"] == 0),
             }
         )
@@ -863,6 +878,8 @@ def print_report(r: dict[str, t.Any]) -> None:
         for b in c["batches"]:
             if not b["ok"]:
                 lines.append(f"                    MISS {b['fed']} ({b['miss']})")
+        for f in c.get("failed", []):
+            lines.append(f"                    COMPILE FAILED {f['shape']} ({f['error']})")
     for m in r["memory"]:
         lines.append(
             f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "

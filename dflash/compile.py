@@ -238,6 +238,27 @@ def shape_class(rows: int, seq: int, blocks: int, *, block_size: int, flex: bool
     return (rows == 1, blocks == 1, q < _SHORT_QUERY, q <= _TILE, kv <= _TILE)
 
 
+def flex_template(rows: int, q_len: int, *, heads: int, kv_heads: int, kernel_options: t.Mapping[str, t.Any]) -> str:
+    """The template inductor's CUDA flex forward lowering picks for a batch: ``"decode"`` or ``"main"``
+    (pure: torch's flex_attention.py ``use_decode`` over flex_decoding.py ``_use_flex_decoding``). The
+    batch size is static only as the constant 1 (``dynamic=True``); our BlockMask has one head."""
+    backend = kernel_options.get("BACKEND", "AUTO")
+    if backend != "AUTO":
+        return "decode" if backend == "TRITON_DECODE" else "main"
+    ratio = heads // kv_heads
+    power_of_two = ratio > 0 and ratio & (ratio - 1) == 0
+    forced = bool(kernel_options.get("FORCE_USE_FLEX_ATTENTION", False))
+    return "decode" if not forced and rows == 1 and 0 < q_len < _SHORT_QUERY and power_of_two else "main"
+
+
+def decode_has_config(q_len: int, *, gqa: int) -> bool:
+    """Whether the decode template keeps a config at its default block: ``BLOCK_M = max(next_pow2(q_len *
+    gqa), 16)`` must divide the sparse query block (128), or no choice is left (torch 2.11's
+    NoValidChoicesError, 2.14's ValueError; flex_decoding.py ``create_flex_decoding_kernel``)."""
+    block_m = max(1 << max(q_len * gqa - 1, 0).bit_length(), 16)
+    return _TILE % block_m == 0
+
+
 def batch_shape(loss_mask: torch.Tensor, *, num_anchors: int) -> tuple[int, int, int]:
     """``(rows, seq, blocks)`` of a collated batch as the drafter step sees it: ``drafter_loss`` trains
     ``min(num_anchors, most anchor candidates of a row)`` blocks per row."""
@@ -293,6 +314,8 @@ __all__ = [
     "WarmUp",
     "batch_shape",
     "compiled_entries",
+    "decode_has_config",
+    "flex_template",
     "guard_keys",
     "prepare_drafter",
     "recompile_limits",

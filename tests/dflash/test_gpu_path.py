@@ -17,6 +17,7 @@ The tests that need CUDA itself (the events, pinned memory, the fused kernels) a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
@@ -203,6 +204,139 @@ def test_warm_up_shapes_lie_in_distinct_classes_and_inside_the_config() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Short queries on one row: the CUDA lowering's decode template has no config for them
+
+
+class FlexRecorder:
+    """A double of flex_attention: records the keyword arguments of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, t.Any]] = []
+
+    def __call__(self, q: t.Any, k: t.Any, v: t.Any, **kw: t.Any) -> t.Any:
+        self.calls.append(kw)
+        return q
+
+
+class CudaLooking:
+    """Stands in for a CUDA query in ``_flex``'s dispatch (it reads the shape and ``is_cuda`` only)."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = torch.Size(shape)
+        self.is_cuda = True
+
+
+def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, t.Any]]:
+    """The kernel options of ``_flex``'s three paths: traced into a compiled layer, the compiled kernel on
+    CUDA, eager on the CPU."""
+    from dflash import drafter
+
+    rec = FlexRecorder()
+    q, kv = torch.zeros(1, 4, 32, 16), torch.zeros(1, 2, 48, 16)
+    monkeypatch.setattr(drafter, "flex_attention", rec)
+    monkeypatch.setattr(drafter, "compiled_flex", lambda: rec)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
+        drafter._flex(q, kv, kv, None, 0.25)
+    drafter._flex(t.cast(torch.Tensor, CudaLooking(1, 4, 32, 16)), kv, kv, None, 0.25)
+    drafter._flex(q, kv, kv, None, 0.25)
+    assert len(rec.calls) == 3
+    return [dict(c.get("kernel_options") or {}) for c in rec.calls]
+
+
+def test_every_training_flex_call_asks_for_the_main_triton_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traced, compiled and eager: each call carries BACKEND=TRITON, so inductor's CUDA lowering never takes
+    the decode template (``use_decode = backend == "TRITON_DECODE" or (backend == "AUTO" and ...)``)."""
+    assert [o.get("BACKEND") for o in flex_calls(monkeypatch)] == ["TRITON"] * 3
+
+
+def test_dynamo_traces_the_backend_into_the_flex_op_of_the_graph() -> None:
+    """The real trace: the flex_attention op dynamo puts in a compiled layer's graph holds the option (the
+    lowering reads it from there), and the traced call computes what the eager call does."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash import drafter
+
+    seen: list[t.Any] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: t.Any) -> t.Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                seen.extend(a for a in node.args if isinstance(a, dict))
+        return gm.forward
+
+    q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 2, 48, 16)
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi + 16, 1, 1, 32, 48, device="cpu")
+    traced = torch.compile(drafter._flex, backend=backend, fullgraph=True)(q, k, k, bm, 0.25)
+    assert [o.get("BACKEND") for o in seen] == ["TRITON"]
+    assert torch.equal(traced, drafter._flex(q, k, k, bm, 0.25))
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_no_warm_up_shape_lowers_to_a_decode_template_without_a_config(
+    gqa: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pure model of the CUDA lowering over every warm-up shape: a shape that takes the decode template
+    needs ``next_pow2(q_len * G) <= 128``; the short-query class's q = 112 at G = 2 (Qwen3-0.6B/1.7B) did not
+    (torch 2.11: NoValidChoicesError in warm-up, before step 1, for batch_size 1 and 2 alike)."""
+    from dflash.compile import decode_has_config, flex_template
+
+    # the model itself: the failing shape of the review, and the one-block shape that passed
+    assert flex_template(1, 112, heads=16, kv_heads=8, kernel_options={}) == "decode"
+    assert not decode_has_config(112, gqa=2) and decode_has_config(16, gqa=8)
+    assert flex_template(2, 112, heads=16, kv_heads=8, kernel_options={}) == "main"  # a symbolic batch
+    assert flex_template(1, 112, heads=40, kv_heads=8, kernel_options={}) == "main"  # G = 5
+
+    options = flex_calls(monkeypatch)
+    bad = []
+    for rows in (1, 4):
+        for rows_, seq, blocks in warm_up_shapes(
+            rows=rows, max_length=8192, num_anchors=512, block_size=block_size, flex=True
+        ):
+            q = blocks * block_size
+            for opts in options:
+                kind = flex_template(rows_, q, heads=8 * gqa, kv_heads=8, kernel_options=opts)
+                if kind == "decode" and not decode_has_config(q, gqa=gqa):
+                    bad.append((rows_, seq, blocks))
+    assert not bad, f"shapes the decode template cannot compile at G={gqa}: {sorted(set(bad))}"
+
+
+def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class whose compile raises (inductor's NoValidChoicesError, wrapped) is a failed check naming its
+    shape and the error's first line; the other classes are still checked. It left main() with a traceback,
+    so device_check had no figures at all."""
+    import dflash.compile
+    from bench.gpu_smoke import checks, class_check, parse_args
+
+    real = dflash.compile.warm_up
+
+    def warm_up(replica: t.Any, *, shapes: list[tuple[int, int, int]], **kw: t.Any) -> t.Any:
+        if shapes[0][0] == 1:  # the class of one row, as on CUDA
+            raise RuntimeError(
+                "backend='inductor' raised:\nNoValidChoicesError: No choices to select.\n\nSet TORCHDYNAMO_VERBOSE=1"
+            )
+        return real(replica, shapes=shapes, **kw)
+
+    monkeypatch.setattr(dflash.compile, "warm_up", warm_up)
+    run = tiny_run(tmp_path)
+    args = parse_args(["--cpu", "--quick"])
+    c = class_check(args, run)
+    c["eager_flex_calls"] = 0
+    assert c["classes"] == 2 and c["warmed"] == 1 and not c["ok"]
+    assert [f["shape"][0] for f in c["failed"]] == [1]
+    assert c["failed"][0]["error"] == "RuntimeError: NoValidChoicesError: No choices to select."
+    assert [b["ok"] for b in c["batches"]] == [True]  # the class that compiled is still fed
+    r = {"train_exit": 0, "recompiles_after_warmup": 0, "dynamo_frames_after_warmup": 0, "mask_token_id": 1}
+    r |= {"mask_token_id_expected": 1, "averaging": {"bit_identical": True, "equals_cpu_mean": True}}
+    r |= {"class_check": c, "oom": None}
+    (check,) = [x for x in checks(args, r) if x["name"].startswith("class check")]
+    assert not check["ok"] and f"compile failed for {c['failed'][0]['shape']}" in check["name"]
+
+
+# --------------------------------------------------------------------------------------------
 # Item 4: fp32 accumulation of bf16 micro-batches
 
 
@@ -352,6 +486,71 @@ def test_a_drafter_records_its_step_while_another_thread_reads_the_figures() -> 
     lines = out.getvalue().splitlines()
     assert [ln.split(" |")[0] for ln in lines] == ["step 1", "step 2"]
     assert "loss 3.000" in lines[1]
+
+
+# A recording double of the stream API: where each op on a CUDA figure runs (the reader stream, after its wait)
+STREAMS: dict[str, t.Any] = {"recording": False, "reader": False, "waited": False, "ops": []}
+
+
+class CudaFigure(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 and logs each op on it with the stream state of the time."""
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func: t.Any, types: t.Any, args: t.Any = (), kwargs: t.Any = None) -> t.Any:
+        name = getattr(func, "__name__", str(func))
+        if STREAMS["recording"] and not name.startswith("__"):
+            STREAMS["ops"].append((name, STREAMS["reader"] and STREAMS["waited"]))
+        if name == "to":  # to cuda:0: already there
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ReaderStream:
+    def wait_event(self, event: t.Any) -> None:
+        assert STREAMS["reader"], "waited outside the reader stream's context"
+        STREAMS["waited"] = True
+
+
+@contextlib.contextmanager
+def on_stream(stream: t.Any) -> t.Iterator[None]:
+    STREAMS["reader"] = isinstance(stream, ReaderStream)
+    try:
+        yield
+    finally:
+        STREAMS["reader"] = STREAMS["waited"] = False
+
+
+def test_the_step_figures_are_built_and_read_on_the_reader_stream_after_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flattening a step's figures (``.double()``, ``torch.cat``) ran on the emitting thread's stream, queued
+    after the step's ``ready`` event, while the reader stream waited only for ``ready`` and then read those
+    outputs: nothing ordered the read after the writes (garbage loss/acc/tau now and then on a GPU)."""
+    import dflash.metrics
+    from dflash.metrics import Metrics
+    from dflash.pipeline import StepStats
+
+    monkeypatch.setattr(dflash.metrics, "_reader_stream", lambda dev: ReaderStream())
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    fig = lambda *v: torch.tensor(v if len(v) > 1 else v[0], dtype=torch.float32).as_subclass(CudaFigure)  # noqa: E731
+    steps = [
+        StepStats(loss=fig(2.5), acc=fig(0.5), tau_tf=fig(3.0), acc_per_slot=fig(0.75, 0.25), ready=object()),
+        StepStats(loss=fig(1.5), acc=fig(0.25), tau_tf=fig(2.0), acc_per_slot=fig(0.5, 0.0), ready=object()),
+    ]
+    STREAMS.update(recording=True, ops=[])
+    try:
+        rows = Metrics._read_pending(steps)
+    finally:
+        STREAMS["recording"] = False
+    assert rows == [[2.5, 0.5, 3.0, 0.75, 0.25], [1.5, 0.25, 2.0, 0.5, 0.0]]
+    names = [n for n, _ in STREAMS["ops"]]
+    assert {"double", "cat", "stack", "tolist"} <= set(names), names
+    outside = [n for n, inside in STREAMS["ops"] if not inside]
+    assert not outside, f"ops on CUDA figures outside the reader stream or before its wait: {outside}"
 
 
 # --------------------------------------------------------------------------------------------
