@@ -36,6 +36,21 @@ def pinned_host_bytes(peak: bool = False) -> int:
     return int(stats.get(key, stats.get(f"allocated_bytes.all.{'peak' if peak else 'current'}", 0)) or 0)
 
 
+def cached_host_bytes() -> int:
+    """Pinned host memory torch's caching host allocator holds unused (cached, not active); 0 if unknown.
+
+    Pinned blocks in use elsewhere (the checkpoint snapshot's buffers, the averager's slots: tens of GB)
+    count in ``allocated_bytes`` too, so only this part says whether freeing the cache would free anything."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):  # a torch without host stats, or no CUDA
+        return 0
+    allocated, active = stats.get("allocated_bytes.current"), stats.get("active_bytes.current")
+    if allocated is None or active is None:
+        return 0
+    return max(int(allocated) - int(active), 0)
+
+
 def empty_host_cache() -> None:
     """Free the caching host allocator's unused pinned blocks (no-op where torch has no such call)."""
     fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(

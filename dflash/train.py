@@ -338,8 +338,8 @@ class Run:
             else:
                 dest = "cpu"  # any drafter may take it: pinned host memory, each drafter copies it over
             replica = TargetReplica(model, dev, dest)
-            # twice what the queue may hold (in use + cached): then the allocator's unused cached blocks go
-            replica.pinned_limit = 2 * cfg.queue.max_bytes
+            # unused cached pinned blocks past what the queue may hold go (the in-use ones never count)
+            replica.pinned_limit = cfg.queue.max_bytes
             out.append(replica)
         return out
 
