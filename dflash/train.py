@@ -261,6 +261,7 @@ class Run:
                 run_id=self.run_id,
                 written=self.writer.ended,
                 on_result=self._on_eval,
+                target_bytes=max((r.model.nbytes() for r in self.targets), default=0),
             )
         if resume is not None:
             self.position = restore(

@@ -702,6 +702,62 @@ def test_a_run_with_pinned_features_trims_past_max_bytes(tmp_path: Path) -> None
     assert [r.pinned_limit for r in run.targets] == [1048576] * len(run.targets)
 
 
+def eval_run(tmp_path: Path) -> Run:
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("\n".join((REPO / "configs" / "tiny-data.jsonl").read_text().splitlines()[:2]) + "\n")
+    return tiny_run(tmp_path, "eval.every=4", "eval.max_new=4", f"eval.prompts={prompts}")
+
+
+def test_an_eval_target_that_runs_out_of_memory_names_eval_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[eval] every`` loads a second full target onto ``devices.targets[0]``: a 27B one OOMs there on an 80
+    or 96 GB GPU, and the bare OutOfMemoryError read as cuda-oom on GPU 0, naming neither [eval] nor a fix."""
+    import dflash.validation
+    from dflash.config import ConfigError
+
+    def oom(*_a: t.Any, **_k: t.Any) -> t.Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+
+    monkeypatch.setattr(dflash.validation, "load_target", oom)
+    with pytest.raises(ConfigError) as e:
+        eval_run(tmp_path)
+    assert e.value.path == "eval.device" and '"cpu"' in e.value.message and "\n" not in str(e.value)
+
+
+def test_an_eval_device_without_room_for_the_target_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room is checked against the training target's bytes (+ a margin) before anything is loaded."""
+    import dflash.validation
+    from dflash.config import ConfigError
+
+    loads: list[str] = []
+    real = dflash.validation.load_target
+    monkeypatch.setattr(dflash.validation, "load_target", lambda *a, **k: (loads.append(a[1]), real(*a, **k))[1])
+    monkeypatch.setattr(dflash.validation, "_free_bytes", lambda device: 4096)  # the CPU as a full GPU
+    with pytest.raises(ConfigError) as e:
+        eval_run(tmp_path)
+    assert e.value.path == "eval.device" and "needs about" in e.value.message and loads == []
+
+
+def test_the_eval_room_line_names_the_gpus_that_have_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.config import ConfigError
+    from dflash.validation import check_eval_room
+
+    gib = 1 << 30
+    free = {0: 20 * gib, 1: 30 * gib, 2: 70 * gib}  # cuda:0 holds training target 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free[torch.device(dev).index], 96 * gib))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ConfigError) as e:
+        check_eval_room("cuda:0", 60 * gib)
+    assert e.value.path == "eval.device"
+    assert 'set eval.device to "cuda:2" (room enough now), "cpu"' in e.value.message
+    assert "60.0 GiB on cuda:0, which has 20.0 GiB free" in e.value.message
+    check_eval_room("cuda:2", 60 * gib)  # room: no error
+    check_eval_room("cpu", 600 * gib)  # unknown room: no error
+
+
 def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduced() -> None:
     """``NodeGroup.cross_reduce`` starts gloo's all_reduce and returns its finisher; the averager finishes
     slice k (and scatters it) only after it has started slice k+1. Before, the hook ran synchronously
