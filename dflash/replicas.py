@@ -169,6 +169,14 @@ class TargetReplica:
         self._dest_stream: t.Any = None
         self.pinned_limit: int | None = None  # cached (unused) pinned host memory above which the cache is trimmed
 
+    def item_bytes(self, tokens: int) -> int:
+        """What an item of ``tokens`` padded tokens holds at most (``payload_bytes`` of such a batch, with
+        int64 ids and mask): the largest one sizes the queue's default bound."""
+        feats = tokens * self.model.feature_size * self.model.dtype.itemsize
+        if torch.device(self.dest).type == "cpu" and torch.device(self.device).type == "cuda":
+            feats = pinned_block(feats)
+        return feats + 2 * tokens * 8
+
     def payload_bytes(self, batch: t.Any) -> int:
         """What ``produce(batch)`` will hold, as allocated, before it runs (the queue reserves it first)."""
         rows, width = batch.input_ids.shape

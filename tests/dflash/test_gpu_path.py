@@ -661,6 +661,53 @@ def test_drafters_holding_more_than_max_bytes_still_get_their_next_item() -> Non
     assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
 
 
+def test_the_default_byte_bound_admits_every_worker_while_the_drafters_accumulate() -> None:
+    """A 27B-class target at full-length samples (5 features x 5120 wide, 3072 tokens: 256 MiB pinned
+    blocks), 5 targets, 3 drafters accumulating 11: the drafters hold 8.25 GiB, over the old 4 GiB default,
+    so targets ran one at a time through the over-bound path (~56% of the drafters' rate, simulated). The
+    derived default lets every drafter's next item and every target's forward in, and still bounds."""
+    import queue as queue_mod
+
+    from dflash.feature_queue import FeatureQueue, default_max_bytes
+    from dflash.replicas import pinned_block
+
+    item = pinned_block(3072 * 5 * 5120 * 2)
+    drafters, targets, k = 3, 5, 11
+    q = FeatureQueue(64, default_max_bytes(drafters=drafters, targets=targets, accumulate=k, item_bytes=item))
+    for i in range(drafters * k):  # what the drafters hold while they accumulate
+        q.reserve(item, timeout=0)
+        q.put(queue_item(i, item), reserved=True)
+        q.get(timeout=0)
+    for _ in range(drafters + targets):  # each drafter's next item, each target's forward: no wait
+        q.reserve(item, timeout=0)
+    with pytest.raises(queue_mod.Full):  # and it is still a bound
+        q.reserve(item, timeout=0)
+
+
+def queue_item(i: int, nbytes: int) -> t.Any:
+    from dflash.feature_queue import Item
+
+    return Item(payload=None, tokens=1, position=i, shard=0, target=0, nbytes=nbytes)
+
+
+def test_a_run_derives_its_byte_bound_and_warns_when_a_set_one_is_short(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dflash.feature_queue import MIN_DEFAULT_BYTES
+
+    with caplog.at_level("INFO", logger="dflash.train"):
+        run = tiny_run(tmp_path / "a")
+    assert run.queue_bytes == MIN_DEFAULT_BYTES  # tiny batches: the floor
+    assert [r.pinned_limit for r in run.targets] == [MIN_DEFAULT_BYTES] * len(run.targets)
+    assert any(m.startswith("queue.max_bytes: 4.0 GiB (derived: (") for m in caplog.messages), caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash.train"):
+        run = tiny_run(tmp_path / "b", "queue.max_bytes=1024")
+    assert run.queue_bytes == 1024
+    (line,) = [m for m in caplog.messages if "queue.max_bytes 1.0 KiB is below what" in m]
+    assert "unset it to derive one" in line
+
+
 def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
     from dflash.replicas import pinned_block
 
