@@ -922,6 +922,35 @@ def test_doctor_checks_the_kernels_of_a_hybrid_target(
 # bench/device_check.sh: the GPU check in one command
 
 
+def test_the_smoke_keeps_every_parts_figures_when_one_part_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A part that raises is a failed check with its first line; the parts after it still run, and the
+    figures are in --json-file after each part (the JSON came only at the very end: an exception or a
+    timeout anywhere lost every figure)."""
+    import bench.gpu_smoke as smoke
+
+    def broken(run: t.Any) -> t.Any:
+        raise RuntimeError("averaging broke\nthe rest of a long message")
+
+    monkeypatch.setattr(smoke, "averaging_round", broken)
+    out = tmp_path / "smoke.json"
+    rc = smoke.main(["--cpu", "--quick", "--no-oom", "--steps", "2", "--json-file", str(out)])
+    assert rc == 1
+    r = json.loads(out.read_text())
+    assert [(p["name"], p["ok"]) for p in r["parts"]] == [
+        ("training", True),
+        ("averaging", False),
+        ("class check", True),
+    ]
+    assert r["parts"][1]["why"] == "RuntimeError: averaging broke"
+    assert r["train_exit"] == 0 and r["class_check"]["ok"]
+    failed = [c["name"] for c in r["checks"] if not c["ok"]]
+    assert failed == ["part averaging ran: RuntimeError: averaging broke"]
+    report = capsys.readouterr()
+    assert "part averaging" in report.out and "FAILED: RuntimeError: averaging broke" in report.out
+
+
 def device_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(REPO / "bench" / "device_check.sh"), *args],
