@@ -1000,6 +1000,20 @@ def test_device_check_installs_the_carried_wheels_and_writes_its_figures_under_o
     assert lines[0] == "device_check: installed 1 carried wheels: carried_probe-1.0-py3-none-any.whl"
     assert lines[1].startswith(f"device_check: python {sys.version.split()[0]}, torch {torch.__version__}")
     assert "device_check: ok   training exited 0" in lines
+    # the probe first, then one line per part of the smoke
+    assert lines[2:5] == [
+        "flex_probe: cpu, capability None, shared memory per block (opt-in) None bytes",
+        *(ln for ln in lines[3:5] if ln.startswith("flex_probe: ok   ")),
+    ]
+    assert "device_check: part flex probe: ok" in lines
+    parts = [ln.split(" (")[0] for ln in lines if ln.startswith("device_check: part ") and "probe" not in ln]
+    assert parts == [
+        "device_check: part training: ok",
+        "device_check: part averaging: ok",
+        "device_check: part class check: ok",
+    ]
+    probe = json.loads((out / "flex_probe.json").read_text())
+    assert [c["ok"] for c in probe["cases"]] == [True, True]
     assert lines[-1] == f"device_check: figures in {out / 'gpu_smoke.json'} (exit 0)"
     r = json.loads((out / "gpu_smoke.json").read_text())
     assert r["vocab_size"] == 151936 and r["class_check"]["classes"] == 2 and all(c["ok"] for c in r["checks"])
