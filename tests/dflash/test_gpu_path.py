@@ -303,6 +303,57 @@ def test_no_warm_up_shape_lowers_to_a_decode_template_without_a_config(
     assert not bad, f"shapes the decode template cannot compile at G={gqa}: {sorted(set(bad))}"
 
 
+# shared_memory_per_block_optin by capability: A100, L40/4090, H100/H200, B200, RTX PRO 6000 (sm_120)
+SMEM_OPTIN = {(8, 0): 166912, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+
+
+@pytest.mark.parametrize("capability", list(SMEM_OPTIN))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flex_tiles_fit_the_shared_memory_of_every_capability(capability: tuple[int, int], head_dim: int) -> None:
+    """99 KB per block on sm_120 against 227 KB on H100/H200/B200: torch's default tiles are tuned per
+    capability and version, and some exceed 99 KB by the estimate (2.13's own sm_120 forward at head dim
+    256, (32, 64) x 2 stages: 147 KB; where 2.11 lacks sm_120's table, sm_100's (128, 64) x 3 stages at 128:
+    131 KB). Small devices get tiles that fit; the large ones keep torch's."""
+    from dflash.compile import flex_block_options, flex_bwd_smem, flex_fwd_smem
+
+    assert flex_fwd_smem(32, 64, 2, 256) > SMEM_OPTIN[(12, 0)] and flex_fwd_smem(128, 64, 3, 128) > 101376
+    smem = SMEM_OPTIN[capability]
+    opts = flex_block_options(smem, head_dim)
+    if smem >= 160 * 1024:
+        assert opts == {}
+        return
+    m, n, s = opts["fwd_BLOCK_M"], opts["fwd_BLOCK_N"], opts["fwd_num_stages"]
+    assert flex_fwd_smem(m, n, s, head_dim) <= smem and 128 % m == 0 and 128 % n == 0
+    m1, n1 = opts["bwd_BLOCK_M1"], opts["bwd_BLOCK_N1"]
+    assert flex_bwd_smem(m1, n1, opts["bwd_num_stages"], head_dim) <= smem
+    assert n1 % m1 == 0 and (opts["bwd_BLOCK_M2"], opts["bwd_BLOCK_N2"]) == (n1, m1)  # torch's (M, N, N, M)
+
+
+def test_every_flex_call_carries_the_tiles_of_the_smallest_drafter_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from dflash import drafter
+    from dflash.compile import set_flex_block_options
+
+    props = {0: 232448, 1: 101376}
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda dev: types.SimpleNamespace(shared_memory_per_block_optin=props[torch.device(dev).index]),
+    )
+    config = types.SimpleNamespace(head_dim=128, hidden_size=2048, num_attention_heads=16)
+    replica = lambda dev: types.SimpleNamespace(device=dev, model=types.SimpleNamespace(config=config))  # noqa: E731
+    try:
+        opts = set_flex_block_options([replica("cuda:0"), replica("cuda:1")])
+        assert opts["fwd_BLOCK_M"] == 128 and opts["fwd_num_stages"] == 2
+        assert all(o == {"BACKEND": "TRITON", **opts} for o in flex_calls(monkeypatch))
+        assert set_flex_block_options([replica("cuda:0")]) == {}  # 227 KB only: torch's own tiles
+        assert drafter.FLEX_KERNEL_OPTIONS == {"BACKEND": "TRITON"}
+    finally:
+        set_flex_block_options([replica("cpu")])
+    assert drafter.FLEX_KERNEL_OPTIONS == {"BACKEND": "TRITON"}  # the CPU: nothing but the backend
+
+
 def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
