@@ -221,7 +221,8 @@ _SHORT_QUERY = 128
 #     evaluate_expr(Lt(q_len, 128)) -> a guard on the query length, whatever kernel it then picks;
 #     Gt(q_len, 0) (always true for a size >= 2); Eq(block-mask heads, 1) (ours: 1, a constant); the GQA
 #     ratio a power of two and static batch / heads (isinstance checks on constants: no guard); the decode
-#     kernel itself (rows == 1 and q_len < 128) adds guard_int of constants only;
+#     kernel itself (rows == 1 and q_len < 128) adds guard_int of constants only, but is never used:
+#     BACKEND=TRITON (drafter.FLEX_KERNEL_OPTIONS) picks the main template after these guards (flex_template);
 #   flex_attention lowering: head dims < 16 and Hq != Hkv (constants), guard_int of the sparse block
 #     sizes and kernel options (constants), Eq(Bq, Bkv) (one symbol), Gt(q_len, 0), Gt(kv_len, 0) (true);
 #     IS_DIVISIBLE by 128 and TMA use are statically_known_* (decided without a guard: False for a symbol);
