@@ -77,7 +77,7 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
-from dflash.compile import WarmUp, prepare_drafter, warm_up_replicas
+from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
@@ -573,13 +573,22 @@ class Run:
         compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
         if compiled:
             started = time.monotonic()
+            shapes = self.warm_up_shapes if self.warm_up_shapes is not None else shapes_for(self.drafters[0])
+            devices = len({r.device for r in self.drafters})
+            logger.info(
+                "compiling the drafter before step 1: %d batch shapes x %d drafter device(s), forward and "
+                "backward, one after the other (on GPUs expect minutes: 10-15 cold for 36 on a 5 + 3 box, about "
+                "half with a warm inductor cache)",
+                len(shapes),
+                devices,
+            )
             # one recompile limit for every replica, from their distinct devices, set before the first warm-up
             self.warmed = warm_up_replicas(
                 self.drafters,
                 feature_size=self.targets[0].model.feature_size,
                 vocab_size=self.vocab_size,
                 mask_token_id=self.mask_token_id,
-                shapes=self.warm_up_shapes,
+                shapes=shapes,
             )
             logger.info(
                 "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "

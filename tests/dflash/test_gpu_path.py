@@ -354,6 +354,16 @@ def test_every_flex_call_carries_the_tiles_of_the_smallest_drafter_device(monkey
     assert drafter.FLEX_KERNEL_OPTIONS == {"BACKEND": "TRITON"}  # the CPU: nothing but the backend
 
 
+def test_warm_up_says_before_it_starts_how_many_compiles_come(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Warm-up on the 5 + 3 box is minutes of serial compiles before step 1: the start-up line says so."""
+    run = tiny_run(tmp_path, "max_steps=1", "compile=true", "compile_backend=eager")
+    with caplog.at_level("INFO", logger="dflash.train"):
+        assert run.train() == 0
+    (line,) = [m for m in caplog.messages if m.startswith("compiling the drafter before step 1: ")]
+    assert line.startswith("compiling the drafter before step 1: 2 batch shapes x 1 drafter device(s)")
+    assert run.warmed is not None and len(run.warmed.shapes) == 2
+
+
 def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
