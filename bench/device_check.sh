@@ -3,18 +3,24 @@
 #
 #     bench/device_check.sh [gpu_smoke options...]
 #
-# Runs `python -m bench.gpu_smoke --quick --json` from this checkout WITHOUT `pip install -e .` (the box's
-# own torch and transformers are the ones checked; an install would fetch the pinned ones), after
-# installing the wheels carried in .wheels/ (ignored by git; bench/fetch_wheels.sh fills it here, for the
-# box's Python 3.12) into a folder of their own. With $OUT set, the JSON figures go to $OUT/gpu_smoke.json
-# and the log to $OUT/gpu_smoke.log. Exits within DEVICE_CHECK_LIMIT_S seconds (default 450: inside 8
-# minutes with the start), with gpu_smoke's exit code (0: every check passed, 1: one failed; 124: too slow).
+# First `python -m bench.flex_probe` (within DEVICE_CHECK_PROBE_S, default 60: flex attention compiled for a
+# one-row batch of short queries, with torch's template choice and with BACKEND=TRITON; the device's
+# capability and shared memory per block), then `python -m bench.gpu_smoke --quick --class-budget 60` from
+# this checkout WITHOUT `pip install -e .` (the box's own torch and transformers are the ones checked; an
+# install would fetch the pinned ones), after installing the wheels carried in .wheels/ (ignored by git;
+# bench/fetch_wheels.sh fills it here, for the box's Python 3.12) into a folder of their own. With $OUT set,
+# the figures go to $OUT/flex_probe.json and $OUT/gpu_smoke.json (rewritten after each part of the smoke:
+# training, averaging, forced OOM, class check, so a failed or cut part keeps the others') and the log to
+# $OUT/gpu_smoke.log; one line per part says ok or why not. The smoke ends within DEVICE_CHECK_LIMIT_S
+# seconds (default 330: with the probe inside 7 minutes), with gpu_smoke's exit code (0: every check
+# passed, 1: one failed; 124: too slow).
 # Without CUDA it says so in one line and exits 0 (with --cpu: the same path tiny on the CPU). PYTHON: the
 # interpreter (default python3); DEVICE_CHECK_WHEELS: the wheels' folder (default .wheels).
 set -u
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-LIMIT=${DEVICE_CHECK_LIMIT_S:-450}
+LIMIT=${DEVICE_CHECK_LIMIT_S:-330}
+PROBE_LIMIT=${DEVICE_CHECK_PROBE_S:-60}
 cd -- "$ROOT" || exit 1
 
 cpu=0
@@ -50,22 +56,39 @@ print(f"device_check: python {platform.python_version()}, torch {torch.__version
 if [ -n "${OUT:-}" ]; then
     mkdir -p -- "$OUT"
     json=$OUT/gpu_smoke.json
+    probe_json=$OUT/flex_probe.json
     log=$OUT/gpu_smoke.log
 else
     json=$(mktemp "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX.json")
+    probe_json=$(mktemp "${TMPDIR:-/tmp}/flex_probe.XXXXXX.json")
     log=/dev/null
 fi
+probe_args=()
+[ "$cpu" = 1 ] && probe_args=(--cpu)
+# the first minute: its lines go to stdout as they come; its exit code is a finding, not the end
+timeout -k 10 "$PROBE_LIMIT" "$PY" -m bench.flex_probe --json "$probe_json" "${probe_args[@]}"
+prc=$?
+if [ "$prc" -eq 124 ] || [ "$prc" -eq 137 ]; then
+    echo "device_check: part flex probe: FAILED: ran past ${PROBE_LIMIT}s"
+else
+    echo "device_check: part flex probe: $([ "$prc" -eq 0 ] && echo ok || echo "FAILED: exit $prc")"
+fi
 set -o pipefail
-# the report goes to stderr (and the log), the JSON to its file; -k: a smoke that ignores TERM is killed
-{ timeout -k 15 "$LIMIT" "$PY" -m bench.gpu_smoke --quick --json "$@" 2>&1 >"$json"; } | tee -- "$log" >&2
+# the report goes to stderr (and the log), the figures to $json after each part; -k: a smoke that ignores
+# TERM is killed
+{ timeout -k 15 "$LIMIT" "$PY" -m bench.gpu_smoke --quick --json --class-budget 60 --json-file "$json" "$@" \
+    2>&1 >/dev/null; } | tee -- "$log" >&2
 rc=${PIPESTATUS[0]}
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "device_check: FAIL: the quick smoke ran past ${LIMIT}s" >&2
-elif [ -s "$json" ]; then
-    # the checks, one line each, from the JSON (the figures are in the file)
+    echo "device_check: FAIL: the quick smoke ran past ${LIMIT}s; the parts it finished:" >&2
+fi
+if [ -s "$json" ]; then
+    # one line per part and per check, from the JSON (the figures are in the file)
     "$PY" - "$json" <<'PYEOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
+for p in r.get("parts", []):
+    print(f"device_check: part {p['name']}: {'ok' if p['ok'] else 'FAILED: ' + str(p['why'])} ({p['s']}s)")
 for c in r.get("checks", []):
     print(f"device_check: {'ok  ' if c['ok'] else 'FAIL'} {c['name']}")
 keys = ("ktok_s", "drafter_step_s", "mfu", "compile_s", "compiled_entries", "recompiles_after_warmup",

@@ -118,6 +118,12 @@ def parse_args(argv: t.Sequence[str] | None) -> argparse.Namespace:
         help="seconds the class check may spend compiling (default 150; classes past it are reported unchecked)",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object (the figures and checks) on stdout")
+    ap.add_argument(
+        "--json-file",
+        type=Path,
+        default=None,
+        help="write the figures so far to this file after each part (device_check: kept when a part fails)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="global training steps (default 60; --cpu 6)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 2048; --cpu 64)")
     ap.add_argument("--batch", type=int, default=None, help="samples per batch (default 4; --cpu 2)")
@@ -600,11 +606,16 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
     t0 = time.perf_counter()
     warmed: list[tuple[int, int, int]] = []
     unchecked: list[tuple[int, int, int]] = []
+    failed: list[dict[str, t.Any]] = []
     for shape in shapes:
         if time.perf_counter() - t0 > args.class_budget:
             unchecked.append(shape)
             continue
-        warm_up(replica, shapes=[shape], **kw)
+        try:
+            warm_up(replica, shapes=[shape], **kw)
+        except Exception as e:  # a class the backend cannot compile is this check's finding, not the smoke's end
+            failed.append({"shape": shape, "error": first_line(e)})
+            continue
         warmed.append(shape)
     compile_s = time.perf_counter() - t0
     entries = compiled_entries()
@@ -637,8 +648,17 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
         "entries_after_warm_up": entries,
         "entries_added_by_feed": compiled_entries() - entries,
         "batches": fed,
-        "ok": all(f["ok"] for f in fed) and compiled_entries() == entries,
+        "failed": failed,
+        "ok": not failed and all(f["ok"] for f in fed) and compiled_entries() == entries,
     }
+
+
+def first_line(e: BaseException) -> str:
+    """The exception's type and the first line of its message that names an error (inductor's wrap the cause:
+    "backend='inductor' raised:" comes first)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln]
+    return f"{type(e).__name__}: {(named or lines or [''])[0]}"[:300]
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,6 +676,40 @@ def oom_config(raw: dict[str, t.Any], tmp: Path, drafters: list[str]) -> Path:
     path = tmp / "oom.toml"
     path.write_text(to_toml(cfg))
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Parts: each one's figures kept even when a later one fails or the time runs out
+
+
+class Parts:
+    """Runs the smoke's parts in turn: a part that raises is a failed part (its first line kept), not the
+    smoke's end; after each, one line on the log and the figures so far in ``--json-file``."""
+
+    def __init__(self, result: dict[str, t.Any], path: Path | None, say: t.Callable[[str], None]) -> None:
+        self.result, self.path, self.say = result, path, say
+        self.write()
+
+    def run(self, name: str, fn: t.Callable[[], t.Any]) -> t.Any:
+        t0 = time.perf_counter()
+        value, why = None, None
+        try:
+            value = fn()
+        except Exception as e:  # the smoke's finding: the next parts still run
+            why = first_line(e)
+            logging.getLogger("bench.gpu_smoke").debug("part %s failed", name, exc_info=True)
+        seconds = round(time.perf_counter() - t0, 1)
+        self.result["parts"].append({"name": name, "ok": why is None, "why": why, "s": seconds})
+        self.say(f"part {name}: {'ok' if why is None else 'FAILED: ' + why} ({seconds:.1f}s)")
+        self.write()
+        return value
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.result, default=str))
+        os.replace(tmp, self.path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -704,89 +758,103 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             f"devices: targets {targets}, drafters {drafters}; compile {cfg.compile} ({cfg.compile_backend}), "
             f"activation checkpointing {cfg.activation_checkpointing}; {args.steps} steps of {args.batch} x {args.seq_len} tokens"
         )
-        if torch.cuda.is_available() and not args.cpu:
-            for i in range(torch.cuda.device_count()):
-                torch.cuda.reset_peak_memory_stats(i)
-        watch, undo = watch_logs()
-        eager_flex, undo_flex = count_eager_flex()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")  # every flex warning, not the first per call site
-            try:
-                run = Run(cfg, environ={**os.environ, "DFLASH_RUN_DIR": str(tmp / "run")}, stream=out)
-                if args.quick:  # compile only what the smoke's own batches need
-                    run.warm_up_shapes = data_shapes(run, args)
-                    say(f"warm-up shapes (the data's classes): {run.warm_up_shapes}")
-                t_train = time.perf_counter()
-                rc = run.train()
-                train_s = time.perf_counter() - t_train
-            finally:
-                undo()
-                undo_flex()
-        flex = max(eager_flex[0], sum(FLEX_WARNING in str(w.message) for w in caught))
-        compile_s = (watch.started_at - t_train) if watch.started_at is not None else None
-        frames_after = dynamo_frames() - watch.frames_at_start if watch.frames_at_start is not None else None
-        records = list(run.metrics.records) if run.metrics is not None else []
-        figures = interval_figures(records)
-        flops = drafter_step_flops(args, shape, run.draft_config, len(run.targets[0].model.layer_ids))
-        peak, peak_from = peak_flops(args)
-        step_s = figures["drafter_step_s"]
-        mfu = flops / step_s / peak if (peak and step_s) else None
-        memory = gpu_memory()
-        say(f"trained: exit {rc} in {train_s:.1f}s; averaging round next")
-        avg = averaging_round(run)
-        classes = None
-        if args.quick:
-            say("class check: a one-layer drafter compiled for every shape class, then one batch of each")
-            class_flex, undo_class_flex = count_eager_flex()
-            try:
-                classes = class_check(args, run)
-            finally:
-                undo_class_flex()
-            classes["eager_flex_calls"] = class_flex[0]
-        oom = None
-        if not args.no_oom:
-            say("forcing an OOM under the runner")
-            oom = gpu_oom.forced_oom(args, tmp, oom_config(raw, tmp, drafters), drafters, run.warm_up_shapes)
-        result = {
+        result: dict[str, t.Any] = {
             "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
             "gpus": 0 if args.cpu else torch.cuda.device_count(),
             "targets": targets,
             "drafters": drafters,
             "target_params_m": round(n_params / 1e6, 1),
             "vocab_size": shape["vocab_size"],
-            "mask_token_id": run.mask_token_id,
             "mask_token_id_expected": mask_id,
             "quick": args.quick,
-            "warm_up_shapes": run.warmed.shapes if run.warmed is not None else None,
-            "compiled_entries": run.warmed.entries if run.warmed is not None else None,
-            "recompile_limit": run.warmed.limit if run.warmed is not None else None,
             "target_build_s": round(build_s, 2),
-            "train_exit": rc,
-            "train_s": round(train_s, 2),
             "steps": args.steps,
             "batch": args.batch,
             "seq_len": args.seq_len,
-            "ktok_s": figures["ktok_s"],
-            "drafter_step_s": step_s,
-            "drafter_step_tflop": flops / 1e12,
-            "mfu": mfu,
-            "peak_tflops": peak / 1e12 if peak else None,
-            "peak_from": peak_from,
-            "compile_s": compile_s,
-            "recompiles_after_warmup": len(watch.recompiles),
-            "recompiles_in_warmup": len(watch.warmup_recompiles),
-            "recompile_messages": watch.recompiles[:5],
-            "dynamo_frames_after_warmup": frames_after,
-            "flex_eager_warnings": flex,
-            "memory": memory,
-            "averaging": avg,
-            "class_check": classes,
-            "oom": oom,
-            "total_s": round(time.perf_counter() - t_start, 1),
+            "parts": [],
         }
+        parts = Parts(result, args.json_file, say)
+
+        def train() -> t.Any:
+            if torch.cuda.is_available() and not args.cpu:
+                for i in range(torch.cuda.device_count()):
+                    torch.cuda.reset_peak_memory_stats(i)
+            watch, undo = watch_logs()
+            eager_flex, undo_flex = count_eager_flex()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")  # every flex warning, not the first per call site
+                try:
+                    run = Run(cfg, environ={**os.environ, "DFLASH_RUN_DIR": str(tmp / "run")}, stream=out)
+                    if args.quick:  # compile only what the smoke's own batches need
+                        run.warm_up_shapes = data_shapes(run, args)
+                        say(f"warm-up shapes (the data's classes): {run.warm_up_shapes}")
+                    t_train = time.perf_counter()
+                    rc = run.train()
+                    train_s = time.perf_counter() - t_train
+                finally:
+                    undo()
+                    undo_flex()
+            flex = max(eager_flex[0], sum(FLEX_WARNING in str(w.message) for w in caught))
+            records = list(run.metrics.records) if run.metrics is not None else []
+            figures = interval_figures(records)
+            flops = drafter_step_flops(args, shape, run.draft_config, len(run.targets[0].model.layer_ids))
+            peak, peak_from = peak_flops(args)
+            step_s = figures["drafter_step_s"]
+            result.update(
+                mask_token_id=run.mask_token_id,
+                warm_up_shapes=run.warmed.shapes if run.warmed is not None else None,
+                compiled_entries=run.warmed.entries if run.warmed is not None else None,
+                recompile_limit=run.warmed.limit if run.warmed is not None else None,
+                train_exit=rc,
+                train_s=round(train_s, 2),
+                ktok_s=figures["ktok_s"],
+                drafter_step_s=step_s,
+                drafter_step_tflop=flops / 1e12,
+                mfu=flops / step_s / peak if (peak and step_s) else None,
+                peak_tflops=peak / 1e12 if peak else None,
+                peak_from=peak_from,
+                compile_s=(watch.started_at - t_train) if watch.started_at is not None else None,
+                recompiles_after_warmup=len(watch.recompiles),
+                recompiles_in_warmup=len(watch.warmup_recompiles),
+                recompile_messages=watch.recompiles[:5],
+                dynamo_frames_after_warmup=(
+                    dynamo_frames() - watch.frames_at_start if watch.frames_at_start is not None else None
+                ),
+                flex_eager_warnings=flex,
+                memory=gpu_memory(),
+            )
+            say(f"trained: exit {rc} in {train_s:.1f}s")
+            if rc != 0:
+                raise RuntimeError(f"training exited {rc}")
+            return run
+
+        def classes() -> None:
+            say("class check: a one-layer drafter compiled for every shape class, then one batch of each")
+            class_flex, undo_class_flex = count_eager_flex()
+            try:
+                c = class_check(args, run)
+            finally:
+                undo_class_flex()
+            c["eager_flex_calls"] = class_flex[0]
+            result["class_check"] = c
+
+        run = parts.run("training", train)
+        if run is not None:
+            parts.run("averaging", lambda: result.update(averaging=averaging_round(run)))
+            if not args.no_oom:  # before the class check: bounded by its own timeout, the class check by its budget
+                say("forcing an OOM under the runner")
+                cfg_oom = oom_config(raw, tmp, drafters)
+                parts.run(
+                    "forced OOM",
+                    lambda: result.update(oom=gpu_oom.forced_oom(args, tmp, cfg_oom, drafters, run.warm_up_shapes)),
+                )
+            if args.quick:
+                parts.run("class check", classes)
+        result["total_s"] = round(time.perf_counter() - t_start, 1)
         result["checks"] = checks(args, result)
         if args.keep:
             result["temp_dir"] = str(tmp)
+        parts.write()
         if args.json:
             print(json.dumps(result, default=str))
         else:
@@ -798,30 +866,39 @@ def main(argv: t.Sequence[str] | None = None) -> int:
 
 
 def checks(args: argparse.Namespace, r: dict[str, t.Any]) -> list[dict[str, t.Any]]:
-    out = [
-        {"name": "training exited 0", "ok": r["train_exit"] == 0},
-        {
-            "name": "no (re)compile after warm-up",
-            "ok": r["recompiles_after_warmup"] == 0 and not r["dynamo_frames_after_warmup"],
-        },
-        {"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]},
-        {
-            "name": f"MASK id {r['mask_token_id']} is the rule's and not in the data",
-            "ok": r["mask_token_id"] == r["mask_token_id_expected"],
-        },
-        {"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]},
-    ]
-    if not args.cpu:  # eager flex is the CPU path; on CUDA it is the OOM the issue is about
-        out.append({"name": "no eager flex_attention warning", "ok": r["flex_eager_warnings"] == 0})
+    """One line per check from the figures there are; a part that failed is a failed check of its own."""
+    out = [{"name": f"part {p['name']} ran: {p['why']}", "ok": False} for p in r.get("parts", []) if not p["ok"]]
+    if "train_exit" in r:
+        out.append({"name": "training exited 0", "ok": r["train_exit"] == 0})
+        out.append(
+            {
+                "name": "no (re)compile after warm-up",
+                "ok": r["recompiles_after_warmup"] == 0 and not r["dynamo_frames_after_warmup"],
+            }
+        )
+        out.append(
+            {
+                "name": f"MASK id {r['mask_token_id']} is the rule's and not in the data",
+                "ok": r["mask_token_id"] == r["mask_token_id_expected"],
+            }
+        )
+        if not args.cpu:  # eager flex is the CPU path; on CUDA it is the OOM the issue is about
+            out.append({"name": "no eager flex_attention warning", "ok": r["flex_eager_warnings"] == 0})
+    else:
+        out.append({"name": "training ran", "ok": False})
+    if r.get("averaging") is not None:
+        out.append({"name": "averaged replicas bit-identical", "ok": r["averaging"]["bit_identical"]})
+        out.append({"name": "averaged replicas equal the CPU mean", "ok": r["averaging"]["equals_cpu_mean"]})
     c = r.get("class_check")
     if c is not None:
         out.append(
             {
-                "name": f"class check: {c['warmed']} of {c['classes']} shape classes fed after warm-up, all compiled",
+                "name": f"class check: {c['warmed']} of {c['classes']} shape classes fed after warm-up, all compiled"
+                + "".join(f"; compile failed for {f['shape']}: {f['error']}" for f in c.get("failed", [])),
                 "ok": c["ok"] and (args.cpu or c["eager_flex_calls"] == 0),
             }
         )
-    if r["oom"] is not None:
+    if r.get("oom") is not None:
         o = r["oom"]
         out.append(
             {
@@ -836,15 +913,12 @@ def _fmt(v: t.Any, spec: str = ".2f", none: str = "n/a") -> str:
     return none if v is None else format(v, spec)
 
 
-def print_report(r: dict[str, t.Any]) -> None:
-    a = r["averaging"]
+def _training_lines(r: dict[str, t.Any]) -> list[str]:
+    mfu = r["mfu"]
     lines = [
-        f"device              {r['device']} x {r['gpus']}   targets {r['targets']}  drafters {r['drafters']}",
-        f"target              {r['target_params_m']}M params (built + saved {r['target_build_s']}s); "
-        f"vocabulary {r['vocab_size']}, MASK id {r['mask_token_id']}",
         f"throughput          {_fmt(r['ktok_s'], '.1f')} Ktok/s (steady intervals)",
         f"drafter step        {_fmt(r['drafter_step_s'], '.4f')} s, {r['drafter_step_tflop']:.2f} TFLOP/step "
-        f"-> MFU {_fmt(r['mfu'] * 100 if r['mfu'] is not None else None, '.1f') + '%' if r['mfu'] is not None else 'n/a'} "
+        f"-> MFU {_fmt(mfu * 100, '.1f') + '%' if mfu is not None else 'n/a'} "
         f"(peak {_fmt(r['peak_tflops'], '.0f')} TFLOP/s, {r['peak_from']})",
         f"compile (warm-up)   {_fmt(r['compile_s'], '.1f')} s",
         f"recompiles          {r['recompiles_after_warmup']} after warm-up (dynamo frames compiled after: "
@@ -853,6 +927,23 @@ def print_report(r: dict[str, t.Any]) -> None:
         f"compiled entries    {r['compiled_entries']} (recompile limit {r['recompile_limit']}; "
         f"warm-up shapes {r['warm_up_shapes']})",
     ]
+    for m in r["memory"]:
+        lines.append(
+            f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "
+            f"{m['peak_reserved_gib']} GiB reserved of {m['total_gib']} GiB"
+        )
+    return lines
+
+
+def print_report(r: dict[str, t.Any]) -> None:
+    lines = [
+        f"device              {r['device']} x {r['gpus']}   targets {r['targets']}  drafters {r['drafters']}",
+        f"target              {r['target_params_m']}M params (built + saved {r['target_build_s']}s); "
+        f"vocabulary {r['vocab_size']}, MASK id {r.get('mask_token_id')}",
+    ]
+    lines += [f"part {p['name']:<15} {'ok' if p['ok'] else 'FAILED: ' + str(p['why'])} ({p['s']}s)" for p in r["parts"]]
+    if "train_exit" in r:
+        lines += _training_lines(r)
     c = r.get("class_check")
     if c is not None:
         lines.append(
@@ -860,30 +951,25 @@ def print_report(r: dict[str, t.Any]) -> None:
             f"{sum(b['ok'] for b in c['batches'])} fed batches hit compiled code, {c['entries_added_by_feed']} entries "
             f"added, {c['eager_flex_calls']} eager flex calls; unchecked (budget) {c['unchecked']}"
         )
-        for b in c["batches"]:
-            if not b["ok"]:
-                lines.append(f"                    MISS {b['fed']} ({b['miss']})")
-    for m in r["memory"]:
+        lines += [f"                    MISS {b['fed']} ({b['miss']})" for b in c["batches"] if not b["ok"]]
+        lines += [f"                    COMPILE FAILED {f['shape']} ({f['error']})" for f in c.get("failed", [])]
+    a = r.get("averaging")
+    if a is not None:
         lines.append(
-            f"gpu {m['gpu']} memory        peak {m['peak_allocated_gib']} GiB allocated, "
-            f"{m['peak_reserved_gib']} GiB reserved of {m['total_gib']} GiB"
+            f"averaging           {a['replicas']} replicas x {a['mb_per_replica']:.0f} MB"
+            f"{' (one a copy)' if a['copied_replica'] else ''}: round {_fmt(a['round_s'], '.3f')} s "
+            f"(first {_fmt(a['first_round_s'], '.3f')} s), copy bound {a['copy_bound_s']:.3f} s, "
+            f"ratio {_fmt(a['ratio'], '.2f')}; bandwidth GB/s out/back {a['bandwidth_gb_s']}"
         )
-    lines.append(
-        f"averaging           {a['replicas']} replicas x {a['mb_per_replica']:.0f} MB"
-        f"{' (one a copy)' if a['copied_replica'] else ''}: round {_fmt(a['round_s'], '.3f')} s "
-        f"(first {_fmt(a['first_round_s'], '.3f')} s), copy bound {a['copy_bound_s']:.3f} s, "
-        f"ratio {_fmt(a['ratio'], '.2f')}; bandwidth GB/s out/back {a['bandwidth_gb_s']}"
-    )
-    if r["oom"] is not None:
-        o = r["oom"]
+    o = r.get("oom")
+    if o is not None:
         lines.append(
             f"forced OOM          {o['how']}: status {o['state']} / {o['cause']} / gpu {o['gpu']} "
             f"(runner exit {o['runner_exit']}, {o['seconds']:.1f}s)"
         )
         lines.append(f"                    {o['detail'][:160]}")
     lines.append(f"total               {r['total_s']} s")
-    for c in r["checks"]:
-        lines.append(f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}")
+    lines += [f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}" for c in r["checks"]]
     print("\n".join(lines))
 
 

@@ -67,6 +67,7 @@ def warm_up_replicas(
     """
     if not replicas:
         return WarmUp([], 0, {})
+    set_flex_block_options(replicas)
     todo = list(shapes) if shapes is not None else shapes_for(replicas[0], attention=attention)
     limit = set_recompile_limits(len(todo), guard_keys(replicas))
     entries: dict[str, int] = {}
@@ -220,7 +221,8 @@ _SHORT_QUERY = 128
 #     evaluate_expr(Lt(q_len, 128)) -> a guard on the query length, whatever kernel it then picks;
 #     Gt(q_len, 0) (always true for a size >= 2); Eq(block-mask heads, 1) (ours: 1, a constant); the GQA
 #     ratio a power of two and static batch / heads (isinstance checks on constants: no guard); the decode
-#     kernel itself (rows == 1 and q_len < 128) adds guard_int of constants only;
+#     kernel itself (rows == 1 and q_len < 128) adds guard_int of constants only, but is never used:
+#     BACKEND=TRITON (drafter.FLEX_KERNEL_OPTIONS) picks the main template after these guards (flex_template);
 #   flex_attention lowering: head dims < 16 and Hq != Hkv (constants), guard_int of the sparse block
 #     sizes and kernel options (constants), Eq(Bq, Bkv) (one symbol), Gt(q_len, 0), Gt(kv_len, 0) (true);
 #     IS_DIVISIBLE by 128 and TMA use are statically_known_* (decided without a guard: False for a symbol);
@@ -236,6 +238,90 @@ def shape_class(rows: int, seq: int, blocks: int, *, block_size: int, flex: bool
     q = blocks * block_size
     kv = seq + q
     return (rows == 1, blocks == 1, q < _SHORT_QUERY, q <= _TILE, kv <= _TILE)
+
+
+def flex_template(rows: int, q_len: int, *, heads: int, kv_heads: int, kernel_options: t.Mapping[str, t.Any]) -> str:
+    """The template inductor's CUDA flex forward lowering picks for a batch: ``"decode"`` or ``"main"``
+    (pure: torch's flex_attention.py ``use_decode`` over flex_decoding.py ``_use_flex_decoding``). The
+    batch size is static only as the constant 1 (``dynamic=True``); our BlockMask has one head."""
+    backend = kernel_options.get("BACKEND", "AUTO")
+    if backend != "AUTO":
+        return "decode" if backend == "TRITON_DECODE" else "main"
+    ratio = heads // kv_heads
+    power_of_two = ratio > 0 and ratio & (ratio - 1) == 0
+    forced = bool(kernel_options.get("FORCE_USE_FLEX_ATTENTION", False))
+    return "decode" if not forced and rows == 1 and 0 < q_len < _SHORT_QUERY and power_of_two else "main"
+
+
+def decode_has_config(q_len: int, *, gqa: int) -> bool:
+    """Whether the decode template keeps a config at its default block: ``BLOCK_M = max(next_pow2(q_len *
+    gqa), 16)`` must divide the sparse query block (128), or no choice is left (torch 2.11's
+    NoValidChoicesError, 2.14's ValueError; flex_decoding.py ``create_flex_decoding_kernel``)."""
+    block_m = max(1 << max(q_len * gqa - 1, 0).bit_length(), 16)
+    return _TILE % block_m == 0
+
+
+# Shared memory per block: devices below this get flex tiles chosen to fit (sm_120 and sm_86/89: 99 KB;
+# sm_80: 163 KB and sm_90/sm_100: 227 KB keep torch's own, tuned per capability).
+_SMALL_SMEM = 160 * 1024
+# Tiles to try, largest first: forward (BLOCK_M, BLOCK_N, num_stages, num_warps); backward (BLOCK_M, BLOCK_N
+# for both passes, num_stages, num_warps). The first forward is torch 2.13's own for sm_120 at head dim 128.
+_FWD_TILES = ((128, 64, 2, 8), (64, 64, 2, 4), (64, 32, 2, 4), (32, 32, 1, 4), (32, 16, 1, 4))
+_BWD_TILES = ((64, 64, 1, 4), (32, 64, 1, 4), (32, 32, 1, 4), (16, 16, 1, 4))
+
+
+def flex_fwd_smem(block_m: int, block_n: int, stages: int, head_dim: int, itemsize: int = 2) -> int:
+    """An upper estimate of the forward kernel's shared memory: the Q tile and, per pipeline stage, a K and
+    a V tile (Triton buffers each load feeding a dot per stage)."""
+    return itemsize * head_dim * (block_m + 2 * stages * block_n)
+
+
+def flex_bwd_smem(block_m: int, block_n: int, stages: int, head_dim: int, itemsize: int = 2) -> int:
+    """The same for the backward kernel: K and V tiles held, Q and dO tiles per stage."""
+    return itemsize * head_dim * (2 * block_n + 2 * stages * block_m)
+
+
+def flex_block_options(smem_optin: int, head_dim: int) -> dict[str, int]:
+    """flex kernel options with tiles that fit ``smem_optin`` bytes per block ({}: torch's own choice).
+
+    torch's defaults are tuned for each capability it knows, and on a 99 KB device some exceed it
+    (Triton's "OutOfResources: shared memory"), depending on the torch version's tables; so there the
+    tiles are ours, the largest that fit the estimate."""
+    if smem_optin >= _SMALL_SMEM:
+        return {}
+    fwd = next((c for c in _FWD_TILES if flex_fwd_smem(*c[:3], head_dim) <= smem_optin), _FWD_TILES[-1])
+    bwd = next((c for c in _BWD_TILES if flex_bwd_smem(*c[:3], head_dim) <= smem_optin), _BWD_TILES[-1])
+    return {
+        "fwd_BLOCK_M": fwd[0],
+        "fwd_BLOCK_N": fwd[1],
+        "fwd_num_stages": fwd[2],
+        "fwd_num_warps": fwd[3],
+        "bwd_BLOCK_M1": bwd[0],
+        "bwd_BLOCK_N1": bwd[1],
+        "bwd_BLOCK_M2": bwd[1],
+        "bwd_BLOCK_N2": bwd[0],
+        "bwd_num_stages": bwd[2],
+        "bwd_num_warps": bwd[3],
+    }
+
+
+def set_flex_block_options(replicas: t.Sequence[DrafterReplica]) -> dict[str, int]:
+    """Before anything compiles: the flex tiles every training call passes, for the CUDA drafter device with
+    the least shared memory per block (process-wide, as the compiled code is)."""
+    from dflash import drafter
+
+    optins = [
+        int(getattr(torch.cuda.get_device_properties(torch.device(r.device)), "shared_memory_per_block_optin", 0))
+        for r in replicas
+        if torch.device(r.device).type == "cuda"
+    ]
+    cfg = replicas[0].model.config if replicas else None
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads) if cfg else 0
+    opts = flex_block_options(min(optins), head_dim) if optins and head_dim and min(optins) else {}
+    for key in [k for k in drafter.FLEX_KERNEL_OPTIONS if k != "BACKEND"]:
+        del drafter.FLEX_KERNEL_OPTIONS[key]  # type: ignore[misc]  # FlexKernelOptions' keys are optional
+    drafter.FLEX_KERNEL_OPTIONS.update(opts)  # type: ignore[typeddict-item]  # the fwd_/bwd_ forms
+    return opts
 
 
 def batch_shape(loss_mask: torch.Tensor, *, num_anchors: int) -> tuple[int, int, int]:
@@ -293,9 +379,15 @@ __all__ = [
     "WarmUp",
     "batch_shape",
     "compiled_entries",
+    "decode_has_config",
+    "flex_block_options",
+    "flex_bwd_smem",
+    "flex_fwd_smem",
+    "flex_template",
     "guard_keys",
     "prepare_drafter",
     "recompile_limits",
+    "set_flex_block_options",
     "set_recompile_limits",
     "shape_class",
     "shapes_for",

@@ -116,10 +116,11 @@ class DevicesConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class QueueConfig:
     capacity: int = 64  # batches of features in flight at most; per-drafter mode splits it over the queues
-    # ... and bytes of features in flight at most (pinned host memory, or the drafter GPU's memory):
-    # 4 GiB is ~14 batches of 8K tokens x 5 layers x 5120 wide in bf16. A batch larger than it still
-    # passes alone. Per-drafter mode splits it like the capacity.
-    max_bytes: int = 4 << 30
+    # ... and bytes of features in flight at most (pinned host memory, or the drafter GPU's memory).
+    # None: derived from the run, room for what every drafter accumulates plus one batch per worker
+    # (``feature_queue.default_max_bytes``, at least 4 GiB). A batch larger than it still passes alone.
+    # Per-drafter mode splits it like the capacity.
+    max_bytes: int | None = None
     mode: str = "shared"  # "shared" (one queue) or "per-drafter" (round-robin, for comparison only)
 
 
@@ -531,7 +532,8 @@ def _check(cfg: RunConfig) -> None:
             seen.add(dev)
 
     positive("queue.capacity", cfg.queue.capacity)
-    positive("queue.max_bytes", cfg.queue.max_bytes)
+    if cfg.queue.max_bytes is not None:
+        positive("queue.max_bytes", cfg.queue.max_bytes)
     choice("queue.mode", cfg.queue.mode, ("shared", "per-drafter"))
     if cfg.queue.mode == "per-drafter" and cfg.queue.capacity < len(cfg.devices.drafters):
         raise ConfigError(

@@ -58,10 +58,11 @@ else:  # transformers 4.x
 
 
 try:  # flex_attention is the GPU training path; the dense SDPA path needs nothing optional
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 except ImportError:  # pragma: no cover - torch without flex attention
     BlockMask = None  # type: ignore[assignment,misc]
     flex_attention = None  # type: ignore[assignment]
+    FlexKernelOptions = dict  # type: ignore[misc,assignment]
 
 __all__ = [
     "CompileMissError",
@@ -345,6 +346,14 @@ def compiled_flex() -> t.Callable[..., torch.Tensor]:
         return _compiled_flex
 
 
+# Every training flex call lowers to flex's main Triton template. Otherwise inductor's CUDA lowering sends a
+# batch of one row (a constant) with queries < 128 and a power-of-two GQA ratio to the decode template, whose
+# default BLOCK_M = next_pow2(q_len * GQA) leaves it no config once that passes 128 (torch 2.11:
+# NoValidChoicesError; 2.14: ValueError): the warm-up's short-query class (q = 112) at GQA 2-8. Shape
+# classes are unchanged (the decode test's guards are evaluated first). The CPU lowering ignores BACKEND.
+FLEX_KERNEL_OPTIONS: FlexKernelOptions = {"BACKEND": "TRITON"}
+
+
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t.Any, scale: float) -> torch.Tensor:
     """flex_attention: traced into the compiled layer, else the compiled kernel on CUDA, eager on CPU.
 
@@ -353,16 +362,16 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: t.Any, 
     """
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex_attention is not available in this torch build; use the dense mask")
-    gqa = q.shape[1] != k.shape[1]
+    gqa, opts = q.shape[1] != k.shape[1], FLEX_KERNEL_OPTIONS
     # Per frame: True only while dynamo traces THIS code. torch.compiler.is_compiling() is process-wide
     # (set while any thread compiles), so a drafter thread would call unfused flex during another's compile.
     if torch.compiler.is_dynamo_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=opts)
     if not q.is_cuda:
-        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=opts)
     try:
         with _compiled_calls:
-            return compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+            return compiled_flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, kernel_options=opts)
     except RuntimeError as e:
         if _RECOMPILE_MARK not in str(e):
             raise

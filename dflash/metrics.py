@@ -204,6 +204,26 @@ def _reader_stream(dev: torch.device) -> t.Any:
         return _readers[dev]
 
 
+def _stacked(group: t.Sequence[tuple[t.Any, ...]], dev: torch.device) -> torch.Tensor:
+    """Steps' figures ``(loss, acc, tau_tf, acc_per_slot)`` as one float64 matrix on ``dev``, a row per step
+    (zero-padded to the widest), built on the caller's current stream."""
+    vectors = [
+        torch.cat(
+            [
+                p.detach().reshape(-1).double().to(dev)
+                if isinstance(p, torch.Tensor)
+                else torch.tensor(
+                    [float(x) for x in (p if isinstance(p, tuple) else (p,))], dtype=torch.float64, device=dev
+                )
+                for p in parts
+            ]
+        )
+        for parts in group
+    ]
+    width = max(v.numel() for v in vectors)
+    return torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
+
+
 def wandb_available() -> bool:
     try:
         import wandb  # noqa: F401  # the optional [wandb] extra
@@ -347,8 +367,11 @@ class Metrics:
     @staticmethod
     def _read_pending(pending: t.Sequence[StepStats]) -> list[list[float]]:
         """The interval's figures as rows of numbers: one read per device, on a reader stream of its own
-        after the steps' ``ready`` events (only those steps' work is waited for, not the device's queue)."""
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        after the steps' ``ready`` events (only those steps' work is waited for, not the device's queue).
+
+        Every op on a CUDA figure runs on the reader stream after its wait: one queued on the emitting
+        thread's stream would come after ``ready`` with nothing ordering the reader's read after it."""
+        by_device: dict[torch.device, list[tuple[t.Any, ...]]] = {}
         events: dict[torch.device, t.Any] = {}
         rows: list[list[float]] = []
         for s in pending:
@@ -357,28 +380,17 @@ class Metrics:
             if dev is None:
                 rows.append([float(s.loss), float(s.acc), float(s.tau_tf), *(float(a) for a in s.acc_per_slot)])
                 continue
-            flat = [
-                p.detach().reshape(-1).double().to(dev)
-                if isinstance(p, torch.Tensor)
-                else torch.tensor(
-                    [float(x) for x in (p if isinstance(p, tuple) else (p,))], dtype=torch.float64, device=dev
-                )
-                for p in parts
-            ]
-            by_device.setdefault(dev, []).append(torch.cat(flat))
+            by_device.setdefault(dev, []).append(parts)
             if s.ready is not None:
                 events[dev] = s.ready  # steps of one device finish in order: the last one covers them
-        for dev, vectors in by_device.items():
-            width = max(v.numel() for v in vectors)
+        for dev, group in by_device.items():
             if dev.type == "cuda" and dev in events:
                 reader = _reader_stream(dev)
                 with torch.cuda.stream(reader):
                     reader.wait_event(events[dev])
-                    stacked = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
-                    rows.extend(stacked.tolist())  # syncs the reader stream only
+                    rows.extend(_stacked(group, dev).tolist())  # syncs the reader stream only
             else:
-                stacked = torch.stack([torch.nn.functional.pad(v, (0, width - v.numel())) for v in vectors])
-                rows.extend(stacked.tolist())
+                rows.extend(_stacked(group, dev).tolist())
         return rows
 
     def _emit(self, iv: _Interval) -> None:

@@ -19,7 +19,7 @@ import torch
 
 from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
 from dflash.drafter import DFlashDraftModel
-from dflash.feature_queue import empty_host_cache, pinned_host_bytes
+from dflash.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
 from dflash.loss import drafter_loss
 from dflash.pipeline import StepStats
 from dflash.target import TargetHead, TargetModel
@@ -167,7 +167,15 @@ class TargetReplica:
         self.dest = dest  # a device string; "cpu" from a GPU means pinned host memory
         self._stream: t.Any = None  # created lazily, on the target's thread
         self._dest_stream: t.Any = None
-        self.pinned_limit: int | None = None  # host pinned memory (allocated + cached) above which the cache is trimmed
+        self.pinned_limit: int | None = None  # cached (unused) pinned host memory above which the cache is trimmed
+
+    def item_bytes(self, tokens: int) -> int:
+        """What an item of ``tokens`` padded tokens holds at most (``payload_bytes`` of such a batch, with
+        int64 ids and mask): the largest one sizes the queue's default bound."""
+        feats = tokens * self.model.feature_size * self.model.dtype.itemsize
+        if torch.device(self.dest).type == "cpu" and torch.device(self.device).type == "cuda":
+            feats = pinned_block(feats)
+        return feats + 2 * tokens * 8
 
     def payload_bytes(self, batch: t.Any) -> int:
         """What ``produce(batch)`` will hold, as allocated, before it runs (the queue reserves it first)."""
@@ -221,8 +229,9 @@ class TargetReplica:
 
     def _trim_host_cache(self) -> None:
         """torch's caching host allocator keeps every freed pinned block for reuse, per power-of-two size:
-        batches of other widths leave blocks no later one fits. Above ``pinned_limit`` the unused ones go."""
-        if self.pinned_limit is not None and pinned_host_bytes() > self.pinned_limit:
+        batches of other widths leave blocks no later one fits. When the unused ones pass ``pinned_limit``
+        they go (blocks in use, such as a checkpoint snapshot's, do not count: freeing the cache spares them)."""
+        if self.pinned_limit is not None and cached_host_bytes() > self.pinned_limit:
             empty_host_cache()
 
 

@@ -289,6 +289,11 @@ class TargetModel:
         head = getattr(self.model, "lm_head", None)
         return t.cast(nn.Linear, head if head is not None else self.model.get_output_embeddings())
 
+    def nbytes(self) -> int:
+        """Bytes the model's parameters and buffers hold (tied tensors once): what a copy of it needs."""
+        seen = {id(p): p.numel() * p.element_size() for p in (*self.model.parameters(), *self.model.buffers())}
+        return sum(seen.values())
+
     def head(self) -> TargetHead:
         """A new frozen TargetHead sharing this target's embedding and lm_head tensors (no copy)."""
         w_embed = self.embed_tokens.weight

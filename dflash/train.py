@@ -77,12 +77,13 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
-from dflash.compile import WarmUp, prepare_drafter, warm_up_replicas
+from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
+from dflash.feature_queue import MIN_DEFAULT_BYTES, default_max_bytes, format_bytes, short_bound_warning
 from dflash.kernels import missing_kernels_warning
 from dflash.metrics import TENSORBOARD_HINT, WANDB_HINT, Metrics, WandbRun, tensorboard_available, wandb_available
 from dflash.models import drafter_spec, initial_drafter, load_target
@@ -243,6 +244,10 @@ class Run:
         )
         cfg = self._derive_steps(cfg)
         assert cfg.max_steps is not None  # _derive_steps sets it
+        self.queue_bytes = self._queue_bytes(cfg)
+        for replica in self.targets:
+            # unused cached pinned blocks past what the queue may hold go (the in-use ones never count)
+            replica.pinned_limit = self.queue_bytes
         self.schedule = LRSchedule(
             lr=cfg.optim.lr,
             total_steps=cfg.max_steps,
@@ -261,6 +266,7 @@ class Run:
                 run_id=self.run_id,
                 written=self.writer.ended,
                 on_result=self._on_eval,
+                target_bytes=max((r.model.nbytes() for r in self.targets), default=0),
             )
         if resume is not None:
             self.position = restore(
@@ -321,6 +327,33 @@ class Run:
         self.cfg = cfg
         return cfg
 
+    def _queue_bytes(self, cfg: RunConfig) -> int:
+        """``queue.max_bytes``, derived from this node's workers and the largest batch when unset (said at
+        start); a set bound below what the drafters accumulate is a warning."""
+        tokens = cfg.data.max_batch_tokens or cfg.data.batch_size * cfg.data.max_length
+        item = max(r.item_bytes(tokens) for r in self.targets)
+        drafters, targets = len(cfg.devices.drafters), len(self.targets)
+        if cfg.queue.max_bytes is not None:
+            warning = short_bound_warning(
+                cfg.queue.max_bytes, drafters=drafters, accumulate=self.accumulate, item_bytes=item
+            )
+            if warning is not None:
+                logger.warning("%s", warning)
+            return cfg.queue.max_bytes
+        n = default_max_bytes(drafters=drafters, targets=targets, accumulate=self.accumulate, item_bytes=item)
+        logger.info(
+            "queue.max_bytes: %s (derived: (%d drafters x (%d + 1) + %d targets) x %s per batch of %d tokens, "
+            "at least %s)",
+            format_bytes(n),
+            drafters,
+            self.accumulate,
+            targets,
+            format_bytes(item),
+            tokens,
+            format_bytes(MIN_DEFAULT_BYTES),
+        )
+        return n
+
     def _build_targets(self) -> list[TargetReplica]:
         cfg = self.cfg
         devices = list(cfg.devices.targets)
@@ -337,10 +370,7 @@ class Run:
                 dest = drafter_devices[0]
             else:
                 dest = "cpu"  # any drafter may take it: pinned host memory, each drafter copies it over
-            replica = TargetReplica(model, dev, dest)
-            # twice what the queue may hold (in use + cached): then the allocator's unused cached blocks go
-            replica.pinned_limit = 2 * cfg.queue.max_bytes
-            out.append(replica)
+            out.append(TargetReplica(model, dev, dest))
         return out
 
     def _build_drafters(self) -> list[DrafterReplica]:
@@ -543,13 +573,22 @@ class Run:
         compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
         if compiled:
             started = time.monotonic()
+            shapes = self.warm_up_shapes if self.warm_up_shapes is not None else shapes_for(self.drafters[0])
+            devices = len({r.device for r in self.drafters})
+            logger.info(
+                "compiling the drafter before step 1: %d batch shapes x %d drafter device(s), forward and "
+                "backward, one after the other (on GPUs expect minutes: 10-15 cold for 36 on a 5 + 3 box, about "
+                "half with a warm inductor cache)",
+                len(shapes),
+                devices,
+            )
             # one recompile limit for every replica, from their distinct devices, set before the first warm-up
             self.warmed = warm_up_replicas(
                 self.drafters,
                 feature_size=self.targets[0].model.feature_size,
                 vocab_size=self.vocab_size,
                 mask_token_id=self.mask_token_id,
-                shapes=self.warm_up_shapes,
+                shapes=shapes,
             )
             logger.info(
                 "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "
@@ -571,7 +610,7 @@ class Run:
                 start_step=self.start_step,
                 capacity=cfg.queue.capacity,
                 mode=cfg.queue.mode,
-                max_bytes=cfg.queue.max_bytes,
+                max_bytes=self.queue_bytes,
                 average_every=cfg.average_every if len(self.drafters) > 1 or self.group is not None else 0,
                 checkpoint_every=cfg.checkpoint.interval,
                 evaluate_every=cfg.eval.every,

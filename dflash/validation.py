@@ -94,6 +94,50 @@ def default_prompts(cfg: RunConfig) -> str:
     return str(Path(cfg.data.path).parent / "eval.jsonl")
 
 
+# Room on the eval device beyond the target's weights: the eval's drafter copy and its decode (at least).
+_ROOM_MARGIN = 1 << 30
+
+
+def _free_bytes(device: str) -> int | None:
+    """Free memory on a CUDA device (``cudaMemGetInfo``), None for another device or when unknown."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.mem_get_info(dev)[0])
+    except (RuntimeError, AssertionError):  # no such device, or CUDA not initialised
+        return None
+
+
+def _no_room(device: str, need: int, free: int | None) -> str:
+    """One line for an eval device without room for the eval's copies, naming what would fit."""
+    gib = 1 << 30
+    others = []
+    try:
+        count = torch.cuda.device_count()
+    except (RuntimeError, AssertionError):
+        count = 0
+    for i in range(count):
+        room = _free_bytes(f"cuda:{i}")
+        if torch.device(f"cuda:{i}") != torch.device(device) and room is not None and room >= need:
+            others.append(f'"cuda:{i}"')
+    has = f"{free / gib:.1f} GiB free" if free is not None else "not enough free"
+    where = f"{' or '.join(others)} (room enough now), " if others else ""
+    return (
+        f"the eval's own copy of the target needs about {need / gib:.1f} GiB on {device}, which has {has} "
+        f'(training target 0 is there unless eval.device says otherwise); set eval.device to {where}"cpu" '
+        "(slow), or train without [eval] every and run `dflash eval` on the checkpoints"
+    )
+
+
+def check_eval_room(device: str, need: int) -> None:
+    """Refuse an eval device that cannot hold ``need`` bytes now, in one line (``ConfigError`` for
+    ``eval.device``); a device whose room is unknown (the CPU) passes."""
+    free = _free_bytes(device)
+    if free is not None and need > 0 and free < need:
+        raise ConfigError("eval.device", _no_room(device, need, free))
+
+
 class Validator:
     """The eval of ``[eval]``: built at start-up (prompts read, target and drafter copies made: a bad
     ``eval.*`` value stops the run before training), then ``submit(step, weights)`` per eval step."""
@@ -108,6 +152,7 @@ class Validator:
         run_id: str | None,
         written: t.Callable[[int, float], bool],
         on_result: t.Callable[[EvalResult], None],
+        target_bytes: int = 0,
     ) -> None:
         self.cfg = cfg
         self.ckpt_dir = ckpt_dir
@@ -116,13 +161,18 @@ class Validator:
         self.device = cfg.eval.device or cfg.devices.targets[0]
         self._written = written  # (step, timeout) -> whether the checkpoint writer is done with that step
         self._on_result = on_result
+        # the eval's own target sits beside training target 0 by default: a 27B one twice is ~108 GB
+        need = target_bytes + max(_ROOM_MARGIN, target_bytes // 10)  # + its drafter copy and decode
+        check_eval_room(self.device, need)
         try:  # a copy of its own: a training target's feature hooks belong to its thread
             self.target = load_target(cfg, self.device, layer_ids=draft_config.target_layer_ids)
+            self.head = self.target.head()
+            self.drafter = initial_drafter(draft_config, seed=cfg.seed)  # weights come with each submit
+            self.drafter.to(device=self.device, dtype=torch_dtype(cfg.drafter.dtype))  # type: ignore[call-arg]  # @wraps(Module.to) hides self
         except OSError as e:
             raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
-        self.head = self.target.head()
-        self.drafter = initial_drafter(draft_config, seed=cfg.seed)  # weights come with each submit
-        self.drafter.to(device=self.device, dtype=torch_dtype(cfg.drafter.dtype))  # type: ignore[call-arg]  # @wraps(Module.to) hides self
+        except torch.OutOfMemoryError:
+            raise ConfigError("eval.device", _no_room(self.device, need, _free_bytes(self.device))) from None
         self.drafter.requires_grad_(False)
         self.drafter.eval()
         source = default_prompts(cfg)

@@ -17,7 +17,9 @@ The tests that need CUDA itself (the events, pinned memory, the fused kernels) a
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import io
 import json
 import math
@@ -203,6 +205,200 @@ def test_warm_up_shapes_lie_in_distinct_classes_and_inside_the_config() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Short queries on one row: the CUDA lowering's decode template has no config for them
+
+
+class FlexRecorder:
+    """A double of flex_attention: records the keyword arguments of each call."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, t.Any]] = []
+
+    def __call__(self, q: t.Any, k: t.Any, v: t.Any, **kw: t.Any) -> t.Any:
+        self.calls.append(kw)
+        return q
+
+
+class CudaLooking:
+    """Stands in for a CUDA query in ``_flex``'s dispatch (it reads the shape and ``is_cuda`` only)."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = torch.Size(shape)
+        self.is_cuda = True
+
+
+def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, t.Any]]:
+    """The kernel options of ``_flex``'s three paths: traced into a compiled layer, the compiled kernel on
+    CUDA, eager on the CPU."""
+    from dflash import drafter
+
+    rec = FlexRecorder()
+    q, kv = torch.zeros(1, 4, 32, 16), torch.zeros(1, 2, 48, 16)
+    monkeypatch.setattr(drafter, "flex_attention", rec)
+    monkeypatch.setattr(drafter, "compiled_flex", lambda: rec)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_dynamo_compiling", lambda: True)
+        drafter._flex(q, kv, kv, None, 0.25)
+    drafter._flex(t.cast(torch.Tensor, CudaLooking(1, 4, 32, 16)), kv, kv, None, 0.25)
+    drafter._flex(q, kv, kv, None, 0.25)
+    assert len(rec.calls) == 3
+    return [dict(c.get("kernel_options") or {}) for c in rec.calls]
+
+
+def test_every_training_flex_call_asks_for_the_main_triton_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traced, compiled and eager: each call carries BACKEND=TRITON, so inductor's CUDA lowering never takes
+    the decode template (``use_decode = backend == "TRITON_DECODE" or (backend == "AUTO" and ...)``)."""
+    assert [o.get("BACKEND") for o in flex_calls(monkeypatch)] == ["TRITON"] * 3
+
+
+def test_dynamo_traces_the_backend_into_the_flex_op_of_the_graph() -> None:
+    """The real trace: the flex_attention op dynamo puts in a compiled layer's graph holds the option (the
+    lowering reads it from there), and the traced call computes what the eager call does."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash import drafter
+
+    seen: list[t.Any] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: t.Any) -> t.Any:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "flex_attention" in str(node.target):
+                seen.extend(a for a in node.args if isinstance(a, dict))
+        return gm.forward
+
+    q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 2, 48, 16)
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi + 16, 1, 1, 32, 48, device="cpu")
+    traced = torch.compile(drafter._flex, backend=backend, fullgraph=True)(q, k, k, bm, 0.25)
+    assert [o.get("BACKEND") for o in seen] == ["TRITON"]
+    assert torch.equal(traced, drafter._flex(q, k, k, bm, 0.25))
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_no_warm_up_shape_lowers_to_a_decode_template_without_a_config(
+    gqa: int, block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pure model of the CUDA lowering over every warm-up shape: a shape that takes the decode template
+    needs ``next_pow2(q_len * G) <= 128``; the short-query class's q = 112 at G = 2 (Qwen3-0.6B/1.7B) did not
+    (torch 2.11: NoValidChoicesError in warm-up, before step 1, for batch_size 1 and 2 alike)."""
+    from dflash.compile import decode_has_config, flex_template
+
+    # the model itself: the failing shape of the review, and the one-block shape that passed
+    assert flex_template(1, 112, heads=16, kv_heads=8, kernel_options={}) == "decode"
+    assert not decode_has_config(112, gqa=2) and decode_has_config(16, gqa=8)
+    assert flex_template(2, 112, heads=16, kv_heads=8, kernel_options={}) == "main"  # a symbolic batch
+    assert flex_template(1, 112, heads=40, kv_heads=8, kernel_options={}) == "main"  # G = 5
+
+    options = flex_calls(monkeypatch)
+    bad = []
+    for rows in (1, 4):
+        for rows_, seq, blocks in warm_up_shapes(
+            rows=rows, max_length=8192, num_anchors=512, block_size=block_size, flex=True
+        ):
+            q = blocks * block_size
+            for opts in options:
+                kind = flex_template(rows_, q, heads=8 * gqa, kv_heads=8, kernel_options=opts)
+                if kind == "decode" and not decode_has_config(q, gqa=gqa):
+                    bad.append((rows_, seq, blocks))
+    assert not bad, f"shapes the decode template cannot compile at G={gqa}: {sorted(set(bad))}"
+
+
+# shared_memory_per_block_optin by capability: A100, L40/4090, H100/H200, B200, RTX PRO 6000 (sm_120)
+SMEM_OPTIN = {(8, 0): 166912, (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+
+
+@pytest.mark.parametrize("capability", list(SMEM_OPTIN))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flex_tiles_fit_the_shared_memory_of_every_capability(capability: tuple[int, int], head_dim: int) -> None:
+    """99 KB per block on sm_120 against 227 KB on H100/H200/B200: torch's default tiles are tuned per
+    capability and version, and some exceed 99 KB by the estimate (2.13's own sm_120 forward at head dim
+    256, (32, 64) x 2 stages: 147 KB; where 2.11 lacks sm_120's table, sm_100's (128, 64) x 3 stages at 128:
+    131 KB). Small devices get tiles that fit; the large ones keep torch's."""
+    from dflash.compile import flex_block_options, flex_bwd_smem, flex_fwd_smem
+
+    assert flex_fwd_smem(32, 64, 2, 256) > SMEM_OPTIN[(12, 0)] and flex_fwd_smem(128, 64, 3, 128) > 101376
+    smem = SMEM_OPTIN[capability]
+    opts = flex_block_options(smem, head_dim)
+    if smem >= 160 * 1024:
+        assert opts == {}
+        return
+    m, n, s = opts["fwd_BLOCK_M"], opts["fwd_BLOCK_N"], opts["fwd_num_stages"]
+    assert flex_fwd_smem(m, n, s, head_dim) <= smem and 128 % m == 0 and 128 % n == 0
+    m1, n1 = opts["bwd_BLOCK_M1"], opts["bwd_BLOCK_N1"]
+    assert flex_bwd_smem(m1, n1, opts["bwd_num_stages"], head_dim) <= smem
+    assert n1 % m1 == 0 and (opts["bwd_BLOCK_M2"], opts["bwd_BLOCK_N2"]) == (n1, m1)  # torch's (M, N, N, M)
+
+
+def test_every_flex_call_carries_the_tiles_of_the_smallest_drafter_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from dflash import drafter
+    from dflash.compile import set_flex_block_options
+
+    props = {0: 232448, 1: 101376}
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda dev: types.SimpleNamespace(shared_memory_per_block_optin=props[torch.device(dev).index]),
+    )
+    config = types.SimpleNamespace(head_dim=128, hidden_size=2048, num_attention_heads=16)
+    replica = lambda dev: types.SimpleNamespace(device=dev, model=types.SimpleNamespace(config=config))  # noqa: E731
+    try:
+        opts = set_flex_block_options([replica("cuda:0"), replica("cuda:1")])
+        assert opts["fwd_BLOCK_M"] == 128 and opts["fwd_num_stages"] == 2
+        assert all(o == {"BACKEND": "TRITON", **opts} for o in flex_calls(monkeypatch))
+        assert set_flex_block_options([replica("cuda:0")]) == {}  # 227 KB only: torch's own tiles
+        assert drafter.FLEX_KERNEL_OPTIONS == {"BACKEND": "TRITON"}
+    finally:
+        set_flex_block_options([replica("cpu")])
+    assert drafter.FLEX_KERNEL_OPTIONS == {"BACKEND": "TRITON"}  # the CPU: nothing but the backend
+
+
+def test_warm_up_says_before_it_starts_how_many_compiles_come(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Warm-up on the 5 + 3 box is minutes of serial compiles before step 1: the start-up line says so."""
+    run = tiny_run(tmp_path, "max_steps=1", "compile=true", "compile_backend=eager")
+    with caplog.at_level("INFO", logger="dflash.train"):
+        assert run.train() == 0
+    (line,) = [m for m in caplog.messages if m.startswith("compiling the drafter before step 1: ")]
+    assert line.startswith("compiling the drafter before step 1: 2 batch shapes x 1 drafter device(s)")
+    assert run.warmed is not None and len(run.warmed.shapes) == 2
+
+
+def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class whose compile raises (inductor's NoValidChoicesError, wrapped) is a failed check naming its
+    shape and the error's first line; the other classes are still checked. It left main() with a traceback,
+    so device_check had no figures at all."""
+    import dflash.compile
+    from bench.gpu_smoke import checks, class_check, parse_args
+
+    real = dflash.compile.warm_up
+
+    def warm_up(replica: t.Any, *, shapes: list[tuple[int, int, int]], **kw: t.Any) -> t.Any:
+        if shapes[0][0] == 1:  # the class of one row, as on CUDA
+            raise RuntimeError(
+                "backend='inductor' raised:\nNoValidChoicesError: No choices to select.\n\nSet TORCHDYNAMO_VERBOSE=1"
+            )
+        return real(replica, shapes=shapes, **kw)
+
+    monkeypatch.setattr(dflash.compile, "warm_up", warm_up)
+    run = tiny_run(tmp_path)
+    args = parse_args(["--cpu", "--quick"])
+    c = class_check(args, run)
+    c["eager_flex_calls"] = 0
+    assert c["classes"] == 2 and c["warmed"] == 1 and not c["ok"]
+    assert [f["shape"][0] for f in c["failed"]] == [1]
+    assert c["failed"][0]["error"] == "RuntimeError: NoValidChoicesError: No choices to select."
+    assert [b["ok"] for b in c["batches"]] == [True]  # the class that compiled is still fed
+    r = {"train_exit": 0, "recompiles_after_warmup": 0, "dynamo_frames_after_warmup": 0, "mask_token_id": 1}
+    r |= {"mask_token_id_expected": 1, "averaging": {"bit_identical": True, "equals_cpu_mean": True}}
+    r |= {"class_check": c, "oom": None}
+    (check,) = [x for x in checks(args, r) if x["name"].startswith("class check")]
+    assert not check["ok"] and f"compile failed for {c['failed'][0]['shape']}" in check["name"]
+
+
+# --------------------------------------------------------------------------------------------
 # Item 4: fp32 accumulation of bf16 micro-batches
 
 
@@ -354,6 +550,71 @@ def test_a_drafter_records_its_step_while_another_thread_reads_the_figures() -> 
     assert "loss 3.000" in lines[1]
 
 
+# A recording double of the stream API: where each op on a CUDA figure runs (the reader stream, after its wait)
+STREAMS: dict[str, t.Any] = {"recording": False, "reader": False, "waited": False, "ops": []}
+
+
+class CudaFigure(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:0 and logs each op on it with the stream state of the time."""
+
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    @classmethod
+    def __torch_function__(cls, func: t.Any, types: t.Any, args: t.Any = (), kwargs: t.Any = None) -> t.Any:
+        name = getattr(func, "__name__", str(func))
+        if STREAMS["recording"] and not name.startswith("__"):
+            STREAMS["ops"].append((name, STREAMS["reader"] and STREAMS["waited"]))
+        if name == "to":  # to cuda:0: already there
+            return args[0]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class ReaderStream:
+    def wait_event(self, event: t.Any) -> None:
+        assert STREAMS["reader"], "waited outside the reader stream's context"
+        STREAMS["waited"] = True
+
+
+@contextlib.contextmanager
+def on_stream(stream: t.Any) -> t.Iterator[None]:
+    STREAMS["reader"] = isinstance(stream, ReaderStream)
+    try:
+        yield
+    finally:
+        STREAMS["reader"] = STREAMS["waited"] = False
+
+
+def test_the_step_figures_are_built_and_read_on_the_reader_stream_after_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Flattening a step's figures (``.double()``, ``torch.cat``) ran on the emitting thread's stream, queued
+    after the step's ``ready`` event, while the reader stream waited only for ``ready`` and then read those
+    outputs: nothing ordered the read after the writes (garbage loss/acc/tau now and then on a GPU)."""
+    import dflash.metrics
+    from dflash.metrics import Metrics
+    from dflash.pipeline import StepStats
+
+    monkeypatch.setattr(dflash.metrics, "_reader_stream", lambda dev: ReaderStream())
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    fig = lambda *v: torch.tensor(v if len(v) > 1 else v[0], dtype=torch.float32).as_subclass(CudaFigure)  # noqa: E731
+    steps = [
+        StepStats(loss=fig(2.5), acc=fig(0.5), tau_tf=fig(3.0), acc_per_slot=fig(0.75, 0.25), ready=object()),
+        StepStats(loss=fig(1.5), acc=fig(0.25), tau_tf=fig(2.0), acc_per_slot=fig(0.5, 0.0), ready=object()),
+    ]
+    STREAMS.update(recording=True, ops=[])
+    try:
+        rows = Metrics._read_pending(steps)
+    finally:
+        STREAMS["recording"] = False
+    assert rows == [[2.5, 0.5, 3.0, 0.75, 0.25], [1.5, 0.25, 2.0, 0.5, 0.0]]
+    names = [n for n, _ in STREAMS["ops"]]
+    assert {"double", "cat", "stack", "tolist"} <= set(names), names
+    outside = [n for n, inside in STREAMS["ops"] if not inside]
+    assert not outside, f"ops on CUDA figures outside the reader stream or before its wait: {outside}"
+
+
 # --------------------------------------------------------------------------------------------
 # Item 9: features a drafter holds count against queue.max_bytes
 
@@ -457,7 +718,55 @@ def test_drafters_holding_more_than_max_bytes_still_get_their_next_item() -> Non
     assert result[0].steps == 4
     # what the waiting drafters hold, plus one item being made over the bound at a time
     assert c.alive["peak"] <= (2 * 3 + 1) * c.feature_bytes
+    gc.collect()  # a feature caught in a reference cycle is freed by the collector, not at once
     assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_the_default_byte_bound_admits_every_worker_while_the_drafters_accumulate() -> None:
+    """A 27B-class target at full-length samples (5 features x 5120 wide, 3072 tokens: 256 MiB pinned
+    blocks), 5 targets, 3 drafters accumulating 11: the drafters hold 8.25 GiB, over the old 4 GiB default,
+    so targets ran one at a time through the over-bound path (~56% of the drafters' rate, simulated). The
+    derived default lets every drafter's next item and every target's forward in, and still bounds."""
+    import queue as queue_mod
+
+    from dflash.feature_queue import FeatureQueue, default_max_bytes
+    from dflash.replicas import pinned_block
+
+    item = pinned_block(3072 * 5 * 5120 * 2)
+    drafters, targets, k = 3, 5, 11
+    q = FeatureQueue(64, default_max_bytes(drafters=drafters, targets=targets, accumulate=k, item_bytes=item))
+    for i in range(drafters * k):  # what the drafters hold while they accumulate
+        q.reserve(item, timeout=0)
+        q.put(queue_item(i, item), reserved=True)
+        q.get(timeout=0)
+    for _ in range(drafters + targets):  # each drafter's next item, each target's forward: no wait
+        q.reserve(item, timeout=0)
+    with pytest.raises(queue_mod.Full):  # and it is still a bound
+        q.reserve(item, timeout=0)
+
+
+def queue_item(i: int, nbytes: int) -> t.Any:
+    from dflash.feature_queue import Item
+
+    return Item(payload=None, tokens=1, position=i, shard=0, target=0, nbytes=nbytes)
+
+
+def test_a_run_derives_its_byte_bound_and_warns_when_a_set_one_is_short(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dflash.feature_queue import MIN_DEFAULT_BYTES
+
+    with caplog.at_level("INFO", logger="dflash.train"):
+        run = tiny_run(tmp_path / "a")
+    assert run.queue_bytes == MIN_DEFAULT_BYTES  # tiny batches: the floor
+    assert [r.pinned_limit for r in run.targets] == [MIN_DEFAULT_BYTES] * len(run.targets)
+    assert any(m.startswith("queue.max_bytes: 4.0 GiB (derived: (") for m in caplog.messages), caplog.messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash.train"):
+        run = tiny_run(tmp_path / "b", "queue.max_bytes=1024")
+    assert run.queue_bytes == 1024
+    (line,) = [m for m in caplog.messages if "queue.max_bytes 1.0 KiB is below what" in m]
+    assert "unset it to derive one" in line
 
 
 def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
@@ -468,6 +777,93 @@ def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
 
 # --------------------------------------------------------------------------------------------
 # Item 10: slice k's cross-node all_reduce overlaps slice k+1's copy and reduction
+
+
+@pytest.mark.parametrize(
+    ("allocated_gib", "active_gib", "trims"),
+    [(30.0, 29.9, False), (30.0, 21.0, True), (2.0, 0.0, False)],
+)
+def test_a_target_trims_the_pinned_cache_on_its_unused_part_only(
+    allocated_gib: float, active_gib: float, trims: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first checkpoint the snapshot's pinned buffers (tens of GB, in use) count in
+    ``allocated_bytes``: the trim saw 30 GiB > the limit before every item and freed and re-pinned a feature
+    block each time (a stream-serialising cudaHostAlloc). Only cached, unused blocks count now (limit:
+    ``queue.max_bytes``, 8 GiB here)."""
+    import dflash.replicas
+    from dflash.replicas import TargetReplica
+
+    gib = 1 << 30
+    stats = {"allocated_bytes.current": int(allocated_gib * gib), "active_bytes.current": int(active_gib * gib)}
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(stats))
+    emptied: list[int] = []
+    monkeypatch.setattr(dflash.replicas, "empty_host_cache", lambda: emptied.append(1))
+    replica = TargetReplica(t.cast(t.Any, None), "cuda:0", "cpu")
+    replica.pinned_limit = 8 * gib
+    replica._trim_host_cache()
+    assert bool(emptied) is trims
+
+
+def test_a_run_with_pinned_features_trims_past_max_bytes(tmp_path: Path) -> None:
+    """The limit a run gives its targets is the queue's byte bound (on the unused part)."""
+    run = tiny_run(tmp_path, "queue.max_bytes=1048576")
+    assert [r.pinned_limit for r in run.targets] == [1048576] * len(run.targets)
+
+
+def eval_run(tmp_path: Path) -> Run:
+    prompts = tmp_path / "eval.jsonl"
+    prompts.write_text("\n".join((REPO / "configs" / "tiny-data.jsonl").read_text().splitlines()[:2]) + "\n")
+    return tiny_run(tmp_path, "eval.every=4", "eval.max_new=4", f"eval.prompts={prompts}")
+
+
+def test_an_eval_target_that_runs_out_of_memory_names_eval_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[eval] every`` loads a second full target onto ``devices.targets[0]``: a 27B one OOMs there on an 80
+    or 96 GB GPU, and the bare OutOfMemoryError read as cuda-oom on GPU 0, naming neither [eval] nor a fix."""
+    import dflash.validation
+    from dflash.config import ConfigError
+
+    def oom(*_a: t.Any, **_k: t.Any) -> t.Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
+
+    monkeypatch.setattr(dflash.validation, "load_target", oom)
+    with pytest.raises(ConfigError) as e:
+        eval_run(tmp_path)
+    assert e.value.path == "eval.device" and '"cpu"' in e.value.message and "\n" not in str(e.value)
+
+
+def test_an_eval_device_without_room_for_the_target_is_refused_before_loading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room is checked against the training target's bytes (+ a margin) before anything is loaded."""
+    import dflash.validation
+    from dflash.config import ConfigError
+
+    loads: list[str] = []
+    real = dflash.validation.load_target
+    monkeypatch.setattr(dflash.validation, "load_target", lambda *a, **k: (loads.append(a[1]), real(*a, **k))[1])
+    monkeypatch.setattr(dflash.validation, "_free_bytes", lambda device: 4096)  # the CPU as a full GPU
+    with pytest.raises(ConfigError) as e:
+        eval_run(tmp_path)
+    assert e.value.path == "eval.device" and "needs about" in e.value.message and loads == []
+
+
+def test_the_eval_room_line_names_the_gpus_that_have_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash.config import ConfigError
+    from dflash.validation import check_eval_room
+
+    gib = 1 << 30
+    free = {0: 20 * gib, 1: 30 * gib, 2: 70 * gib}  # cuda:0 holds training target 0
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (free[torch.device(dev).index], 96 * gib))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ConfigError) as e:
+        check_eval_room("cuda:0", 60 * gib)
+    assert e.value.path == "eval.device"
+    assert 'set eval.device to "cuda:2" (room enough now), "cpu"' in e.value.message
+    assert "60.0 GiB on cuda:0, which has 20.0 GiB free" in e.value.message
+    check_eval_room("cuda:2", 60 * gib)  # room: no error
+    check_eval_room("cpu", 600 * gib)  # unknown room: no error
 
 
 def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduced() -> None:
@@ -587,6 +983,35 @@ def test_doctor_checks_the_kernels_of_a_hybrid_target(
 # bench/device_check.sh: the GPU check in one command
 
 
+def test_the_smoke_keeps_every_parts_figures_when_one_part_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A part that raises is a failed check with its first line; the parts after it still run, and the
+    figures are in --json-file after each part (the JSON came only at the very end: an exception or a
+    timeout anywhere lost every figure)."""
+    import bench.gpu_smoke as smoke
+
+    def broken(run: t.Any) -> t.Any:
+        raise RuntimeError("averaging broke\nthe rest of a long message")
+
+    monkeypatch.setattr(smoke, "averaging_round", broken)
+    out = tmp_path / "smoke.json"
+    rc = smoke.main(["--cpu", "--quick", "--no-oom", "--steps", "2", "--json-file", str(out)])
+    assert rc == 1
+    r = json.loads(out.read_text())
+    assert [(p["name"], p["ok"]) for p in r["parts"]] == [
+        ("training", True),
+        ("averaging", False),
+        ("class check", True),
+    ]
+    assert r["parts"][1]["why"] == "RuntimeError: averaging broke"
+    assert r["train_exit"] == 0 and r["class_check"]["ok"]
+    failed = [c["name"] for c in r["checks"] if not c["ok"]]
+    assert failed == ["part averaging ran: RuntimeError: averaging broke"]
+    report = capsys.readouterr()
+    assert "part averaging" in report.out and "FAILED: RuntimeError: averaging broke" in report.out
+
+
 def device_check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(REPO / "bench" / "device_check.sh"), *args],
@@ -636,6 +1061,20 @@ def test_device_check_installs_the_carried_wheels_and_writes_its_figures_under_o
     assert lines[0] == "device_check: installed 1 carried wheels: carried_probe-1.0-py3-none-any.whl"
     assert lines[1].startswith(f"device_check: python {sys.version.split()[0]}, torch {torch.__version__}")
     assert "device_check: ok   training exited 0" in lines
+    # the probe first, then one line per part of the smoke
+    assert lines[2:5] == [
+        "flex_probe: cpu, capability None, shared memory per block (opt-in) None bytes",
+        *(ln for ln in lines[3:5] if ln.startswith("flex_probe: ok   ")),
+    ]
+    assert "device_check: part flex probe: ok" in lines
+    parts = [ln.split(" (")[0] for ln in lines if ln.startswith("device_check: part ") and "probe" not in ln]
+    assert parts == [
+        "device_check: part training: ok",
+        "device_check: part averaging: ok",
+        "device_check: part class check: ok",
+    ]
+    probe = json.loads((out / "flex_probe.json").read_text())
+    assert [c["ok"] for c in probe["cases"]] == [True, True]
     assert lines[-1] == f"device_check: figures in {out / 'gpu_smoke.json'} (exit 0)"
     r = json.loads((out / "gpu_smoke.json").read_text())
     assert r["vocab_size"] == 151936 and r["class_check"]["classes"] == 2 and all(c["ok"] for c in r["checks"])
