@@ -81,10 +81,16 @@ ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 AttentionMask = t.Union[torch.Tensor, "BlockMask", None]
 
-# The MASK id published drafters use per target family, keyed by (model_type, embedding rows): the first
-# row past the tokenizer's tokens (SpecForge configs/qwen3-8b-dflash.json, z-lab's Qwen3 drafters).
-# A warm start from a published drafter needs the same id: its weights learnt that row's embedding as MASK.
-PUBLISHED_MASK_IDS: dict[tuple[str, int], int] = {("qwen3", 151936): 151669}
+# The MASK id published drafters use per target family, keyed by the TEXT config's (model_type, embedding
+# rows): Qwen3 the first row past the tokenizer's tokens (SpecForge configs/qwen3-8b-dflash.json, z-lab's
+# Qwen3 drafters); the Qwen3.5 family (Qwen3.5, 3.6 and 3.8 share its dense and MoE text configs and its
+# 248,320-row vocabulary) 248070 (z-lab's Qwen3.5/3.6 and Qwen3.8-DFlash2 configs). A warm start from a
+# published drafter needs the same id: its weights learnt that row's embedding as MASK.
+PUBLISHED_MASK_IDS: dict[tuple[str, int], int] = {
+    ("qwen3", 151936): 151669,
+    ("qwen3_5_text", 248320): 248070,
+    ("qwen3_5_moe_text", 248320): 248070,
+}
 
 
 def published_mask_token_id(target_config: t.Any) -> int | None:

@@ -151,6 +151,16 @@ def test_published_mask_id_for_qwen3_and_none_for_other_families() -> None:
     assert published_mask_token_id(tiny_target_config()) is None  # the tiny target: vocabulary 512
 
 
+def test_published_mask_id_of_the_qwen3_5_family_from_its_text_config() -> None:
+    """Qwen3.5, 3.6 and 3.8 targets (dense and MoE, multimodal wrappers whose text config is the model's):
+    published drafters use 248070 of the 248,320 rows, not the last row."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    for config in (Qwen3_5Config(), Qwen3_5MoeConfig(), Qwen3_5TextConfig(), Qwen3_5MoeTextConfig()):
+        assert published_mask_token_id(config) == 248070, type(config).__name__
+    assert published_mask_token_id(Qwen3_5TextConfig(vocab_size=151936)) is None  # another vocabulary
+
+
 # ---- warm start from a published drafter ---------------------------------------------------
 
 
