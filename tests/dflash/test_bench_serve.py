@@ -1,4 +1,4 @@
-"""Issue 23 section 2: ``dflash bench serve`` against a server that speaks as vLLM and SGLang do.
+"""``dflash bench serve`` against a server that speaks as vLLM and SGLang do.
 
 No GPU engine runs here: the server is ``EngineDouble`` (testkit/engine_double.py), a real HTTP server
 on 127.0.0.1 whose /metrics are the engines' own names, label sets and exposition text (prometheus_client),
@@ -14,7 +14,7 @@ import pytest
 
 from dflash import engine_metrics
 from dflash.__main__ import main
-from dflash.serve_bench import percentile, sha256_file
+from dflash.serve_bench import Cliff, find_cliff, percentile, sha256_file
 from testkit import free_port
 from testkit.engine_double import EngineDouble
 
@@ -83,20 +83,118 @@ def test_vllm_acceptance_from_its_counters_beside_the_offline_tau_of_the_same_pr
     assert all(b["chat_template_kwargs"] == {"enable_thinking": False} and "ignore_eos" not in b for b in sent)
     assert sorted(b["messages"][0]["content"] for b in sent[1:6]) == [f"question {i}" for i in range(5)]
     text = capsys.readouterr().out.splitlines()
-    assert text[0].startswith("server:  http://127.0.0.1:") and text[0].endswith("(vLLM, model tiny-target)")
+    assert text[0].startswith("server:  http://127.0.0.1:") and text[0].endswith("(vLLM 0.33.0, model tiny-target)")
+    assert got["engine_version"] == "0.33.0" and got["max_running_requests"] is None
+    assert got["model_card"] == {
+        "id": "tiny-target",
+        "root": "/models/tiny-target",
+        "parent": None,
+        "max_model_len": 4096,
+        "owned_by": "vllm",
+    }
+    assert all(lv["cliff"] is None and lv["acceptance_none"] is None for lv in got["levels"])
+    assert all("return_spec_tokens_details" not in b for b in sent)  # SGLang's: vLLM is not asked for it
     assert text[3].split()[:3] == ["1", "5", str(5 * TOKENS)] and text[3].endswith("2.50 (40 drafts)")
     assert "acceptance by position (1..B-1), concurrency 1: 0.75 0.50 0.25" in text
+    assert "acceptance by position (1..B-1), concurrency 3: 0.75 0.50 0.25" in text  # every level's
     assert (
         f"offline tau (dflash eval, {report}): 2.41 on the same prompts file (sha256), up to 21 new tokens each" in text
     )
+
+
+# SGLang's acceptance length is completion tokens / verify steps: 21 tokens in 8 verify steps per request
+SGLANG_AL = TOKENS / 8
+
+
+def test_sglang_exact_acceptance_from_its_counters_and_each_requests_details(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = chat_prompts(tmp_path / "eval.jsonl")
+    out = tmp_path / "bench.json"
+    # the default log interval (40 steps) leaves the gauge at whatever interval it last logged: not read
+    with EngineDouble("sglang") as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1,3"]
+        assert main([*args, "--max-new", str(TOKENS), "--json", str(out)]) == 0
+        sent = list(engine.requests)
+    got = json.loads(out.read_text())
+    assert got["engine"] == "sglang" and got["engine_version"] == "0.5.23" and got["max_running_requests"] == 48
+    for lv in got["levels"]:
+        assert lv["acceptance_length"] == SGLANG_AL and lv["drafts"] == 5 * 8  # verify steps
+        assert lv["acceptance_source"] == (
+            "sglang counters (generation tokens / verify calls); by position from each request's spec_tokens_details"
+        )
+        assert lv["position_acceptance"] == [0.75, 0.5, 0.25]  # steps that accepted at least k drafts
+    assert all(b["return_spec_tokens_details"] is True for b in sent)
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].endswith("(SGLang 0.5.23, model tiny-target)")
+    assert text[3].endswith("2.62 (40 verify steps)")
+    assert "acceptance by position (1..B-1), concurrency 3: 0.75 0.50 0.25" in text
+    assert not [ln for ln in text if "max_running_requests" in ln]  # no level above 48
+
+
+def test_sglang_without_counters_reads_each_requests_details_and_says_so(tmp_path: Path) -> None:
+    prompts = chat_prompts(tmp_path / "eval.jsonl", 3)
+    out = tmp_path / "bench.json"
+    with EngineDouble("sglang", counters=False) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "2"]
+        assert main([*args, "--max-new", str(TOKENS), "--json", str(out)]) == 0
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["acceptance_length"] == SGLANG_AL and level["position_acceptance"] == [0.75, 0.5, 0.25]
+    assert level["acceptance_source"] == (
+        "sglang per-request spec_tokens_details (this build has no sglang:spec_verify_calls_total)"
+    )
+
+
+def test_a_level_above_sglangs_max_running_requests_says_it_queues(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = chat_prompts(tmp_path / "eval.jsonl", 4)
+    with EngineDouble("sglang", max_running_requests=2) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "2,4"]
+        assert main([*args, "--max-new", str(TOKENS)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert [ln for ln in text if "max_running_requests" in ln] == [
+        "concurrency 4: above SGLang's max_running_requests 2 (/server_info): the requests past it queue, so at "
+        "most 2 are decoded at once"
+    ]
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_a_per_position_cliff_is_flagged_beside_the_offline_acceptance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flavor: str
+) -> None:
+    """Block 8, every step accepting 3 or 4 drafts and never a 5th: positions 1-4 high, 5-7 zero (what an
+    engine serving sliding layers as full attention shows), while offline the drafter accepts there."""
+    prompts = chat_prompts(tmp_path / "eval.jsonl", 3)
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"tau": 4.1, "position_acceptance": [0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4]}))
+    out = tmp_path / "bench.json"
+    with EngineDouble(flavor, block_size=8, accepted=(4, 4, 4, 3)) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1"]
+        assert main([*args, "--max-new", str(TOKENS), "--eval", str(report), "--json", str(out)]) == 0
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["position_acceptance"] == [1.0, 1.0, 1.0, 0.8, 0.0, 0.0, 0.0]
+    assert level["cliff"] == {"position": 5, "before": 0.8, "after": 0.0}
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "cliff at concurrency 1: acceptance by position falls from 0.80 at position 4 to 0.00 at position 5 and "
+        "stays near 0; offline (dflash eval) 0.60 there: the engine, not the drafter (sliding layers served as "
+        "full attention, or other target layers captured)"
+    )
+
+
+def test_no_cliff_for_a_drafters_own_decay() -> None:
+    assert find_cliff([0.88, 0.76, 0.64, 0.52, 0.39, 0.27, 0.15]) is None
+    assert find_cliff([0.6, 0.3, 0.1, 0.03, 0.01, 0.0, 0.0]) is None  # it fades: no position before is high
+    assert find_cliff([0.9, 0.25, 0.01, 0.0]) == Cliff(3, 0.25, 0.01)
 
 
 def test_sglang_acceptance_from_its_gauge_with_token_and_text_prompts(tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n" + json.dumps({"prompt": "Once upon a time"}) + "\n")
     out = tmp_path / "bench.json"
-    # one log interval = one cycle of the double's acceptance: the gauge reads exactly its mean
-    with EngineDouble("sglang", log_interval=4) as engine:
+    # a build with neither counters nor per-request details; one log interval = one cycle of the double's
+    # acceptance: the gauge reads exactly its mean
+    with EngineDouble("sglang", log_interval=4, counters=False, spec_details=False) as engine:
         args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "2"]
         assert main([*args, "--max-new", str(TOKENS), "--ignore-eos", "--json", str(out)]) == 0
         sent = list(engine.requests)
@@ -105,7 +203,10 @@ def test_sglang_acceptance_from_its_gauge_with_token_and_text_prompts(tmp_path: 
     (level,) = got["levels"]
     assert got["engine"] == "sglang" and got["ignore_eos"] is True
     assert level["acceptance_length"] == gauge == VLLM_AL
-    assert level["acceptance_source"] == "sglang gauge (last log interval)" and level["drafts"] is None
+    assert level["acceptance_source"] == (
+        "sglang gauge (last log interval; this build has no sglang:spec_verify_calls_total)"
+    )
+    assert level["drafts"] is None
     assert {json.dumps(b["prompt"]) for b in sent} == {"[5, 6, 7]", '"Once upon a time"'}
     assert all(b["ignore_eos"] is True and "messages" not in b for b in sent)
 
