@@ -68,6 +68,9 @@ USED = (VLLM_DRAFTS, VLLM_DRAFT_TOKENS, VLLM_ACCEPTED, VLLM_PER_POSITION) + (
 CREATED = tuple(n.removesuffix("_total") + "_created" for n in USED if n.endswith("_total"))
 
 
+PREFIXES = (b"vllm:spec_decode_", b"sglang:spec_", b"sglang:generation_tokens_")  # a quick first sieve
+
+
 def used(line: bytes) -> bool:
     """Whether an exposition line is a sample of a metric ``read`` uses."""
     for name in USED + CREATED:

@@ -410,17 +410,23 @@ class _Get:
         self.watchdog.daemon = True
         self.watchdog.start()
         self.path = u.path + (f"?{u.query}" if u.query else "")
+        self.sock: socket.socket | None = None
 
     def _deadline(self) -> None:
         self.late.set()
+        sock = self.sock or self.conn.sock
         try:
-            if self.conn.sock is not None:
-                self.conn.sock.shutdown(socket.SHUT_RDWR)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
     def response(self) -> http.client.HTTPResponse:
         self.conn.request("GET", self.path)
+        # an answer that closes the connection takes the socket off ``conn`` (the response reads it): keep it
+        self.sock = self.conn.sock
+        if self.late.is_set():
+            self._deadline()
         return self.conn.getresponse()
 
     def close(self) -> None:
@@ -440,23 +446,28 @@ def scrape(url: str, timeout: float) -> str:
                 f"{PREFIX}{url} answered {resp.status} {resp.reason} (SGLang serves /metrics only with "
                 "--enable-metrics)"
             )
-        kept, size = [], 0
-        while line := resp.readline(METRICS_LINE_BYTES):
-            if not line.endswith(b"\n") and len(line) >= METRICS_LINE_BYTES:  # too long: skip to its end
-                while (rest := resp.readline(METRICS_LINE_BYTES)) and not rest.endswith(b"\n"):
-                    pass
-                continue
-            if engine_metrics.used(line.lstrip()):
-                size += len(line)
-                if size > METRICS_KEPT_BYTES:
-                    raise ServerError(
-                        f"{PREFIX}{url}: more than {METRICS_KEPT_BYTES >> 20} MiB of speculative-decoding "
-                        "samples: not an engine's /metrics"
-                    )
-                kept.append(line)
+        kept, size, tail, skip = [], 0, b"", False
+        while chunk := resp.read1(1 << 16):
+            pieces = (tail + chunk).split(b"\n")
+            tail = pieces.pop()
+            if skip and pieces:  # the end of a line too long to keep
+                pieces[0], skip = b"", False
+            if len(tail) > METRICS_LINE_BYTES:
+                tail, skip = b"", True
+            for line in pieces:
+                if line.startswith(engine_metrics.PREFIXES) and engine_metrics.used(line):
+                    size += len(line) + 1
+                    if size > METRICS_KEPT_BYTES:
+                        raise ServerError(
+                            f"{PREFIX}{url}: more than {METRICS_KEPT_BYTES >> 20} MiB of speculative-decoding "
+                            "samples: not an engine's /metrics"
+                        )
+                    kept.append(line)
+        if not skip and tail.startswith(engine_metrics.PREFIXES) and engine_metrics.used(tail):
+            kept.append(tail)  # a last line without its newline
         if get.late.is_set():
             raise TimeoutError
-        return b"".join(kept).decode("utf-8", "replace")
+        return b"\n".join(kept).decode("utf-8", "replace")
     except TimeoutError:
         raise ServeBenchError(f"{PREFIX}cannot read {url} within {timeout:g}s") from None
     except (OSError, http.client.HTTPException) as e:

@@ -239,15 +239,16 @@ class EngineDouble:
                 engine.metrics_requests += 1
                 body = prom.generate_latest(engine.registry)
                 pad = b"# HELP vllm:other Other series.\n# TYPE vllm:other gauge\n"
-                line = b'vllm:other{model_name="tiny",bucket="%d"} 1.0\n'
+                block = b'vllm:other{model_name="tiny-target",bucket="0.5"} 1.0\n' * 1024
                 self.send_response(200)
                 self.send_header("Content-Type", prom.CONTENT_TYPE_LATEST)
                 self.send_header("Content-Length", str(len(body) + engine.metrics_padding))
                 self.end_headers()
                 sent = 0
                 while sent < engine.metrics_padding:  # written as it goes: the double holds none of it
-                    chunk = pad if sent == 0 else b"".join(line % (sent + i) for i in range(2048))
-                    chunk = chunk[: engine.metrics_padding - sent]
+                    chunk = pad if sent == 0 else block
+                    if len(chunk) > engine.metrics_padding - sent:  # the last one: whole lines still
+                        chunk = chunk[: engine.metrics_padding - sent - 1] + b"\n"
                     self.wfile.write(chunk)
                     sent += len(chunk)
                 if engine.metrics_drip is None:

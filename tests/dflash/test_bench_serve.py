@@ -313,3 +313,103 @@ def test_exposition_text_is_read_as_prometheus_writes_it() -> None:
     with pytest.raises(engine_metrics.MetricsError, match="^line 2: x: 'fast' is not a number$"):
         engine_metrics.parse("# ok\nx fast\n")
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([1.0], 99) == 1.0
+
+
+# ---- a server whose /metrics or answers cannot be trusted ---------------------------------------------
+
+
+def test_a_trickling_metrics_is_given_up_at_a_whole_request_deadline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One byte a second: each read is quick, the whole never ends; --timeout 2 bounds the scrape."""
+    prompts = chat_prompts(tmp_path / "p.jsonl", 2)
+    with EngineDouble("vllm", metrics_drip=1.0) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--timeout", "2"]
+        assert main(args) == 2
+        assert engine.requests == []
+    assert only_line(capsys) == f"bench serve: cannot read {engine.url}/metrics within 2s"
+
+
+@pytest.mark.parametrize(("reset_at", "level"), [(10, 1), (4, 0)], ids=["counts-down", "counts-up-again"])
+def test_counters_reset_during_a_level_give_no_acceptance_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], reset_at: int, level: int
+) -> None:
+    """The engine restarts at request ``reset_at`` (1 warm-up, then 5 per level): its counters start from 0.
+    Either they end below where the level began, or above it with a new start time (``_created``)."""
+    prompts = chat_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "bench.json"
+    with EngineDouble("vllm", reset_at=reset_at) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1,3"]
+        assert main([*args, "--max-new", str(TOKENS), "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    bad, good = levels[level], levels[1 - level]
+    assert bad["acceptance_length"] is None and bad["accepted_tokens"] is None and bad["position_acceptance"] == []
+    assert bad["acceptance_none"] == "the server's counters reset during the level"
+    assert good["acceptance_length"] == VLLM_AL  # the other level is whole
+    row = capsys.readouterr().out.splitlines()[3 + level]
+    assert row.endswith("  none (the server's counters reset during the level)")
+
+
+def test_a_counter_that_is_not_a_number_gives_no_acceptance_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = chat_prompts(tmp_path / "p.jsonl", 3)
+    out = tmp_path / "bench.json"
+    with EngineDouble("vllm", nan_at=3) as engine:  # from the second request of the first level on
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1,2"]
+        assert main([*args, "--json", str(out)]) == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["acceptance_length"] for lv in levels] == [None, None]
+    assert {lv["acceptance_none"] for lv in levels} == {"a counter of the server is not a finite number"}
+    assert "NaN" not in out.read_text()
+    assert capsys.readouterr().out.splitlines()[3].endswith("none (a counter of the server is not a finite number)")
+
+
+@pytest.mark.parametrize("tokens", [-1000, 10**30, 64])
+def test_completion_tokens_outside_the_limit_are_a_server_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tokens: int
+) -> None:
+    prompts = chat_prompts(tmp_path / "p.jsonl", 2)
+    with EngineDouble("vllm", completion_tokens=tokens) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--max-new", "8"]
+        assert main(args) == 1
+    assert only_line(capsys) == (
+        f"bench serve: {engine.url}/v1/chat/completions: usage.completion_tokens {str(tokens)[:40]} is outside "
+        "0..8 (the max_tokens asked for)"
+    )
+
+
+def _bench_child(server: str, prompts: Path) -> tuple[int, str, int]:
+    """``dflash bench serve`` in a child under a 4 GiB address-space limit: (exit code, stderr, its peak RSS
+    in KiB)."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    args = [sys.executable, "-m", "dflash", "bench", "serve", "--server", server, "--prompts", str(prompts)]
+    child = subprocess.Popen(
+        [*args, "--concurrency", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit, cwd=REPO
+    )
+    assert child.stderr is not None
+    err = child.stderr.read().decode()
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return child.returncode, err, usage.ru_maxrss
+
+
+def test_a_huge_metrics_is_streamed_keeping_only_the_lines_used(tmp_path: Path) -> None:
+    """100 MiB of other series before vLLM's: the scrape keeps the few spec-decoding lines (it cost 1.9 GB
+    of RSS when the answer was read whole)."""
+    prompts = chat_prompts(tmp_path / "p.jsonl", 1)
+    with EngineDouble("vllm") as engine:
+        code, err, plain = _bench_child(engine.url, prompts)
+        assert code == 0, err
+    with EngineDouble("vllm", metrics_padding=100 << 20) as engine:
+        code, err, padded = _bench_child(engine.url, prompts)
+        assert code == 0, err
+        assert engine.metrics_requests >= 5  # the probe, then each level's settled readings before and after
+    assert padded < plain + (32 << 10), (plain, padded)  # KiB: less than a third of the answer's size more
