@@ -165,6 +165,7 @@ class DFlashDraftConfig(Qwen3Config):
                 f"sliding_window: sliding_attention layers need a positive window (and use_sliding_window=true), "
                 f"got {self.sliding_window!r}"
             )
+        self._check_causal(layer_types)
         if self.dflash_config is None:
             return
         mask_id = self.dflash_config.get("mask_token_id")
@@ -189,6 +190,28 @@ class DFlashDraftConfig(Qwen3Config):
                     f"dflash_config.target_layer_ids: {max(ids)} is out of range for num_target_layers="
                     f"{self.num_target_layers}"
                 )
+
+    def _check_causal(self, layer_types: list[str]) -> None:
+        """A published drafter's top-level ``is_causal`` sets every layer's causality (vLLM
+        ``_dflash_layer_causal``, SGLang ``_get_dflash_attention_type``, z-lab's reference; ``false`` with
+        sliding layers is a two-sided window). These masks are sliding -> causal, full -> non-causal: a
+        value that says the same is dropped (never written back), any other is refused, since training or
+        decoding it here would use other masks than the drafter learnt."""
+        causal = self.__dict__.get("is_causal")
+        if causal is None:
+            self.__dict__.pop("is_causal", None)
+            return
+        if not isinstance(causal, bool):
+            raise ValueError(f"is_causal: expected true, false or null, got {causal!r}")
+        other = [i for i, kind in enumerate(layer_types) if (kind == SLIDING_ATTENTION) != causal]
+        if other:
+            how = "causal" if causal else "non-causal (a sliding layer: a two-sided window)"
+            raise ValueError(
+                f"is_causal {str(causal).lower()} makes layer {other[0]} ({layer_types[other[0]]}) {how}, as vLLM, "
+                "SGLang and z-lab's reference read it; this drafter makes sliding layers causal and full layers "
+                "non-causal only, so it cannot train or decode this one with the masks it learnt"
+            )
+        del self.__dict__["is_causal"]
 
     @property
     def mask_token_id(self) -> int | None:
