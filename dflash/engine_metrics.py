@@ -240,6 +240,8 @@ def acceptance(before: Reading, after: Reading) -> Acceptance:
     """vLLM: ``1 + d(accepted) / d(drafts)`` and per-position rates from the counters' deltas; SGLang:
     ``d(generation tokens) / d(verify calls)`` from its counters, else its gauge after (its last logged
     interval; 0 means it has not speculated). A counter that went down or is not finite: no figure."""
+    if after.engine == "sglang" and before.verify_calls is not None and after.verify_calls is None:
+        return Acceptance(None, SGLANG_COUNTERS, why=RESET)  # restarted: no request has ended since
     counters = after.engine == "vllm" or (after.engine == "sglang" and after.verify_calls is not None)
     source = "vllm counters" if after.engine == "vllm" else SGLANG_COUNTERS
     if counters:

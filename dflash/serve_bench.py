@@ -9,7 +9,11 @@ concurrency level with that many requests in flight (greedy: temperature 0), and
 
 - the acceptance length from the server's own Prometheus ``/metrics`` (``dflash.engine_metrics``): vLLM's
   counters as deltas over the level, ``1 + accepted / drafts``, and the acceptance by draft position;
-  SGLang's ``sglang:spec_accept_length`` gauge as it stands after the level (its last logged interval);
+  SGLang's counters as deltas, ``generation tokens / verify calls``, with the acceptance by position from
+  each answer's ``sglext.spec_tokens_details`` (asked with ``return_spec_tokens_details``); for an SGLang
+  build without them, the details alone, else its ``sglang:spec_accept_length`` gauge after the level;
+  a per-position cliff (``find_cliff``) flagged beside the offline acceptance; the engine's identity
+  (``identify``: its version, SGLang's request cap, the model card);
 - output tokens per second (the completions' ``usage.completion_tokens`` over the level's wall time) and
   the end-to-end request latency's p50, p90 and p99;
 

@@ -413,3 +413,10 @@ def test_a_huge_metrics_is_streamed_keeping_only_the_lines_used(tmp_path: Path) 
         assert code == 0, err
         assert engine.metrics_requests >= 5  # the probe, then each level's settled readings before and after
     assert padded < plain + (32 << 10), (plain, padded)  # KiB: less than a third of the answer's size more
+
+
+def test_sglang_counters_gone_after_a_restart_are_a_reset_not_an_older_build() -> None:
+    before = engine_metrics.Reading("sglang", verify_calls=40.0, generation_tokens=105.0)
+    after = engine_metrics.Reading("sglang", accept_length=2.5)  # the counters' children not made again yet
+    a = engine_metrics.acceptance(before, after)
+    assert a.length is None and a.why == "the server's counters reset during the level"
