@@ -79,7 +79,7 @@ class DrafterConfig:
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8 (the paper's table), else 7*B/16
     num_anchors: int = 512
     target_layer_ids: tuple[int, ...] | None = None  # None: build_target_layer_ids(L, layers)
-    # None: the id published drafters use for the target's family (Qwen3: 151669), else the last row of
+    # None: the id published drafters use for the target's family (Qwen3: 151669, Qwen3.5: 248070), else the last row of
     # the target vocabulary; with init_from, the published drafter's own id
     mask_token_id: int | None = None
     init_from: str | None = None  # a drafter folder (config.json + model.safetensors, z-lab names) to start from

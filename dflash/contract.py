@@ -21,7 +21,7 @@ The rules, with the engine code each one was read from (engine facts: ``../share
   (``parse_dflash_draft_config``, python/sglang/srt/speculative/dflash_utils.py) and the speculators
   converter (src/speculators/convert/dflash/converter.py) read either place.
 - **MASK id** below the target's vocabulary: SGLang cannot resize the target's embeddings
-  (``_resolve_mask_token_id``, python/sglang/srt/speculative/dflash_worker.py); vLLM embeds the block with
+  (``_resolve_mask_token_id``, python/sglang/srt/speculative/dflash_worker_v2.py); vLLM embeds the block with
   the target's embedding table.
 - **Sliding layers need a window**: vLLM ``_resolve_layer_attention``
   (vllm/model_executor/models/qwen3_dflash.py) raises without one; SGLang builds a causal window of
@@ -47,6 +47,7 @@ import typing as t
 from dflash.errors import InputError
 
 __all__ = [
+    "ATTENTION_BACKEND_PIN",
     "ContractError",
     "Target",
     "check",
@@ -193,23 +194,31 @@ def check(
 
 def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = ()) -> str:
     """``vllm serve`` for a z-lab folder. ``"method": "dflash"`` is named unless the drafter's path says
-    "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1;
-    ``--attention-backend flash_attn``: full-attention drafter layers are non-causal (FlashInfer has no
-    non-causal attention); mixed sliding/full layers need vLLM's V2 model runner (qwen3_dflash.py raises)."""
+    "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1.
+
+    No ``--attention-backend``: since vllm-project/vllm PR #39930 it sets the TARGET's backend only (0.33
+    ``llm_base_proposer._create_draft_vllm_config``: "Never inherit the attention backend from base"), and
+    the drafter's is auto-selected among the backends that run non-causal layers (V2
+    ``spec_decode/dflash/utils.py``: ``use_non_causal``); a pin belongs in the speculative config
+    (``ATTENTION_BACKEND_PIN``). ``VLLM_USE_V2_MODEL_RUNNER=1`` only for mixed sliding/full layers:
+    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default."""
     spec: dict[str, t.Any] = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
     if "dflash" in drafter.lower():
         del spec["method"]
     kinds = set(layer_types)
     env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
-    return (
-        f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))} "
-        "--attention-backend flash_attn"
-    )
+    return f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+# Where a drafter backend must be pinned (a build before PR #48167 on Blackwell, where FlashInfer's
+# non-causal draft attention gave near-zero acceptance): inside --speculative-config, which reaches the
+# drafter (vllm/config/speculative.py ``_parse_attention_backend``, case-insensitive).
+ATTENTION_BACKEND_PIN = '"attention_backend": "FLASH_ATTN"'
 
 
 def vllm_speculators_command(*, drafter: str) -> str:
     """``vllm serve`` for a speculators folder: its config names the target (the verifier) and the tokens."""
-    return f"vllm serve {shlex.quote(drafter)} --attention-backend flash_attn"
+    return f"vllm serve {shlex.quote(drafter)}"
 
 
 def sglang_command(*, target: str, drafter: str, block_size: int) -> str:

@@ -82,10 +82,16 @@ ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 AttentionMask = t.Union[torch.Tensor, "BlockMask", None]
 
-# The MASK id published drafters use per target family, keyed by (model_type, embedding rows): the first
-# row past the tokenizer's tokens (SpecForge configs/qwen3-8b-dflash.json, z-lab's Qwen3 drafters).
-# A warm start from a published drafter needs the same id: its weights learnt that row's embedding as MASK.
-PUBLISHED_MASK_IDS: dict[tuple[str, int], int] = {("qwen3", 151936): 151669}
+# The MASK id published drafters use per target family, keyed by the TEXT config's (model_type, embedding
+# rows): Qwen3 the first row past the tokenizer's tokens (SpecForge configs/qwen3-8b-dflash.json, z-lab's
+# Qwen3 drafters); the Qwen3.5 family (Qwen3.5, 3.6 and 3.8 share its dense and MoE text configs and its
+# 248,320-row vocabulary) 248070 (z-lab's Qwen3.5/3.6 and Qwen3.8-DFlash2 configs). A warm start from a
+# published drafter needs the same id: its weights learnt that row's embedding as MASK.
+PUBLISHED_MASK_IDS: dict[tuple[str, int], int] = {
+    ("qwen3", 151936): 151669,
+    ("qwen3_5_text", 248320): 248070,
+    ("qwen3_5_moe_text", 248320): 248070,
+}
 
 
 def published_mask_token_id(target_config: t.Any) -> int | None:
@@ -160,6 +166,7 @@ class DFlashDraftConfig(Qwen3Config):
                 f"sliding_window: sliding_attention layers need a positive window (and use_sliding_window=true), "
                 f"got {self.sliding_window!r}"
             )
+        self._check_causal(layer_types)
         if self.dflash_config is None:
             return
         mask_id = self.dflash_config.get("mask_token_id")
@@ -184,6 +191,28 @@ class DFlashDraftConfig(Qwen3Config):
                     f"dflash_config.target_layer_ids: {max(ids)} is out of range for num_target_layers="
                     f"{self.num_target_layers}"
                 )
+
+    def _check_causal(self, layer_types: list[str]) -> None:
+        """A published drafter's top-level ``is_causal`` sets every layer's causality (vLLM
+        ``_dflash_layer_causal``, SGLang ``_get_dflash_attention_type``, z-lab's reference; ``false`` with
+        sliding layers is a two-sided window). These masks are sliding -> causal, full -> non-causal: a
+        value that says the same is dropped (never written back), any other is refused, since training or
+        decoding it here would use other masks than the drafter learnt."""
+        causal = self.__dict__.get("is_causal")
+        if causal is None:
+            self.__dict__.pop("is_causal", None)
+            return
+        if not isinstance(causal, bool):
+            raise ValueError(f"is_causal: expected true, false or null, got {causal!r}")
+        other = [i for i, kind in enumerate(layer_types) if (kind == SLIDING_ATTENTION) != causal]
+        if other:
+            how = "causal" if causal else "non-causal (a sliding layer: a two-sided window)"
+            raise ValueError(
+                f"is_causal {str(causal).lower()} makes layer {other[0]} ({layer_types[other[0]]}) {how}, as vLLM, "
+                "SGLang and z-lab's reference read it; this drafter makes sliding layers causal and full layers "
+                "non-causal only, so it cannot train or decode this one with the masks it learnt"
+            )
+        del self.__dict__["is_causal"]
 
     @property
     def mask_token_id(self) -> int | None:

@@ -185,7 +185,7 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
     else:
         lines += [
             f"vLLM ({block - 1} speculative tokens: a block of {block} is the last verified token and "
-            f"{block - 1} drafts; FLASH_ATTN, because the drafter's full-attention layers are non-causal):",
+            f"{block - 1} drafts):",
             "",
             "```bash",
             contract.vllm_command(
@@ -194,7 +194,10 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
             "```",
             "",
             'vLLM detects the method only from a path that contains "dflash"; the command names it unless '
-            "this folder's does.",
+            "this folder's does. No `--attention-backend`: since vLLM PR #39930 (in 0.33) it sets the target's "
+            "backend only, and vLLM picks the drafter's among those that run its non-causal layers. To pin the "
+            f"drafter's (a build before PR #48167 on Blackwell), put `{contract.ATTENTION_BACKEND_PIN}` inside "
+            "`--speculative-config`.",
             "",
             "SGLang:",
             "",
@@ -210,6 +213,29 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
         "(the engine's own counters, beside `dflash eval`'s offline tau).",
     ]
     return lines
+
+
+def _context_lines(config: t.Any, data: dict[str, t.Any]) -> list[str]:
+    """The context the drafter was trained at (``data.max_length``), its sliding window, and what is not
+    measured: served past its trained length a drafter's acceptance is unknown (users have run drafters at
+    4x theirs, and engines that ran sliding layers as full attention lost acceptance past the window)."""
+    length = data.get("max_length")
+    trained = f"{length} tokens (data.max_length)" if isinstance(length, int) else "unknown"
+    types = list(config.layer_types or [])
+    sliding = sum(1 for k in types if k == contract.SLIDING_ATTENTION)
+    window = (
+        f"{config.sliding_window} tokens on {sliding} of {len(types)} layers (the engine must serve them as "
+        "sliding, causal layers)"
+        if sliding
+        else "none (every layer attends to the whole context)"
+    )
+    return [
+        f"- trained context: {trained}",
+        f"- sliding window: {window}",
+        "",
+        "Acceptance past the trained context is not measured: serve this drafter within it, or measure it "
+        "at your context with `dflash bench serve`.",
+    ]
 
 
 def model_card(
@@ -243,6 +269,7 @@ def model_card(
         f"target layers {list(config.dflash_config['target_layer_ids'])}, MASK id {config.dflash_config['mask_token_id']}",
         f"- weights: {dtype}, exported from `{source}`"
         + (f" (step {run['_step']})" if run.get("_step") is not None else ""),
+        *_context_lines(config, data),
     ]
     if optim:
         lines.append(

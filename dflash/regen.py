@@ -386,10 +386,11 @@ class OpenAIGenerator:
         cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
         conn = cls(u.hostname or "", u.port, timeout=self.timeout)
         late = threading.Event()
+        sent: list[socket.socket] = []  # an answer that closes the connection takes the socket off ``conn``
 
         def deadline() -> None:
             late.set()
-            _shut(conn)
+            _shut(conn, *sent)
 
         watchdog = threading.Timer(self.timeout, deadline)
         watchdog.daemon = True
@@ -401,6 +402,10 @@ class OpenAIGenerator:
                 raise Aborted("regen: stopped")
             path = u.path + (f"?{u.query}" if u.query else "")
             conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+            if conn.sock is not None:
+                sent.append(conn.sock)
+            if late.is_set():
+                _shut(conn, *sent)
             resp = conn.getresponse()
             chunks, size = [], 0
             while chunk := resp.read1(1 << 16):
@@ -545,10 +550,11 @@ class _Retry(Failed):
     it (under the error root all the same: exit 1, one line)."""
 
 
-def _shut(conn: http.client.HTTPConnection) -> None:
-    """End a connection another thread may be reading: shutdown wakes a blocked recv, close alone does not."""
-    sock = conn.sock
-    if sock is not None:
+def _shut(conn: http.client.HTTPConnection, *socks: socket.socket) -> None:
+    """End a connection another thread may be reading: shutdown wakes a blocked recv, close alone does not.
+    ``socks``: its socket as it was once the request went out (a response that closes the connection holds
+    it then, and ``conn.sock`` is None)."""
+    for sock in {s for s in (conn.sock, *socks) if s is not None}:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -9,7 +9,11 @@ concurrency level with that many requests in flight (greedy: temperature 0), and
 
 - the acceptance length from the server's own Prometheus ``/metrics`` (``dflash.engine_metrics``): vLLM's
   counters as deltas over the level, ``1 + accepted / drafts``, and the acceptance by draft position;
-  SGLang's ``sglang:spec_accept_length`` gauge as it stands after the level (its last logged interval);
+  SGLang's counters as deltas, ``generation tokens / verify calls``, with the acceptance by position from
+  each answer's ``sglext.spec_tokens_details`` (asked with ``return_spec_tokens_details``); for an SGLang
+  build without them, the details alone, else its ``sglang:spec_accept_length`` gauge after the level;
+  a per-position cliff (``find_cliff``) flagged beside the offline acceptance; the engine's identity
+  (``identify``: its version, SGLang's request cap, the model card);
 - output tokens per second (the completions' ``usage.completion_tokens`` over the level's wall time) and
   the end-to-end request latency's p50, p90 and p99;
 
@@ -38,10 +42,11 @@ import http.client
 import json
 import math
 import os
+import socket
+import threading
 import time
 import typing as t
-import urllib.error
-import urllib.request
+import urllib.parse
 from pathlib import Path
 
 from dflash import engine_metrics, inputs, suites
@@ -50,11 +55,14 @@ from dflash.regen import OpenAIGenerator, RegenError, ServerError
 
 __all__ = [
     "BenchReport",
+    "Cliff",
+    "Identity",
     "Level",
     "Offline",
     "Prompt",
     "ServeBenchError",
     "bench",
+    "find_cliff",
     "offline_from_report",
     "parse_concurrency",
     "percentile",
@@ -274,9 +282,52 @@ def offline_computed(
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecDetails:
+    """SGLang's per-request ``sglext.spec_tokens_details`` (entrypoints/openai/protocol.py
+    ``SpecTokensDetails``): verify steps, and how many steps accepted j drafts
+    (``spec_correct_drafts_histogram[j]``, managers/schedule_batch.py)."""
+
+    verify_ct: int
+    histogram: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Completion:
     tokens: int
     seconds: float
+    spec: SpecDetails | None = None
+
+
+MAX_HISTOGRAM = 1024  # draft positions a histogram may name (a block is at most a few dozen)
+
+
+def _count(value: t.Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def spec_details(out: dict[str, t.Any], where: str) -> SpecDetails | None:
+    """The answer's ``sglext.spec_tokens_details`` (None: the server gave none); a value that is not
+    SGLang's is a server error (one line), never a figure."""
+    ext = out.get("sglext")
+    details = ext.get("spec_tokens_details") if isinstance(ext, dict) else None
+    if details is None:
+        return None
+    if isinstance(details, list) and len(details) == 1:  # n > 1 gives a list; we ask for one choice
+        details = details[0]
+    verify = details.get("spec_verify_ct") if isinstance(details, dict) else None
+    hist = details.get("spec_correct_drafts_histogram") if isinstance(details, dict) else None
+    if (
+        not _count(verify)
+        or not isinstance(hist, list)
+        or len(hist) > MAX_HISTOGRAM
+        or not all(_count(h) for h in hist)
+        or (hist and sum(hist) != verify)
+    ):
+        raise ServerError(
+            f"{PREFIX}{where}: sglext.spec_tokens_details is not SGLang's (spec_verify_ct "
+            f"{str(verify)[:40]}, spec_correct_drafts_histogram {str(hist)[:80]})"
+        )
+    return SpecDetails(int(t.cast(int, verify)), tuple(hist))
 
 
 def _reworded(e: Exception) -> str:
@@ -299,10 +350,12 @@ class BenchClient(OpenAIGenerator):
         ignore_eos: bool,
         timeout: float,
         retries: int,
+        details: bool = False,
     ) -> None:
         super().__init__(server, model=model, kwargs=kwargs, concurrency=1, timeout=timeout, retries=retries)
         self.max_new_tokens = max_new_tokens
         self.ignore_eos = ignore_eos
+        self.details = details  # SGLang: ask each answer for its speculative-decoding details
 
     def complete(self, prompt: Prompt) -> Completion:
         body: dict[str, t.Any] = {
@@ -313,6 +366,8 @@ class BenchClient(OpenAIGenerator):
         }
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's and SGLang's extra sampling parameter
+        if self.details:
+            body["return_spec_tokens_details"] = True  # SGLang's (entrypoints/openai/protocol.py)
         if prompt.messages is not None:
             path = "/chat/completions"
             body["messages"] = prompt.messages
@@ -324,10 +379,16 @@ class BenchClient(OpenAIGenerator):
         t0 = time.perf_counter()
         out = self.request(path, body)
         seconds = time.perf_counter() - t0
-        tokens = (out.get("usage") or {}).get("completion_tokens")
+        usage = out.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if isinstance(tokens, bool) or not isinstance(tokens, int):
             raise ServerError(f"{PREFIX}{self.base}{path}: the answer has no usage.completion_tokens")
-        return Completion(tokens, seconds)
+        if not 0 <= tokens <= self.max_new_tokens:
+            raise ServerError(
+                f"{PREFIX}{self.base}{path}: usage.completion_tokens {str(tokens)[:40]} is outside "
+                f"0..{self.max_new_tokens} (the max_tokens asked for)"
+            )
+        return Completion(tokens, seconds, spec_details(out, f"{self.base}{path}") if self.details else None)
 
 
 def metrics_url(server: str) -> str:
@@ -336,17 +397,159 @@ def metrics_url(server: str) -> str:
     return base.removesuffix("/v1") + "/metrics"
 
 
+METRICS_LINE_BYTES = 64 << 10  # one exposition line at most; a longer one is dropped unread
+METRICS_KEPT_BYTES = 4 << 20  # of the lines used, at most this (an engine's are a few KiB)
+
+
+class _Get:
+    """A GET whose whole exchange ends by ``timeout``: a watchdog shuts the socket then (a per-read timeout
+    never ends a server that drips a byte at a time). ``late``: the deadline came."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        u = urllib.parse.urlsplit(url)
+        cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        self.conn = cls(u.hostname or "", u.port, timeout=timeout)
+        self.late = threading.Event()
+        self.watchdog = threading.Timer(timeout, self._deadline)
+        self.watchdog.daemon = True
+        self.watchdog.start()
+        self.path = u.path + (f"?{u.query}" if u.query else "")
+        self.sock: socket.socket | None = None
+
+    def _deadline(self) -> None:
+        self.late.set()
+        sock = self.sock or self.conn.sock
+        try:
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def response(self) -> http.client.HTTPResponse:
+        self.conn.request("GET", self.path)
+        # an answer that closes the connection takes the socket off ``conn`` (the response reads it): keep it
+        self.sock = self.conn.sock
+        if self.late.is_set():
+            self._deadline()
+        return self.conn.getresponse()
+
+    def close(self) -> None:
+        self.watchdog.cancel()
+        self.conn.close()
+
+
 def scrape(url: str, timeout: float) -> str:
-    """One GET of /metrics; ServeBenchError (one line) when it does not answer."""
+    """One GET of /metrics, whole within ``timeout``, streamed: only the lines of the metrics
+    ``engine_metrics.read`` uses are kept (a server's /metrics of any size costs their bytes, at most
+    ``METRICS_KEPT_BYTES``). ServeBenchError (one line) when it does not answer in time."""
+    get = _Get(url, timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return t.cast(bytes, resp.read()).decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        raise ServeBenchError(
-            f"{PREFIX}{url} answered {e.code} {e.reason} (SGLang serves /metrics only with --enable-metrics)"
-        ) from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+        resp = get.response()
+        if resp.status >= 300:
+            raise ServeBenchError(
+                f"{PREFIX}{url} answered {resp.status} {resp.reason} (SGLang serves /metrics only with "
+                "--enable-metrics)"
+            )
+        kept, size, tail, skip = [], 0, b"", False
+        while chunk := resp.read1(1 << 16):
+            pieces = (tail + chunk).split(b"\n")
+            tail = pieces.pop()
+            if skip and pieces:  # the end of a line too long to keep
+                pieces[0], skip = b"", False
+            if len(tail) > METRICS_LINE_BYTES:
+                tail, skip = b"", True
+            for line in pieces:
+                if line.startswith(engine_metrics.PREFIXES) and engine_metrics.used(line):
+                    size += len(line) + 1
+                    if size > METRICS_KEPT_BYTES:
+                        raise ServerError(
+                            f"{PREFIX}{url}: more than {METRICS_KEPT_BYTES >> 20} MiB of speculative-decoding "
+                            "samples: not an engine's /metrics"
+                        )
+                    kept.append(line)
+        if not skip and tail.startswith(engine_metrics.PREFIXES) and engine_metrics.used(tail):
+            kept.append(tail)  # a last line without its newline
+        if get.late.is_set():
+            raise TimeoutError
+        return b"\n".join(kept).decode("utf-8", "replace")
+    except TimeoutError:
+        raise ServeBenchError(f"{PREFIX}cannot read {url} within {timeout:g}s") from None
+    except (OSError, http.client.HTTPException) as e:
+        if get.late.is_set():
+            raise ServeBenchError(f"{PREFIX}cannot read {url} within {timeout:g}s") from None
         raise ServeBenchError(f"{PREFIX}cannot reach {url}: {getattr(e, 'reason', None) or e}") from None
+    finally:
+        get.close()
+
+
+def fetch_json(url: str, timeout: float, limit: int = 1 << 20) -> dict[str, t.Any] | None:
+    """A small JSON object from ``url`` (the engine's /version, /server_info), or None: whole within
+    ``timeout``, at most ``limit`` bytes; a server without it, or any fault, is None (it only informs)."""
+    get = _Get(url, timeout)
+    try:
+        resp = get.response()
+        if resp.status != 200:
+            return None
+        raw = resp.read(limit + 1)
+        if get.late.is_set() or len(raw) > limit:
+            return None
+        out = inputs.loads(raw)
+        return out if isinstance(out, dict) else None
+    except (OSError, http.client.HTTPException, ValueError):  # inputs.JsonProblem is a ValueError
+        return None
+    finally:
+        get.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Which engine build serves: its version (vLLM ``/version``; SGLang ``/server_info``'s ``version``),
+    SGLang's ``max_running_requests`` and block (``speculative_num_draft_tokens``) there, and the server's
+    model card (``/v1/models``: vLLM's has ``root`` and ``max_model_len``)."""
+
+    engine: str
+    version: str | None
+    max_running_requests: int | None = None
+    block_size: int | None = None
+    model_card: dict[str, t.Any] | None = None
+
+
+SGLANG_DFLASH_MAX_RUNNING = 48  # DFLASH's default (srt/arg_groups/speculative_hook.py ``_handle_dflash``)
+CARD_KEYS = ("id", "root", "parent", "max_model_len", "owned_by")
+
+
+def _short(value: t.Any) -> t.Any:
+    """A value an engine answered, as the report keeps it: a short string or a finite number, else None."""
+    if isinstance(value, str):
+        return value[:200]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def identify(server: str, engine: str, client: OpenAIGenerator, timeout: float) -> Identity:
+    """The engine's identity; what a server does not answer is None (it only informs the report)."""
+    root = server.rstrip("/").removesuffix("/v1")
+    card = None
+    try:
+        models = client.request("/models", None).get("data")
+        mine = [m for m in models or [] if isinstance(m, dict) and m.get("id") == client.model]
+        if mine:
+            card = {k: _short(mine[0][k]) for k in CARD_KEYS if k in mine[0]}
+    except (ServerError, RegenError, AttributeError, TypeError):
+        card = None
+    if engine == "vllm":
+        version = (fetch_json(root + "/version", timeout) or {}).get("version")
+        return Identity(engine, _short(version), model_card=card)
+    info = fetch_json(root + "/server_info", timeout) or {}
+    running, block = _short(info.get("max_running_requests")), _short(info.get("speculative_num_draft_tokens"))
+    return Identity(
+        engine,
+        _short(info.get("version")),
+        running if isinstance(running, int) else None,
+        block if isinstance(block, int) else None,
+        card,
+    )
 
 
 def reading(url: str, timeout: float) -> engine_metrics.Reading:
@@ -385,6 +588,73 @@ def percentile(values: t.Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+SGLANG_DETAILS = "sglang per-request spec_tokens_details (this build has no sglang:spec_verify_calls_total)"
+DETAILS_POSITIONS = "by position from each request's spec_tokens_details"
+CLIFF_HIGH = 0.2  # a position accepted at least this often...
+CLIFF_ZERO = 0.02  # ...followed by positions all accepted at most this often
+
+
+def from_details(done: t.Sequence[Completion], block_size: int | None) -> tuple[float, tuple[float, ...], int] | None:
+    """SGLang's per-request details over a level: (completion tokens / verify steps, acceptance by
+    position, verify steps); None unless every request carried them. Position k's acceptance is the share
+    of verify steps that accepted at least k drafts (accepted drafts are a prefix of the block)."""
+    specs = [d.spec for d in done]
+    if not specs or any(x is None for x in specs):
+        return None
+    details = [x for x in specs if x is not None]
+    verify = sum(x.verify_ct for x in details)
+    if verify <= 0:
+        return None
+    hist = [0] * max((len(x.histogram) for x in details), default=0)
+    for x in details:
+        for j, n in enumerate(x.histogram):
+            hist[j] += n
+    positions = (block_size - 1) if block_size and block_size > 1 else max(len(hist) - 1, 0)
+    steps = sum(hist) or verify
+    per_pos = tuple(sum(hist[k:]) / steps for k in range(1, positions + 1))
+    return sum(d.tokens for d in done) / verify, per_pos, verify
+
+
+def level_acceptance(
+    before: engine_metrics.Reading,
+    after: engine_metrics.Reading,
+    done: t.Sequence[Completion],
+    block_size: int | None,
+) -> engine_metrics.Acceptance:
+    """The level's acceptance: the counters' deltas (vLLM; SGLang's when its build has them), else SGLang's
+    per-request details, else its gauge; SGLang's acceptance by position from the details."""
+    a = engine_metrics.acceptance(before, after)
+    if after.engine != "sglang" or a.why in (engine_metrics.RESET, "a counter of the server is not a finite number"):
+        return a
+    got = from_details(done, block_size)
+    if got is None:
+        return a
+    length, per_pos, verify = got
+    if a.source == engine_metrics.SGLANG_COUNTERS:
+        return dataclasses.replace(a, per_position=per_pos, source=f"{a.source}; {DETAILS_POSITIONS}")
+    return engine_metrics.Acceptance(length, SGLANG_DETAILS, float(verify), per_position=per_pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cliff:
+    """Acceptance by position high up to ``position - 1``, near 0 from ``position`` on."""
+
+    position: int  # 1-based: the first position near 0
+    before: float
+    after: float
+
+
+def find_cliff(per_position: t.Sequence[float]) -> Cliff | None:
+    """The per-position cliff: a position accepted at least CLIFF_HIGH of the time, and every later one at
+    most CLIFF_ZERO. A drafter's own acceptance decays over positions; an engine that serves sliding layers
+    as full attention (or captures other target layers) cuts it off."""
+    p = list(per_position)
+    for k in range(1, len(p)):
+        if p[k - 1] >= CLIFF_HIGH and max(p[k:]) <= CLIFF_ZERO:
+            return Cliff(k + 1, p[k - 1], p[k])
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Level:
     concurrency: int
@@ -397,6 +667,10 @@ class Level:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def cliff(self) -> Cliff | None:
+        return find_cliff(self.acceptance.per_position)
 
     def to_json(self) -> dict[str, t.Any]:
         a = self.acceptance
@@ -414,10 +688,12 @@ class Level:
             },
             "acceptance_length": a.length,
             "acceptance_source": a.source,
+            "acceptance_none": a.why if a.length is None else None,
             "drafts": a.drafts,
             "draft_tokens": a.draft_tokens,
             "accepted_tokens": a.accepted,
             "position_acceptance": list(a.per_position),
+            "cliff": dataclasses.asdict(self.cliff) if self.cliff else None,
         }
 
 
@@ -434,12 +710,26 @@ class BenchReport:
     chat_template_kwargs: dict[str, t.Any]
     levels: list[Level]
     offline: Offline | None
+    identity: Identity | None = None
+
+    @property
+    def max_running(self) -> tuple[int, str] | None:
+        """SGLang's cap on requests in flight, and where it comes from."""
+        if self.engine != "sglang":
+            return None
+        if self.identity is not None and self.identity.max_running_requests is not None:
+            return self.identity.max_running_requests, "/server_info"
+        return SGLANG_DFLASH_MAX_RUNNING, "DFLASH's default unless --max-running-requests is given"
 
     def to_json(self) -> dict[str, t.Any]:
+        ident = self.identity
         return {
             "server": self.server,
             "engine": self.engine,
+            "engine_version": ident.version if ident else None,
             "model": self.model,
+            "model_card": ident.model_card if ident else None,
+            "max_running_requests": self.max_running[0] if self.max_running else None,
             "prompts": self.prompts,
             "prompts_sha256": self.prompts_sha256,
             "num_prompts": self.num_prompts,
@@ -451,32 +741,63 @@ class BenchReport:
             "offline": dataclasses.asdict(self.offline) if self.offline else None,
         }
 
+    def _cliff_line(self, lv: Level, cliff: Cliff) -> str:
+        k = cliff.position
+        line = (
+            f"cliff at concurrency {lv.concurrency}: acceptance by position falls from {cliff.before:.2f} at "
+            f"position {k - 1} to {cliff.after:.2f} at position {k} and stays near 0"
+        )
+        o = self.offline
+        if o is None or len(o.position_acceptance) < k:
+            return (
+                line + ": the signature of sliding layers served as full attention, or of other target layers "
+                "captured; compare with dflash eval on the same prompts (--eval or --drafter)"
+            )
+        offline = o.position_acceptance[k - 1]
+        if offline > CLIFF_ZERO * 5:
+            return (
+                line + f"; offline (dflash eval) {offline:.2f} there: the engine, not the drafter (sliding "
+                "layers served as full attention, or other target layers captured)"
+            )
+        return line + f"; offline (dflash eval) {offline:.2f} there too: the drafter's own"
+
     def lines(self) -> list[str]:
         engine = {"vllm": "vLLM", "sglang": "SGLang"}.get(self.engine, self.engine)
+        version = self.identity.version if self.identity and self.identity.version else "version unknown"
         each = f"up to {self.max_new_tokens} new tokens each" + (" (past EOS)" if self.ignore_eos else "")
         out = [
-            f"server:  {self.server} ({engine}, model {self.model})",
+            f"server:  {self.server} ({engine} {version}, model {self.model})",
             f"prompts: {self.num_prompts} from {self.prompts}, {each}, temperature 0",
             "concurrency  requests  out tokens  seconds  out tok/s  latency p50 / p90 / p99 s  acceptance length",
         ]
         for lv in self.levels:
             a = lv.acceptance
-            al = f"{a.length:.2f}" if a.length is not None else "none"
-            if a.drafts:
-                al += f" ({int(a.drafts)} drafts)"
+            al = f"{a.length:.2f}" if a.length is not None else f"none ({a.why})" if a.why else "none"
+            if a.drafts and a.length is not None:
+                al += f" ({int(a.drafts)} {'verify steps' if self.engine == 'sglang' else 'drafts'})"
             out.append(
                 f"{lv.concurrency:>11}  {lv.requests:>8}  {lv.output_tokens:>10}  {lv.seconds:>7.2f}  "
                 f"{lv.tokens_per_s:>9.1f}  {percentile(lv.latencies, 50):>7.3f} / {percentile(lv.latencies, 90):.3f} / "
                 f"{percentile(lv.latencies, 99):.3f}  {al}"
             )
-        source = self.levels[0].acceptance.source if self.levels else ""
-        out.append(f"acceptance length from the server's /metrics: {source}")
-        first = next((lv for lv in self.levels if lv.acceptance.per_position), None)
-        if first is not None:
-            out.append(
-                f"acceptance by position (1..B-1), concurrency {first.concurrency}: "
-                + " ".join(f"{x:.2f}" for x in first.acceptance.per_position)
-            )
+        sources = list(dict.fromkeys(lv.acceptance.source for lv in self.levels))
+        if len(sources) == 1:
+            out.append(f"acceptance length from the server: {sources[0]}")
+        else:
+            out += [f"acceptance length at concurrency {lv.concurrency}: {lv.acceptance.source}" for lv in self.levels]
+        cap = self.max_running
+        for lv in self.levels:
+            if cap is not None and lv.concurrency > cap[0]:
+                out.append(
+                    f"concurrency {lv.concurrency}: above SGLang's max_running_requests {cap[0]} ({cap[1]}): the "
+                    f"requests past it queue, so at most {cap[0]} are decoded at once"
+                )
+        for lv in self.levels:
+            if lv.acceptance.per_position:
+                out.append(
+                    f"acceptance by position (1..B-1), concurrency {lv.concurrency}: "
+                    + " ".join(f"{x:.2f}" for x in lv.acceptance.per_position)
+                )
         o = self.offline
         if o is not None:
             if o.same_prompts is None:
@@ -489,6 +810,9 @@ class BenchReport:
                 out.append(
                     "offline acceptance by position (1..B-1): " + " ".join(f"{x:.2f}" for x in o.position_acceptance)
                 )
+        for lv in self.levels:
+            if lv.cliff is not None:
+                out.append(self._cliff_line(lv, lv.cliff))
         return out
 
 
@@ -538,11 +862,13 @@ def bench(
             ignore_eos=ignore_eos,
             timeout=timeout,
             retries=retries,
+            details=first.engine == "sglang",
         )
     except RegenError as e:
         raise ServeBenchError(_reworded(e)) from None
     except ServerError as e:
         raise ServeBenchError(_reworded(e)) from None
+    identity = identify(server, str(first.engine), client, probe)
     levels = []
     try:
         for _ in range(warmup):  # a fresh engine compiles and captures graphs on its first requests
@@ -568,7 +894,7 @@ def bench(
                 sum(d.tokens for d in done),
                 seconds,
                 [d.seconds for d in done],
-                engine_metrics.acceptance(before, after),
+                level_acceptance(before, after, done, identity.block_size),
             )
             levels.append(level)
             if log is not None:
@@ -589,4 +915,5 @@ def bench(
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         levels=levels,
         offline=offline,
+        identity=identity,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -149,6 +150,69 @@ def test_published_mask_id_for_qwen3_and_none_for_other_families() -> None:
     )
     assert published_mask_token_id(qwen3) == 151669
     assert published_mask_token_id(tiny_target_config()) is None  # the tiny target: vocabulary 512
+
+
+def test_published_mask_id_of_the_qwen3_5_family_from_its_text_config() -> None:
+    """Qwen3.5, 3.6 and 3.8 targets (dense and MoE, multimodal wrappers whose text config is the model's):
+    published drafters use 248070 of the 248,320 rows, not the last row."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    for config in (Qwen3_5Config(), Qwen3_5MoeConfig(), Qwen3_5TextConfig(), Qwen3_5MoeTextConfig()):
+        assert published_mask_token_id(config) == 248070, type(config).__name__
+    assert published_mask_token_id(Qwen3_5TextConfig(vocab_size=151936)) is None  # another vocabulary
+
+
+@pytest.mark.floor  # a published folder's config.json read by this transformers
+@pytest.mark.parametrize(
+    ("layer_types", "is_causal", "refused"),
+    [
+        (["full_attention"] * 2, False, None),  # what the masks are anyway: read, never written back
+        (["sliding_attention"] * 2, True, None),
+        (
+            ["sliding_attention", "full_attention"],
+            False,
+            "is_causal false makes layer 0 (sliding_attention) non-causal (a sliding layer: a two-sided window)",
+        ),
+        (["full_attention"] * 2, True, "is_causal true makes layer 0 (full_attention) causal"),
+    ],
+)
+def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_one_line_otherwise(
+    tmp_path: Path, layer_types: list[str], is_causal: bool, refused: str | None
+) -> None:
+    """z-lab's newer drafters carry a top-level ``is_causal`` (vLLM, SGLang and z-lab's reference read it for
+    every layer). Training (``drafter.init_from``), ``dflash eval --drafter`` (both ``load_drafter``) and the
+    remote code (the same config class) read it alike."""
+    import importlib.util
+
+    from dflash.checkpoint import CheckpointError, config_json
+
+    drafter = new_drafter(layer_types=layer_types, sliding_window=5)
+    ours = save_checkpoint(tmp_path / "ck", step=1, drafter=drafter, trainer_state={})
+    published = tmp_path / "published"
+    published.mkdir()
+    data = json.loads((ours / "config.json").read_text())
+    (published / "config.json").write_text(json.dumps({**data, "is_causal": is_causal}))
+    (published / "model.safetensors").write_bytes((ours / "model.safetensors").read_bytes())
+    spec = importlib.util.spec_from_file_location("remote_causal", hf_remote.write(tmp_path))
+    assert spec is not None and spec.loader is not None
+    remote = importlib.util.module_from_spec(spec)
+    sys.modules["remote_causal"] = remote
+    try:
+        spec.loader.exec_module(remote)
+        if refused is None:
+            model = load_drafter(published)
+            assert "is_causal" not in json.loads(config_json(model.config))  # an export never writes it
+            assert "is_causal" not in remote.DFlashDraftConfig.from_dict({**data, "is_causal": is_causal}).to_dict()
+            return
+        with pytest.raises(CheckpointError) as got:
+            load_drafter(published)
+        line = str(got.value)
+        assert line.startswith(f"{published / 'config.json'}: {refused}, as vLLM, SGLang and z-lab's reference")
+        assert "\n" not in line and line.endswith("so it cannot train or decode this one with the masks it learnt")
+        with pytest.raises(ValueError, match=f"^{re.escape(refused)}"):
+            remote.DFlashDraftConfig.from_dict({**data, "is_causal": is_causal})
+    finally:
+        del sys.modules["remote_causal"]
 
 
 # ---- warm start from a published drafter ---------------------------------------------------

@@ -763,7 +763,8 @@ def test_answers_that_are_not_text_are_retried_then_dropped() -> None:
 
 class Stalling(threading.Thread):
     """A server (a double) that accepts a request and then answers ``how``: "drip" (headers, then one byte of
-    the body every 0.05 s, never the end: each read alone is quick), "endless" (a body without end, fast),
+    the body every 0.05 s, never the end: each read alone is quick; "drip-close" the same with
+    ``Connection: close``), "endless" (a body without end, fast),
     or "hold" (nothing, ever). It counts the requests it got."""
 
     def __init__(self, how: str) -> None:
@@ -799,10 +800,11 @@ class Stalling(threading.Thread):
                 if self.how == "hold":
                     self.done.wait()
                     return
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000000000\r\n\r\n{")
+                close = b"Connection: close\r\n" if self.how == "drip-close" else b""
+                conn.sendall(b"HTTP/1.1 200 OK\r\n%sContent-Length: 100000000000\r\n\r\n{" % close)
                 while not self.done.is_set():
                     conn.sendall(b" " * (1 << 16) if self.how == "endless" else b" ")
-                    if self.how == "drip":
+                    if self.how != "endless":
                         time.sleep(0.05)
             except OSError:  # the client hung up: what is tested
                 return
@@ -818,6 +820,9 @@ def test_a_request_is_bounded_as_a_whole_by_its_deadline_and_its_size() -> None:
 
     for how, words in (
         ("drip", "no complete answer within 1 s (--timeout)"),
+        # an answer that closes the connection: http.client hands the socket to the response, off the
+        # connection the watchdog used to shut
+        ("drip-close", "no complete answer within 1 s (--timeout)"),
         ("endless", "an answer larger than 1 MiB"),
     ):
         srv = Stalling(how)
