@@ -1,0 +1,129 @@
+"""Files dflash reads that another process, an older version, a crash or a person could have written: each
+read through one checked reader per kind (dflash.inputs.Record), so a missing key, a wrong type, a non-finite
+or out-of-range number, a huge or deeply nested value is one line naming the file and the key (exit 2),
+never a traceback nor a figure read wrong.
+
+Real parts: a real tiny Qwen3 target folder (save_pretrained), a real tiny drafter checkpoint, the real
+`python -m dflash` CLI in a child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import typing as t
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3ForCausalLM
+
+from dflash.checkpoint import save_checkpoint
+from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.target import tiny_target_config
+
+REPO = Path(__file__).resolve().parents[2]
+MASK = 511
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def dflash(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """The real CLI, in a child process: what a user runs."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "dflash", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The exit-2 answer: one line on stderr, no traceback."""
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real (tiny, random) Qwen3 target folder, as a run's target.path names one."""
+    folder = tmp_path_factory.mktemp("target") / "Qwen3-tiny"
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(tiny_target_config()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run_ckpt(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> Path:
+    """A checkpoint whose trainer state names the run's target, as training writes it."""
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=4, mask_token_id=MASK)
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("run") / "checkpoints"
+    return save_checkpoint(
+        root, step=5, drafter=DFlashDraftModel(cfg), trainer_state={"config": {"target": {"path": str(target_dir)}}}
+    )
+
+
+def verifier_folder(root: Path, config: str | bytes | None) -> Path:
+    folder = root / "verifier"
+    folder.mkdir()
+    if config is not None:
+        path = folder / "config.json"
+        path.write_bytes(config if isinstance(config, bytes) else config.encode())
+    return folder
+
+
+def good_config(target_dir: Path, **change: t.Any) -> str:
+    data = json.loads((target_dir / "config.json").read_text())
+    return json.dumps({**data, **change})
+
+
+LLAMA_8B = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32, "architectures": ["LlamaForCausalLM"]}
+
+# what the verifier's config.json holds -> the words the one line must carry (None: no config.json at all)
+VERIFIER_CASES: dict[str, tuple[t.Callable[[Path], str | bytes | None], str]] = {
+    "another model": (
+        lambda td: good_config(td, **LLAMA_8B),
+        "vocab_size is 128256, but the drafter's vocab_size is 512",
+    ),
+    "another width": (lambda td: good_config(td, hidden_size=4096), "hidden_size is 4096, but the drafter's"),
+    "fewer layers": (lambda td: good_config(td, num_hidden_layers=4), "num_hidden_layers is 4, but the drafter's"),
+    "missing": (lambda td: None, "cannot read"),
+    "unreadable": (lambda td: b"\xff\xfe{not json", "is not JSON"),
+    "a string": (lambda td: json.dumps("Qwen3ForCausalLM"), 'expected a JSON object, got "Qwen3ForCausalLM"'),
+    "deeply nested": (lambda td: "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "no architectures": (lambda td: good_config(td, architectures=None), "architectures missing"),
+    "empty architectures": (lambda td: good_config(td, architectures=[]), "architectures is [], expected a non-empty"),
+    "mixed architectures": (
+        lambda td: good_config(td, architectures=[5, None, {"a": 1}]),
+        'architectures is [5, null, {"a": 1}], expected a non-empty list of strings',
+    ),
+    "vocab a string": (lambda td: good_config(td, vocab_size="512"), 'vocab_size is "512", expected an integer'),
+    "vocab 1e30": (lambda td: good_config(td, vocab_size=10**30), "vocab_size is 1000000000000000000000000000000"),
+}
+
+
+@pytest.mark.parametrize("case", list(VERIFIER_CASES))
+def test_export_speculators_reads_the_verifier_like_the_target(
+    case: str, tmp_path: Path, target_dir: Path, run_ckpt: Path
+) -> None:
+    """`export --format speculators --verifier DIR` exported a Llama-sized verifier for a 64-wide, 512-vocab
+    drafter with exit 0, took the run's target's architectures for an unreadable, missing, string-valued or
+    deeply nested DIR/config.json, and wrote `architectures: []` or `[5, null, {...}]` as given."""
+    make, words = VERIFIER_CASES[case]
+    verifier = verifier_folder(tmp_path, make(target_dir))
+    out = tmp_path / "out"
+    line = one_line(dflash("export", str(run_ckpt), str(out), "--format", "speculators", "--verifier", str(verifier)))
+    assert line.startswith(f"dflash: --verifier {verifier}: "), line
+    assert words in line, line
+    assert not out.exists()
+
+
+def test_export_speculators_names_the_verifier_it_read(tmp_path: Path, target_dir: Path, run_ckpt: Path) -> None:
+    verifier = verifier_folder(tmp_path, good_config(target_dir, architectures=["Qwen3ForCausalLM", "Other"]))
+    out = tmp_path / "out"
+    proc = dflash("export", str(run_ckpt), str(out), "--format", "speculators", "--verifier", str(verifier))
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads((out / "config.json").read_text())["speculators_config"]
+    assert spec["verifier"] == {"architectures": ["Qwen3ForCausalLM", "Other"], "name_or_path": str(verifier)}
