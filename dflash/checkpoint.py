@@ -577,15 +577,28 @@ def best_of(root: str | os.PathLike[str]) -> Path | None:
 
 
 def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
-    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree)."""
+    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree).
+
+    best.json is read bounded and field by field (``inputs.read_record``): a record whose step is no step,
+    whose tau is no finite figure (NaN would be a best no eval beats: every comparison with it is false) or
+    whose protocol key is no string is no best, with a warning naming the file and the key: the next eval
+    sets one."""
+    path = Path(root) / BEST_FILE
     target = best_of(root)
+    if not path.exists() and not path.is_symlink():
+        return None
     try:
-        record = json.loads((Path(root) / BEST_FILE).read_text())
-    except (OSError, ValueError):
+        rec = inputs.read_record(path, BEST_FILE)
+        step = rec.integer("step", lo=0)
+        rec.number("tau", lo=0)
+        rec.text("protocol_key", default=None)
+        rec.text("run_id", default=None)
+    except (inputs.InputFileError, inputs.RecordError) as exc:
+        logger.warning("%s; taken as no best (the next eval sets one)", exc)
         return None
-    if not isinstance(record, dict) or target is None or record.get("step") != _step_of(target):
+    if target is None or step != _step_of(target):
         return None
-    return record
+    return dict(rec.data)
 
 
 def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Path:

@@ -127,3 +127,46 @@ def test_export_speculators_names_the_verifier_it_read(tmp_path: Path, target_di
     assert proc.returncode == 0, proc.stderr
     spec = json.loads((out / "config.json").read_text())["speculators_config"]
     assert spec["verifier"] == {"architectures": ["Qwen3ForCausalLM", "Other"], "name_or_path": str(verifier)}
+
+
+# --------------------------------------------------------------------------------------------
+# best.json: a tau of NaN is no best (a warning), not a best no eval can beat
+
+
+def train(tmp_path: Path, max_steps: int) -> subprocess.CompletedProcess[str]:
+    prompts = tmp_path / "eval.jsonl"
+    lines = (REPO / "configs" / "tiny-data.jsonl").read_text().splitlines()[:2]
+    prompts.write_text("\n".join(lines) + "\n")
+    args = ["train", "--config", str(REPO / "configs" / "tiny-random.toml")]
+    for o in (
+        f"output_dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"eval.prompts={prompts}",
+        "log_every=2",
+        "checkpoint.interval=0",
+        "checkpoint.keep=1",
+        "eval.max_new=4",
+        "eval.every=2",
+        f"max_steps={max_steps}",
+    ):
+        args += ["--set", o]
+    return dflash(*args)
+
+
+def test_a_best_json_whose_tau_is_nan_is_no_best(tmp_path: Path) -> None:
+    """best.json with tau NaN (Python's json reads it; JSON has no NaN) was taken as the best so far, and
+    every comparison with NaN is false: no later eval could become the best."""
+    first = train(tmp_path, 2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    best = tmp_path / "ckpt" / "best.json"
+    record = json.loads(best.read_text())
+    best.write_text(json.dumps({**record, "tau": float("nan")}))  # json.dumps writes NaN
+    resumed = train(tmp_path, 4)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    said = [x for x in resumed.stderr.splitlines() if "best.json" in x]
+    assert said and "NaN" in said[0] and said[0].endswith("taken as no best (the next eval sets one)"), said
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [r for r in evals if r.get("kind") == "eval" and r["step"] > record["step"]]
+    assert evals and evals[0]["is_best"], evals
+    after = json.loads(best.read_text())
+    assert after["step"] == evals[0]["step"] and after["tau"] == evals[0]["tau"]
