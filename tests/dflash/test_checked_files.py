@@ -170,3 +170,115 @@ def test_a_best_json_whose_tau_is_nan_is_no_best(tmp_path: Path) -> None:
     assert evals and evals[0]["is_best"], evals
     after = json.loads(best.read_text())
     assert after["step"] == evals[0]["step"] and after["tau"] == evals[0]["tau"]
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoint.json: read field by field wherever a checkpoint is found, loaded or exported
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+MANIFEST_CASES: dict[str, tuple[t.Callable[[dict[str, t.Any]], str], str]] = {
+    "deeply nested": (lambda m: DEEP, "nested too deeply"),
+    "not JSON": (lambda m: "{half", "is not JSON"),
+    "a list": (lambda m: "[1, 2]", "expected a JSON object"),
+    "a size a string": (
+        lambda m: json.dumps({**m, "files": {**m["files"], "config.json": "12"}}),
+        'files.config.json is "12", expected an integer >= 0',
+    ),
+    "a sum outside the checkpoint": (
+        lambda m: json.dumps({**m, "sha256": {**m["sha256"], "../../outside": "0" * 64}}),
+        "sha256.../../outside",
+    ),
+    "a step a string": (lambda m: json.dumps({**m, "step": "5"}), 'step is "5", expected an integer'),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFEST_CASES))
+def test_a_checkpoint_json_written_by_someone_else_is_one_line(
+    case: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, target_dir: Path
+) -> None:
+    """checkpoint.json was read with json.loads: 100,000 levels deep was a RecursionError traceback from
+    every reader (export, eval, resume), and one that was no JSON object made export skip the sha256 check
+    and export the checkpoint unverified."""
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=4, mask_token_id=MASK)
+    torch.manual_seed(0)
+    ck = save_checkpoint(tmp_path / "checkpoints", step=5, drafter=DFlashDraftModel(cfg), trainer_state={})
+    manifest = json.loads((ck / "checkpoint.json").read_text())
+    make, words = MANIFEST_CASES[case]
+    (ck / "checkpoint.json").write_text(make(manifest))
+    line = one_line(dflash("export", str(ck), str(tmp_path / "out")))
+    assert line.startswith(f"dflash: {ck}: checkpoint.json unreadable: ") and words in line, line
+    assert not (tmp_path / "out").exists()
+    # under its root: skipped with a warning naming it, and nothing else is there
+    proc = dflash("export", str(tmp_path / "checkpoints"), str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"skipping checkpoint {ck}: checkpoint.json unreadable: " in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"dflash: {tmp_path / 'checkpoints'}: no drafter here"), proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# a token store's meta.json and offsets.bin, as `dflash train` opens them
+
+
+def store(tmp_path: Path) -> Path:
+    out = tmp_path / "store"
+    proc = dflash(
+        "prepare-data",
+        "--config",
+        str(REPO / "configs" / "tiny-random.toml"),
+        "--in",
+        str(REPO / "configs" / "tiny-data.jsonl"),
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def train_on(tmp_path: Path, data: Path) -> subprocess.CompletedProcess[str]:
+    args = ["train", "--config", str(REPO / "configs" / "tiny-random.toml"), "--set", f"data.path={data}"]
+    for o in (f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "max_steps=2"):
+        args += ["--set", o]
+    return dflash(*args)
+
+
+def _counts(m: dict[str, t.Any], **change: t.Any) -> str:
+    return json.dumps({**m, "counts": {**m["counts"], **change}})
+
+
+STORE_CASES: dict[str, tuple[t.Callable[[dict[str, t.Any]], str], str]] = {
+    "sequences a string": (lambda m: _counts(m, sequences="200"), 'counts.sequences is "200", expected an integer'),
+    "sequences missing": (lambda m: json.dumps({k: v for k, v in m.items() if k != "counts"}), "counts missing"),
+    "sequences huge": (lambda m: _counts(m, sequences=10**30), "counts.sequences is 1000000000000000000000000000000"),
+    "max_token_id a float": (lambda m: _counts(m, max_token_id=499.5), "counts.max_token_id is 499.5"),
+    "tokenizer a list": (lambda m: json.dumps({**m, "tokenizer": [1]}), "tokenizer is [1], expected a JSON object"),
+    "max_length a string": (lambda m: json.dumps({**m, "max_length": "90"}), 'max_length is "90", expected'),
+}
+
+
+@pytest.mark.parametrize("case", list(STORE_CASES))
+def test_a_store_meta_json_written_by_someone_else_is_one_line(case: str, tmp_path: Path) -> None:
+    """meta.json's counts were taken with int(meta["counts"]["sequences"]): a missing key was a KeyError
+    traceback, "200" was taken as 200, a string max_length a ValueError mid-start."""
+    s = store(tmp_path)
+    meta = json.loads((s / "meta.json").read_text())
+    make, words = STORE_CASES[case]
+    (s / "meta.json").write_text(make(meta))
+    line = one_line(train_on(tmp_path, s))
+    assert line.startswith(f"dflash: data.path: {s / 'meta.json'}: ") and words in line, line
+
+
+def test_offsets_that_do_not_rise_are_a_damaged_store(tmp_path: Path) -> None:
+    """offsets.bin of the right size whose offsets go down read samples of other sequences' tokens (or
+    none) without a word."""
+    import numpy as np
+
+    s = store(tmp_path)
+    offsets = np.fromfile(s / "offsets.bin", dtype=np.int64)
+    offsets[3], offsets[4] = offsets[4], offsets[3]
+    offsets.tofile(s / "offsets.bin")
+    line = one_line(train_on(tmp_path, s))
+    assert line == (
+        f"dflash: data.path: {s / 'offsets.bin'}: offsets do not start at 0 and rise (a damaged store; run dflash "
+        "prepare-data again)"
+    )
