@@ -282,3 +282,50 @@ def test_offsets_that_do_not_rise_are_a_damaged_store(tmp_path: Path) -> None:
         f"dflash: data.path: {s / 'offsets.bin'}: offsets do not start at 0 and rise (a damaged store; run dflash "
         "prepare-data again)"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# prepare-data's resumable work: plan.json and each finished part's part.json
+
+
+def prepare(out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    args = ["prepare-data", "--config", str(REPO / "configs" / "tiny-random.toml")]
+    args += ["--in", str(REPO / "configs" / "tiny-data.jsonl"), "--out", str(out), "--shard-lines", "50"]
+    return subprocess.run(
+        [sys.executable, "-m", "dflash", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("damage", ["plan.json", "part.json"])
+def test_a_damaged_plan_or_part_is_made_again(damage: str, tmp_path: Path) -> None:
+    """A resumed prepare-data read WORK/plan.json and each part's part.json with json.loads and took their
+    keys as written: a deep plan.json was a RecursionError traceback, a part.json whose counts were no
+    object an AttributeError after every shard had run."""
+    killed = prepare(tmp_path / "a", env={"DFLASH_PREPARE_DIE_AFTER_SHARDS": "2"})
+    assert killed.returncode == -9, killed.stderr
+    work = tmp_path / "a.partial"
+    done = sorted(p for p in (work / "parts").iterdir() if not p.name.endswith(".tmp"))
+    assert done, list((work / "parts").iterdir())
+    if damage == "plan.json":
+        (work / "plan.json").write_text(DEEP)
+    else:
+        info = json.loads((done[0] / "part.json").read_text())
+        (done[0] / "part.json").write_text(json.dumps({**info, "counts": "many"}))
+    again = prepare(tmp_path / "a")
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    if damage == "plan.json":
+        assert "plan.json: " in again.stderr and "nested too deeply" in again.stderr and "starting over" in again.stderr
+    else:
+        said = f'{done[0] / "part.json"}: counts is "many", expected a JSON object: making that shard again'
+        assert said in again.stderr, again.stderr
+    whole = prepare(tmp_path / "b")
+    assert whole.returncode == 0, whole.stderr
+    for name in ("tokens.bin", "loss_mask.bin", "offsets.bin", "first_anchor.bin", "token_counts.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    a, b = (json.loads((tmp_path / x / "meta.json").read_text()) for x in "ab")
+    assert a["counts"] == b["counts"]
