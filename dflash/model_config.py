@@ -10,11 +10,12 @@ nor a figure taken as it came. A multimodal config keeps the language model's si
 from __future__ import annotations
 
 import dataclasses
+import typing as t
 from pathlib import Path
 
 from dflash import inputs
 
-__all__ = ["CONFIG_FILE", "ModelConfig", "read"]
+__all__ = ["CONFIG_FILE", "ModelConfig", "read", "read_vocab_size"]
 
 CONFIG_FILE = "config.json"
 # far above any model's, far below what would make a figure silently wrong (a size that overflows a shape)
@@ -34,12 +35,16 @@ class ModelConfig:
     architectures: tuple[str, ...] | None
 
 
+def _text(folder: str | Path, what: str) -> tuple[Path, inputs.Record, inputs.Record]:
+    path = Path(folder).expanduser() / CONFIG_FILE
+    rec = inputs.read_record(path, what)
+    return path, rec, rec.record("text_config") if isinstance(rec.data.get("text_config"), dict) else rec
+
+
 def read(folder: str | Path, what: str = CONFIG_FILE) -> ModelConfig:
     """``folder``/config.json, checked (``inputs.InputFileError`` starting with ``what``, or
     ``inputs.RecordError`` with the file's path: one line)."""
-    path = Path(folder).expanduser() / CONFIG_FILE
-    rec = inputs.read_record(path, what)
-    text = rec.record("text_config") if isinstance(rec.data.get("text_config"), dict) else rec
+    path, rec, text = _text(folder, what)
     archs = rec.texts("architectures", default=None)
     return ModelConfig(
         path=path,
@@ -48,3 +53,8 @@ def read(folder: str | Path, what: str = CONFIG_FILE) -> ModelConfig:
         num_layers=text.integer("num_hidden_layers", lo=1, hi=MAX_LAYERS),
         architectures=tuple(archs) if archs is not None else None,
     )
+
+
+def read_vocab_size(folder: str | Path, what: str = CONFIG_FILE) -> int:
+    """Only the vocabulary of ``folder``/config.json, checked like ``read``'s."""
+    return t.cast(int, _text(folder, what)[2].integer("vocab_size", lo=1, hi=MAX_VOCAB))

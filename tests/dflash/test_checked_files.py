@@ -329,3 +329,49 @@ def test_a_damaged_plan_or_part_is_made_again(damage: str, tmp_path: Path) -> No
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     a, b = (json.loads((tmp_path / x / "meta.json").read_text()) for x in "ab")
     assert a["counts"] == b["counts"]
+
+
+# --------------------------------------------------------------------------------------------
+# the run's target config.json, where dflash reads it without loading the model
+
+
+def test_prepare_data_reads_the_target_vocabulary_checked(tmp_path: Path, target_dir: Path) -> None:
+    """Pre-tokenized data is checked against the target's vocabulary from its config.json; a vocab_size of
+    "512" (or none, or a folder of another kind) left the ids unchecked without a word."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    text = (REPO / "configs" / "tiny-random.toml").read_text()
+    head, tiny = text.split("[target.tiny]")
+    rest = tiny[tiny.index("\n[") :]
+    config = tmp_path / "run.toml"
+    config.write_text(head.replace("[target]\n", f'[target]\npath = "{target}"\n') + rest)
+    good = dflash(
+        "prepare-data",
+        "--config",
+        str(config),
+        "--in",
+        str(REPO / "configs" / "tiny-data.jsonl"),
+        "--out",
+        str(tmp_path / "s"),
+    )
+    assert good.returncode == 0, good.stderr
+    data = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**data, "vocab_size": "512"}))
+    line = one_line(
+        dflash(
+            "prepare-data",
+            "--config",
+            str(config),
+            "--in",
+            str(REPO / "configs" / "tiny-data.jsonl"),
+            "--out",
+            str(tmp_path / "t"),
+        )
+    )
+    assert (
+        line
+        == f'prepare-data: target.path: {target / "config.json"}: vocab_size is "512", expected an integer in 1..16777216'
+    )
+    assert not (tmp_path / "t").exists()
