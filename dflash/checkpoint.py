@@ -60,7 +60,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash import contract, hf_remote, inputs
+from dflash import contract, hf_remote, inputs, model_config
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DflashError, InputError
 
@@ -782,6 +782,20 @@ def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Pat
     return None
 
 
+def _check_ranges(rec: inputs.Record) -> None:
+    """What the drafter config's own checks leave to its reader: a nested dflash_config that is an object,
+    a vocabulary a model can have, a positive RoPE base and norm epsilon (a negative one trains and
+    serves NaN); CheckpointError naming the key."""
+    try:
+        rec.record("dflash_config", default=None)
+        rec.integer("vocab_size", lo=1, hi=model_config.MAX_VOCAB, default=None)
+        for key in ("rope_theta", "rms_norm_eps"):
+            if rec.number(key, default=None) is not None and rec.data[key] <= 0:
+                rec.bad(key, "a number > 0")
+    except inputs.RecordError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def read_config(path: Path) -> DFlashDraftConfig:
     """The drafter config of a checkpoint or a published folder: its config.json is a user's file, read
     bounded (``inputs.read_json``) and validated field by field; CheckpointError (one line) otherwise."""
@@ -793,6 +807,7 @@ def read_config(path: Path) -> DFlashDraftConfig:
         raise CheckpointError(str(exc).removeprefix(f"{path}: ")) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path / CONFIG_FILE}: expected a JSON object")
+    _check_ranges(inputs.as_record(data, str(path / CONFIG_FILE)))
     try:
         return DFlashDraftConfig.from_dict(data)
     except (TypeError, ValueError, StrictDataclassError) as exc:  # strict fields: "expected int, got str"

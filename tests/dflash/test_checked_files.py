@@ -375,3 +375,49 @@ def test_prepare_data_reads_the_target_vocabulary_checked(tmp_path: Path, target
         == f'prepare-data: target.path: {target / "config.json"}: vocab_size is "512", expected an integer in 1..16777216'
     )
     assert not (tmp_path / "t").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# a drafter's config.json: a checkpoint's, an export's, drafter.init_from's
+
+DRAFTER_CASES = {
+    "dflash_config a list": ({"dflash_config": [1]}, "dflash_config is [1], expected a JSON object"),
+    "rope_theta negative": ({"rope_theta": -1.0}, "rope_theta is -1.0, expected a number > 0"),
+    "rms_norm_eps zero": ({"rms_norm_eps": 0.0}, "rms_norm_eps is 0.0, expected a number > 0"),
+    "vocab_size 1e30": ({"vocab_size": 10**30}, "vocab_size is 1000000000000000000000000000000, expected an integer"),
+}
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A drafter folder as export writes it (config.json + model.safetensors, no manifest)."""
+    root = tmp_path_factory.mktemp("published")
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=8, mask_token_id=MASK)
+    torch.manual_seed(0)
+    ck = save_checkpoint(root / "checkpoints", step=1, drafter=DFlashDraftModel(cfg), trainer_state={})
+    proc = dflash("export", str(ck), str(root / "drafter"), "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    return root / "drafter"
+
+
+@pytest.mark.parametrize("case", list(DRAFTER_CASES))
+def test_a_drafter_config_json_out_of_range_is_one_line(case: str, tmp_path: Path, published: Path) -> None:
+    """A drafter config.json whose dflash_config was a list was an AttributeError traceback; a negative
+    rope_theta or norm epsilon, or a vocabulary of 10**30, was exported (and warm-started) as given."""
+    import shutil
+
+    folder = tmp_path / "drafter"
+    shutil.copytree(published, folder)
+    change, words = DRAFTER_CASES[case]
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, **change}))
+    line = one_line(dflash("export", str(folder), str(tmp_path / "out")))
+    assert line == f"dflash: {folder / 'config.json'}: {words}" or (words in line and "Traceback" not in line), line
+    assert not (tmp_path / "out").exists()
+    if case == "rope_theta negative":  # the same file as drafter.init_from: refused before training starts
+        args = ["train", "--config", str(REPO / "configs" / "tiny-random.toml"), "--set", f"drafter.init_from={folder}"]
+        for o in (f"output_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "max_steps=2"):
+            args += ["--set", o]
+        line = one_line(dflash(*args))
+        assert "drafter.init_from" in line and words in line, line
+        assert not (tmp_path / "ckpt").exists()
