@@ -421,3 +421,27 @@ def test_a_drafter_config_json_out_of_range_is_one_line(case: str, tmp_path: Pat
         line = one_line(dflash(*args))
         assert "drafter.init_from" in line and words in line, line
         assert not (tmp_path / "ckpt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# make-tiny's tiny.json: whether an output is complete and ours
+
+
+def test_a_tiny_json_not_ours_is_no_manifest(tmp_path: Path) -> None:
+    """load_manifest read tiny.json with json.loads (100,000 levels: a RecursionError out of make-tiny) and
+    hashed whatever its files named, a file outside the output included."""
+    import hashlib
+
+    from dflash.tiny import FORMAT, MANIFEST, load_manifest
+
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / MANIFEST).write_text(DEEP)
+    assert load_manifest(out) is None
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not make-tiny's")
+    digest = hashlib.sha256(outside.read_bytes()).hexdigest()
+    (out / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": {"../outside.txt": digest}}))
+    assert load_manifest(out) is None
+    (out / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": ["train.jsonl"]}))
+    assert load_manifest(out) is None
