@@ -109,6 +109,14 @@ def _read_report(path: Path) -> dict[str, t.Any]:
     return report
 
 
+def _run_field(run: dict[str, t.Any], key: str) -> t.Any:
+    """target.path (a string) or target.tiny (a table) of the run's saved config, None when absent or of
+    another type (a trainer state an older version wrote)."""
+    target = run.get("target")
+    value = target.get(key) if isinstance(target, dict) else None
+    return value if isinstance(value, str if key == "path" else dict) and value else None
+
+
 def _read_model(folder: t.Any, what: str) -> model_config.ModelConfig:
     """A model folder's config.json, checked (``model_config.read``); ExportError naming ``what`` otherwise."""
     if not Path(str(folder)).expanduser().is_dir():
@@ -127,7 +135,7 @@ def _read_model(folder: t.Any, what: str) -> model_config.ModelConfig:
 def _run_target(run: dict[str, t.Any]) -> model_config.ModelConfig | None:
     """The run's target config.json (a local folder), or None: a tiny target, or a folder moved away (then
     the drafter's own config stands in). A config.json there that is not a model's is one line."""
-    path = (run.get("target") or {}).get("path")
+    path = _run_field(run, "path")
     if not path or not (Path(str(path)).expanduser() / model_config.CONFIG_FILE).exists():
         return None
     return _read_model(path, "the run's target")
@@ -142,9 +150,12 @@ def _target_facts(run: dict[str, t.Any]) -> contract.Target:
     data = _run_target(run)
     if data is not None:
         return _facts(data)
-    tiny = (run.get("target") or {}).get("tiny")
+    tiny = _run_field(run, "tiny")
     if isinstance(tiny, dict):
-        return contract.Target(tiny.get("vocab_size"), tiny.get("hidden_size"), tiny.get("num_layers"))
+        sizes = [tiny.get(k) for k in ("vocab_size", "hidden_size", "num_layers")]
+        return contract.Target(
+            *(v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None for v in sizes)
+        )
     return contract.Target()
 
 
@@ -154,7 +165,7 @@ def _verifier(
     """speculators_config.verifier: (name_or_path, architectures) and the facts the drafter is checked
     against: ``--verifier`` read like the run's target (a local folder whose config.json is a model's),
     else the run's target folder. Never the one for the other: the config names the folder it was read from."""
-    target_path = (run.get("target") or {}).get("path")
+    target_path = _run_field(run, "path")
     if verifier is None and not target_path:
         raise ExportError(
             "--format speculators: name the target it serves with (speculators_config.verifier): "
@@ -186,7 +197,7 @@ def _verifier(
 
 
 def _target_name(run: dict[str, t.Any]) -> str:
-    target = run.get("target") or {}
+    target = {"path": _run_field(run, "path"), "tiny": _run_field(run, "tiny")}
     if target.get("path"):
         return str(target["path"])
     if target.get("tiny"):
@@ -196,7 +207,7 @@ def _target_name(run: dict[str, t.Any]) -> str:
 
 def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any]) -> list[str]:
     """The card's "Serving" section: the exact vLLM and SGLang command lines for this folder."""
-    target = str((run.get("target") or {}).get("path") or "TARGET")
+    target = str(_run_field(run, "path") or "TARGET")
     drafter, block = str(out), int(config.block_size)
     lines = ["", "## Serving", ""]
     if fmt == "speculators":

@@ -445,3 +445,18 @@ def test_a_tiny_json_not_ours_is_no_manifest(tmp_path: Path) -> None:
     assert load_manifest(out) is None
     (out / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": ["train.jsonl"]}))
     assert load_manifest(out) is None
+
+
+@pytest.mark.parametrize("target", [["Qwen3"], {"tiny": {"vocab_size": 512, "hidden_size": 64, "num_layers": "8"}}])
+def test_a_saved_target_of_another_shape_is_no_target(target: t.Any, tmp_path: Path) -> None:
+    """The run config a trainer state saved names the target; one of another shape (a list; a layer count
+    "8") was an AttributeError / TypeError traceback out of export."""
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=4, mask_token_id=MASK)
+    torch.manual_seed(0)
+    ck = save_checkpoint(
+        tmp_path / "c", step=1, drafter=DFlashDraftModel(cfg), trainer_state={"config": {"target": target}}
+    )
+    proc = dflash("export", str(ck), str(tmp_path / "out"))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    line = one_line(dflash("export", str(ck), str(tmp_path / "spec"), "--format", "speculators"))
+    assert line.startswith("dflash: --format speculators: name the target it serves with"), line
