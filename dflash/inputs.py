@@ -20,7 +20,7 @@ is checked for its type and range when taken (a missing key, ``"6"`` for a count
 string), and a bad one is a ``RecordError`` naming the file and the key path (``meta.json: counts.sequences
 is "x", expected an integer >= 0``): one line, never a traceback, never a figure read wrong. Files another
 process, an older version, a crash or a person could have written (a store's meta.json, checkpoint.json,
-best.json, a model's config.json, plan.json) go through it.
+best.json, a model's config.json, a corpus part's part.json) go through it.
 """
 
 from __future__ import annotations
