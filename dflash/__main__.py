@@ -27,10 +27,11 @@ import logging
 import sys
 import time
 import typing as t
+from pathlib import Path
 
 import click
 
-from dflash import eval_plot, inputs, outputs, suites
+from dflash import eval_plot, inputs, model_config, outputs, suites
 from dflash.bench_commands import bench
 from dflash.chat import Renderer, load_tokenizer
 from dflash.config import ConfigError, load_config
@@ -230,16 +231,16 @@ def prepare_data_cmd(
 
 
 def _target_vocab(cfg: t.Any) -> int | None:
-    """The vocabulary of the run's target without loading it: target.tiny, else its config.json."""
+    """The vocabulary of the run's target without loading it: target.tiny, else its config.json (None: no
+    config.json there; one that is no model's is one line, never a vocabulary left unchecked)."""
     if cfg.target.tiny is not None:
         return int(cfg.target.tiny.vocab_size)
-    try:
-        data = inputs.read_json(f"{cfg.target.path}/config.json", "target.path")
-    except inputs.InputFileError:
+    if not (Path(cfg.target.path).expanduser() / model_config.CONFIG_FILE).exists():
         return None
-    text = data.get("text_config") if isinstance(data, dict) and isinstance(data.get("text_config"), dict) else data
-    vocab = text.get("vocab_size") if isinstance(text, dict) else None
-    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+    try:
+        return model_config.read_vocab_size(cfg.target.path, "target.path")
+    except (inputs.InputFileError, inputs.RecordError) as e:
+        raise BadInput(f"prepare-data: target.path: {e}") from None
 
 
 @cli.command("regen")

@@ -60,7 +60,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash import contract, hf_remote, inputs
+from dflash import contract, hf_remote, inputs, model_config
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DflashError, InputError
 
@@ -577,15 +577,28 @@ def best_of(root: str | os.PathLike[str]) -> Path | None:
 
 
 def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
-    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree)."""
+    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree).
+
+    best.json is read bounded and field by field (``inputs.read_record``): a record whose step is no step,
+    whose tau is no finite figure (NaN would be a best no eval beats: every comparison with it is false) or
+    whose protocol key is no string is no best, with a warning naming the file and the key: the next eval
+    sets one."""
+    path = Path(root) / BEST_FILE
     target = best_of(root)
+    if not path.exists() and not path.is_symlink():
+        return None
     try:
-        record = json.loads((Path(root) / BEST_FILE).read_text())
-    except (OSError, ValueError):
+        rec = inputs.read_record(path, BEST_FILE)
+        step = rec.integer("step", lo=0)
+        rec.number("tau", lo=0)
+        rec.text("protocol_key", default=None)
+        rec.text("run_id", default=None)
+    except (inputs.InputFileError, inputs.RecordError) as exc:
+        logger.warning("%s; taken as no best (the next eval sets one)", exc)
         return None
-    if not isinstance(record, dict) or target is None or record.get("step") != _step_of(target):
+    if target is None or step != _step_of(target):
         return None
-    return record
+    return dict(rec.data)
 
 
 def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Path:
@@ -652,12 +665,42 @@ def _step_of(path: Path) -> int:
     return int(match.group(1))
 
 
-def _read_manifest(path: Path) -> dict[str, t.Any] | None:
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _manifest(path: Path) -> tuple[dict[str, t.Any] | None, str | None]:
+    """checkpoint.json, read bounded and field by field: (the manifest, None), or (None, why it is none: a
+    half-written checkpoint, another format, a key missing or of the wrong type). Sizes are not compared
+    here (``_manifest_problem``), nor sums (``_hash_problem``)."""
+    file = path / MANIFEST_FILE
+    if not file.exists():
+        return None, f"no {MANIFEST_FILE} (not finished)"
     try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) else None
+        rec = inputs.read_record(file, MANIFEST_FILE)
+        if rec.data.get("format") != FORMAT:
+            return None, f"{MANIFEST_FILE}: unknown format"
+        rec.integer("step", lo=0)
+        files = rec.record("files")
+        required = {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}  # dflash.py: in newer checkpoints only
+        if not required <= set(files.data) <= required | {hf_remote.FILE_NAME}:
+            return None, f"{MANIFEST_FILE}: file list is wrong"
+        for name in files.data:
+            files.integer(name, lo=0)
+        sums = rec.record("sha256", default=None)  # None: an old manifest, sizes only
+        if sums is not None:
+            for name in sums.data:
+                if name not in files.data or not _SHA256.match(str(sums.data[name])):
+                    sums.bad(name, f"the sha256 (64 hex digits) of a file in files ({', '.join(sorted(files.data))})")
+        rec.text("run_id", default=None)
+    except inputs.InputFileError as exc:
+        return None, f"{MANIFEST_FILE} unreadable: {str(exc).removeprefix(MANIFEST_FILE + ': ')}"
+    except inputs.RecordError as exc:
+        return None, f"{MANIFEST_FILE} unreadable: {str(exc).removeprefix(str(file) + ': ')}"
+    return dict(rec.data), None
+
+
+def _read_manifest(path: Path) -> dict[str, t.Any] | None:
+    return _manifest(path)[0]
 
 
 def _manifest_run(path: Path) -> str | None:
@@ -672,21 +715,12 @@ def run_of(path: str | os.PathLike[str]) -> str | None:
 
 def _manifest_problem(path: Path) -> str | None:
     """Why ``path`` is not a complete checkpoint, or None if it is (sizes only: ``_hash_problem`` reads the bytes)."""
-    try:
-        manifest = json.loads((path / MANIFEST_FILE).read_text())
-    except FileNotFoundError:
-        return f"no {MANIFEST_FILE} (not finished)"
-    except (OSError, ValueError) as exc:
-        return f"{MANIFEST_FILE} unreadable: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return f"{MANIFEST_FILE}: unknown format"
-    if manifest.get("step") != _step_of(path):
-        return f"{MANIFEST_FILE}: step {manifest.get('step')!r} does not match the directory name"
-    files = manifest.get("files")
-    required = {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}  # dflash.py: in newer checkpoints only
-    if not isinstance(files, dict) or not required <= set(files) <= required | {hf_remote.FILE_NAME}:
-        return f"{MANIFEST_FILE}: file list is wrong"
-    for name, size in files.items():
+    manifest, problem = _manifest(path)
+    if manifest is None:
+        return problem
+    if manifest["step"] != _step_of(path):
+        return f"{MANIFEST_FILE}: step {manifest['step']!r} does not match the directory name"
+    for name, size in manifest["files"].items():
         try:
             actual = (path / name).stat().st_size
         except FileNotFoundError:
@@ -748,6 +782,20 @@ def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Pat
     return None
 
 
+def _check_ranges(rec: inputs.Record) -> None:
+    """What the drafter config's own checks leave to its reader: a nested dflash_config that is an object,
+    a vocabulary a model can have, a positive RoPE base and norm epsilon (a negative one trains and
+    serves NaN); CheckpointError naming the key."""
+    try:
+        rec.record("dflash_config", default=None)
+        rec.integer("vocab_size", lo=1, hi=model_config.MAX_VOCAB, default=None)
+        for key in ("rope_theta", "rms_norm_eps"):
+            if rec.number(key, default=None) is not None and rec.data[key] <= 0:
+                rec.bad(key, "a number > 0")
+    except inputs.RecordError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
 def read_config(path: Path) -> DFlashDraftConfig:
     """The drafter config of a checkpoint or a published folder: its config.json is a user's file, read
     bounded (``inputs.read_json``) and validated field by field; CheckpointError (one line) otherwise."""
@@ -759,6 +807,7 @@ def read_config(path: Path) -> DFlashDraftConfig:
         raise CheckpointError(str(exc).removeprefix(f"{path}: ")) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path / CONFIG_FILE}: expected a JSON object")
+    _check_ranges(inputs.as_record(data, str(path / CONFIG_FILE)))
     try:
         return DFlashDraftConfig.from_dict(data)
     except (TypeError, ValueError, StrictDataclassError) as exc:  # strict fields: "expected int, got str"
@@ -809,11 +858,12 @@ def load_drafter(
     (``config.json`` + ``model.safetensors``, no trainer state, no manifest). Weights must match exactly;
     where there is a manifest, its sha256 sums are checked first."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    if manifest is not None:
-        problem = _hash_problem(path, manifest)
-        if problem is not None:
-            raise CheckpointError(f"{path}: {problem}")
+    manifest, problem = _manifest(path)
+    if manifest is None and (path / MANIFEST_FILE).exists():  # a manifest we cannot check is no checkpoint
+        raise CheckpointError(f"{path}: {problem}")
+    problem = _hash_problem(path, manifest) if manifest is not None else None
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
     config = read_config(path)
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():

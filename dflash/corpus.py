@@ -113,9 +113,9 @@ def as_json_lines(
     work.mkdir(parents=True, exist_ok=True)
     lines, stamp = work / "input.jsonl", work / "input.source.json"
     key = source_key(src)
-    try:
-        made = json.loads(stamp.read_text()) if lines.is_file() else None
-    except (OSError, ValueError):
+    try:  # bounded: a stamp 100,000 levels deep is another input's, not a RecursionError
+        made = inputs.read_json(stamp, "input.source.json") if lines.is_file() else None
+    except inputs.InputFileError:
         made = None
     if made == key:
         return lines
@@ -266,9 +266,16 @@ class ShardJob:
 def start_parts(work: Path, plan: dict[str, t.Any], *, command: str, log: t.Callable[[str], None]) -> Path:
     """``work/parts``, kept when ``work/plan.json`` is this plan, else emptied (parts of another input or setting)."""
     plan_path, parts = work / "plan.json", work / "parts"
-    if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
-        log(f"{command}: {work} holds parts of another input or setting: starting over")
-        shutil.rmtree(parts, ignore_errors=True)
+    if plan_path.exists():
+        try:  # written by an earlier run, perhaps of another version, perhaps cut short: read bounded
+            made = inputs.read_json(plan_path, "plan.json")
+        except inputs.InputFileError as e:
+            log(f"{command}: {e}: starting over")
+            shutil.rmtree(parts, ignore_errors=True)
+        else:
+            if made != plan:
+                log(f"{command}: {work} holds parts of another input or setting: starting over")
+                shutil.rmtree(parts, ignore_errors=True)
     parts.mkdir(exist_ok=True)
     plan_path.write_text(json.dumps(plan, indent=1))
     return parts
@@ -284,7 +291,15 @@ def shard_jobs(lines_src: Path, ranges: list[tuple[int, int, int]], nlines: int,
 
 def pending(jobs: list[ShardJob], *, command: str, log: t.Callable[[str], None]) -> list[ShardJob]:
     """The jobs whose part is not complete yet (a resumed run says how many are done)."""
-    todo = [j for j in jobs if not Path(j.part).is_dir()]
+    todo = []
+    for j in jobs:
+        if Path(j.part).is_dir():
+            problem = read_part(Path(j.part))[1]
+            if problem is None:
+                continue
+            log(f"{command}: {problem}: making that shard again")
+            shutil.rmtree(j.part)
+        todo.append(j)
     if len(todo) < len(jobs):
         log(f"{command}: resuming: {len(jobs) - len(todo)} of {len(jobs)} shards already done")
     return todo
@@ -327,11 +342,35 @@ def finish_part(
 # Drop records
 
 
+def read_part(part: Path) -> tuple[dict[str, t.Any] | None, str | None]:
+    """A finished part's ``part.json``, read bounded and field by field: (it, None), or (None, why not)."""
+    try:
+        rec = inputs.read_record(part / "part.json", "part.json")
+        counts = rec.record("counts")
+        for k in counts.data:
+            counts.integer(k, lo=-1)  # max_token_id: -1 for a shard without tokens
+        drops = rec.record("drops")
+        for k, lines in drops.data.items():
+            if not isinstance(lines, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in lines):
+                drops.bad(k, "a list of line numbers")
+        messages = rec.record("messages")
+        for k in messages.data:
+            messages.text(k)
+    except (inputs.InputFileError, inputs.RecordError) as e:
+        return None, str(e)
+    return dict(rec.data), None
+
+
 def merge_part(
     part: Path, counts: dict[str, int], drops: dict[str, dict[str, t.Any]], *, maxed: t.Collection[str] = ()
 ) -> None:
     """Add a part's counts (the largest for the keys in ``maxed``) and drops into the totals."""
-    info = json.loads((part / "part.json").read_text())
+    info, problem = read_part(part)
+    if info is None:
+        raise inputs.RecordError(str(problem))
+    for k in info["counts"]:
+        if k not in counts:
+            raise inputs.RecordError(f"{part / 'part.json'}: counts.{k} is no count this command keeps")
     for k, v in info["counts"].items():
         counts[k] = max(counts[k], v) if k in maxed else counts[k] + v
     for reason, lines in info["drops"].items():
@@ -373,6 +412,7 @@ __all__ = [
     "finish_part",
     "fresh_part",
     "merge_part",
+    "read_part",
     "pending",
     "read_lines",
     "shard_jobs",

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from dflash import checkpoint as ckpt
-from dflash import contract, hf_remote, inputs, outputs, speculators_format
+from dflash import contract, hf_remote, inputs, model_config, outputs, speculators_format
 from dflash.errors import InputError
 
 __all__ = ["DTYPES", "FORMATS", "ExportError", "export"]
@@ -109,57 +109,95 @@ def _read_report(path: Path) -> dict[str, t.Any]:
     return report
 
 
-def _target_config(run: dict[str, t.Any]) -> dict[str, t.Any] | None:
-    """The run's target config.json (a local folder), or None (a tiny target, or a folder moved away)."""
-    path = (run.get("target") or {}).get("path")
-    return _config_json(path) if path else None
+def _run_field(run: dict[str, t.Any], key: str) -> t.Any:
+    """target.path (a string) or target.tiny (a table) of the run's saved config, None when absent or of
+    another type (a trainer state an older version wrote)."""
+    target = run.get("target")
+    value = target.get(key) if isinstance(target, dict) else None
+    return value if isinstance(value, str if key == "path" else dict) and value else None
 
 
-def _config_json(folder: t.Any) -> dict[str, t.Any] | None:
-    """A model folder's config.json (a user's file: read bounded, ``inputs.read_json``), or None when it
-    is missing or no JSON object."""
+def _read_model(folder: t.Any, what: str) -> model_config.ModelConfig:
+    """A model folder's config.json, checked (``model_config.read``); ExportError naming ``what`` otherwise."""
+    if not Path(str(folder)).expanduser().is_dir():
+        raise ExportError(
+            f"{what} {folder}: not a local folder: give --verifier a local folder of the target (its config.json "
+            "is checked against the drafter)"
+        )
     try:
-        data = inputs.read_json(Path(str(folder)).expanduser() / ckpt.CONFIG_FILE, "config.json")
-    except inputs.InputFileError:
+        return model_config.read(str(folder), f"{what} {folder}")
+    except inputs.InputFileError as e:
+        raise ExportError(str(e)) from None
+    except inputs.RecordError as e:
+        raise ExportError(f"{what} {folder}: {e}") from None
+
+
+def _run_target(run: dict[str, t.Any]) -> model_config.ModelConfig | None:
+    """The run's target config.json (a local folder), or None: a tiny target, or a folder moved away (then
+    the drafter's own config stands in). A config.json there that is not a model's is one line."""
+    path = _run_field(run, "path")
+    if not path or not (Path(str(path)).expanduser() / model_config.CONFIG_FILE).exists():
         return None
-    return data if isinstance(data, dict) else None
+    return _read_model(path, "the run's target")
+
+
+def _facts(model: model_config.ModelConfig) -> contract.Target:
+    return contract.Target(model.vocab_size, model.hidden_size, model.num_layers)
 
 
 def _target_facts(run: dict[str, t.Any]) -> contract.Target:
     """What the serving contract checks the drafter against: the target the run trained with."""
-    data = _target_config(run)
+    data = _run_target(run)
     if data is not None:
-        nested = data.get("text_config")
-        text: dict[str, t.Any] = nested if isinstance(nested, dict) else data
-        return contract.Target(text.get("vocab_size"), text.get("hidden_size"), text.get("num_hidden_layers"))
-    tiny = (run.get("target") or {}).get("tiny")
+        return _facts(data)
+    tiny = _run_field(run, "tiny")
     if isinstance(tiny, dict):
-        return contract.Target(tiny.get("vocab_size"), tiny.get("hidden_size"), tiny.get("num_layers"))
+        sizes = [tiny.get(k) for k in ("vocab_size", "hidden_size", "num_layers")]
+        return contract.Target(
+            *(v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None for v in sizes)
+        )
     return contract.Target()
 
 
-def _verifier(run: dict[str, t.Any], verifier: str | None) -> tuple[str, list[str]]:
-    """speculators_config.verifier: (name_or_path, architectures): --verifier, else the run's target folder;
-    the architectures from the first of the two that is a folder with a config.json."""
-    target_path = (run.get("target") or {}).get("path")
-    name = verifier or (str(target_path) if target_path else None)
-    if not name:
+def _verifier(
+    run: dict[str, t.Any], verifier: str | None, config: t.Mapping[str, t.Any]
+) -> tuple[str, list[str], contract.Target]:
+    """speculators_config.verifier: (name_or_path, architectures) and the facts the drafter is checked
+    against: ``--verifier`` read like the run's target (a local folder whose config.json is a model's),
+    else the run's target folder. Never the one for the other: the config names the folder it was read from."""
+    target_path = _run_field(run, "path")
+    if verifier is None and not target_path:
         raise ExportError(
             "--format speculators: name the target it serves with (speculators_config.verifier): "
             "--verifier PATH (the run's target is not a local folder)"
         )
-    for where in (name, target_path):
-        data = _config_json(where) if where else None
-        if data is not None and isinstance(data.get("architectures"), list):
-            return name, [str(a) for a in data["architectures"]]
-    raise ExportError(
-        f"--verifier {name}: no config.json with architectures there (nor in the run's target folder): "
-        "give --verifier a local folder of the target"
-    )
+    name = verifier if verifier is not None else str(target_path)
+    what = "--verifier" if verifier is not None else "the run's target"
+    model = _read_model(name, what)
+    if model.architectures is None:
+        raise ExportError(f"{what} {name}: {model.path}: architectures missing, expected a non-empty list of strings")
+    pairs = [  # the verifier's key, the drafter's key, theirs, the drafter's
+        ("vocab_size", "vocab_size", model.vocab_size, config.get("vocab_size")),
+        # z-lab: no target_hidden_size means the drafter's own hidden size
+        (
+            "hidden_size",
+            "target_hidden_size",
+            model.hidden_size,
+            config.get("target_hidden_size") or config.get("hidden_size"),
+        ),
+        ("num_hidden_layers", "num_target_layers", model.num_layers, config.get("num_target_layers")),
+    ]
+    for theirs_key, key, theirs, drafter in pairs:
+        if drafter is not None and drafter != theirs:
+            raise ExportError(
+                f"{what} {name}: {model.path}: {theirs_key} is {theirs}, but the drafter's {key} is {drafter}: "
+                "a drafter serves only the target it was trained for"
+            )
+    return name, list(model.architectures), _facts(model)
 
 
 def _target_name(run: dict[str, t.Any]) -> str:
-    target = run.get("target") or {}
+    target = {"path": _run_field(run, "path"), "tiny": _run_field(run, "tiny")}
     if target.get("path"):
         return str(target["path"])
     if target.get("tiny"):
@@ -169,7 +207,7 @@ def _target_name(run: dict[str, t.Any]) -> str:
 
 def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any]) -> list[str]:
     """The card's "Serving" section: the exact vLLM and SGLang command lines for this folder."""
-    target = str((run.get("target") or {}).get("path") or "TARGET")
+    target = str(_run_field(run, "path") or "TARGET")
     drafter, block = str(out), int(config.block_size)
     lines = ["", "## Serving", ""]
     if fmt == "speculators":
@@ -355,11 +393,13 @@ def export(
     config = json.loads(ckpt.config_json(model.config, dtype=DTYPES[dtype]))
     target = _target_facts(run)
     try:  # said before anything is written: OUT stays as it was
-        contract.check(config, {k: tuple(v.shape) for k, v in weights.items()}, target=target)
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        contract.check(config, shapes, target=target)
         if fmt == "speculators":
-            name, archs = _verifier(run, verifier)
+            name, archs, facts = _verifier(run, verifier, config)
+            contract.check(config, shapes, target=facts)
             config = speculators_format.speculators_config(
-                config, verifier=name, verifier_architectures=archs, num_verifier_layers=target.num_layers
+                config, verifier=name, verifier_architectures=archs, num_verifier_layers=facts.num_layers
             )
     except contract.ContractError as exc:
         raise ExportError(f"{out}: not exported: {exc}") from None

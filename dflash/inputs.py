@@ -14,10 +14,18 @@ config.json, a server's answer) goes through ``loads``:
 ``loads`` raises ``JsonProblem`` with a ``reason`` (``bad-json`` or ``bad-text``, the drop reasons of the
 corpus commands) and a message; callers say where (file, line) in their own words. ``open_regular`` opens a
 path only when it is a regular file (a FIFO would block the read forever, a folder fails later).
+
+A JSON object a file holds is read field by field through a ``Record`` (``read_record``): each field taken
+is checked for its type and range when taken (a missing key, ``"6"`` for a count, a negative size, a huge
+string), and a bad one is a ``RecordError`` naming the file and the key path (``meta.json: counts.sequences
+is "x", expected an integer >= 0``): one line, never a traceback, never a figure read wrong. Files another
+process, an older version, a crash or a person could have written (a store's meta.json, checkpoint.json,
+best.json, a model's config.json, a corpus part's part.json) go through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -173,8 +181,115 @@ def read_json(path: str | os.PathLike[str], what: str) -> t.Any:
         ) from None
 
 
+MAX_FIELD_CHARS = 4096  # a text field of a record: a name, a hash, a path; far above any we write
+_MISSING: t.Any = object()
+
+
+class RecordError(InputError, ValueError):
+    """A field of a JSON file is missing or not what it should be: one line naming the file and the key."""
+
+
+def show(v: t.Any, limit: int = 60) -> str:
+    """A value as a message quotes it: JSON, cut to ``limit`` characters (a huge value is not printed whole)."""
+    try:
+        text = json.dumps(v, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = type(v).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_int(v: t.Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A JSON object read from ``where`` (a file; ``prefix`` the key path of a nested object in it). Each
+    accessor checks the field it takes; ``default`` (when given) stands for a missing key or null."""
+
+    data: t.Mapping[str, t.Any]
+    where: str
+    prefix: str = ""
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    def bad(self, name: str, expected: str) -> t.NoReturn:
+        got = "missing" if name not in self.data else f"is {show(self.data[name])}"
+        raise RecordError(f"{self.where}: {self.key(name)} {got}, expected {expected}")
+
+    def _get(self, name: str) -> t.Any:
+        v = self.data.get(name)
+        return _MISSING if v is None else v
+
+    def integer(self, name: str, *, lo: int | None = None, hi: int | None = None, default: t.Any = _MISSING) -> t.Any:
+        v = self._get(name)
+        if v is _MISSING and default is not _MISSING:
+            return default
+        expected = "an integer" + (f" >= {lo}" if lo is not None and hi is None else "")
+        expected += f" in {lo}..{hi}" if lo is not None and hi is not None else f" <= {hi}" if hi is not None else ""
+        if not _is_int(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            self.bad(name, expected)
+        return v
+
+    def number(self, name: str, *, lo: float | None = None, default: t.Any = _MISSING) -> t.Any:
+        v = self._get(name)
+        if v is _MISSING and default is not _MISSING:
+            return default
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (lo is not None and v < lo):
+            self.bad(name, "a finite number" + (f" >= {lo:g}" if lo is not None else ""))
+        return float(v)
+
+    def text(self, name: str, *, max_chars: int = MAX_FIELD_CHARS, default: t.Any = _MISSING) -> t.Any:
+        v = self._get(name)
+        if v is _MISSING and default is not _MISSING:
+            return default
+        if not isinstance(v, str) or len(v) > max_chars or text_problem(v) is not None:
+            self.bad(name, f"a string (at most {max_chars} characters)")
+        return v
+
+    def texts(self, name: str, *, max_items: int = 256, default: t.Any = _MISSING) -> t.Any:
+        """A non-empty list of strings."""
+        v = self._get(name)
+        if v is _MISSING and default is not _MISSING:
+            return default
+        ok = isinstance(v, list) and 0 < len(v) <= max_items
+        if not ok or not all(isinstance(x, str) and 0 < len(x) <= MAX_FIELD_CHARS for x in v):
+            self.bad(name, "a non-empty list of strings")
+        return list(v)
+
+    def record(self, name: str, *, default: t.Any = _MISSING) -> t.Any:
+        """A nested object, as a Record whose keys are named ``name.KEY``."""
+        v = self._get(name)
+        if v is _MISSING and default is not _MISSING:
+            return default
+        if not isinstance(v, dict):
+            self.bad(name, "a JSON object")
+        return Record(v, self.where, f"{self.key(name)}.")
+
+
+def as_record(value: t.Any, where: str) -> Record:
+    """``value`` (a parsed JSON file) as a Record; RecordError when it is not a JSON object."""
+    if not isinstance(value, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {show(value, 20)}")
+    return Record(value, where)
+
+
+def read_record(path: str | os.PathLike[str], what: str | None = None) -> Record:
+    """A small JSON file holding one object (``read_json``), as a Record named by its path. A file that is
+    missing, unreadable, not JSON or no object: InputFileError / RecordError, one line naming it."""
+    return as_record(read_json(path, what or str(path)), str(path))
+
+
 __all__ = [
     "MAX_DEPTH",
+    "MAX_FIELD_CHARS",
+    "Record",
+    "RecordError",
+    "as_record",
+    "read_record",
+    "show",
     "MAX_JSON_FILE_BYTES",
     "InputFileError",
     "JsonProblem",

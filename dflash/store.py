@@ -67,6 +67,7 @@ from dflash.corpus import (
 from dflash.errors import InputError
 
 STORE_FORMAT = "dflash-token-store/1"
+MAX_SEQUENCES = 1 << 40  # meta.json's sequence count: far above any corpus, far below an overflow
 COMMAND = "prepare-data"  # what its messages start with
 DIE_AFTER_ENV = "DFLASH_PREPARE_DIE_AFTER_SHARDS"  # test hook: SIGKILL prepare once N shards are done
 
@@ -96,13 +97,46 @@ class TokenStore:
         if not isinstance(self.meta, dict):
             raise StoreError(f"data.path: {self.path} is not a token store (meta.json: not a JSON object)")
         if self.meta.get("format") != STORE_FORMAT:
-            raise StoreError(f"data.path: {self.path}: unknown store format {self.meta.get('format')!r}")
-        n = int(self.meta["counts"]["sequences"])
+            raise StoreError(f"data.path: {self.path}: unknown store format {inputs.show(self.meta.get('format'))}")
+        n = self._check_meta(inputs.as_record(self.meta, str(self.path / "meta.json")))
         self.offsets = self._map("offsets.bin", np.int64, n + 1)
         total = int(self.offsets[-1]) if n else 0
+        self._check_offsets(n)
         self.tokens = self._map("tokens.bin", np.uint32, total)
         self.loss_mask = self._map("loss_mask.bin", np.uint8, total)
         self.first_anchor = self._map("first_anchor.bin", np.int32, n)
+
+    def _check_meta(self, meta: inputs.Record) -> int:
+        """Every meta.json field the store's readers use, checked (one line naming the key); the sequence count."""
+        try:
+            counts = meta.record("counts")
+            n = counts.integer("sequences", lo=0, hi=MAX_SEQUENCES)
+            counts.integer("max_token_id", lo=-1, hi=np.iinfo(np.uint32).max, default=-1)
+            meta.integer("max_length", lo=-1, default=-1)
+            tok = meta.record("tokenizer", default=None)
+            if tok is not None:
+                for key in ("sha256", "template_sha256", "name"):
+                    tok.text(key, default=None)
+            meta.record("chat_template_kwargs", default=None)
+        except inputs.RecordError as e:
+            raise StoreError(f"data.path: {e} (not what prepare-data writes; run it again)") from None
+        return t.cast(int, n)
+
+    def _check_offsets(self, n: int) -> None:
+        """offsets.bin starts at 0 and never goes down: else a sample would be another's tokens or none (read
+        in chunks: a store of millions of sequences is not copied into memory)."""
+        step = 1 << 20
+        ok = n == 0 or int(self.offsets[0]) == 0
+        for a in range(0, n if ok else 0, step):  # chunks overlap by one: the rise is checked across them
+            if (np.diff(np.asarray(self.offsets[a : a + step + 1])) < 0).any():
+                ok = False
+                break
+        if ok:
+            return
+        raise StoreError(
+            f"data.path: {self.path / 'offsets.bin'}: offsets do not start at 0 and rise (a damaged store; "
+            "run dflash prepare-data again)"
+        )
 
     def _map(self, name: str, dtype: t.Any, count: int) -> np.ndarray:
         p = self.path / name
@@ -126,6 +160,8 @@ class TokenStore:
 
     def token_count(self, token_id: int) -> int:
         p = self.path / "token_counts.bin"
+        if not p.is_file() or p.stat().st_size % 8:
+            raise StoreError(f"data.path: {p}: missing or not whole int64 counts (an incomplete store)")
         size = p.stat().st_size // 8
         if token_id >= size:
             return 0

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import inputs
 from dflash.errors import InputError
 
 # transformers and tokenizers (and dflash.target, which imports transformers) are imported inside the functions
@@ -481,13 +482,21 @@ def _sha256(path: Path) -> str:
 
 def load_manifest(out: str | os.PathLike[str]) -> dict[str, t.Any] | None:
     """The manifest of a complete make-tiny output at ``out``, or None (absent, partial or not ours)."""
-    try:
-        manifest = json.loads((Path(out) / MANIFEST).read_text())
-    except (OSError, ValueError):
+    if not (Path(out) / MANIFEST).exists():
+        return None
+    try:  # bounded: a tiny.json of 100,000 levels is not ours, not a RecursionError
+        manifest = inputs.read_json(Path(out) / MANIFEST, MANIFEST)
+    except inputs.InputFileError:
         return None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return None
-    for name, digest in (manifest.get("files") or {}).items():
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None
+    for name, digest in files.items():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts or not isinstance(digest, str):
+            return None  # names a file outside the output: not one we wrote
         path = Path(out) / name
         if not path.is_file() or _sha256(path) != digest:
             return None

@@ -461,5 +461,5 @@ def test_a_verifier_config_json_nested_too_deeply_is_one_line(
         capsys, str(ckpt), str(tmp_path / "out"), "--format", "speculators", "--verifier", str(verifier)
     )
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith(f"dflash: --verifier {verifier}: no config.json with architectures there"), err
+    assert err.startswith(f"dflash: --verifier {verifier}: {verifier}/config.json is not JSON (nested too deeply"), err
     assert not (tmp_path / "out").exists()

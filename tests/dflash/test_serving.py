@@ -279,8 +279,8 @@ def test_export_format_speculators_refuses_in_one_line_what_it_cannot_write(
         main(["export", str(tiny), str(tmp_path / "d"), "--format", "speculators", "--verifier", "Qwen/Qwen3-8B"]) == 2
     )
     assert only_line(capsys) == (
-        "dflash: --verifier Qwen/Qwen3-8B: no config.json with architectures there (nor in the run's target "
-        "folder): give --verifier a local folder of the target"
+        "dflash: --verifier Qwen/Qwen3-8B: not a local folder: give --verifier a local folder of the target "
+        "(its config.json is checked against the drafter)"
     )
     assert main(["export", str(tiny), str(tmp_path / "e"), "--verifier", str(target_dir)]) == 2
     assert only_line(capsys) == "dflash: --verifier goes with --format speculators"
