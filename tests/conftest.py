@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import typing as t
 from pathlib import Path
 
@@ -27,6 +29,47 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     except ImportError:  # ops-only environments
         pass
+    _own_home(config)
+
+
+def _own_home(config: pytest.Config) -> None:
+    """Each pytest process (each xdist worker) gets a HOME of its own, and no XDG_* dirs: what a command
+    writes by default (~/.local/state/dflashctl, ~/.cache/huggingface, ~/.config/matplotlib) is never
+    shared by tests running at the same time, and the developer's own files are never read or written."""
+    home = Path(tempfile.mkdtemp(prefix="dflash-test-home-"))
+    for name in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "DFLASHCTL_HOSTS"):
+        os.environ.pop(name, None)
+    os.environ["HOME"] = str(home)
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+
+
+def _slow_tests() -> frozenset[str]:
+    """tests/slow.txt: the node ids (a test, a test without its parameters, or a whole file) that took the
+    longest in a full run; they are marked ``slow`` and ``scripts/test --quick`` leaves them out."""
+    path = REPO / "tests" / "slow.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return frozenset(line.split("#")[0].strip() for line in lines if line.split("#")[0].strip())
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses a module- or class-scoped fixture (a tiny model built once, a served folder) runs on
+    the same xdist worker as the rest of its module (``--dist loadgroup``): the fixture is built once per run,
+    not once per worker. Every other test goes to whichever worker is free."""
+    slow = _slow_tests()
+    for item in items:
+        if item.nodeid in slow or item.nodeid.split("[")[0] in slow or item.nodeid.split("::")[0] in slow:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in info.names_closure:
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope in ("module", "class", "package"):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+                break
 
 
 @pytest.fixture(autouse=True)
