@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit import slowlist
+
 # Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py).
 pytest_plugins = ["testkit.plugin"]
 
@@ -43,20 +45,12 @@ def _own_home(config: pytest.Config) -> None:
     config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
 
 
-def _slow_tests() -> frozenset[str]:
-    """tests/slow.txt: the node ids (a test, a test without its parameters, or a whole file) that took the
-    longest in a full run; they are marked ``slow`` and ``scripts/test --quick`` leaves them out."""
-    path = REPO / "tests" / "slow.txt"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return frozenset(line.split("#")[0].strip() for line in lines if line.split("#")[0].strip())
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that uses a module- or class-scoped fixture (a tiny model built once, a served folder) runs on
     the same xdist worker as the rest of its module (``--dist loadgroup``): the fixture is built once per run,
     not once per worker. Every other test goes to whichever worker is free."""
-    slow = _slow_tests()
+    slow = slowlist.listed(REPO / "tests" / "slow.txt")
     for item in items:
         if item.nodeid in slow or item.nodeid.split("[")[0] in slow or item.nodeid.split("::")[0] in slow:
             item.add_marker(pytest.mark.slow)
