@@ -49,12 +49,16 @@ def _own_home(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that uses a module- or class-scoped fixture (a tiny model built once, a served folder) runs on
     the same xdist worker as the rest of its module (``--dist loadgroup``): the fixture is built once per run,
-    not once per worker. Every other test goes to whichever worker is free."""
+    not once per worker. The ``serial`` tests share one worker, one after another. Every other test goes to
+    whichever worker is free. The tests listed in tests/slow.txt are marked ``slow``."""
     slow = slowlist.listed(REPO / "tests" / "slow.txt")
     for item in items:
         if item.nodeid in slow or item.nodeid.split("[")[0] in slow or item.nodeid.split("::")[0] in slow:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(pytest.mark.xdist_group("serial"))
             continue
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
@@ -64,6 +68,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if defs and defs[-1].scope in ("module", "class", "package"):
                 item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
                 break
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """DFLASH_TEST_TIMES=FILE: each test phase's seconds appended as it ends, in --durations' form (the
+    input of ``python -m testkit.slowlist``), a failure as a comment line: a run cut short still tells.
+    Under xdist the controller writes them all (the workers' reports reach it)."""
+    path = os.environ.get("DFLASH_TEST_TIMES")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
+        if report.failed:
+            f.write(f"# {report.outcome} {report.when} {report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)
