@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(a.report, encoding="utf-8", errors="replace") as f:
         took = durations(f.read())
     slow = sorted((s, n) for n, s in took.items() if s >= a.over)
-    print(f"# tests that took >= {a.over:g} s (setup + call + teardown) in a full parallel run: marked `slow`,")
+    print(f"# tests that took >= {a.over:g} s (setup + call + teardown) in a parallel run: marked `slow`,")
     print("# left out by scripts/test --quick. Regenerate: python -m testkit.slowlist (DEVELOPING.md).")
     for seconds, nodeid in sorted(slow, key=lambda p: p[1]):
         print(f"{nodeid}  # {seconds:.1f} s")

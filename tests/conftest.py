@@ -5,9 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import typing as t
 from pathlib import Path
 
@@ -31,18 +29,6 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     except ImportError:  # ops-only environments
         pass
-    _own_home(config)
-
-
-def _own_home(config: pytest.Config) -> None:
-    """Each pytest process (each xdist worker) gets a HOME of its own, and no XDG_* dirs: what a command
-    writes by default (~/.local/state/dflashctl, ~/.cache/huggingface, ~/.config/matplotlib) is never
-    shared by tests running at the same time, and the developer's own files are never read or written."""
-    home = Path(tempfile.mkdtemp(prefix="dflash-test-home-"))
-    for name in ("XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "DFLASHCTL_HOSTS"):
-        os.environ.pop(name, None)
-    os.environ["HOME"] = str(home)
-    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import pwd
 import socket
 import typing as t
 from pathlib import Path
@@ -37,13 +35,6 @@ def test_each_worker_draws_ports_from_its_own_slice(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
     assert _port_slice(low, high) == (low, high), "no xdist: the whole range"
-
-
-def test_every_pytest_process_has_a_home_of_its_own() -> None:
-    home = Path(os.environ["HOME"])
-    assert home != Path(pwd.getpwuid(os.getuid()).pw_dir), "never the developer's own HOME"
-    assert home.name.startswith("dflash-test-home-") and home.is_dir() and Path.home() == home
-    assert not any(k in os.environ for k in ("XDG_STATE_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "DFLASHCTL_HOSTS"))
 
 
 def test_a_test_on_a_module_fixture_stays_with_its_module(
