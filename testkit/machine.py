@@ -37,17 +37,31 @@ def free_port() -> int:
     ephemeral range: a client that retries connecting to a port in that range before its server listens can
     be given that very port as its own source port and connect to ITSELF (TCP simultaneous open); it then
     waits for its own answers forever (a torchrun node did, in CI: both nodes of a group "running", silent)."""
-    low = _ephemeral_low()
+    first, last = _port_slice(max(1024, _ephemeral_low() - 12000), _ephemeral_low())
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = rng.randrange(first, last)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free TCP port below the ephemeral range ({low})")
+    raise RuntimeError(f"no free TCP port in [{first}, {last}) (below the ephemeral range)")
+
+
+def _port_slice(low: int, high: int) -> tuple[int, int]:
+    """This pytest-xdist worker's own share of [low, high): a port one worker's sshd gives up while it is
+    "down for a while" is never the next port another worker's server takes."""
+    try:
+        index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    except ValueError:
+        return low, high
+    if count <= 1 or not 0 <= index < count:
+        return low, high
+    size = (high - low) // count
+    return low + index * size, low + (index + 1) * size
 
 
 def _ephemeral_low() -> int:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit import slowlist
+
 # Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py).
 pytest_plugins = ["testkit.plugin"]
 
@@ -27,6 +29,44 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     except ImportError:  # ops-only environments
         pass
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses a module- or class-scoped fixture (a tiny model built once, a served folder) runs on
+    the same xdist worker as the rest of its module (``--dist loadgroup``): the fixture is built once per run,
+    not once per worker. The ``serial`` tests share one worker, one after another. Every other test goes to
+    whichever worker is free. The tests listed in tests/slow.txt are marked ``slow``."""
+    slow = slowlist.listed(REPO / "tests" / "slow.txt")
+    for item in items:
+        if item.nodeid in slow or item.nodeid.split("[")[0] in slow or item.nodeid.split("::")[0] in slow:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(pytest.mark.xdist_group("serial"))
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in info.names_closure:
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope in ("module", "class", "package"):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+                break
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """DFLASH_TEST_TIMES=FILE: each test phase's seconds appended as it ends, in --durations' form (the
+    input of ``python -m testkit.slowlist``), a failure as a comment line: a run cut short still tells.
+    Under xdist the controller writes them all (the workers' reports reach it)."""
+    path = os.environ.get("DFLASH_TEST_TIMES")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
+        if report.failed:
+            f.write(f"# {report.outcome} {report.when} {report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,73 @@
+"""The test loop itself: what lets tests run side by side under pytest-xdist (scripts/test), and the quick tier."""
+
+from __future__ import annotations
+
+import socket
+import typing as t
+from pathlib import Path
+
+import pytest
+
+from testkit import free_port
+from testkit.machine import _ephemeral_low, _port_slice
+from testkit.slowlist import durations, listed
+
+
+@pytest.fixture(scope="module")
+def built_once() -> t.Iterator[list[str]]:
+    yield []
+
+
+def test_each_worker_draws_ports_from_its_own_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    low, high = max(1024, _ephemeral_low() - 12000), _ephemeral_low()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    slices = []
+    for i in range(4):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{i}")
+        first, last = _port_slice(low, high)
+        slices.append(range(first, last))
+        port = free_port()
+        assert first <= port < last, f"gw{i} drew {port} outside its slice [{first}, {last})"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # and it is free
+    assert all(not set(a) & set(b) for a in slices for b in slices if a is not b), "the slices are disjoint"
+    assert slices[0].start == low and slices[-1].stop <= high
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    assert _port_slice(low, high) == (low, high), "no xdist: the whole range"
+
+
+def test_a_test_on_a_module_fixture_stays_with_its_module(
+    built_once: list[str], request: pytest.FixtureRequest
+) -> None:
+    mark = request.node.get_closest_marker("xdist_group")
+    assert mark is not None and mark.args == ("tests/test_test_loop.py",)
+
+
+def test_a_test_on_function_fixtures_goes_to_any_worker(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    assert request.node.get_closest_marker("xdist_group") is None
+
+
+def test_the_tests_listed_in_slow_txt_are_marked_slow(request: pytest.FixtureRequest) -> None:
+    slow = listed(Path(__file__).with_name("slow.txt"))
+    assert slow, "tests/slow.txt lists the slowest tests"
+    marked = {i.nodeid for i in request.session.items if i.get_closest_marker("slow") is not None}
+    collected = {i.nodeid for i in request.session.items}
+    assert {n for n in slow if n in collected} <= marked
+    assert request.node.nodeid not in marked
+
+
+def test_the_slow_list_adds_up_a_tests_setup_call_and_teardown() -> None:
+    report = """
+============================= slowest durations ==============================
+39.25s call     tests/dflash/test_train.py::test_cli_exit_codes[a b]
+1.50s setup    tests/dflash/test_train.py::test_cli_exit_codes[a b]
+0.25s teardown tests/dflash/test_train.py::test_cli_exit_codes[a b]
+2.00s call     tests/ops/test_x.py::test_y
+(3 durations < 0.005s hidden.  Use -vv to show these durations.)
+1 passed in 3.0s
+"""
+    assert durations(report) == {
+        "tests/dflash/test_train.py::test_cli_exit_codes[a b]": 41.0,
+        "tests/ops/test_x.py::test_y": 2.0,
+    }
