@@ -362,3 +362,24 @@ def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux
     assert start["attempts"] == ["attempt-1", "attempt-2"]
     # a fact set for tests/ops/test_probe.py, recorded here for real
     (tmp_path / "facts.json").write_text(json.dumps(out["facts"]))
+
+
+def test_replace_starts_nothing_beside_a_run_its_stop_did_not_end(
+    tmp_path: Path, tmux_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start --replace whose stop leaves the old run alive (a process no signal ends, as one in
+    uninterruptible sleep on a dead NFS mount: root cannot make one here on purpose, so the stop's outcome
+    is the one part played) refuses, names what still runs, and makes no attempt beside it."""
+    remote = local_host(tmp_path, tmux_socket, forever(tmp_path))
+    session.start(remote)
+    wait_state(remote, "running")
+    monkeypatch.setattr(agent, "_stop", lambda *a, **kw: {"ended": False, "stopped": False})
+    req = session.request(remote.host)
+    req.update(command=list(remote.host.command), env={}, replace=True, started_by=session.operator_start(True))
+    with pytest.raises(agent.Refused) as refused:
+        agent.start(req)
+    assert refused.value.kind == "run-active"
+    assert "the run it replaces did not end" in str(refused.value)
+    assert "nothing was started beside it" in str(refused.value)
+    assert sorted(p.name for p in sdir(remote).glob("attempt-*")) == ["attempt-1"]
+    assert wait_state(remote, "running").state == "running"  # the old run is as it was
