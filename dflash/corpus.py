@@ -214,6 +214,7 @@ def _rows_to_jsonl(src: Path, kind: str, dest: Path, command: str) -> None:
         if kind == "parquet":
             batches: t.Iterable[t.Any] = (b.to_pylist() for b in pq.ParquetFile(src).iter_batches(batch_size=1024))
         else:
+            datasets.disable_progress_bars()  # a many-shard folder's "Loading dataset from disk" bar: noise in stderr
             ds = datasets.load_from_disk(str(src))
             batches = ([dict(zip(b, row)) for row in zip(*b.values())] for b in ds.iter(batch_size=1024))
         with open(dest, "w") as f:

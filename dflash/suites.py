@@ -200,6 +200,8 @@ def _datasets() -> t.Any:
         import datasets  # the optional extra: only suites need it
     except ImportError:
         raise SuiteError(f"--suite reads its datasets with the datasets extra: {DATASETS_HINT}") from None
+    # "Generating test split" bars on a first read: noise in stderr beside the report and our one-line errors
+    datasets.disable_progress_bars()
     return datasets
 
 

@@ -252,6 +252,18 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build(tmp_path_factory.mktemp("suites"))
 
 
+def test_a_first_read_of_a_suite_prints_no_progress_bar(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A folder datasets has not cached yet: no "Generating test split" bar reaches stderr (it did before
+    whenever no earlier read in the process had cached the folder: the one-line error tests saw it or not
+    by test order)."""
+    import datasets
+
+    datasets.enable_progress_bars()
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "one"}) + "\n")
+    assert suites.load("gsm8k", tmp_path / "test.jsonl") == [[f"one{MATH}"]]
+    assert capfd.readouterr().err == ""
+
+
 def test_every_suite_reads_its_hub_layout_with_zlabs_wording(folders: dict[str, Path]) -> None:
     got = {name: suites.load(name, path) for name, path in folders.items()}
     assert set(got) == set(suites.SUITES)
