@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3ForCausalLM
 
 from dflash.checkpoint import save_checkpoint
 from dflash.drafter import DFlashDraftModel, draft_config_for
@@ -43,15 +42,6 @@ def one_line(proc: subprocess.CompletedProcess[str]) -> str:
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr)
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real (tiny, random) Qwen3 target folder, as a run's target.path names one."""
-    folder = tmp_path_factory.mktemp("target") / "Qwen3-tiny"
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(tiny_target_config()).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3ForCausalLM
 
 from dflash import contract
 from dflash.__main__ import main
@@ -22,15 +21,6 @@ SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_w
 # floor (scripts/test runs it again in .venv-floor): the exported config.json is transformers' to_dict of the drafter
 # config
 pytestmark = [pytest.mark.floor, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real (tiny, random) Qwen3 target folder, as a run's target.path names one."""
-    folder = tmp_path_factory.mktemp("target") / "Qwen3-tiny"
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(tiny_target_config()).save_pretrained(folder)
-    return folder
 
 
 def drafter(vocab_size: int = 512, mask: int = MASK, **kw: object) -> DFlashDraftModel:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3ForCausalLM
 
 from dflash.__main__ import main
 from dflash.checkpoint import save_checkpoint
@@ -30,14 +29,6 @@ pytestmark = [pytest.mark.speculators, pytest.mark.timeout(300)]
 SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5}
 # keys the converter writes differently on purpose (dflash/speculators_format.py says why), or versions
 VERSIONS = {"speculators_version", "transformers_version"}
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("target") / "Qwen3-tiny"
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(tiny_target_config()).save_pretrained(folder)
-    return folder
 
 
 def exports(tmp_path: Path, target_dir: Path, *, sliding: bool) -> tuple[Path, Path]:
