@@ -253,3 +253,26 @@ def test_an_answer_naming_a_path_or_a_bad_size_is_refused_before_anything_is_wri
 
     with pytest.raises(errors.AgentError, match="answer names a file this dflashctl refuses"):
         pull.Source.parse(_source(files=files))
+
+
+def test_the_box_orders_checkpoints_as_dflash_resumes_them_and_marks_only_finished_ones(
+    box: PveHosts, tmp_path: Path
+) -> None:
+    from ops.far import checkpoints
+
+    root = tmp_path / "checkpoints"
+    shutil.copytree(box.run_dir / "dflash" / "checkpoints", root, symlinks=True)
+    older = root / "step-8"  # a higher step of an OLDER run: not the latest
+    shutil.copytree(root / "step-2", older)
+    manifest = json.loads((older / "checkpoint.json").read_text())
+    (older / "checkpoint.json").write_text(json.dumps({**manifest, "step": 8, "run_id": "20261101T000000Z-00000000"}))
+    (root / "step-9").mkdir()  # half-written: no checkpoint.json
+    assert [f.path for f in checkpoints.complete(str(root))] == [str(p) for p in ckpt.resume_order(root)]
+    assert checkpoints.choose(str(root), "latest").step == 6
+    assert [m["step"] for m in checkpoints.marks(str(root))] == [2, 4, 6, 8]
+    (older / "model.safetensors").write_bytes(b"cut")  # a size off: not complete, for dflash nor for pull
+    assert (
+        [f.step for f in checkpoints.complete(str(root))]
+        == [6, 4, 2]
+        == [int(p.name.removeprefix("step-")) for p in ckpt.resume_order(root)]
+    )
