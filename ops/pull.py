@@ -101,11 +101,10 @@ class Pulled:
 
     def lines(self, host: str) -> list[str]:
         s = self.source
-        what = (
-            s.label
-            + (f" (run {s.run_id})" if s.run_id else "")
-            + (" (best)" if s.best is not None and s.best == s.step else "")
+        said = (["the best"] if s.best is not None and s.best == s.step else []) + (
+            [f"run {s.run_id}"] if s.run_id else []
         )
+        what = s.label + (f" ({'; '.join(said)})" if said else "")
         counts: dict[str, int] = {}
         for a in self.actions.values():
             counts[a] = counts.get(a, 0) + 1
