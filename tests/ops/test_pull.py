@@ -276,3 +276,20 @@ def test_the_box_orders_checkpoints_as_dflash_resumes_them_and_marks_only_finish
         == [6, 4, 2]
         == [int(p.name.removeprefix("step-")) for p in ckpt.resume_order(root)]
     )
+
+
+def test_an_agent_without_the_pull_verbs_says_redeploy(box: PveHosts, tmp_path: Path) -> None:
+    """A release of a dflashctl from before `pull` (the verbs taken out of this agent): its `usage` answer."""
+    workdir = Path(str(box.local_table["workdir"]))
+    agent = fake_release(workdir, "r0000000000000002") / "ops" / "far" / "agent.py"
+    text = agent.read_text()
+    verbs = '    "checkpoint": functools.partial(_pulling, checkpoints.listing),\n    "fetch": functools.partial(_pulling, checkpoints.chunk),\n'
+    assert verbs in text
+    agent.write_text(text.replace(verbs, ""))
+    try:
+        r = box.cli("--host", "local", "pull", str(tmp_path / "old"), timeout=120)
+    finally:
+        fake_release(workdir)  # current -> the release with the verbs again
+    assert (r.exit_code, r.stdout) == (1, "")
+    assert r.stderr == "dflashctl: local: the deployed agent cannot pull checkpoints: run `dflashctl deploy`\n"
+    assert not (tmp_path / "old").exists()
