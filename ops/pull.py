@@ -172,19 +172,26 @@ def request(remote: Remote, session: str | None) -> dict[str, t.Any]:
 
 def source(remote: Remote, session: str | None, *, pick: Pick = "latest", export: str | None = None) -> Source:
     """One ``checkpoint`` call: the checkpoint ``pick`` names (or the export folder) and its files."""
-    from ops import session as run
-
     req = request(remote, session)
     if export is not None:
         req["export"] = export
     else:
         req["pick"] = pick
+    return Source.parse(_ask(remote, "checkpoint", req, LIST_TIMEOUT))
+
+
+def _ask(remote: Remote, verb: str, req: t.Mapping[str, t.Any], timeout: float) -> dict[str, t.Any]:
+    """``session.ask`` for the pull verbs. A refusal (plain OpsError) is one line naming what there is,
+    without the verb's name; the host down, the container stopped, an old agent keep their own error and
+    exit code."""
+    from ops import session as run
+
     try:
-        answer = run.ask(remote, "checkpoint", req, timeout=LIST_TIMEOUT, lacking="cannot pull checkpoints")
+        return run.ask(remote, verb, req, timeout=timeout, lacking="cannot pull checkpoints")
     except errors.OpsError as e:
-        # a refusal is one line naming what there is; drop the "verb:" prefix ask() puts before it
-        raise PullError(str(e).replace(": checkpoint: ", ": ", 1)) from None
-    return Source.parse(answer)
+        if type(e) is not errors.OpsError:
+            raise
+        raise PullError(str(e).replace(f": {verb}: ", ": ", 1)) from None
 
 
 def check_dest(dest: Path, src: Source) -> None:
@@ -245,13 +252,8 @@ class _Fetcher:
         self.calls = self.fetched = 0
 
     def chunk(self, f: RemoteFile, offset: int) -> bytes:
-        from ops import session as run
-
         req = {**self.req, "dir": self.src.dir, "name": f.name, "offset": offset, "length": min(CHUNK, f.size - offset)}
-        try:
-            a = run.ask(self.remote, "fetch", req, timeout=FETCH_TIMEOUT, lacking="cannot pull checkpoints")
-        except errors.OpsError as e:
-            raise PullError(str(e).replace(": fetch: ", ": ", 1)) from None
+        a = _ask(self.remote, "fetch", req, FETCH_TIMEOUT)
         self.calls += 1
         try:
             data = base64.b64decode(a.get("data") or "", validate=True)

@@ -293,3 +293,14 @@ def test_an_agent_without_the_pull_verbs_says_redeploy(box: PveHosts, tmp_path: 
     assert (r.exit_code, r.stdout) == (1, "")
     assert r.stderr == "dflashctl: local: the deployed agent cannot pull checkpoints: run `dflashctl deploy`\n"
     assert not (tmp_path / "old").exists()
+
+
+def test_a_stopped_container_is_container_down_not_a_pull_error(box: PveHosts, tmp_path: Path) -> None:
+    box.pve.stop(200)
+    try:
+        r = box.cli("pull", str(tmp_path / "down"), timeout=120)
+    finally:
+        box.pve.start(200)
+    assert r.exit_code == 9, r.output  # ContainerDown's code (ops/exit_codes.py), as for every command
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "down").exists()
