@@ -91,6 +91,7 @@ def test_pull_over_ssh_and_pct_copies_the_latest_checkpoint_whole_and_a_second_p
 
     again = box.cli("pull", str(dest), timeout=120)
     assert again.exit_code == 0, again.output
+    assert again.stderr == ""  # not a terminal: no progress line
     assert again.stdout.splitlines() == [
         f"pulled step-6 (run {RUN_ID}) from pve:{src} to {dest}",
         "  5 files, 0.2 MiB (5 kept); 0.0 MiB fetched in 0 call(s); every file's sha256 checked",
@@ -304,3 +305,48 @@ def test_a_stopped_container_is_container_down_not_a_pull_error(box: PveHosts, t
     assert r.exit_code == 9, r.output  # ContainerDown's code (ops/exit_codes.py), as for every command
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "down").exists()
+
+
+def test_on_a_terminal_the_progress_line_runs_on_stderr(box: PveHosts, tmp_path: Path) -> None:
+    import os
+    import pty
+    import subprocess
+
+    from testkit.hostsfile import dflashctl_argv
+
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.run(
+            [
+                *dflashctl_argv(),
+                "--hosts",
+                str(box.path),
+                "--host",
+                "local",
+                "pull",
+                "--step",
+                "2",
+                str(tmp_path / "tty"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=box.env(),
+            timeout=120,
+            check=False,
+        )
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        os.close(master)
+    assert p.returncode == 0
+    rows = seen.decode().replace("\r\n", "\n").split("\r")
+    assert rows[1] == "pull step-2: 0.0 MiB of 0.2 MiB (0%)" and rows[-1] == "pull step-2: 0.2 MiB of 0.2 MiB (100%)\n"
+    assert p.stdout.decode().startswith("pulled step-2 ")
