@@ -33,6 +33,8 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 MANIFEST_MAX = 1 << 20  # a checkpoint.json is a few hundred bytes: a bigger one is not ours
 FETCH_CAP = 16 << 20  # `fetch`: at most this many bytes per call (base64 in the answer: 4/3 of it)
 HASH_CHUNK = 1 << 20
+REQUIRED = {"config.json", "model.safetensors", "trainer_state.pt"}  # what every dflash checkpoint holds
+OPTIONAL = {"dflash.py"}  # the remote code: newer checkpoints only
 
 
 class Missing(Exception):
@@ -69,7 +71,9 @@ def manifest(path: str) -> dict[str, t.Any] | None:
     if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("step") != int(m.group(1)):
         return None
     files, sums = rec.get("files"), rec.get("sha256")
-    if not isinstance(files, dict) or not files or (sums is not None and not isinstance(sums, dict)):
+    if not isinstance(files, dict) or not REQUIRED <= set(files) <= REQUIRED | OPTIONAL:
+        return None  # dflash.checkpoint's file list: another is no checkpoint of ours
+    if sums is not None and not isinstance(sums, dict):
         return None
     for name, size in files.items():
         if not NAME.fullmatch(name) or name == MANIFEST or not isinstance(size, int) or isinstance(size, bool):

@@ -268,9 +268,14 @@ def test_the_box_orders_checkpoints_as_dflash_resumes_them_and_marks_only_finish
     manifest = json.loads((older / "checkpoint.json").read_text())
     (older / "checkpoint.json").write_text(json.dumps({**manifest, "step": 8, "run_id": "20261101T000000Z-00000000"}))
     (root / "step-9").mkdir()  # half-written: no checkpoint.json
+    other = root / "step-10"  # a manifest of another file list (no weights, no trainer state): not ours
+    shutil.copytree(root / "step-2", other)
+    (other / "checkpoint.json").write_text(
+        json.dumps({**manifest, "step": 10, "files": {"config.json": manifest["files"]["config.json"]}, "sha256": {}})
+    )
     assert [f.path for f in checkpoints.complete(str(root))] == [str(p) for p in ckpt.resume_order(root)]
     assert checkpoints.choose(str(root), "latest").step == 6
-    assert [m["step"] for m in checkpoints.marks(str(root))] == [2, 4, 6, 8]
+    assert [m["step"] for m in checkpoints.marks(str(root))] == [2, 4, 6, 8, 10]  # plot marks any finished write
     (older / "model.safetensors").write_bytes(b"cut")  # a size off: not complete, for dflash nor for pull
     assert (
         [f.step for f in checkpoints.complete(str(root))]
