@@ -717,6 +717,56 @@ def history_cmd(app: App, session: str | None, as_json: bool, last: int | None, 
     return ExitCode.ERROR if h.errors else ExitCode.OK
 
 
+@cli.command("pull")
+@_session_option
+@click.option("--latest", "pick", flag_value="latest", default=True, help="The newest checkpoint (the default).")
+@click.option("--best", "pick", flag_value="best", help="The checkpoint `best` points to (highest held-out tau).")
+@click.option("--step", type=click.IntRange(min=0), default=None, metavar="N", help="The checkpoint step-N.")
+@click.option(
+    "--export",
+    "export",
+    metavar="PATH",
+    default=None,
+    help="A `dflash export` folder on the box instead (absolute, or relative to <run_dir>/<session>).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print what was pulled as one JSON object (no progress line).")
+@click.argument("dest", type=click.Path(file_okay=False))
+@pass_app
+def pull_cmd(
+    app: App, session: str | None, pick: str, step: int | None, export: str | None, as_json: bool, dest: str
+) -> ExitCode:
+    """Copy a checkpoint (default: the latest) from the box into DEST, each file checked by its sha256;
+    a pull that was cut goes on where it stopped. DEST may hold only this checkpoint's files."""
+    import json
+    from pathlib import Path
+
+    from ops import pull
+    from ops.session import session_name
+
+    given = [o for o, on in (("--best", pick == "best"), ("--step", step is not None), ("--export", export)) if on]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)}: choose one")
+    chosen: pull.Pick = {"step": step} if step is not None else pick
+    name = session_name(app.host, session)
+    bar = None if as_json or not sys.stderr.isatty() else pull.ProgressLine(sys.stderr)
+    r = pull.pull(
+        app.remote(),
+        session,
+        Path(dest).expanduser(),
+        pick=chosen,
+        export=export,
+        progress=bar.update if bar else None,
+        on_source=bar.start if bar else None,
+    )
+    if bar:
+        bar.end()
+    if as_json:
+        click.echo(json.dumps(r.to_json(app.host.name, name)))
+    else:
+        click.echo("\n".join(r.lines(app.host.name)))
+    return ExitCode.OK
+
+
 # --- supervise (issue 25): the supervisor on the Proxmox host; the work is in ops/supervise/install.py ---
 
 

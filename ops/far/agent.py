@@ -1,6 +1,6 @@
 """The agent: runs inside the container (or on this machine) and answers one JSON object per call.
 
-    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read|history> --json  < request.json
+    <python> -I -S -c BOOT <workdir>/current <probe|start|stop|tail|read|history|checkpoint|fetch> --json  < request.json
 
 (``ops.session.agent_argv``; by hand, ``python -m ops.far.agent probe --json < request.json`` does the same.)
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import functools
 import json
 import os
 import re
@@ -27,8 +28,8 @@ import sys
 import time
 import typing as t
 
+from ops.far import checkpoints, lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far import history as far_history
-from ops.far import lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
@@ -57,7 +58,7 @@ from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
 from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
-VERBS = ("probe", "start", "stop", "tail", "read", "history")
+VERBS = ("probe", "start", "stop", "tail", "read", "history", "checkpoint", "fetch")
 TMUX_TIMEOUT = 10.0
 DIAG_LINES = 200  # log lines the probe brings back for diagnosis
 STEP_LINES = 20  # `history`: log lines of an attempt that did not crash (its last step, when it wrote no metrics)
@@ -869,23 +870,12 @@ def read(req: Request) -> dict[str, t.Any]:
             lf = log_facts(os.path.join(adir, LOG), DIAG_LINES)
             rec["log_tail"] = (lf.get("tail") if lf else None) or []
         attempts.append(rec)  # past the cap, an attempt still reports its records; its bytes come next call
-    checkpoints = []
-    cdir = os.path.join(sdir, "checkpoints")
-    try:
-        entries = os.listdir(cdir)
-    except OSError:
-        entries = []
-    for name in entries:
-        m = re.fullmatch(r"step-(\d+)", name)
-        manifest = os.path.join(cdir, name, "checkpoint.json")
-        if m and os.path.exists(manifest):
-            checkpoints.append({"step": int(m.group(1)), "time": os.path.getmtime(manifest)})
     cur = current_attempt(req)
     return {
         "session_dir": sdir,
         "current": _attempt_number(os.path.basename(cur)) if cur else None,
         "attempts": attempts,
-        "checkpoints": sorted(checkpoints, key=lambda c: c["step"]),
+        "checkpoints": checkpoints.marks(checkpoints.root_of(sdir)),
         "now": time.time(),
     }
 
@@ -922,6 +912,14 @@ def history(req: Request) -> dict[str, t.Any]:
     }
 
 
+def _pulling(verb: t.Callable[[str, Request], dict[str, t.Any]], req: Request) -> dict[str, t.Any]:
+    """`dflashctl pull`'s verbs (ops/far/checkpoints.py): Missing is `no-checkpoint`, ValueError `bad-request`."""
+    try:
+        return verb(session_dir(req), req)
+    except (checkpoints.Missing, ValueError) as e:
+        raise Refused("no-checkpoint" if isinstance(e, checkpoints.Missing) else "bad-request", str(e)) from None
+
+
 HANDLERS: dict[str, t.Callable[[Request], t.Mapping[str, object]]] = {
     "probe": probe,
     "start": start,
@@ -929,6 +927,8 @@ HANDLERS: dict[str, t.Callable[[Request], t.Mapping[str, object]]] = {
     "tail": tail,
     "read": read,
     "history": history,
+    "checkpoint": functools.partial(_pulling, checkpoints.listing),
+    "fetch": functools.partial(_pulling, checkpoints.chunk),
 }
 REQUIRED = {
     "probe": ("session", "socket", "run_dir"),
@@ -937,6 +937,8 @@ REQUIRED = {
     "tail": ("session", "socket", "run_dir"),
     "read": ("session", "socket", "run_dir"),
     "history": ("session", "socket", "run_dir"),
+    "checkpoint": ("session", "socket", "run_dir"),
+    "fetch": ("session", "socket", "run_dir", "dir", "name"),
 }
 
 
