@@ -28,7 +28,7 @@ import time
 import typing as t
 
 from ops.far import history as far_history
-from ops.far import lock, members, nvidia_smi, protocol, records, tmux, watch
+from ops.far import kernel_log, lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
@@ -240,6 +240,7 @@ def probe(req: Request) -> ProbeFacts:
         # no run record (a session started by hand): the pane is the only log there is
         pane_capture, foreign = capture(req, lines), members.foreign_run(_pane(tf), session_dir(req))
     boot, boot_ticks = pid1_start()
+    since = kernel_log.since_failed(af)
     now = time.time()
     # Who watches the run (ops/far/watch.py): a supervisor's probe carries its heartbeat, written here.
     heartbeat = watch.beat(session_dir(req), req["heartbeat"], now) if req.get("heartbeat") is not None else None
@@ -257,6 +258,8 @@ def probe(req: Request) -> ProbeFacts:
         "pane_capture": pane_capture,
         "foreign_run": foreign,
         "gpus": nvidia_smi.finish(gpus),
+        # the container's kernel log, for a crash only (an LXC usually may not read it: no evidence)
+        "kernel": None if since is None else kernel_log.read(since),
     }
 
 
