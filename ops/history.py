@@ -300,6 +300,8 @@ def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: 
         )
         if st.state == State.LOST:
             _lost_cause(row, nxt, incidents)
+        elif st.state == State.CRASHED:
+            _gpu_fault_seen(row, incidents)
             marks = [m for m in ((af.get("log") or {}).get("mtime"), (af.get("metrics") or {}).get("mtime")) if m]
             row.last_seen_at = probe.iso(max(marks)) if marks else None
         start = parse_iso(row.started_at)
@@ -352,6 +354,15 @@ def _lost_cause(row: Row, nxt: t.Mapping[str, t.Any] | None, incidents: t.Sequen
     seen = [i for i in incidents if i.attempt == row.attempt and i.state == State.LOST and i.cause]
     if seen:
         row.cause, row.cause_from = seen[-1].cause, "incident"
+
+
+def _gpu_fault_seen(row: Row, incidents: t.Sequence[Incident]) -> None:
+    """A supervisor on the Proxmox host read the host's kernel log, which the records do not hold: the
+    gpu-fault it saw outranks the CUDA exception the log tail shows."""
+    if row.cause != Cause.GPU_FAULT and any(
+        i.attempt == row.attempt and i.state == State.CRASHED and i.cause == Cause.GPU_FAULT for i in incidents
+    ):
+        row.cause, row.cause_from = Cause.GPU_FAULT, "incident"
 
 
 def place(rows: list[Row], incidents: t.Sequence[Incident]) -> list[Incident]:
