@@ -300,10 +300,10 @@ def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: 
         )
         if st.state == State.LOST:
             _lost_cause(row, nxt, incidents)
-        elif st.state == State.CRASHED:
-            _gpu_fault_seen(row, incidents)
             marks = [m for m in ((af.get("log") or {}).get("mtime"), (af.get("metrics") or {}).get("mtime")) if m]
             row.last_seen_at = probe.iso(max(marks)) if marks else None
+        elif st.state == State.CRASHED:
+            _gpu_fault_seen(row, incidents)
         start = parse_iso(row.started_at)
         end = parse_iso(row.ended_at or row.last_seen_at)
         if end is None and row.state in (State.RUNNING, State.STALLED):

@@ -283,3 +283,26 @@ def test_doctor_says_gpu_health_per_gpu_through_the_fake_nvidia_smi(
     text = rep.render().splitlines()
     at = next(i for i, x in enumerate(text) if "gpu-health" in x)
     assert text[at].split()[:2] == ["FAIL", "gpu-health"] and text[at + 1].strip() == health.detail.split("\n")[1]
+
+
+def test_the_give_up_incident_and_its_notification_name_the_gpu_and_the_xid() -> None:
+    from ops.notify import message_for
+    from ops.supervise.state import incident_for
+
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.GPU_FAULT, attempt=2, gpu=1, xid=48)
+    st.exit_code, st.gpu_bus_id, st.detail = 1, "0000:18:00", XID[48].split("] ", 1)[1]
+    d = Policy(Options(), rng=random.Random(1)).observe(st, 100.0)
+    inc = incident_for(st, d, 100.0, restarts=0, opts=Options())
+    assert (inc["action"], inc["cause"], inc["gpu"], inc["gpu_bus_id"], inc["xid"]) == (
+        "give-up",
+        "gpu-fault",
+        1,
+        "0000:18:00",
+        48,
+    )
+    msg = message_for(inc)
+    assert msg.title.startswith(
+        "dflash pve/dflash: gave up: not restarted into a failed GPU: crashed: GPU fault: Xid 48 (uncorrectable ECC "
+        "error (double bit, DBE)) on GPU 1 (PCI 0000:18:00)"
+    )
+    assert "crashed (gpu-fault), attempt 2: NVRM: Xid (PCI:0000:18:00): 48" in msg.body and msg.level == "failure"

@@ -294,6 +294,6 @@ def test_a_gpu_fallen_off_the_bus_is_read_from_the_host_kernel_log_and_never_res
     assert "gave up: not restarted into a failed GPU: crashed: GPU fault: Xid 79" in sup.output
     assert not (on_host.run_dir / "dflash" / "attempt-2").exists()
     hist = on_host.cli("history", "--state-dir", state)
-    assert "crashed (gpu-fault)" in hist.stdout and "supervisor saw crashed (gpu-fault) of attempt 1 -> give-up" in (
-        hist.stdout
-    ), hist.output
+    assert "supervisor saw crashed (gpu-fault) of attempt 1 -> give-up" in hist.stdout, hist.output
+    row = on_host.cli("history", "--json", "--state-dir", state).json()["attempts"][0]
+    assert (row["cause"], row["cause_from"]) == ("gpu-fault", "incident")  # the records alone say python-exception
