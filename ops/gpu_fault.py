@@ -77,7 +77,9 @@ class Fault:
     @property
     def fingerprint(self) -> str:
         """The same GPU failing the same way matches itself across attempts."""
-        return f"gpu-fault|xid {self.xid}|{self.bus_id or self.gpu}"
+        what = f"xid {self.xid}" if self.xid is not None else self.meaning
+        where = self.bus_id or (f"gpu {self.gpu}" if self.gpu is not None else "?")
+        return f"gpu-fault|{what}|{where}"
 
     def phrase(self) -> str:
         """``Xid 79 (fallen off the bus) on GPU 3 (PCI 0000:3b:00)``"""

@@ -388,7 +388,7 @@ class Diagnosis:
         if self.cause == Cause.CUDA_OOM:
             return f"cuda-oom|gpu {self.gpu}"
         if self.cause == Cause.GPU_FAULT:
-            return gpu_fault.Fault("", self.xid, self.bus_id, self.gpu).fingerprint
+            return gpu_fault.Fault(self.detail or "", self.xid, self.bus_id, self.gpu).fingerprint
         body = re.sub(r"0x[0-9a-fA-F]+", "<addr>", self.detail or "")
         body = re.sub(r"\d+(?:\.\d+)?", "#", body)
         return f"{self.cause}|{body[:200]}"
