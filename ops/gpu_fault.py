@@ -157,7 +157,7 @@ def explain(st: Status, agent: t.Mapping[str, t.Any] | None, host_kernel: t.Mapp
         return
     attempt = (agent or {}).get("attempt") or {}
     sources = (
-        ("log", ((attempt.get("log") or {}).get("tail")) or []),
+        ("log", ((attempt.get("log") or {}).get("tail")) or st.tail),  # st.tail: a pane's, without a run record
         ("the container's kernel log", _lines((agent or {}).get("kernel"))),
         ("the host's kernel log", _lines(host_kernel)),
     )

@@ -306,3 +306,21 @@ def test_the_give_up_incident_and_its_notification_name_the_gpu_and_the_xid() ->
         "error (double bit, DBE)) on GPU 1 (PCI 0000:18:00)"
     )
     assert "crashed (gpu-fault), attempt 2: NVRM: Xid (PCI:0000:18:00): 48" in msg.body and msg.level == "failure"
+
+
+def test_a_session_started_by_hand_names_the_xid_its_pane_shows() -> None:
+    """No run record: the pane's text is the log, and its Xid and bus id reach the Status as a run's do."""
+    pane = {"pane_pid": "77", "pane_dead": "1", "pane_dead_status": "1", "pane_dead_signal": ""}
+    facts = {
+        "host": "pve",
+        "session": "dflash",
+        "checked_at": 2000.0,
+        "agent": {
+            "now": 2000.0,
+            "tmux": {"exit_code": 0, "panes": [pane]},
+            "pane_capture": {"lines": [*TRACEBACK, XID[95], CUDA_LAUNCH]},
+            "attempt": None,
+        },
+    }
+    st = probe.classify(facts)
+    assert (st.state, st.cause, st.xid, st.gpu_bus_id) == (State.CRASHED, Cause.GPU_FAULT, 95, "0000:b3:00")
