@@ -674,7 +674,7 @@ def restart_on_crash_cmd(
             hide_env=app.inventory.secret_env,
             notifier=notifier,
         )
-    outcome = sup.run()  # CrashLoop (exit 11) and SupervisorLocked (exit 1) are raised
+    outcome = sup.run()  # CrashLoop (11), GpuFaultGiveUp (13) and SupervisorLocked (1) are raised
     if outcome.kind != "once" or outcome.state in (None, "restarted", State.RUNNING, State.SUCCEEDED):
         return ExitCode.OK
     return exit_code_for_state(outcome.state)

@@ -3,7 +3,8 @@
 Each check is ``ok``, ``fail`` (with the reason and, where one exists, the typed error that decides
 the exit code) or ``skip`` (not applicable, or an earlier failure makes it moot). The order is
 from the most basic up: reachable, host-key, login, container, tmux, python, packages, torch, kernels
-(a hybrid target's linear-attention kernels), disk, nvidia-smi. Diagnosing never raises because something is down: down is a failed check.
+(a hybrid target's linear-attention kernels), disk, nvidia-smi, gpu-health (ECC, row remapping, slowdowns per
+GPU: ``warn`` is said and passes). Diagnosing never raises because something is down: down is a failed check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import re
 import typing as t
 
-from ops import errors
+from ops import errors, gpu_health
 from ops.deploy import REQUIRED_MODULES
 from ops.hosts import Host
 from ops.proxmox import Container
@@ -23,7 +24,7 @@ from ops.transport import CommandResult, LocalTransport, Transport
 
 logger = logging.getLogger(__name__)
 
-OK, FAIL, SKIP = "ok", "fail", "skip"
+OK, FAIL, SKIP, WARN = "ok", "fail", "skip", "warn"
 MIN_FREE_BYTES = 1 << 30  # below 1 GiB a checkpoint write will fail
 TMUX_MIN = (2, 1)  # the stderr texts dflashctl classifies (docs/design.md section 6)
 
@@ -92,7 +93,7 @@ DISK_PROBE = 'p=$1; while [ ! -e "$p" ]; do p=$(dirname -- "$p"); done; df -P -k
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
-    status: str  # "ok" | "fail" | "skip"
+    status: str  # "ok" | "warn" | "fail" | "skip"
     detail: str
     error: errors.OpsError | None = dataclasses.field(default=None, compare=False)
 
@@ -124,7 +125,9 @@ class HostReport:
     def render(self) -> str:
         lines = [self.label]
         for c in self.checks:
-            lines.append(f"  {c.status.upper() if c.status == FAIL else c.status:<5} {c.name:<11} {c.detail}")
+            first, *more = c.detail.split("\n")  # gpu-health: a line per GPU
+            lines.append(f"  {c.status.upper() if c.status == FAIL else c.status:<5} {c.name:<11} {first}")
+            lines.extend(f"{'':<19}{x}" for x in more)
         return "\n".join(lines)
 
 
@@ -152,7 +155,7 @@ class _Report:
             self.add(n, SKIP, self.blocked or "not checked")
 
 
-INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "kernels", "disk", "nvidia-smi")
+INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "kernels", "disk", "nvidia-smi", "gpu-health")
 
 
 def diagnose(host: Host) -> HostReport:
@@ -333,10 +336,27 @@ def _inside(rep: _Report, host: Host, where: Transport | Container) -> None:
     elif res.exit_code == 0:
         listed = [ln.strip() for ln in res.out.splitlines() if ln.strip()]
         rep.add("nvidia-smi", OK, f"{len(listed)} GPU(s): " + "; ".join(listed) if listed else "no GPU listed")
+        rep.report.checks.append(health_check(where))
+        return
     elif res.exit_code in (126, 127) or "not found" in res.err or "No such file" in res.err:
         rep.add("nvidia-smi", SKIP, "not installed (no NVIDIA GPU visible here)")
     else:
         rep.fail("nvidia-smi", f"nvidia-smi failed: {_why(res)}")
+    rep.add("gpu-health", SKIP, "nvidia-smi did not answer")
+
+
+def health_check(where: Transport | Container) -> Check:
+    """ECC errors, row remapping and forced slowdowns of each GPU, one line each (ops/gpu_health.py)."""
+    res = _run(where, list(gpu_health.ARGV), timeout=60)
+    if isinstance(res, errors.OpsError):
+        return Check("gpu-health", FAIL, str(res), res)
+    if res.exit_code != 0:
+        return Check("gpu-health", FAIL, f"{' '.join(gpu_health.ARGV)} failed: {_why(res)}")
+    found = gpu_health.parse(res.out)
+    if not found:
+        return Check("gpu-health", SKIP, "nvidia-smi -q listed no GPU")
+    worst = FAIL if any(g.status == FAIL for g in found) else WARN if any(g.status == WARN for g in found) else OK
+    return Check("gpu-health", worst, "\n".join(g.line() for g in found))
 
 
 def run_config(command: t.Sequence[str]) -> str | None:

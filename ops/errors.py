@@ -154,6 +154,11 @@ class CrashLoop(OpsError):
     """restart-on-crash gave up: the run crashes again and again."""
 
 
+class GpuFaultGiveUp(OpsError):
+    """restart-on-crash gave up: the run's GPU failed in hardware (cause gpu-fault); a restart would run
+    into it again."""
+
+
 class SupervisorLocked(OpsError):
     """Another restart-on-crash already watches this host and session."""
 

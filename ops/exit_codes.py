@@ -22,6 +22,7 @@ class ExitCode(enum.IntEnum):
     CONTAINER_DOWN = 9
     UNREACHABLE = 10
     CRASH_LOOP = 11
+    GPU_FAULT = 13  # restart-on-crash gave up on a GPU that failed in hardware
 
 
 # docs/design.md section 6: the state a status reports -> the exit code of `status`.
@@ -42,6 +43,7 @@ ERROR_EXIT: tuple[tuple[type[errors.OpsError], ExitCode], ...] = (
     (errors.UnreachableError, ExitCode.UNREACHABLE),
     (errors.ContainerDown, ExitCode.CONTAINER_DOWN),
     (errors.CrashLoop, ExitCode.CRASH_LOOP),
+    (errors.GpuFaultGiveUp, ExitCode.GPU_FAULT),
     (errors.OpsError, ExitCode.ERROR),
 )
 

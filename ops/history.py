@@ -302,6 +302,8 @@ def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: 
             _lost_cause(row, nxt, incidents)
             marks = [m for m in ((af.get("log") or {}).get("mtime"), (af.get("metrics") or {}).get("mtime")) if m]
             row.last_seen_at = probe.iso(max(marks)) if marks else None
+        elif st.state == State.CRASHED:
+            _gpu_fault_seen(row, incidents)
         start = parse_iso(row.started_at)
         end = parse_iso(row.ended_at or row.last_seen_at)
         if end is None and row.state in (State.RUNNING, State.STALLED):
@@ -352,6 +354,15 @@ def _lost_cause(row: Row, nxt: t.Mapping[str, t.Any] | None, incidents: t.Sequen
     seen = [i for i in incidents if i.attempt == row.attempt and i.state == State.LOST and i.cause]
     if seen:
         row.cause, row.cause_from = seen[-1].cause, "incident"
+
+
+def _gpu_fault_seen(row: Row, incidents: t.Sequence[Incident]) -> None:
+    """A supervisor on the Proxmox host read the host's kernel log, which the records do not hold: the
+    gpu-fault it saw outranks the CUDA exception the log tail shows."""
+    if row.cause != Cause.GPU_FAULT and any(
+        i.attempt == row.attempt and i.state == State.CRASHED and i.cause == Cause.GPU_FAULT for i in incidents
+    ):
+        row.cause, row.cause_from = Cause.GPU_FAULT, "incident"
 
 
 def place(rows: list[Row], incidents: t.Sequence[Incident]) -> list[Incident]:

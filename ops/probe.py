@@ -24,6 +24,7 @@ import signal as signal_mod
 import time
 import typing as t
 
+from ops import gpu_fault
 from ops.far import members, records, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
@@ -158,6 +159,8 @@ class Status:
     cause: str | None = None
     detail: str | None = None
     gpu: int | None = None
+    gpu_bus_id: str | None = None  # gpu-fault: the PCI bus id the driver named
+    xid: int | None = None  # gpu-fault: the driver's Xid code
     exit_code: int | None = None
     signal: int | None = None
     attempt: int | None = None
@@ -303,6 +306,8 @@ def _cause_text(s: Status) -> str:
         return "NCCL error"
     if c == Cause.PEER_LOST:
         return "lost the other nodes of the run" + (f": {_short(s.detail)}" if s.detail else "")
+    if c == Cause.GPU_FAULT:
+        return "GPU fault: " + gpu_fault.Fault(s.detail or "", s.xid, s.gpu_bus_id, s.gpu).phrase()
     if c == Cause.PYTHON_EXCEPTION:
         return _short(s.detail or "Python exception")
     if c == Cause.SIGNAL:
@@ -372,6 +377,8 @@ class Diagnosis:
     gpu: int | None = None
     signal: int | None = None
     evidence: list[str] = dataclasses.field(default_factory=list)
+    xid: int | None = None
+    bus_id: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -380,6 +387,8 @@ class Diagnosis:
             return f"signal|{self.signal}"
         if self.cause == Cause.CUDA_OOM:
             return f"cuda-oom|gpu {self.gpu}"
+        if self.cause == Cause.GPU_FAULT:
+            return gpu_fault.Fault(self.detail or "", self.xid, self.bus_id, self.gpu).fingerprint
         body = re.sub(r"0x[0-9a-fA-F]+", "<addr>", self.detail or "")
         body = re.sub(r"\d+(?:\.\d+)?", "#", body)
         return f"{self.cause}|{body[:200]}"
@@ -425,6 +434,10 @@ def diagnose(
     wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
     lines = _clean(lines)
     exc = last_exception(lines)
+    fault = gpu_fault.find(lines)  # first: the CUDA error's traceback and what NCCL says follow from it
+    if fault is not None:
+        why = [f"log: {_short(fault.line, 200)}"]
+        return Diagnosis(Cause.GPU_FAULT, _short(fault.text, 400), fault.gpu, signal, why, fault.xid, fault.bus_id)
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
         how = f"signal {signal}" if signal else f"exit {exit_code}"
         return Diagnosis(
@@ -612,6 +625,7 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
                 f"the pane runs {other[:300]}: the run of another host entry (same container, socket and "
                 "session, another run_dir); this entry's run_dir holds no record of it",
             )
+    gpu_fault.explain(s, agent, facts.get("host_kernel"))  # the driver's words, wherever they are
     if "supervisor" in agent:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.get("supervisor"), agent.get("now"))
         if s.supervisor.state == "stale":

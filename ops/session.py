@@ -16,7 +16,7 @@ import time
 import typing as t
 
 from ops import errors, far_call
-from ops.far import tmux
+from ops.far import kernel_log, tmux
 from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
@@ -84,6 +84,10 @@ def gather(
         if not answer.get("ok"):
             raise errors.AgentError(f"agent probe: {answer.get('message')}")
         facts["agent"] = answer
+        host_kernel = kernel_log.of_failed(answer.get("attempt")) if host.is_local and host.container else None
+        if host_kernel is not None:
+            # dflashctl on the Proxmox host: the host's kernel log is where the driver's Xid lines are
+            facts["host_kernel"] = host_kernel
     except errors.AgentError as e:
         # an agent from another dflashctl version, or a broken release: tmux can still be asked
         facts["mode"] = "fallback"

@@ -34,6 +34,9 @@ class Cause(enum.StrEnum):
     PYTHON_EXCEPTION = "python-exception"
     SIGNAL = "signal"
     NONZERO_EXIT = "nonzero-exit"
+    # the driver said the GPU failed in hardware (Xid, uncorrectable ECC, fallen off the bus): a restart
+    # runs into the same dead GPU
+    GPU_FAULT = "gpu-fault"
     # the command ended (and its keeper is gone) but processes it started still run: nothing will end
     # them or record their end (docs/design.md section 5)
     ORPHANS_LEFT = "orphans-left"
@@ -66,6 +69,7 @@ CAUSES: dict[State, tuple[Cause, ...]] = {
         Cause.SIGNAL,
         Cause.NONZERO_EXIT,
         Cause.ORPHANS_LEFT,
+        Cause.GPU_FAULT,
     ),
     State.LOST: (
         Cause.CONTAINER_RESTART,

@@ -2,7 +2,7 @@
 $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside the fake container).
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
-                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|kill|forever]
+                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|cuda-ecc|cuda-launch|kill|forever]
                   [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
@@ -149,6 +149,19 @@ def end(how: str, step: int) -> int:
         return 1
     if kind == "exception":
         raise KeyError(arg or "missing_key")
+    if kind in ("cuda-ecc", "cuda-launch"):
+        # torch's words when the GPU failed under it (the Xid is in the kernel log, not here)
+        what = "uncorrectable ECC error encountered" if kind == "cuda-ecc" else "unspecified launch failure"
+        log("Traceback (most recent call last):")
+        log('  File "/root/dflash/dflash/train.py", line 88, in step')
+        log("    loss.backward()")
+        log(f"RuntimeError: CUDA error: {what}")
+        log(
+            "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect."
+        )
+        log("For debugging consider passing CUDA_LAUNCH_BLOCKING=1")
+        log("Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
+        return 1
     if kind == "nccl-timeout":
         log(
             "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "

@@ -56,6 +56,24 @@ class FakePve:
         )
         self.pct.chmod(0o755)
 
+    # -- the host's kernel log -----------------------------------------------------------------
+
+    @property
+    def bin(self) -> Path:
+        """The host's own commands (pct, and the kernel log's): put it first on PATH of what runs "on the host"."""
+        return self.root / "bin"
+
+    def kernel_log(self, *lines: str) -> None:
+        """The host's kernel log says ``lines``: ``journalctl -k ...`` prints them (write them as ``-o
+        short-iso`` does); ``dmesg`` is refused, as an unprivileged reader's is."""
+        (self.root / "kernel.log").write_text("".join(f"{x}\n" for x in lines))
+        journal = self.bin / "journalctl"
+        journal.write_text(f"#!/bin/sh\nexec cat {shlex.quote(str(self.root / 'kernel.log'))}\n")
+        dmesg = self.bin / "dmesg"
+        dmesg.write_text("#!/bin/sh\necho 'dmesg: read kernel buffer failed: Operation not permitted' >&2\nexit 1\n")
+        for exe in (journal, dmesg):
+            exe.chmod(0o755)
+
     # -- containers ---------------------------------------------------------------------------
 
     def create(self, vmid: int = 200, *, start: bool = False) -> int:

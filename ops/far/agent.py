@@ -28,7 +28,7 @@ import sys
 import time
 import typing as t
 
-from ops.far import checkpoints, lock, members, nvidia_smi, protocol, records, tmux, watch
+from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far import history as far_history
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
@@ -258,6 +258,7 @@ def probe(req: Request) -> ProbeFacts:
         "pane_capture": pane_capture,
         "foreign_run": foreign,
         "gpus": nvidia_smi.finish(gpus),
+        "kernel": kernel_log.of_failed(af),  # a crash's only (an LXC usually may not read it: no evidence)
     }
 
 

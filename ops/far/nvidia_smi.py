@@ -8,7 +8,7 @@ import subprocess
 
 from ops.far.protocol import GpuFacts
 
-_GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu"
+_GPU_QUERY = "index,name,memory.used,memory.total,utilization.gpu,pci.bus_id"
 
 
 def start() -> subprocess.Popen[bytes] | None:
@@ -40,7 +40,7 @@ def finish(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[str, s
     gpus: list[GpuFacts] = []
     for line in out.decode("utf-8", "replace").splitlines():
         cells = [c.strip() for c in line.split(",")]
-        if len(cells) != 5:
+        if len(cells) not in (5, 6):  # 5: a stand-in of an older query
             continue
 
         def num(s: str) -> float | None:
@@ -58,4 +58,6 @@ def finish(proc: subprocess.Popen[bytes] | None) -> list[GpuFacts] | dict[str, s
                 "utilization_pct": num(cells[4]),
             }
         )
+        if len(cells) == 6:
+            gpus[-1]["pci_bus_id"] = cells[5]  # 00000000:3B:00.0: what a driver's Xid line names
     return gpus

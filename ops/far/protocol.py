@@ -109,6 +109,7 @@ class GpuFacts(t.TypedDict):
     memory_used_mib: float | None
     memory_total_mib: float | None
     utilization_pct: float | None
+    pci_bus_id: t.NotRequired[str]  # 00000000:3B:00.0
 
 
 class ProbeFacts(t.TypedDict):
@@ -127,6 +128,7 @@ class ProbeFacts(t.TypedDict):
     pane_capture: CaptureFacts | None
     foreign_run: str | None  # the pane's runner's attempt dir, when it is another run_dir's (no record here)
     gpus: list[GpuFacts] | dict[str, str] | None
+    kernel: dict[str, t.Any] | None  # a crashed attempt's NVRM kernel log lines (ops/far/kernel_log.py)
 
 
 class RunResult(t.NamedTuple):

@@ -305,7 +305,8 @@ class Supervisor:
                 self.heartbeat.failed(str(e))
                 raise
             except errors.OpsError as e:  # CrashLoop among them
-                ended = str(e) if isinstance(e, errors.CrashLoop) else f"{type(e).__name__}: {e}"
+                gave_up = isinstance(e, (errors.CrashLoop, errors.GpuFaultGiveUp))
+                ended = str(e) if gave_up else f"{type(e).__name__}: {e}"
                 self.heartbeat.failed(str(e))
                 raise
             except BaseException as e:
@@ -404,6 +405,11 @@ class Supervisor:
                 self.emit(
                     "gave up on this run; still watching: fix the cause, then `dflashctl start` "
                     "(a run started by hand is supervised afresh)"
+                )
+            elif d.action == GIVE_UP and st.cause == Cause.GPU_FAULT:
+                self._save_memory()
+                raise errors.GpuFaultGiveUp(
+                    f"{self.host.name}/{self.session}: gave up: {d.reason}. The run is left crashed"
                 )
             elif d.action == GIVE_UP:
                 self._save_memory()

@@ -329,6 +329,8 @@ class Policy:
             if st.cause == Cause.MISSING:
                 return Decision(WAIT, "the container does not exist: nothing to start; waiting")
             return self._container(now)
+        if s == State.CRASHED and st.cause == Cause.GPU_FAULT:
+            return self._gpu_fault(st)
         if s in (State.CRASHED, State.LOST) and self.keep_watching and st.attempt is not None:
             if st.attempt == self.gave_up:
                 return Decision(
@@ -357,6 +359,22 @@ class Policy:
         if s == State.LOST:
             return self._failure(st, now, RESTART)
         return Decision(WAIT, f"state {s}")
+
+    def _gpu_fault(self, st: Status) -> Decision:
+        """No restart into a GPU that failed in hardware: it fails again until it is reset (often the host
+        rebooted). Giving up says which GPU and Xid; the run config's devices decide where a new start runs."""
+        if self.keep_watching and st.attempt is not None and st.attempt == self.gave_up:
+            return Decision(
+                WAIT,
+                f"gave up on attempt {st.attempt} (GPU fault): not restarted; still watching, a new "
+                "`dflashctl start` is supervised afresh",
+            )
+        return Decision(
+            GIVE_UP,
+            f"not restarted into a failed GPU: {describe(st)}; reset the GPU or reboot the host (or leave "
+            "that GPU out of the run config's devices), then `dflashctl start`",
+            new=True,
+        )
 
     def _uptime(self, st: Status, now: float) -> float | None:
         started, ended = parse_iso(st.started_at), parse_iso(st.ended_at)

@@ -139,6 +139,8 @@ def incident_for(st: Status, d: Decision, now: float, *, restarts: int, opts: Op
         "exit_code": st.exit_code,
         "signal": st.signal,
         "gpu": st.gpu,
+        "gpu_bus_id": st.gpu_bus_id,
+        "xid": st.xid,
         "fingerprint": st.fingerprint,
         "started_at": st.started_at,
         "ended_at": st.ended_at,

@@ -276,13 +276,13 @@ def test_tmux_text_helpers() -> None:
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
 # answers the query the agent makes, in the real tool's csv,noheader,nounits shape
-[ "$1" = "--query-gpu=index,name,memory.used,memory.total,utilization.gpu" ] || exit 2
+[ "$1" = "--query-gpu=index,name,memory.used,memory.total,utilization.gpu,pci.bus_id" ] || exit 2
 [ "$2" = "--format=csv,noheader,nounits" ] || exit 2
 if [ -n "$FAIL" ]; then
   echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."; exit 9
 fi
-echo "0, NVIDIA H200, 130511, 143771, 100"
-echo "5, NVIDIA H200, 143602, 143771, [N/A]"
+echo "0, NVIDIA H200, 130511, 143771, 100, 00000000:18:00.0"
+echo "5, NVIDIA H200, 143602, 143771, [N/A], 00000000:3B:00.0"
 """
 
 
@@ -312,6 +312,7 @@ def test_probe_reads_nvidia_smi_per_gpu(tmp_path: Path) -> None:
             "memory_used_mib": 130511.0,
             "memory_total_mib": 143771.0,
             "utilization_pct": 100.0,
+            "pci_bus_id": "00000000:18:00.0",
         },
         {
             "index": 5,
@@ -319,6 +320,7 @@ def test_probe_reads_nvidia_smi_per_gpu(tmp_path: Path) -> None:
             "memory_used_mib": 143602.0,
             "memory_total_mib": 143771.0,
             "utilization_pct": None,
+            "pci_bus_id": "00000000:3B:00.0",
         },
     ]
     failed = probe(FAIL="1")["gpus"]

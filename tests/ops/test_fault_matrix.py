@@ -150,6 +150,30 @@ def test_the_same_oom_twice_before_min_uptime_gives_up(rig: Rig) -> None:
     assert incs[1]["fingerprint"] == incs[0]["fingerprint"] == "cuda-oom|gpu 5"
 
 
+def test_an_uncorrectable_ecc_error_is_not_restarted_into_the_supervisor_gives_up(rig: Rig) -> None:
+    """torch's words for a GPU that failed under it (a real CUDA text, no Xid in the log): restart-on-crash
+    ends with exit 13 rather than restarting until its crash-loop guard gives up."""
+    rig.configure()
+    rig.start()
+    sup = rig.supervise(*FAST)
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault("always:cuda-ecc")  # every run would fail the same way: none is started
+    assert sup.wait(60) == 13, sup.text
+    give_up = sup.event(r"-> give-up")
+    assert "not restarted into a failed GPU: crashed: GPU fault: uncorrectable ECC error" in give_up
+    assert "dflashctl: pve/dflash: gave up: not restarted into a failed GPU" in "\n".join(sup.err)
+    assert rig.attempts() == [1]
+    [inc] = rig.incidents()
+    assert (inc["cause"], inc["action"], inc["xid"]) == ("gpu-fault", "give-up", None)
+    assert inc["detail"] == "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+    st = rig.status()
+    assert (st["state"], st["cause"], st["fingerprint"]) == (
+        "crashed",
+        "gpu-fault",
+        "gpu-fault|uncorrectable ECC error|?",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # processes killed
 

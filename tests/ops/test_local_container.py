@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import typing as t
 from pathlib import Path
 
@@ -248,3 +249,51 @@ def test_a_pct_that_cannot_run_on_the_ssh_host_is_unreachable(pve_hosts: t.Any) 
     retry_until(lambda: (pve_hosts.run_dir / "dflash" / "attempt-1" / "exit.json").exists(), 30)
     pve_hosts.write(pct="/nonexistent/pct")
     _blind(pve_hosts.cli, pve_hosts.root / "state")
+
+
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=2841, name=python, GPU has fallen off the bus."
+
+
+def test_a_gpu_fallen_off_the_bus_is_read_from_the_host_kernel_log_and_never_restarted_into(
+    on_host: OnTheHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer only says torch's CUDA error; the Xid is in the Proxmox host's kernel log (journalctl -k),
+    which dflashctl on the host reads. restart-on-crash gives up with exit 13 instead of a restart."""
+    on_host.table["command"] = train_command("--steps", "3", "--interval", "0.05", "--then", "cuda-launch")
+    on_host.write()
+    assert on_host.cli("deploy").exit_code == 0
+    assert on_host.cli("start").exit_code == 0
+    ended = on_host.run_dir / "dflash" / "attempt-1" / "exit.json"
+    retry_until(ended.exists, 60)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime())
+    on_host.pve.kernel_log(
+        f"{stamp} pve kernel: NVRM: GPU at PCI:0000:3b:00: GPU-5e2b6d3c-90a1-4c7f-8d2e-1f0a9b3c4d5e",
+        f"{stamp} pve kernel: {XID_79}",
+    )
+    monkeypatch.setenv("PATH", f"{on_host.pve.bin}:{os.environ['PATH']}")
+
+    st = on_host.cli("status", "--json")
+    doc = st.json()
+    assert (st.exit_code, doc["state"], doc["cause"], doc["xid"], doc["gpu_bus_id"]) == (
+        5,
+        "crashed",
+        "gpu-fault",
+        79,
+        "0000:3b:00",
+    )
+    assert doc["detail"] == XID_79
+    assert (
+        "the program's last error (python-exception): RuntimeError: CUDA error: unspecified launch failure"
+        in (doc["evidence"])
+    )
+    assert on_host.cli("status").stdout.startswith("crashed: GPU fault: Xid 79 (fallen off the bus) on PCI 0000:3b:00")
+
+    state = str(on_host.root / "state")
+    sup = on_host.cli("restart-on-crash", "--interval", "0.5", "--backoff", "0.2", "--state-dir", state, timeout=120)
+    assert sup.exit_code == 13, sup.output
+    assert "gave up: not restarted into a failed GPU: crashed: GPU fault: Xid 79" in sup.output
+    assert not (on_host.run_dir / "dflash" / "attempt-2").exists()
+    hist = on_host.cli("history", "--state-dir", state)
+    assert "supervisor saw crashed (gpu-fault) of attempt 1 -> give-up" in hist.stdout, hist.output
+    row = on_host.cli("history", "--json", "--state-dir", state).json()["attempts"][0]
+    assert (row["cause"], row["cause_from"]) == ("gpu-fault", "incident")  # the records alone say python-exception

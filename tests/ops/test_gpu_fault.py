@@ -1,0 +1,326 @@
+"""A GPU that failed in hardware: the driver's words (NVIDIA's Xid catalogue texts, as the kernel logs them)
+in a log tail or a kernel log make a crash `gpu-fault`; the kernel log's reader (ops/far/kernel_log.py) with
+a stand-in journalctl/dmesg on PATH; the policy gives up; doctor's gpu-health reads real `nvidia-smi -q`."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from ops import errors, gpu_health, probe
+from ops.exit_codes import ExitCode, exit_code_for_error
+from ops.far import kernel_log
+from ops.hosts import parse_inventory
+from ops.states import CAUSES, Cause, State
+from ops.supervise.policy import GIVE_UP, WAIT, Options, Policy
+from testkit.hostsfile import dump_hosts
+from testkit.nvidia_smi import FakeGpu, report
+
+TRACEBACK = [
+    "step 41 | loss 2.1 | acc 0.5 | tau_tf 2.0 | 12.5 Ktok/s | queue 3/8 | drafters 1/1",
+    "Traceback (most recent call last):",
+    '  File "/root/dflash/dflash/train.py", line 88, in step',
+    "    loss.backward()",
+]
+CUDA_LAUNCH = "RuntimeError: CUDA error: unspecified launch failure"
+CUDA_ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
+ASYNC = "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect."
+
+# As the driver writes them (dmesg's stamp in front); texts from NVIDIA's Xid catalogue and published logs
+XID = {
+    79: "[ 8123.456789] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
+    48: "[ 8123.456789] NVRM: Xid (PCI:0000:18:00): 48, pid=2345, name=python3, An uncorrectable double bit error "
+    "(DBE) has been detected on GPU in the framebuffer at partition 0, subpartition 0.",
+    63: "[ 8123.456790] NVRM: Xid (PCI:0000:18:00): 63, pid=2345, name=python3, Row Remapper: New row "
+    "(0x0000000000b8a4f0) marked for remapping, reset gpu to activate.",
+    64: "[ 8123.456790] NVRM: Xid (PCI:0000:18:00): 64, pid=2345, name=python3, Row Remapper: Failed to remap row.",
+    94: "[ 8123.456791] NVRM: Xid (PCI:0000:b3:00): 94, pid=3456, name=python, Contained: CE User Channel (0x9). "
+    "RST: No, D-RST: No",
+    95: "[ 8123.456791] NVRM: Xid (PCI:0000:b3:00): 95, pid='<unknown>', name=<unknown>, Uncontained: FBHUB. "
+    "RST: Yes, D-RST: No",
+    119: "[ 8123.456792] NVRM: Xid (PCI:0000:41:00): 119, pid=4567, name=python, Timeout after 6s of waiting for RPC "
+    "response from GPU0 GSP! Expected function 76 (GSP_RM_CONTROL) (0x20800a4c 0x4).",
+    120: "[ 8123.456792] NVRM: Xid (PCI:0000:41:00): 120, pid=4567, name=python, GSP task timeout @ pc:0x4b3c, task: 1",
+    154: "[ 8123.456793] NVRM: Xid (PCI:0000:04:00): 154, pid=1, name=python, GPU recovery action changed from 0x0 "
+    "(None) to 0x1 (GPU Reset Required)",
+}
+
+
+def diag(lines: list[str], exit_code: int = 1) -> probe.Diagnosis:
+    return probe.diagnose(lines, exit_code=exit_code, signal=None)
+
+
+@pytest.mark.parametrize("xid", sorted(XID))
+def test_each_hardware_xid_is_a_gpu_fault_that_outranks_the_exception(xid: int) -> None:
+    d = diag([*TRACEBACK, XID[xid], CUDA_LAUNCH, ASYNC])
+    assert (d.cause, d.xid) == (Cause.GPU_FAULT, xid)
+    assert d.bus_id == XID[xid].split("PCI:")[1].split(")")[0]
+    assert (
+        d.detail is not None and d.detail.startswith("NVRM: Xid") and d.fingerprint == f"gpu-fault|xid {xid}|{d.bus_id}"
+    )
+
+
+def test_the_first_xid_is_the_cause_of_those_after_it() -> None:
+    d = diag([XID[48], XID[63], XID[94]])
+    assert d.xid == 48
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        CUDA_ECC,
+        "torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered",
+        "CUDA_ERROR_ECC_UNCORRECTABLE: uncorrectable ECC error encountered",
+        "NCCL WARN Cuda failure 'uncorrectable ECC error encountered'",
+        "[  412.1] NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.",
+    ],
+)
+def test_the_cuda_texts_of_a_dead_gpu_are_a_gpu_fault_without_an_xid(line: str) -> None:
+    d = diag([*TRACEBACK, line, ASYNC])
+    assert d.cause == Cause.GPU_FAULT and d.xid is None
+    if "NVRM" in line:
+        assert d.bus_id == "0000:3b:00"
+
+
+def test_an_unspecified_launch_failure_is_a_gpu_fault_only_beside_an_xid() -> None:
+    assert diag([*TRACEBACK, CUDA_LAUNCH, ASYNC]).cause == Cause.PYTHON_EXCEPTION
+    app_xid = "NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics SM Warp Exception on (GPC 0, TPC 0)"
+    assert diag([*TRACEBACK, "RuntimeError: CUDA error: an illegal memory access", app_xid]).cause != Cause.GPU_FAULT
+    d = diag([*TRACEBACK, app_xid, CUDA_LAUNCH])
+    assert (d.cause, d.xid, d.detail) == (Cause.GPU_FAULT, 13, CUDA_LAUNCH)
+
+
+def test_a_recovery_that_needs_nothing_is_no_fault() -> None:
+    ok = "NVRM: Xid (PCI:0000:04:00): 154, pid=1, name=x, GPU recovery action changed from 0x1 (GPU Reset Required) to 0x0 (None)"
+    assert diag([*TRACEBACK, "KeyError: 'x'", ok]).cause == Cause.PYTHON_EXCEPTION
+
+
+def test_gpu_fault_is_a_crashed_cause_and_its_headline_names_gpu_and_xid() -> None:
+    assert Cause.GPU_FAULT in CAUSES[State.CRASHED]
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.GPU_FAULT, gpu=3, gpu_bus_id="0000:3b:00", xid=79)
+    st.exit_code = 1
+    assert st.headline() == "crashed: GPU fault: Xid 79 (fallen off the bus) on GPU 3 (PCI 0000:3b:00) (exit 1)"
+    assert {"gpu": 3, "gpu_bus_id": "0000:3b:00", "xid": 79}.items() <= st.to_json().items()
+
+
+def _facts(tail: list[str], host_kernel: dict[str, object] | None, gpus: list[dict[str, object]] | None) -> dict:
+    run = {"pid": 10, "child_pid": 11, "started_ts": 1000.0, "started_at": "2026-11-29T16:00:00Z", "attempt": 1}
+    ended = {"exit_code": 1, "signal": None, "ended_at": "2026-11-29T16:26:03Z"}
+    facts = {
+        "host": "pve",
+        "session": "dflash",
+        "checked_at": 2000.0,
+        "agent": {
+            "now": 2000.0,
+            "gpus": gpus,
+            "kernel": {
+                "source": None,
+                "lines": [],
+                "error": "dmesg: read kernel buffer failed: Operation not permitted",
+            },
+            "attempt": {"attempt": 1, "dir": "/r/attempt-1", "run": run, "exit": ended, "log": {"tail": tail}},
+        },
+    }
+    if host_kernel is not None:
+        facts["host_kernel"] = host_kernel
+    return facts
+
+
+def test_the_host_kernel_log_turns_a_cuda_exception_into_a_gpu_fault_on_the_gpu_nvidia_smi_names() -> None:
+    gpus = [
+        {"index": 0, "pci_bus_id": "00000000:18:00.0"},
+        {"index": 1, "pci_bus_id": "00000000:3B:00.0"},
+    ]
+    journal = f"2026-11-29T16:26:02+0000 pve kernel: {XID[79].split('] ', 1)[1]}"
+    st = probe.classify(_facts([*TRACEBACK, CUDA_LAUNCH, ASYNC], {"lines": [journal], "error": None}, gpus))
+    assert (st.state, st.cause, st.xid, st.gpu_bus_id, st.gpu) == (State.CRASHED, Cause.GPU_FAULT, 79, "0000:3b:00", 1)
+    assert f"the host's kernel log: {journal}" in st.evidence
+    assert f"the program's last error (python-exception): {CUDA_LAUNCH}" in st.evidence
+
+    # nothing from the driver: the container's refused dmesg is said, the cause stays the exception
+    st = probe.classify(_facts([*TRACEBACK, CUDA_LAUNCH, ASYNC], {"lines": [], "error": None}, gpus))
+    assert st.cause == Cause.PYTHON_EXCEPTION
+    assert any("container's kernel log could not be read (dmesg: read kernel buffer failed" in e for e in st.evidence)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel log's reader, with stand-ins on PATH
+
+
+def _bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **scripts: str) -> None:
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (d / name).write_text(f"#!/bin/sh\n{body}\n")
+        (d / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(d))  # nothing else: a missing one is really missing
+
+
+def test_journalctl_gives_the_nvrm_lines_since_the_attempt_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = tmp_path / "args"
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl=f'echo "$@" > {args}\n'
+        "echo '2026-12-02T00:31:00+0000 pve kernel: mlx5_core 0000:ab:00.0: Port: 1 Link ACTIVE'\n"
+        f"echo '2026-12-02T00:31:02+0000 pve kernel: {XID[79].split('] ', 1)[1]}'",
+    )
+    got = kernel_log.read(1795999999.7)
+    assert (
+        got["source"] == "journalctl" and got["error"] is None and len(got["lines"]) == 1 and "Xid" in got["lines"][0]
+    )
+    assert args.read_text().split() == ["-k", "--since", "@1795999999", "-o", "short-iso", "--no-pager"]
+
+
+def test_no_readable_kernel_log_is_no_evidence_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _bin(tmp_path, monkeypatch)
+    assert kernel_log.read(0.0) == {"source": None, "lines": [], "error": "no journalctl or dmesg"}
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl="echo 'No journal files were found.' >&2; echo '-- No entries --'",
+        dmesg="echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1",
+    )
+    got = kernel_log.read(0.0)
+    assert got["lines"] == [] and got["error"] == (
+        "journalctl: No journal files were found.; dmesg: dmesg: read kernel buffer failed: Operation not permitted"
+    )
+
+
+def test_dmesg_lines_before_the_attempt_are_not_its_evidence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = time.time()
+    old, new = (time.strftime("%Y-%m-%dT%H:%M:%S,000000+00:00", time.gmtime(x)) for x in (now - 7200, now))
+    _bin(
+        tmp_path,
+        monkeypatch,
+        dmesg=f"echo '{old} {XID[48].split('] ', 1)[1]}'; echo '{new} {XID[79].split('] ', 1)[1]}'",
+    )
+    got = kernel_log.read(now - 60)
+    assert got["source"] == "dmesg" and [x.split(": ")[2][:2] for x in got["lines"]] == ["79"]
+
+
+def test_the_kernel_log_is_read_for_an_attempt_that_failed_only() -> None:
+    run = {"started_ts": 5.0}
+    assert kernel_log.since_failed({"run": run, "exit": {"exit_code": 1}}) == 5.0
+    assert kernel_log.since_failed({"run": run, "exit": {"exit_code": None, "signal": 9}}) == 5.0
+    assert kernel_log.since_failed({"run": run, "exit": {"exit_code": 0}}) is None
+    assert kernel_log.since_failed({"run": run, "exit": None}) is None
+    assert kernel_log.since_failed({"run": {"started_ts": float("nan")}, "exit": {"exit_code": 1}}) is None
+
+
+# --------------------------------------------------------------------------------------------
+# The policy
+
+
+def test_the_supervisor_never_restarts_into_a_failed_gpu() -> None:
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.GPU_FAULT, attempt=2, gpu=1, xid=79)
+    st.exit_code, st.gpu_bus_id = 1, "0000:3b:00"
+    d = Policy(Options(), rng=random.Random(1)).observe(st, 100.0)
+    assert d.action == GIVE_UP and d.new
+    assert "not restarted into a failed GPU: crashed: GPU fault: Xid 79 (fallen off the bus) on GPU 1" in d.reason
+    watching = Policy(Options(), rng=random.Random(1), keep_watching=True)
+    assert watching.observe(st, 100.0).action == GIVE_UP
+    again = watching.observe(st, 130.0)
+    assert again.action == WAIT and "gave up on attempt 2 (GPU fault)" in again.reason
+    assert exit_code_for_error(errors.GpuFaultGiveUp("x")) == ExitCode.GPU_FAULT == 13
+
+
+# --------------------------------------------------------------------------------------------
+# doctor's gpu-health, from real `nvidia-smi -q -d ECC,ROW_REMAPPER,PERFORMANCE` texts
+
+
+@pytest.mark.parametrize("driver", ["535.129.03", "470.223.02"])
+def test_gpu_health_judges_each_gpu(driver: str) -> None:
+    text = report(
+        [
+            FakeGpu("00000000:18:00.0"),
+            FakeGpu("00000000:3B:00.0", volatile_dram_uncorrectable=2, aggregate_dram_uncorrectable=2),
+            FakeGpu("00000000:86:00.0", aggregate_dram_uncorrectable=1, remap_pending=True),
+            FakeGpu("00000000:AF:00.0", thermal_slowdown=True),
+            FakeGpu("00000000:D8:00.0", remap_failed=True),
+        ],
+        driver=driver,
+    )
+    got = gpu_health.parse(text)
+    assert [(g.index, g.bus_id, g.status) for g in got] == [
+        (0, "00000000:18:00.0", "ok"),
+        (1, "00000000:3B:00.0", "fail"),
+        (2, "00000000:86:00.0", "warn"),
+        (3, "00000000:AF:00.0", "warn"),
+        (4, "00000000:D8:00.0", "fail"),
+    ]
+    assert got[0].line() == "GPU 0 (00000000:18:00.0): ok"  # "SW Power Cap: Active" is a GPU at work, not a fault
+    assert "2 uncorrectable ECC error(s) since the driver loaded" in got[1].line()
+    assert got[2].why == (
+        "1 uncorrectable ECC error(s) in its lifetime",
+        "a row remap is pending: reset the GPU to apply it",
+    )
+    assert got[3].why == ("clocks slowed: HW Slowdown, HW Thermal Slowdown",)
+    assert got[4].why == ("a row remapping failed (the GPU needs service)",)
+
+
+def test_doctor_says_gpu_health_per_gpu_through_the_fake_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ops import doctor
+    from testkit.nvidia_smi import install
+
+    install(tmp_path / "bin", [FakeGpu("00000000:18:00.0"), FakeGpu("00000000:3B:00.0", remap_failed=True)])
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    text = dump_hosts(None, {"l": {"transport": "local", "workdir": str(tmp_path / "w"), "command": "true"}})
+    rep = doctor.diagnose(parse_inventory(text, path=None, base=tmp_path).get())
+    health = next(c for c in rep.checks if c.name == "gpu-health")
+    assert health.status == "fail" and health.detail.split("\n") == [
+        "GPU 0 (00000000:18:00.0): ok",
+        "GPU 1 (00000000:3B:00.0): fail: a row remapping failed (the GPU needs service)",
+    ]
+    text = rep.render().splitlines()
+    at = next(i for i, x in enumerate(text) if "gpu-health" in x)
+    assert text[at].split()[:2] == ["FAIL", "gpu-health"] and text[at + 1].strip() == health.detail.split("\n")[1]
+
+
+def test_the_give_up_incident_and_its_notification_name_the_gpu_and_the_xid() -> None:
+    from ops.notify import message_for
+    from ops.supervise.state import incident_for
+
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.GPU_FAULT, attempt=2, gpu=1, xid=48)
+    st.exit_code, st.gpu_bus_id, st.detail = 1, "0000:18:00", XID[48].split("] ", 1)[1]
+    d = Policy(Options(), rng=random.Random(1)).observe(st, 100.0)
+    inc = incident_for(st, d, 100.0, restarts=0, opts=Options())
+    assert (inc["action"], inc["cause"], inc["gpu"], inc["gpu_bus_id"], inc["xid"]) == (
+        "give-up",
+        "gpu-fault",
+        1,
+        "0000:18:00",
+        48,
+    )
+    msg = message_for(inc)
+    assert msg.title.startswith(
+        "dflash pve/dflash: gave up: not restarted into a failed GPU: crashed: GPU fault: Xid 48 (uncorrectable ECC "
+        "error (double bit, DBE)) on GPU 1 (PCI 0000:18:00)"
+    )
+    assert "crashed (gpu-fault), attempt 2: NVRM: Xid (PCI:0000:18:00): 48" in msg.body and msg.level == "failure"
+
+
+def test_a_session_started_by_hand_names_the_xid_its_pane_shows() -> None:
+    """No run record: the pane's text is the log, and its Xid and bus id reach the Status as a run's do."""
+    pane = {"pane_pid": "77", "pane_dead": "1", "pane_dead_status": "1", "pane_dead_signal": ""}
+    facts = {
+        "host": "pve",
+        "session": "dflash",
+        "checked_at": 2000.0,
+        "agent": {
+            "now": 2000.0,
+            "tmux": {"exit_code": 0, "panes": [pane]},
+            "pane_capture": {"lines": [*TRACEBACK, XID[95], CUDA_LAUNCH]},
+            "attempt": None,
+        },
+    }
+    st = probe.classify(facts)
+    assert (st.state, st.cause, st.xid, st.gpu_bus_id) == (State.CRASHED, Cause.GPU_FAULT, 95, "0000:b3:00")
