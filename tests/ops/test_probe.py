@@ -82,6 +82,20 @@ def test_recorded_fact_set(path: Path) -> None:
     assert st.lines()[0] == st.headline() and st.headline()
 
 
+STATUSES = FACTS / "status"  # what each fact set classified to when it was stored: JSON and the lines
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_recorded_fact_set_classifies_to_its_stored_status(path: Path) -> None:
+    """The whole Status, not only its state: a change to how facts are read must not move a key or a line.
+    A change that means to move them rewrites the stored file (``json.dumps({"json": st.to_json(),
+    "lines": st.lines()}, indent=1, sort_keys=True)``) and says why."""
+    st = probe.classify(json.loads(path.read_text())["facts"])
+    want = json.loads((STATUSES / path.name).read_text())
+    assert json.loads(json.dumps(st.to_json())) == want["json"]
+    assert st.lines() == want["lines"]
+
+
 def test_exit_codes_follow_the_state_table() -> None:
     table = {
         "running": 0,
