@@ -20,10 +20,9 @@ def as_float(v: t.Any) -> float | None:
         return None
 
 
-def workers_of(metrics: dict[str, t.Any] | None, gpus: list[dict[str, t.Any]] | None) -> list[dict[str, t.Any]] | None:
-    """The workers of the last metrics.jsonl record (fractions of its log interval), with the nvidia-smi
+def workers_of(rec: t.Mapping[str, t.Any] | None, gpus: list[dict[str, t.Any]] | None) -> list[dict[str, t.Any]] | None:
+    """The workers of the last metrics.jsonl record ``rec`` (fractions of its log interval), with the nvidia-smi
     figures of the GPU a worker runs on (``cuda:N`` = nvidia-smi index N) when the agent sampled them."""
-    rec = (metrics or {}).get("last")
     ws = rec.get("workers") if isinstance(rec, dict) else None
     if not isinstance(ws, list) or not ws:
         return None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import probe
+from ops import probe, wire
 from ops.cli import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
@@ -390,12 +390,13 @@ def test_last_exception_takes_the_last_traceback_only() -> None:
 
 
 def test_progress_from_metrics_then_log() -> None:
-    p = probe.progress_of({"last": {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}}, None)
+    last = {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}
+    p = probe.progress_of(wire.Metrics(mtime=None, last=last), None)
     assert p == probe.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
     line = "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
-    p = probe.progress_of(None, {"tail": ["noise", line, "more noise"], "mtime": 0})
+    p = probe.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
     assert p == probe.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
-    assert probe.progress_of(None, {"tail": ["nothing"]}) is None
+    assert probe.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
 
 
 def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
@@ -434,3 +435,24 @@ def test_records_from_an_older_agent_are_checked_before_any_figure() -> None:
     assert "stop.json: not a JSON object" in text, text
     json.dumps(got, allow_nan=False)  # no NaN reaches --json
     assert st.lines()
+
+
+def test_a_mistyped_fact_of_the_agent_is_one_unreadable_record_line_not_a_figure_or_a_traceback() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    facts["agent"]["attempt"]["child"]["pid"] = "109"  # a pid as a string: never shown as the run's pid
+    facts["agent"]["attempt"]["members"] = ["junk"]
+    facts["agent"]["tmux"]["panes"] = "junk"
+    facts["agent"]["disk"] = {"path": "/r", "free": "lots", "full": False}
+    st = probe.classify(facts)
+    assert st.state == "running" and st.pid is None
+    unreadable = [e for e in st.evidence if e.startswith("unreadable record: ")]
+    assert unreadable == [
+        "unreadable record: probe.attempt.child: pid: expected a whole number",
+        "unreadable record: probe.attempt: members: expected a list of objects",
+        "unreadable record: probe.disk: free: expected a whole number",
+        "unreadable record: probe.tmux: panes: expected a list of objects",
+    ]
+    facts["agent"]["attempt"]["child"] = "alive"  # not an object at all
+    st = probe.classify(facts)
+    assert "unreadable record: probe.attempt.child: expected an object" in st.evidence
+    assert st.state == "running" and st.pid == 8  # the runner is alive
