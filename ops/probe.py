@@ -28,7 +28,7 @@ from ops import wire
 from ops.far import members, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
-from ops.workers import as_float, as_int, worker_table, workers_of
+from ops.workers import Worker, as_float, as_int, worker_table, workers_of
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
 BOOT_SLACK = 1.0
@@ -173,9 +173,9 @@ class Status:
     mode: str = "agent"
     fingerprint: str | None = None
     pid: int | None = None
-    gpus: list[dict[str, t.Any]] | None = None
+    gpus: list[wire.Gpu] | None = None
     # per worker, from the last metrics.jsonl record (see ``workers_of``); None when unknown
-    workers: list[dict[str, t.Any]] | None = None
+    workers: list[Worker] | None = None
     # who watches the run (its supervisor's heartbeat); None when the agent could not be asked
     supervisor: SupervisorView | None = None
     # the run's live processes ({pid, start, attempt, argv}: the command and all it started, any
@@ -193,6 +193,8 @@ class Status:
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
         d["supervisor"] = dataclasses.asdict(self.supervisor) if self.supervisor else None
         d["evidence"] = list(self.evidence)
+        d["gpus"] = None if self.gpus is None else [dataclasses.asdict(g) for g in self.gpus]
+        d["workers"] = None if self.workers is None else [dataclasses.asdict(w) for w in self.workers]
         return d
 
     # ---------------------------------------------------------------- human output
@@ -261,8 +263,7 @@ class Status:
         if self.gpus:
             for g in self.gpus:
                 out.append(
-                    f"  gpu {g.get('index')}:     {g.get('memory_used_mib')}/{g.get('memory_total_mib')} MiB, "
-                    f"{g.get('utilization_pct')}% util"
+                    f"  gpu {g.index}:     {g.memory_used_mib}/{g.memory_total_mib} MiB, {g.utilization_pct}% util"
                 )
         if self.log:
             out.append(f"  log:       {self.log}")
@@ -601,7 +602,7 @@ def _judge(s: Status, f: wire.Facts) -> None:
         s.container.status = "running"
         s.container.booted_at = iso(agent.pid1_start)
     if agent.gpus is not None:
-        s.gpus = agent.gpus
+        s.gpus = list(agent.gpus)
     elif agent.gpu_error:
         s.evidence.append(f"nvidia-smi failed: {agent.gpu_error}")
     af = agent.attempt

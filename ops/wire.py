@@ -10,6 +10,8 @@ own reader. An empty record is no record (an exit.json whose every key failed te
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import typing as t
 
@@ -126,6 +128,7 @@ class ExitRecord:
     exit_code: int | None
     signal: int | None
     ended_at: str | None
+    ended_ts: float | None
     oom_kill: int | None
     disk_free: int | None
     disk_full: bool | None
@@ -178,6 +181,7 @@ def parse_exit(value: t.Any, problems: Problems) -> ExitRecord | None:
         exit_code=f.whole("exit_code"),
         signal=f.whole("signal"),
         ended_at=f.text("ended_at"),
+        ended_ts=f.number("ended_ts"),
         oom_kill=f.whole("oom_kill"),
         disk_free=f.whole("disk_free"),
         disk_full=f.flag("disk_full"),
@@ -344,6 +348,17 @@ class Disk:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Gpu:
+    """One GPU as nvidia-smi told the agent (protocol.GpuFacts)."""
+
+    index: int | None
+    name: str | None
+    memory_used_mib: float | None
+    memory_total_mib: float | None
+    utilization_pct: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Probe:
     now: float | None
     pid1_start: float | None
@@ -354,7 +369,7 @@ class Probe:
     attempt: Attempt | None
     capture: tuple[str, ...] | None  # the pane's lines, when there is no run record
     foreign_run: str | None
-    gpus: list[dict[str, t.Any]] | None
+    gpus: tuple[Gpu, ...] | None  # None: not sampled (no nvidia-smi), or it failed
     gpu_error: str | None  # nvidia-smi failed: what it said
     supervisor: t.Mapping[str, t.Any] | None
     has_supervisor: bool  # an agent older than the heartbeat does not say (then: unknown)
@@ -424,13 +439,25 @@ def _capture(value: t.Any, where: str, problems: Problems) -> tuple[str, ...] | 
     return None if f is None else f.lines("lines")
 
 
+def _gpu(f: Fields) -> Gpu:
+    return Gpu(
+        index=f.whole("index"),
+        name=f.text("name"),
+        memory_used_mib=f.number("memory_used_mib"),
+        memory_total_mib=f.number("memory_total_mib"),
+        utilization_pct=f.number("utilization_pct"),
+    )
+
+
 def parse_probe(answer: dict[str, t.Any], problems: Problems) -> Probe:
     """The probe verb's answer."""
     f = Fields(answer, "probe", problems)
     gpus = answer.get("gpus")
-    gpu_error = None
+    gpu_error, gpu_list = None, None
     if isinstance(gpus, dict):
         gpu_error = Fields(gpus, "probe.gpus", problems).text("error")
+    elif gpus is not None:
+        gpu_list = tuple(_gpu(Fields(g, "probe.gpus", problems)) for g in f.objs("gpus"))
     disk = f.sub("disk")
     sup = answer.get("supervisor")
     return Probe(
@@ -443,7 +470,7 @@ def parse_probe(answer: dict[str, t.Any], problems: Problems) -> Probe:
         attempt=parse_attempt(answer.get("attempt"), "probe.attempt"),
         capture=_capture(answer.get("pane_capture"), "probe.pane_capture", problems),
         foreign_run=answer.get("foreign_run") if isinstance(answer.get("foreign_run"), str) else None,
-        gpus=gpus if isinstance(gpus, list) else None,
+        gpus=gpu_list,
         gpu_error=gpu_error,
         supervisor=sup if isinstance(sup, dict) else None,
         has_supervisor="supervisor" in answer,
@@ -523,4 +550,270 @@ def parse_history(answer: t.Mapping[str, t.Any]) -> HistoryAnswer:
         now=f.number("now"),
         pid1_start=f.number("pid1_start"),
         pid1_ticks=f.whole("pid1_ticks"),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The read verb's answer (`dflashctl plot`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """One attempt of the read verb's answer: its records and the next bytes of its metrics.jsonl."""
+
+    attempt: int
+    run: dict[str, t.Any] | None  # the records checked as the agent checks them, kept as they are (the
+    exit: dict[str, t.Any] | None  # plot's cache stores them; ``parse_run`` and the others read them)
+    stop: dict[str, t.Any] | None
+    run_key: str | None  # which run wrote the attempt dir
+    size: int | None
+    offset: int  # where ``data`` starts in the file
+    next: int  # where the next call starts
+    reset: bool  # another run made the dir, or the file was cut: everything before ``offset`` is gone
+    more: bool
+    data: bytes
+    log_tail: tuple[str, ...] | None  # None: not asked for
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadAnswer:
+    attempts: tuple[Chunk, ...]
+    checkpoints: list[dict[str, t.Any]]  # {step, time} under <run_dir>/<session>/checkpoints
+    current: int | None
+    session_dir: str | None
+    problems: tuple[str, ...]
+
+
+def _checked(value: t.Any, name: str, problems: Problems) -> dict[str, t.Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        problems.append(f"{name}: not a JSON object")
+        return None
+    rec, found = records.check(name, value)
+    problems += found
+    return rec
+
+
+def parse_read(answer: t.Mapping[str, t.Any]) -> ReadAnswer:
+    """The read verb's answer; an attempt without its number is left out (named in ``problems``)."""
+    problems: Problems = []
+    f = Fields(answer, "read", problems)
+    chunks = []
+    for k, rec in enumerate(f.objs("attempts")):
+        c = Fields(rec, f"read.attempts[{k}]", problems)
+        n = c.whole("attempt")
+        if n is None:
+            if "attempt" not in rec:
+                problems.append(f"{c.where}: attempt: missing")
+            continue
+        try:
+            data = base64.b64decode(c.text("data") or "")
+        except binascii.Error as e:
+            problems.append(f"{c.where}: data: not base64 ({e})")
+            data = b""
+        chunks.append(
+            Chunk(
+                attempt=n,
+                run=_checked(rec.get("run"), records.RUN_JSON, problems),
+                exit=_checked(rec.get("exit"), records.EXIT_JSON, problems),
+                stop=_checked(rec.get("stop"), records.STOP_JSON, problems),
+                run_key=c.text("run_key"),
+                size=c.whole("size"),
+                offset=c.whole("offset") or 0,
+                next=c.whole("next") or 0,
+                reset=bool(rec.get("reset")),
+                more=bool(rec.get("more")),
+                data=data,
+                log_tail=c.lines("log_tail") if "log_tail" in rec else None,
+            )
+        )
+    return ReadAnswer(
+        attempts=tuple(chunks),
+        checkpoints=[dict(x) for x in f.objs("checkpoints")],
+        current=f.whole("current"),
+        session_dir=f.text("session_dir"),
+        problems=tuple(problems),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The answers of the supervisor service on the Proxmox host (ops/supervise/service.py)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LastProbe:
+    at: str | None
+    headline: str | None
+    decision: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LastAction:
+    at: str | None
+    action: str | None
+    outcome: str | None
+    state: str | None
+    cause: str | None
+    attempt: int | None
+    next_attempt: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IncidentGist:
+    time: str | None
+    action: str | None
+    outcome: str | None
+    state: str | None
+    cause: str | None
+    attempt: int | None
+    next_attempt: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupervisorStatus:
+    """The host service's ``status``: whether a supervisor is installed and runs, and what it last did."""
+
+    installed: bool
+    message: str | None  # why it is not known (the call failed)
+    running: bool
+    pid: int | None
+    since: str | None
+    mode: str | None  # systemd | tmux
+    tmux_socket: str | None
+    options: t.Mapping[str, t.Any] | None  # the policy it was installed with
+    installed_at: str | None
+    release: str | None
+    unit: t.Mapping[str, t.Any]  # systemctl's properties, or {"tmux_session": alive | missing}
+    probes: int | None
+    last_probe: LastProbe | None
+    last_action: LastAction | None
+    error: str | None  # what it ended on
+    incidents: int
+    newest: tuple[IncidentGist, ...]
+    log: str | None
+    problems: tuple[str, ...]
+
+
+def _action(f: Fields | None) -> LastAction | None:
+    if f is None:
+        return None
+    return LastAction(
+        at=f.text("at"),
+        action=f.text("action"),
+        outcome=f.text("outcome"),
+        state=f.text("state"),
+        cause=f.text("cause"),
+        attempt=f.whole("attempt"),
+        next_attempt=f.whole("next_attempt"),
+    )
+
+
+def _gist(f: Fields) -> IncidentGist:
+    return IncidentGist(
+        time=f.text("time"),
+        action=f.text("action"),
+        outcome=f.text("outcome"),
+        state=f.text("state"),
+        cause=f.text("cause"),
+        attempt=f.whole("attempt"),
+        next_attempt=f.whole("next_attempt"),
+    )
+
+
+def parse_supervisor_status(answer: t.Mapping[str, t.Any]) -> SupervisorStatus:
+    problems: Problems = []
+    f = Fields(answer, "supervise status", problems)
+    service = f.sub("service") or Fields({}, "service", problems)
+    st = f.sub("status") or Fields({}, "status", problems)
+    probe, inc = st.sub("last_probe"), f.sub("incidents") or Fields({}, "incidents", problems)
+    return SupervisorStatus(
+        installed=bool(answer.get("installed")),
+        message=f.text("message"),
+        running=bool(answer.get("running")),
+        pid=f.whole("pid"),
+        since=f.text("since"),
+        mode=service.text("mode"),
+        tmux_socket=service.text("tmux_socket"),
+        options=service.obj("options"),
+        installed_at=service.text("installed_at"),
+        release=service.text("release"),
+        unit=f.obj("unit") or {},
+        probes=st.whole("probes"),
+        last_probe=None
+        if probe is None
+        else LastProbe(probe.text("at"), probe.text("headline"), probe.text("decision")),
+        last_action=_action(st.sub("last_action")),
+        error=st.text("error"),
+        incidents=inc.whole("count") or 0,
+        newest=tuple(_gist(Fields(i, "incidents.newest", problems)) for i in inc.objs("newest")),
+        log=f.text("log"),
+        problems=tuple(problems),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupervisorInstalled:
+    """The host service's ``install``."""
+
+    mode: str | None
+    unit: str | None
+    tmux_socket: str | None
+    pid: int | None
+    updated: bool
+    replaced_running: bool  # a supervisor ran before and was replaced
+    replaced_pid: int | None
+    command: tuple[str, ...]
+    first_probe: LastProbe | None
+    notes: tuple[str, ...]
+    log: str | None
+    problems: tuple[str, ...]
+
+
+def parse_supervisor_installed(answer: t.Mapping[str, t.Any]) -> SupervisorInstalled:
+    problems: Problems = []
+    f = Fields(answer, "supervise install", problems)
+    replaced, first = f.sub("replaced"), f.sub("first_probe")
+    return SupervisorInstalled(
+        mode=f.text("mode"),
+        unit=f.text("unit"),
+        tmux_socket=f.text("tmux_socket"),
+        pid=f.whole("pid"),
+        updated=bool(answer.get("updated")),
+        replaced_running=bool(replaced.rec.get("was_running")) if replaced else False,
+        replaced_pid=replaced.whole("pid") if replaced else None,
+        command=f.lines("command"),
+        first_probe=None
+        if first is None
+        else LastProbe(first.text("at"), first.text("headline"), first.text("decision")),
+        notes=f.lines("notes"),
+        log=f.text("log"),
+        problems=tuple(problems),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupervisorStopped:
+    """The host service's ``stop`` and ``uninstall``."""
+
+    mode: str | None
+    pid: int | None
+    was_running: bool
+    stopped: bool
+    removed: tuple[str, ...]  # uninstall: what it removed
+    kept: str | None  # uninstall: the folder kept (incidents, memory, its log)
+    problems: tuple[str, ...]
+
+
+def parse_supervisor_stopped(answer: t.Mapping[str, t.Any]) -> SupervisorStopped:
+    problems: Problems = []
+    f = Fields(answer, "supervise stop", problems)
+    return SupervisorStopped(
+        mode=f.text("mode"),
+        pid=f.whole("pid"),
+        was_running=bool(answer.get("was_running")),
+        stopped=bool(answer.get("stopped")),
+        removed=f.lines("removed"),
+        kept=f.text("kept"),
+        problems=tuple(problems),
     )

@@ -456,3 +456,13 @@ def test_a_mistyped_fact_of_the_agent_is_one_unreadable_record_line_not_a_figure
     st = probe.classify(facts)
     assert "unreadable record: probe.attempt.child: expected an object" in st.evidence
     assert st.state == "running" and st.pid == 8  # the runner is alive
+
+
+def test_a_gpu_entry_that_is_no_object_is_named_and_the_status_still_prints() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    gpu = {"index": 0, "name": "H200", "memory_used_mib": 1.0, "memory_total_mib": 2.0, "utilization_pct": 3.0}
+    facts["agent"]["gpus"] = [gpu, "junk"]
+    st = probe.classify(facts)
+    assert st.to_json()["gpus"] == [gpu]
+    assert "  gpu 0:     1.0/2.0 MiB, 3.0% util" in st.lines()
+    assert "unreadable record: probe: gpus: expected a list of objects" in st.evidence
