@@ -19,7 +19,7 @@ import typing as t
 
 from ops import deploy, errors, far_call
 from ops import session as run
-from ops.far import watch
+from ops.far import refusal, watch
 from ops.hosts import Host
 from ops.remote import Remote, connect_host, wrap
 from ops.supervise import unit
@@ -88,11 +88,11 @@ class HostSide:
             raise errors.SuperviseError(f"{self.host.name}: supervise {verb} failed: {last or f'exit {res.exit_code}'}")
         if not reply.answer.get("ok"):
             kind, message = reply.answer.get("error"), reply.answer.get("message")
-            if kind == "not-installed":
+            if kind == refusal.NOT_INSTALLED:
                 raise errors.NotInstalled(f"{self.host.name}: {message}")
-            if kind == "bad-config":
+            if kind == refusal.BAD_CONFIG:
                 raise errors.ConfigError(str(reply.answer.get("key")), f"{message} (on {self.host.name})")
-            if kind in ("locked", "refused", "taken"):
+            if kind in (refusal.LOCKED, refusal.REFUSED, refusal.TAKEN):
                 raise errors.SupervisorLocked(f"{self.host.name}: {message}")
             raise errors.SuperviseError(f"{self.host.name}: {message}")
         return reply.answer
