@@ -14,7 +14,7 @@ import typing as t
 
 import click
 
-from ops import errors, group_commands
+from ops import errors, group_commands, wire
 from ops.exit_codes import ExitCode, exit_code_for_error, exit_code_for_state
 from ops.hosts import Host, Inventory, load_inventory
 from ops.states import State
@@ -796,9 +796,11 @@ def supervise_install_cmd(app: App, /, session: str | None, notify: tuple[str, .
     from ops.session import session_name
     from ops.supervise import install
 
-    out = install.install(app.host, session, supervise.Options(**policy), notify=notify, echo=click.echo)
+    out = wire.parse_supervisor_installed(
+        install.install(app.host, session, supervise.Options(**policy), notify=notify, echo=click.echo)
+    )
     click.echo("\n".join(install.installed_lines(app.host.name, session_name(app.host, session), out)))
-    for note in out.get("notes") or []:
+    for note in out.notes:
         click.echo(f"note: {note}", err=True)
     return ExitCode.OK
 
@@ -821,13 +823,14 @@ def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents
         out = install.call(app.host, "status", session, incidents=incidents)
     except errors.NotInstalled as e:
         out = {"installed": False, "message": str(e)}
+    st = wire.parse_supervisor_status(out)
     if as_json:
         click.echo(json.dumps(out))
     else:
-        click.echo("\n".join(install.status_lines(app.host.name, session_name(app.host, session), out)))
-    if not out.get("installed"):
+        click.echo("\n".join(install.status_lines(app.host.name, session_name(app.host, session), st)))
+    if not st.installed:
         return ExitCode.NOT_STARTED
-    return ExitCode.OK if out.get("running") else ExitCode.STOPPED
+    return ExitCode.OK if st.running else ExitCode.STOPPED
 
 
 @supervise_group.command("stop")
@@ -839,15 +842,13 @@ def supervise_stop_cmd(app: App, session: str | None) -> ExitCode:
     from ops.session import session_name
     from ops.supervise import install
 
-    out = install.call(app.host, "stop", session)
+    out = wire.parse_supervisor_stopped(install.call(app.host, "stop", session))
     name = f"{app.host.name}/{session_name(app.host, session)}"
-    if out.get("was_running") and not out.get("stopped"):
-        click.echo(f"the supervisor of {name} (pid {out.get('pid')}) did not stop", err=True)
+    if out.was_running and not out.stopped:
+        click.echo(f"the supervisor of {name} (pid {out.pid}) did not stop", err=True)
         return ExitCode.ERROR
-    how = f"stopped the supervisor of {name} ({out.get('mode')}, pid {out.get('pid')})"
-    click.echo(
-        f"{how if out.get('was_running') else f'the supervisor of {name} was not running'}; the run is left as it is"
-    )
+    how = f"stopped the supervisor of {name} ({out.mode}, pid {out.pid})"
+    click.echo(f"{how if out.was_running else f'the supervisor of {name} was not running'}; the run is left as it is")
     return ExitCode.OK
 
 
@@ -875,7 +876,7 @@ def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
     from ops.session import session_name
     from ops.supervise import install
 
-    out = install.call(app.host, "uninstall", session)
+    out = wire.parse_supervisor_stopped(install.call(app.host, "uninstall", session))
     click.echo("\n".join(install.uninstalled_lines(app.host.name, session_name(app.host, session), out)))
     return ExitCode.OK
 

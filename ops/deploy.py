@@ -34,6 +34,7 @@ from pathlib import Path
 from ops import far
 from ops.bundle import Bundle, FileEntry, TarStream, build_bundle
 from ops.errors import DeployError, MissingDependencies, NotDeployed, RunActive
+from ops.far import refusal
 from ops.far.release import state_digest
 from ops.far_call import Reply, call, cannot_exec
 from ops.hosts import Host
@@ -59,7 +60,7 @@ INSPECT_TIMEOUT = 60.0
 # The far-side program (ops/far/release.py and the helpers it imports), sent by value with -c on every
 # call: it cannot live in a release, the first deploy has none. User values travel inside the JSON
 # request (one argv item) or the tar on stdin, never in code.
-RELEASE_DEPS = ("procfs", "atomic", "records", "lock")  # each after what it imports
+RELEASE_DEPS = ("refusal", "procfs", "atomic", "records", "lock")  # each after what it imports
 REMOTE_PROGRAM = far.program("release", RELEASE_DEPS)
 
 
@@ -435,7 +436,7 @@ def _upload(
         reply = call(remote, _program(host, "install", req, isolated=not checked), stdin=data, timeout=timeout)
         bar.done()
         answer = reply.answer or {}
-        if one_trip and answer.get("error") == "recheck":
+        if one_trip and answer.get("error") == refusal.RECHECK:
             return answer, 0  # nothing was read: the flow goes on from its facts
         if one_trip:
             if not cannot_exec(reply.result):  # as the two-call flow: no upload line when python could not even start
@@ -444,7 +445,7 @@ def _upload(
         sent += stream.sent
         if stream.error:
             raise DeployError(f"{stream.error}; nothing was switched on {where}")
-        if answer.get("error") == "need-content":
+        if answer.get("error") == refusal.NEED_CONTENT:
             # A kept copy turned out damaged (edited in place): send those contents too, once.
             need = set(answer.get("need", []))
             again = [f for f in {f.sha256: f for f in bundle.files if f.sha256 in need}.values() if f not in send]

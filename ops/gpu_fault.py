@@ -11,6 +11,7 @@ import dataclasses
 import re
 import typing as t
 
+from ops import wire
 from ops.states import Cause, State
 
 if t.TYPE_CHECKING:
@@ -136,15 +137,14 @@ def bus_key(text: str) -> tuple[int, int, int] | None:
     return int(domain, 16), int(bus, 16), int(device, 16)
 
 
-def gpu_index(bus_id: str | None, gpus: t.Sequence[t.Mapping[str, t.Any]] | None) -> int | None:
+def gpu_index(bus_id: str | None, gpus: t.Sequence[wire.Gpu] | None) -> int | None:
     """The index nvidia-smi gives the GPU at ``bus_id`` (its facts carry ``pci_bus_id``), else None."""
     want = bus_key(bus_id) if bus_id else None
     if want is None:
         return None
     for g in gpus or []:
-        got = g.get("pci_bus_id")
-        if isinstance(got, str) and bus_key(got) == want and isinstance(g.get("index"), int):
-            return int(g["index"])
+        if g.pci_bus_id and bus_key(g.pci_bus_id) == want and g.index is not None:
+            return g.index
     return None
 
 

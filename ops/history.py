@@ -20,7 +20,7 @@ import math
 import typing as t
 from pathlib import Path
 
-from ops import errors, probe
+from ops import errors, probe, wire
 from ops import session as run
 from ops.far import records
 from ops.group import fan_out
@@ -269,18 +269,16 @@ def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
     return sorted(found, key=lambda i: parse_iso(i.time) or 0.0)
 
 
-def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: t.Sequence[Incident]) -> list[Row]:
+def rows_of(host: Host, session: str, h: wire.HistoryAnswer, incidents: t.Sequence[Incident]) -> list[Row]:
     """The agent's answer -> one Row per attempt, oldest first (incidents not placed yet)."""
-    # each attempt's records checked as the agent checks them (an older agent sends them as they are)
-    attempts = [c for a in answer.get("attempts") or [] if (c := probe.checked_attempt(a)) is not None]
     rows = []
-    for k, af in enumerate(attempts):
-        st = _classify(host, session, answer, af)
-        nxt = attempts[k + 1] if k + 1 < len(attempts) else None
-        by = (af.get("run") or {}).get("started_by")
+    for k, af in enumerate(h.attempts):
+        st = _classify(host, session, h, af)
+        nxt = h.attempts[k + 1] if k + 1 < len(h.attempts) else None
+        by = af.run.started_by if af.run else None
         row = Row(
             host=host.name,
-            attempt=af.get("attempt"),
+            attempt=af.attempt,
             started_at=st.started_at,
             ended_at=st.ended_at,
             last_seen_at=None,
@@ -292,61 +290,73 @@ def rows_of(host: Host, session: str, answer: t.Mapping[str, t.Any], incidents: 
             exit_code=st.exit_code,
             signal=st.signal,
             step=st.progress.step if st.progress else None,
-            resumed_from=af.get("resumed_from"),
-            started_by=by if isinstance(by, dict) else None,
+            resumed_from=af.resumed_from,
+            started_by=dict(by) if by is not None else None,
             cause_from="records" if st.cause else None,
             log=st.log,
-            errors=[str(e) for e in af.get("errors") or []],
+            errors=list(af.errors),
         )
         if st.state == State.LOST:
             _lost_cause(row, nxt, incidents)
-            marks = [m for m in ((af.get("log") or {}).get("mtime"), (af.get("metrics") or {}).get("mtime")) if m]
+            marks = [m for m in (af.log.mtime if af.log else None, af.metrics.mtime if af.metrics else None) if m]
             row.last_seen_at = probe.iso(max(marks)) if marks else None
         elif st.state == State.CRASHED:
             _gpu_fault_seen(row, incidents)
         start = parse_iso(row.started_at)
         end = parse_iso(row.ended_at or row.last_seen_at)
         if end is None and row.state in (State.RUNNING, State.STALLED):
-            end = answer.get("now")
+            end = h.now
         row.duration_s = max(0.0, end - start) if start is not None and isinstance(end, (int, float)) else None
         rows.append(row)
     return rows
 
 
-def _classify(host: Host, session: str, answer: t.Mapping[str, t.Any], af: dict[str, t.Any]) -> probe.Status:
+def _classify(host: Host, session: str, h: wire.HistoryAnswer, af: wire.Attempt) -> probe.Status:
     """``status``'s rules on one attempt's facts. There is no tmux view of a past attempt: a lost one's
     cause is found by ``_lost_cause``, or from the container's PID 1 (restarted since)."""
-    facts = {
-        "host": host.name,
-        "session": session,
-        "socket": host.tmux_socket,
-        "container_id": None,
-        "hang_after": host.hang_after,
-        "startup_grace": host.startup_grace,
-        "checked_at": answer.get("now"),
-        "mode": "agent",
-        "agent": {
-            "now": answer.get("now"),
-            "pid1_start": answer.get("pid1_start"),
-            "pid1_ticks": answer.get("pid1_ticks"),
-            "tmux": None,
-            "attempt": af,
-            "disk": None,
-            "oom_kill": None,
-        },
-    }
-    if not af.get("run"):
+    if af.run is None:
         # no run.json: the runner never wrote one (it died at once, or a run dir from elsewhere)
-        return probe.Status(
-            host=host.name, session=session, state=State.LOST, cause=Cause.UNKNOWN, attempt=af.get("attempt")
-        )
-    return probe.classify(facts)
+        return probe.Status(host=host.name, session=session, state=State.LOST, cause=Cause.UNKNOWN, attempt=af.attempt)
+    agent = wire.Probe(
+        now=h.now,
+        pid1_start=h.pid1_start,
+        pid1_ticks=h.pid1_ticks,
+        oom_kill=None,
+        disk=None,
+        tmux=None,
+        attempt=af,
+        capture=None,
+        foreign_run=None,
+        gpus=None,
+        gpu_error=None,
+        supervisor=None,
+        has_supervisor=False,  # a past attempt's supervisor is not known
+        raw={"now": h.now, "pid1_start": h.pid1_start, "pid1_ticks": h.pid1_ticks, "disk": None, "oom_kill": None},
+    )
+    facts = wire.Facts(
+        host=host.name,
+        session=session,
+        socket=host.tmux_socket,
+        container_id=None,
+        hang_after=host.hang_after,
+        startup_grace=host.startup_grace,
+        checked_at=h.now,
+        mode="agent",
+        unreachable=None,
+        container_down=None,
+        agent_timeout=None,
+        agent=agent,
+        fallback=None,
+        problems=(),
+    )
+    return probe.judge(facts)
 
 
-def _lost_cause(row: Row, nxt: t.Mapping[str, t.Any] | None, incidents: t.Sequence[Incident]) -> None:
+def _lost_cause(row: Row, nxt: wire.Attempt | None, incidents: t.Sequence[Incident]) -> None:
     """What the supervisor saw of a lost attempt outranks what the records can tell afterwards (a tmux
     server killed leaves no trace on disk)."""
-    after = (((nxt or {}).get("run") or {}).get("started_by") or {}).get("after") or {}
+    by = nxt.run.started_by if nxt is not None and nxt.run is not None else None
+    after = (by or {}).get("after") or {}
     if after.get("attempt") == row.attempt and after.get("state") == State.LOST and after.get("cause"):
         row.cause, row.cause_from = after["cause"], "supervisor"
         row.detail = after.get("detail") or row.detail
@@ -428,8 +438,8 @@ def history(
                 raise o.error
             failed[h.name] = str(o.error)
             continue
-        answer = o.value or {}
-        total[h.name] = int(answer.get("total") or 0)
+        answer = wire.parse_history(o.value or {})
+        total[h.name] = answer.total
         mine = [i for i in incidents if i.host in (h.name, name)]
         rows.extend(rows_of(h, sess, answer, mine))
     rows.sort(key=lambda r: (r.attempt if r.attempt is not None else math.inf, [x.name for x in hosts].index(r.host)))

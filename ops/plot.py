@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ops import errors
+from ops import errors, wire
 from ops import session as run
 from ops.metrics_table import F64, I64, Columns, Table
 from ops.probe import diagnose
@@ -219,20 +219,22 @@ class Fetched:
 
 def end_of(m: t.Mapping[str, t.Any], tail: t.Sequence[str] | None) -> str | None:
     """How an attempt ended, as its mark says it: succeeded, stopped, crashed: <cause>; None: no exit record."""
-    exit_rec, stop, run = m.get("exit"), m.get("stop"), m.get("run") or {}
+    problems: list[str] = []  # the cache's records were checked when they came
+    exit_rec, stop = wire.parse_exit(m.get("exit"), problems), wire.parse_stop(m.get("stop"), problems)
+    run = wire.parse_run(m.get("run"), problems)
     if not exit_rec:
         return None
     if stop:
         return "stopped"
-    if exit_rec.get("exit_code") == 0:
+    if exit_rec.exit_code == 0:
         return "succeeded"
     d = diagnose(
         list(tail or []),
-        exit_code=exit_rec.get("exit_code"),
-        signal=exit_rec.get("signal"),
-        oom_before=run.get("oom_kill"),
-        oom_after=exit_rec.get("oom_kill"),
-        disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None,
+        exit_code=exit_rec.exit_code,
+        signal=exit_rec.signal,
+        oom_before=run.oom_kill if run else None,
+        oom_after=exit_rec.oom_kill,
+        disk_free=exit_rec.disk_free if exit_rec.disk_full else None,
     )
     if d.cause == "signal" and d.signal:
         return f"crashed: signal {d.signal}"
@@ -249,41 +251,29 @@ def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None 
             n: {"offset": m.get("offset", 0), "run": m.get("run_key"), "tail": "crashed" if "end" not in m else False}
             for n, m in have.items()
         }
-        answer = run.read(remote, session, ask, cap=cap)
+        answer = wire.parse_read(run.read(remote, session, ask, cap=cap))
         calls += 1
         more = False
         seen = set()
-        for rec in answer.get("attempts") or []:
-            n = str(rec["attempt"])
+        for rec in answer.attempts:
+            n = str(rec.attempt)
             seen.add(n)
             m = have.setdefault(n, {"offset": 0})
-            data = base64.b64decode(rec.get("data") or "")
-            if rec.get("reset") or data or rec.get("offset", 0) != m.get("offset", 0):
-                cache.write(n, int(rec.get("offset", 0)), data)
-            new += len(data)
-            m.update(
-                offset=rec.get("next", 0),
-                run_key=rec.get("run_key"),
-                run=rec.get("run"),
-                exit=rec.get("exit"),
-                stop=rec.get("stop"),
-                size=rec.get("size"),
-            )
-            if rec.get("reset"):
+            if rec.reset or rec.data or rec.offset != m.get("offset", 0):
+                cache.write(n, rec.offset, rec.data)
+            new += len(rec.data)
+            m.update(offset=rec.next, run_key=rec.run_key, run=rec.run, exit=rec.exit, stop=rec.stop, size=rec.size)
+            if rec.reset:
                 m.pop("end", None)
-            if (
-                m.get("exit")
-                and "end" not in m
-                and ("log_tail" in rec or m["exit"].get("exit_code") == 0 or m.get("stop"))
-            ):
-                m["end"] = end_of(m, rec.get("log_tail"))
-            more = more or bool(rec.get("more"))
+            if rec.exit and "end" not in m and (rec.log_tail is not None or rec.exit.get("exit_code") == 0 or rec.stop):
+                m["end"] = end_of(m, rec.log_tail)
+            more = more or rec.more
         for n in [n for n in have if n not in seen]:  # removed on the host: so here
             cache.drop(n)
             del have[n]
-        meta["checkpoints"] = answer.get("checkpoints") or []
-        meta["current"] = answer.get("current")
-        meta["session_dir"] = answer.get("session_dir")
+        meta["checkpoints"] = answer.checkpoints
+        meta["current"] = answer.current
+        meta["session_dir"] = answer.session_dir
         cache.save(meta)
         if not more:
             break
@@ -342,11 +332,13 @@ class Attempt:
 def load_attempts(cache: Cache, meta: t.Mapping[str, t.Any]) -> list[Attempt]:
     out = []
     for n, m in sorted(meta["attempts"].items(), key=lambda kv: int(kv[0])):
-        run, exit_rec = m.get("run") or {}, m.get("exit") or {}
+        problems: list[str] = []  # the cache's records were checked when they came
+        run, exit_rec = wire.parse_run(m.get("run"), problems), wire.parse_exit(m.get("exit"), problems)
         end = m.get("end")
         if end is None and not exit_rec and int(n) != meta.get("current"):
             end = "lost"  # an earlier attempt with no exit record: it did not end by itself
-        out.append(Attempt(int(n), cache.columns(n), end, run.get("started_ts"), exit_rec.get("ended_ts")))
+        started, ended = run.started_ts if run else None, exit_rec.ended_ts if exit_rec else None
+        out.append(Attempt(int(n), cache.columns(n), end, started, ended))
     return out
 
 

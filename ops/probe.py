@@ -24,11 +24,11 @@ import signal as signal_mod
 import time
 import typing as t
 
-from ops import gpu_fault
-from ops.far import members, records, watch
+from ops import gpu_fault, wire
+from ops.far import members, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
-from ops.workers import as_float, as_int, worker_table, workers_of
+from ops.workers import Worker, as_float, as_int, worker_table, workers_of
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
 BOOT_SLACK = 1.0
@@ -175,9 +175,9 @@ class Status:
     mode: str = "agent"
     fingerprint: str | None = None
     pid: int | None = None
-    gpus: list[dict[str, t.Any]] | None = None
+    gpus: list[wire.Gpu] | None = None
     # per worker, from the last metrics.jsonl record (see ``workers_of``); None when unknown
-    workers: list[dict[str, t.Any]] | None = None
+    workers: list[Worker] | None = None
     # who watches the run (its supervisor's heartbeat); None when the agent could not be asked
     supervisor: SupervisorView | None = None
     # the run's live processes ({pid, start, attempt, argv}: the command and all it started, any
@@ -195,6 +195,8 @@ class Status:
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
         d["supervisor"] = dataclasses.asdict(self.supervisor) if self.supervisor else None
         d["evidence"] = list(self.evidence)
+        d["gpus"] = None if self.gpus is None else [_gpu_json(g) for g in self.gpus]
+        d["workers"] = None if self.workers is None else [dataclasses.asdict(w) for w in self.workers]
         return d
 
     # ---------------------------------------------------------------- human output
@@ -263,8 +265,7 @@ class Status:
         if self.gpus:
             for g in self.gpus:
                 out.append(
-                    f"  gpu {g.get('index')}:     {g.get('memory_used_mib')}/{g.get('memory_total_mib')} MiB, "
-                    f"{g.get('utilization_pct')}% util"
+                    f"  gpu {g.index}:     {g.memory_used_mib}/{g.memory_total_mib} MiB, {g.utilization_pct}% util"
                 )
         if self.log:
             out.append(f"  log:       {self.log}")
@@ -276,6 +277,14 @@ class Status:
             out.append("  evidence:")
             out.extend(f"    - {e}" for e in self.evidence)
         return out
+
+
+def _gpu_json(g: wire.Gpu) -> dict[str, t.Any]:
+    """The GPU as the agent said it: ``pci_bus_id`` only where nvidia-smi gave one."""
+    d = dataclasses.asdict(g)
+    if d["pci_bus_id"] is None:
+        del d["pci_bus_id"]
+    return d
 
 
 def _join(*parts: str | None) -> str:
@@ -330,9 +339,9 @@ def _cause_text(s: Status) -> str:
     return "the run vanished"
 
 
-def members_text(found: t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
+def members_text(found: t.Sequence[wire.Member] | t.Sequence[t.Mapping[str, t.Any]], limit: int = 4) -> str:
     """``pid 12 (python train.py --config), pid 13 (tee log)``: how messages name the run's processes."""
-    return members.describe(found, limit)
+    return members.describe([m.named() if isinstance(m, wire.Member) else m for m in found], limit)
 
 
 def _plural(n: int, word: str) -> str:
@@ -509,17 +518,17 @@ def _from_shell(exit_code: int | None) -> int | None:
     return None
 
 
-def progress_of(metrics: dict[str, t.Any] | None, log: dict[str, t.Any] | None) -> Progress | None:
+def progress_of(metrics: wire.Metrics | None, log: wire.Log | None) -> Progress | None:
     """The last metrics.jsonl record, else the last `step N | loss X ...` line of the log."""
-    rec = (metrics or {}).get("last")
-    if isinstance(rec, dict) and rec.get("step") is not None:
+    rec = metrics.last if metrics else None
+    if rec is not None and rec.get("step") is not None:
         return Progress(
             step=as_int(rec.get("step")),
             loss=as_float(rec.get("loss")),
             ktok_s=as_float(rec.get("ktok_s")),
-            at=rec.get("at") if isinstance(rec.get("at"), str) else iso((metrics or {}).get("mtime")),
+            at=rec.get("at") if isinstance(rec.get("at"), str) else iso(metrics.mtime if metrics else None),
         )
-    return progress_from_lines((log or {}).get("tail") or [], iso((log or {}).get("mtime")))
+    return progress_from_lines(log.tail if log else (), iso(log.mtime if log else None))
 
 
 def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | None:
@@ -537,293 +546,291 @@ def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | No
 # The classification
 
 
-def tmux_view(socket: str | None, tf: dict[str, t.Any] | None, pane: dict[str, str] | None) -> TmuxView:
+def tmux_view(socket: str | None, tf: wire.Tmux | None, pane: wire.Pane | None) -> TmuxView:
     if tf is None:
         return TmuxView(socket)
-    if tf.get("timed_out"):
+    if tf.timed_out:
         return TmuxView(socket, evidence="tmux did not answer (timed out)")
-    if tf.get("installed") is False:
-        return TmuxView(socket, server="dead", evidence=f"tmux is not installed: {tf.get('stderr')}")
-    if tf.get("exit_code") == 0:
-        state = None if pane is None else "dead" if pane.get("pane_dead") == "1" else "alive"
+    if tf.installed is False:
+        return TmuxView(socket, server="dead", evidence=f"tmux is not installed: {tf.stderr}")
+    if tf.exit_code == 0:
+        state = None if pane is None else "dead" if pane.dead == "1" else "alive"
         return TmuxView(socket, "alive", "alive", state, None)
-    v = tmux_mod.classify(tf.get("stderr") or "")
+    v = tmux_mod.classify(tf.stderr or "")
     return TmuxView(socket, v.server, v.session, None, v.text or None)
 
 
-def _pick_pane(tf: dict[str, t.Any] | None, pid: t.Any = None) -> dict[str, str] | None:
-    panes: list[dict[str, str]] = (tf or {}).get("panes") or []
-    for p in panes:
-        if pid is not None and p.get("pane_pid") == str(pid):
-            return p
-    return panes[0] if panes else None
+def _pane(tf: wire.Tmux | None, pid: int | None = None) -> wire.Pane | None:
+    return tf.pane(pid) if tf is not None else None
 
 
 def classify(facts: t.Mapping[str, t.Any]) -> Status:
-    """One state, its cause and the evidence it rests on."""
-    host, session = facts.get("host", "?"), facts.get("session", "?")
-    socket = facts.get("socket")
-    ct = facts.get("container_id")
-    s = Status(
-        host=host,
-        session=session,
-        state=State.NOT_STARTED,
-        checked_at=iso(facts.get("checked_at")),
-        mode=facts.get("mode", "agent"),
-        tmux=TmuxView(socket),
-    )
-    if ct is not None:
-        s.container = ContainerView(id=ct, status=None)
+    """One state, its cause and the evidence it rests on, from the facts as gathered (or recorded)."""
+    return judge(wire.parse_facts(facts))
 
-    un = facts.get("unreachable")
-    if un:
-        s.state, s.cause, s.detail = State.UNREACHABLE, un.get("cause") or Cause.UNKNOWN, un.get("detail")
-        s.evidence.append(f"{un.get('cause')}: {un.get('detail')}")
-        return s
-    down = facts.get("container_down")
-    if down:
-        s.state, s.cause, s.detail = State.CONTAINER_DOWN, down.get("cause"), down.get("detail")
+
+def judge(f: wire.Facts) -> Status:
+    """``classify`` of facts already read; what did not read is an ``unreadable record`` line each."""
+    s = Status(
+        host=f.host,
+        session=f.session,
+        state=State.NOT_STARTED,
+        checked_at=iso(f.checked_at),
+        mode=f.mode,
+        tmux=TmuxView(f.socket),
+    )
+    if f.container_id is not None:
+        s.container = ContainerView(id=f.container_id, status=None)
+    _judge(s, f)
+    s.evidence.extend(f"unreadable record: {p}" for p in f.problems)
+    return s
+
+
+def _judge(s: Status, f: wire.Facts) -> None:
+    if f.unreachable:
+        un = f.unreachable
+        s.state, s.cause, s.detail = State.UNREACHABLE, un.cause or Cause.UNKNOWN, un.detail
+        s.evidence.append(f"{un.cause}: {un.detail}")
+        return
+    if f.container_down:
+        down = f.container_down
+        s.state, s.cause, s.detail = State.CONTAINER_DOWN, down.cause, down.detail
         if s.container is not None:
-            s.container.status = down.get("cause")
-        s.evidence.append(f"pct: {down.get('detail')}")
-        return s
-    if facts.get("agent_timeout"):
-        s.state, s.cause, s.detail = State.UNREACHABLE, Cause.TIMEOUT, facts["agent_timeout"]
+            s.container.status = down.cause
+        s.evidence.append(f"pct: {down.detail}")
+        return
+    if f.agent_timeout:
+        s.state, s.cause, s.detail = State.UNREACHABLE, Cause.TIMEOUT, f.agent_timeout
         if s.container is not None:
             s.container.status = "running"
-        s.evidence.append(f"agent: {facts['agent_timeout']}")
-        return s
+        s.evidence.append(f"agent: {f.agent_timeout}")
+        return
 
-    agent = facts.get("agent")
+    agent = f.agent
     if agent is None:
-        fb = facts.get("fallback") or {}
+        fb = f.fallback or wire.Fallback(None, None, None)
         s.mode = "fallback"
         if s.container is not None:
             s.container.status = "running"
         s.evidence.append(
-            f"fallback mode: {fb.get('reason') or 'the agent could not run'}; only tmux was asked (no run records read)"
+            f"fallback mode: {fb.reason or 'the agent could not run'}; only tmux was asked (no run records read)"
         )
-        _classify_by_tmux(s, fb.get("tmux"), fb.get("pane_capture"), attempt=None)
-        return s
+        _classify_by_tmux(s, fb.tmux, fb.capture, attempt=None)
+        return
 
     if s.container is not None:
         s.container.status = "running"
-        s.container.booted_at = iso(agent.get("pid1_start"))
-    if isinstance(agent.get("gpus"), list):
-        s.gpus = agent["gpus"]
-    elif isinstance(agent.get("gpus"), dict) and agent["gpus"].get("error"):
-        s.evidence.append(f"nvidia-smi failed: {agent['gpus']['error']}")
-    af = checked_attempt(agent.get("attempt") or None)
-    if af is not None and af.get("run"):
-        _classify_run(s, facts, agent, af)
+        s.container.booted_at = iso(agent.pid1_start)
+    if agent.gpus is not None:
+        s.gpus = list(agent.gpus)
+    elif agent.gpu_error:
+        s.evidence.append(f"nvidia-smi failed: {agent.gpu_error}")
+    af = agent.attempt
+    if af is not None and af.run is not None:
+        _classify_run(s, f, agent, af, af.run)
     else:
-        _classify_by_tmux(s, agent.get("tmux"), agent.get("pane_capture"), attempt=af)
-        other = agent.get("foreign_run")
-        if isinstance(other, str):
+        _classify_by_tmux(s, agent.tmux, agent.capture, attempt=af)
+        if agent.foreign_run is not None:
             s.evidence.insert(
                 0,
-                f"the pane runs {other[:300]}: the run of another host entry (same container, socket and "
-                "session, another run_dir); this entry's run_dir holds no record of it",
+                f"the pane runs {agent.foreign_run[:300]}: the run of another host entry (same container, socket "
+                "and session, another run_dir); this entry's run_dir holds no record of it",
             )
-    gpu_fault.explain(s, agent, facts.get("host_kernel"))  # the driver's words, wherever they are
-    if "supervisor" in agent:  # an agent older than the heartbeat does not say (None: unknown)
-        s.supervisor = supervisor_view(agent.get("supervisor"), agent.get("now"))
+    gpu_fault.explain(s, agent.raw, f.host_kernel)  # the driver's words, wherever they are
+    if agent.has_supervisor:  # an agent older than the heartbeat does not say (None: unknown)
+        s.supervisor = supervisor_view(agent.supervisor, agent.now)
         if s.supervisor.state == "stale":
             s.evidence.append(f"supervisor: {s.supervisor.phrase()} (last probe at {s.supervisor.last_probe})")
         elif s.supervisor.state == "unreadable":
             s.evidence.append(f"supervisor.json: unreadable heartbeat ({s.supervisor.unreadable})")
-    return s
 
 
-def checked_attempt(af: t.Any) -> dict[str, t.Any] | None:
-    """An attempt's facts with its records read as the agent reads them (``ops.far.records.check``): an
-    older agent sends them unchecked, and a wrong-typed or non-finite value must not reach a figure."""
-    if not isinstance(af, dict):
-        return None
-    out: dict[str, t.Any] = dict(af)
-    problems: list[str] = []
-    for key, name in (("run", records.RUN_JSON), ("exit", records.EXIT_JSON), ("stop", records.STOP_JSON)):
-        rec = af.get(key)
-        if rec is not None and not isinstance(rec, dict):
-            out[key], problems = None, [*problems, f"{name}: not a JSON object"]
-        elif rec is not None:
-            out[key], found = records.check(name, rec)
-            problems += found
-    raw = af.get("errors")
-    errors: list[t.Any] = list(raw) if isinstance(raw, list) else []
-    out["errors"] = [*errors, *(p for p in problems if p not in errors)]
-    return out
-
-
-def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.Any], af: dict[str, t.Any]) -> None:
-    """A run started by the runner: exit.json, stop.json, pid liveness, then tmux as context."""
-    run, exit_rec, stop = af["run"], af.get("exit"), af.get("stop")
-    now = agent.get("now") or facts.get("checked_at") or time.time()
-    tf = agent.get("tmux")
-    pane = _pick_pane(tf, run.get("pid"))
-    s.tmux = tmux_view(s.tmux.socket, tf, pane)
-    s.attempt = af.get("attempt") if af.get("attempt") is not None else run.get("attempt")
-    s.started_at = run.get("started_at")
-    s.pid = run.get("child_pid") or run.get("pid")
-    log = af.get("log") or {}
-    s.log = log.get("path") or (f"{af['dir']}/train.log" if af.get("dir") else None)
-    s.tail = list((log.get("tail") or [])[-TAIL_KEEP:])
-    s.progress = progress_of(af.get("metrics"), log)
-    s.workers = workers_of(af.get("metrics"), s.gpus)
-    for err in af.get("errors") or []:
+def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt, run: wire.RunRecord) -> None:
+    """A run started by the runner: it ended (exit.json), a process of it is alive, or neither."""
+    s.tmux = tmux_view(s.tmux.socket, agent.tmux, _pane(agent.tmux, run.pid))
+    s.attempt = af.attempt if af.attempt is not None else run.attempt
+    s.started_at = run.started_at
+    s.pid = run.child_pid or run.pid
+    log = af.log or wire.Log(None, None, ())
+    s.log = log.path or (f"{af.dir}/train.log" if af.dir else None)
+    s.tail = list(log.tail[-TAIL_KEEP:])
+    s.progress = progress_of(af.metrics, af.log)
+    s.workers = workers_of(af.metrics.last if af.metrics else None, s.gpus)
+    for err in af.errors:
         s.evidence.append(f"unreadable record: {err}")
-    child, runner = af.get("child") or {}, af.get("runner") or {}
     # The run's processes (ops/far/members.py): known when its runner tags them (run.json "tag").
-    found = [m for m in af.get("members") or [] if isinstance(m, dict)] if run.get("tag") else None
+    found = list(af.members) if run.tag else None
     if found is not None:
-        s.members = [{k: m.get(k) for k in ("pid", "start", "attempt", "argv")} for m in found]
-    s.stop_requested = bool(stop)
+        s.members = [m.named() for m in found]
+    s.stop_requested = bool(af.stop)
+    alive = next((p for p in (af.child, af.keeper, af.runner) if p is not None and p.alive), None)
+    if af.exit:
+        _ended(s, agent, af, run, af.exit, found)
+    elif alive:
+        _running(s, f, agent, af, run, alive, found)
+    elif found:
+        # the command and its keeper are gone, not what the command started
+        _orphans(s, found, af.stop, "the command and its keeper are gone (no exit record)")
+        _tmux_context(s)
+    else:
+        _gone(s, agent, af, run)
 
-    if exit_rec and found:
+
+def _ended(
+    s: Status,
+    agent: wire.Probe,
+    af: wire.Attempt,
+    run: wire.RunRecord,
+    exit_rec: wire.ExitRecord,
+    found: list[wire.Member] | None,
+) -> None:
+    """exit.json: the run succeeded, was stopped or crashed; processes that outlived it are orphans."""
+    s.ended_at = exit_rec.ended_at
+    s.exit_code, s.signal = exit_rec.exit_code, exit_rec.signal
+    stop = af.stop
+    if found:
         # exit.json is written once every process of the run is gone: these outlived the record
-        s.ended_at = exit_rec.get("ended_at")
-        s.exit_code, s.signal = exit_rec.get("exit_code"), exit_rec.get("signal")
         _orphans(s, found, stop, f"the command ended ({_how(s.exit_code, s.signal)} at {s.ended_at})")
         _tmux_context(s)
         return
-    if exit_rec:
-        s.ended_at = exit_rec.get("ended_at")
-        s.exit_code, s.signal = exit_rec.get("exit_code"), exit_rec.get("signal")
-        how = f"signal {s.signal}" if s.exit_code is None and s.signal else f"exit {s.exit_code}"
-        s.evidence.append(f"exit.json: {how} at {s.ended_at}")
-        if stop:
-            s.state = State.STOPPED
-            s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')})"
-            s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
-        elif s.exit_code == 0:
-            s.state = State.SUCCEEDED
-        else:
-            s.state = State.CRASHED
-            d = diagnose(
-                log.get("tail") or [],
-                exit_code=s.exit_code,
-                signal=s.signal,
-                oom_before=run.get("oom_kill"),
-                oom_after=exit_rec.get("oom_kill"),
-                disk_free=exit_rec.get("disk_free") if exit_rec.get("disk_full") else None,
-            )
-            s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
-            if d.signal and s.signal is None:
-                s.signal = d.signal
-            s.evidence.extend(d.evidence)
-        left = [m for m in exit_rec.get("left") or [] if isinstance(m, dict)]
-        if left:
-            s.evidence.append(
-                f"exit.json: the command left {_plural(len(left), 'process')} running when it ended "
-                f"({members_text(left)}): the run ended with its command, so they were stopped"
-            )
-        killed = [m for m in exit_rec.get("killed") or [] if isinstance(m, dict)]
-        if killed:
-            s.evidence.append(
-                f"exit.json: {_plural(len(killed), 'process')} had to be killed (SIGKILL): {members_text(killed)}"
-            )
-        if exit_rec.get("disk_full") and s.cause != Cause.DISK_FULL:
-            s.evidence.append(f"the run's disk was full when it ended ({exit_rec.get('disk_free')} bytes free)")
-        _tmux_context(s)
-        _disk_context(s, agent)
-        return
-
-    keeper = af.get("keeper") or {}
-    alive = next((p for p in (child, keeper, runner) if p.get("alive")), None)
-    if alive:
-        s.pid = alive["pid"]
-        who = (
-            "the command"
-            if alive is child
-            else "the runner's keeper (the command's pid is gone)"
-            if alive is keeper
-            else "the runner (the command's pid is gone)"
-        )
-        if alive is child and runner and not runner.get("alive"):
-            gone = f"the runner (pid {runner.get('pid')}) is gone, the command goes on"
-            if keeper.get("alive"):
-                gone += f": its keeper (pid {keeper.get('pid')}) will record its end"
-            s.evidence.append(gone)
-        s.evidence.append(
-            f"{who} is alive: pid {alive['pid']} (state {alive.get('state')}, start time matches run.json)"
-        )
-        others = [m for m in found or [] if m.get("pid") != child.get("pid")]
-        if alive is keeper and found:
-            s.pid = found[0].get("pid")
-            s.evidence.append(
-                f"the command ended; {_plural(len(found), 'process')} it started still "
-                f"{_run_or_runs(len(found))} ({members_text(found)}): "
-                "the keeper ends them and writes exit.json once they are gone"
-            )
-        elif others:
-            s.evidence.append(f"the run's other processes: {members_text(others)}")
-        if alive is not keeper and keeper and not keeper.get("alive") and found is not None:
-            s.evidence.append(
-                f"its keeper (pid {keeper.get('pid')}) is gone: nothing will record the run's end or end what it leaves"
-            )
-        if alive.get("state") == "T":
-            s.evidence.append(f"pid {alive['pid']} is stopped (state T: SIGSTOP or a debugger)")
-        if stop:
-            s.evidence.append(
-                f"stop.json: a stop was requested at {stop.get('requested_at')} but the process still runs"
-            )
-        _tmux_context(s, alive=True)
-        _disk_context(s, agent)
-        started = run.get("started_ts")
-        marks = [m for m in ((log or {}).get("mtime"), ((af.get("metrics") or {}).get("mtime")), started) if m]
-        last = max(marks) if marks else None
-        hang, grace = float(facts.get("hang_after", 900)), float(facts.get("startup_grace", 1200))
-        if started is not None and now - started <= grace:
-            s.state = State.RUNNING
-            if last is not None and now - last > hang:
-                s.evidence.append(f"no progress for {_dur(now - last)}, but still inside startup_grace ({_dur(grace)})")
-        elif last is not None and now - last > hang:
-            s.state = State.STALLED
-            s.detail = f"no progress for {_dur(now - last)} (hang_after {_dur(hang)})"
-            s.evidence.append(f"last log/metrics write at {iso(last)} (container clock; now {iso(now)})")
-        else:
-            s.state = State.RUNNING
-        return
-
-    if found:
-        # the command and its keeper are gone, not what the command started
-        _orphans(s, found, stop, "the command and its keeper are gone (no exit record)")
-        _tmux_context(s)
-        return
-
-    # no exit record and no live process
-    if s.pid and child:
-        s.evidence.append(
-            f"pid {child.get('pid')} is gone" + (" (reused by another process)" if child.get("same") is False else "")
-        )
+    s.evidence.append(f"exit.json: {_how(s.exit_code, s.signal)} at {s.ended_at}")
     if stop:
         s.state = State.STOPPED
-        s.detail = f"stopped on purpose ({stop.get('reason', 'stop')} requested at {stop.get('requested_at')}); the runner was killed before it wrote exit.json"
-        s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}")
+        s.detail = f"stopped on purpose ({stop.reason} requested at {stop.requested_at})"
+        s.evidence.append(f"stop.json: requested at {stop.requested_at}")
+    elif s.exit_code == 0:
+        s.state = State.SUCCEEDED
+    else:
+        s.state = State.CRASHED
+        d = diagnose(
+            af.log.tail if af.log else [],
+            exit_code=s.exit_code,
+            signal=s.signal,
+            oom_before=run.oom_kill,
+            oom_after=exit_rec.oom_kill,
+            disk_free=exit_rec.disk_free if exit_rec.disk_full else None,
+        )
+        s.cause, s.detail, s.gpu, s.fingerprint = d.cause, d.detail, d.gpu, d.fingerprint
+        if d.signal and s.signal is None:
+            s.signal = d.signal
+        s.evidence.extend(d.evidence)
+    if exit_rec.left:
+        s.evidence.append(
+            f"exit.json: the command left {_plural(len(exit_rec.left), 'process')} running when it ended "
+            f"({members_text(exit_rec.left)}): the run ended with its command, so they were stopped"
+        )
+    if exit_rec.killed:
+        s.evidence.append(
+            f"exit.json: {_plural(len(exit_rec.killed), 'process')} had to be killed (SIGKILL): "
+            f"{members_text(exit_rec.killed)}"
+        )
+    if exit_rec.disk_full and s.cause != Cause.DISK_FULL:
+        s.evidence.append(f"the run's disk was full when it ended ({exit_rec.disk_free} bytes free)")
+    _tmux_context(s)
+    _disk_context(s, agent.raw)
+
+
+def _running(
+    s: Status,
+    f: wire.Facts,
+    agent: wire.Probe,
+    af: wire.Attempt,
+    run: wire.RunRecord,
+    alive: wire.Process,
+    found: list[wire.Member] | None,
+) -> None:
+    """A process of the run is alive: running, or stalled when it wrote nothing for hang_after."""
+    child, keeper, runner = af.child, af.keeper, af.runner
+    s.pid = alive.pid
+    who = (
+        "the command"
+        if alive is child
+        else "the runner's keeper (the command's pid is gone)"
+        if alive is keeper
+        else "the runner (the command's pid is gone)"
+    )
+    if alive is child and runner is not None and not runner.alive:
+        gone = f"the runner (pid {runner.pid}) is gone, the command goes on"
+        if keeper is not None and keeper.alive:
+            gone += f": its keeper (pid {keeper.pid}) will record its end"
+        s.evidence.append(gone)
+    s.evidence.append(f"{who} is alive: pid {alive.pid} (state {alive.state}, start time matches run.json)")
+    others = [m for m in found or [] if m.pid != (child.pid if child else None)]
+    if alive is keeper and found:
+        s.pid = found[0].pid
+        s.evidence.append(
+            f"the command ended; {_plural(len(found), 'process')} it started still "
+            f"{_run_or_runs(len(found))} ({members_text(found)}): "
+            "the keeper ends them and writes exit.json once they are gone"
+        )
+    elif others:
+        s.evidence.append(f"the run's other processes: {members_text(others)}")
+    if alive is not keeper and keeper is not None and not keeper.alive and found is not None:
+        s.evidence.append(
+            f"its keeper (pid {keeper.pid}) is gone: nothing will record the run's end or end what it leaves"
+        )
+    if alive.state == "T":
+        s.evidence.append(f"pid {alive.pid} is stopped (state T: SIGSTOP or a debugger)")
+    if af.stop:
+        s.evidence.append(f"stop.json: a stop was requested at {af.stop.requested_at} but the process still runs")
+    _tmux_context(s, alive=True)
+    _disk_context(s, agent.raw)
+    _pace(s, f, agent, af, run)
+
+
+def _pace(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt, run: wire.RunRecord) -> None:
+    """Running, or stalled: nothing written to the log or the metrics for hang_after (after startup_grace)."""
+    now = agent.now or f.checked_at or time.time()
+    started = run.started_ts
+    marks = [m for m in (af.log.mtime if af.log else None, af.metrics.mtime if af.metrics else None, started) if m]
+    last = max(marks) if marks else None
+    hang, grace = f.hang_after, f.startup_grace
+    if started is not None and now - started <= grace:
+        s.state = State.RUNNING
+        if last is not None and now - last > hang:
+            s.evidence.append(f"no progress for {_dur(now - last)}, but still inside startup_grace ({_dur(grace)})")
+    elif last is not None and now - last > hang:
+        s.state = State.STALLED
+        s.detail = f"no progress for {_dur(now - last)} (hang_after {_dur(hang)})"
+        s.evidence.append(f"last log/metrics write at {iso(last)} (container clock; now {iso(now)})")
+    else:
+        s.state = State.RUNNING
+
+
+def _gone(s: Status, agent: wire.Probe, af: wire.Attempt, run: wire.RunRecord) -> None:
+    """No exit record and no live process: stopped when a stop was asked for, else lost (and why)."""
+    child, stop = af.child, af.stop
+    if s.pid and child:
+        s.evidence.append(f"pid {child.pid} is gone" + (" (reused by another process)" if child.same is False else ""))
+    if stop:
+        s.state = State.STOPPED
+        s.detail = f"stopped on purpose ({stop.reason} requested at {stop.requested_at}); the runner was killed before it wrote exit.json"
+        s.evidence.append(f"stop.json: requested at {stop.requested_at}")
         _tmux_context(s)
         return
     s.state = State.LOST
-    boot_now, boot_then, started = agent.get("pid1_start"), run.get("container_boot"), run.get("started_ts")
-    ticks_now, ticks_then = agent.get("pid1_ticks"), run.get("container_boot_ticks")
-    if isinstance(ticks_now, int) and isinstance(ticks_then, int):
+    pane = _pane(agent.tmux, run.pid)
+    boot_now, boot_then, started = agent.pid1_start, run.container_boot, run.started_ts
+    ticks_now, ticks_then = agent.pid1_ticks, run.container_boot_ticks
+    if ticks_now is not None and ticks_then is not None:
         restarted = ticks_now != ticks_then  # another PID 1: exact, no clock involved
     else:
         restarted = (boot_now is not None and boot_then is not None and boot_now > boot_then + BOOT_SLACK) or (
             boot_now is not None and started is not None and boot_now > started + BOOT_SLACK
         )
-    disk = agent.get("disk") or {}
+    disk = agent.disk
     if restarted:
         s.cause = Cause.CONTAINER_RESTART
         s.detail = f"the container restarted at {iso(boot_now)}, after the run started at {s.started_at}"
         s.evidence.append(f"PID 1 started at {iso(boot_now)}; run.json recorded the container boot at {iso(boot_then)}")
-    elif disk.get("full"):
+    elif disk is not None and disk.full:
         s.cause = Cause.DISK_FULL
         s.detail = (
-            f"no exit record and no live process, and the disk holding {disk.get('path')} is full "
-            f"({disk.get('free')} bytes free): the run's end could not be recorded"
+            f"no exit record and no live process, and the disk holding {disk.path} is full "
+            f"({disk.free} bytes free): the run's end could not be recorded"
         )
-        if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_status"):
-            s.detail += f"; tmux saw the runner exit with status {pane['pane_dead_status']} (the command's code)"
+        if pane and pane.dead == "1" and pane.dead_status:
+            s.detail += f"; tmux saw the runner exit with status {pane.dead_status} (the command's code)"
     elif s.tmux.server == "dead":
         s.cause = Cause.TMUX_SERVER_KILLED
         s.detail = (
@@ -835,12 +842,12 @@ def _classify_run(s: Status, facts: t.Mapping[str, t.Any], agent: dict[str, t.An
     else:
         s.cause = Cause.UNKNOWN
         s.detail = "no exit record and no live process: the runner was killed (SIGKILL, OOM killer...) before it could write exit.json"
-    if pane and pane.get("pane_dead") == "1" and pane.get("pane_dead_signal"):
-        s.evidence.append(f"tmux: the runner was killed by signal {pane['pane_dead_signal']} (pane_dead_signal)")
-    oom = agent.get("oom_kill")
-    if oom is not None and run.get("oom_kill") is not None and oom > run["oom_kill"] and not restarted:
+    if pane and pane.dead == "1" and pane.dead_signal:
+        s.evidence.append(f"tmux: the runner was killed by signal {pane.dead_signal} (pane_dead_signal)")
+    oom = agent.oom_kill
+    if oom is not None and run.oom_kill is not None and oom > run.oom_kill and not restarted:
         s.evidence.append(
-            f"cgroup memory.events oom_kill rose from {run['oom_kill']} to {oom}: the host OOM killer is the likely killer"
+            f"cgroup memory.events oom_kill rose from {run.oom_kill} to {oom}: the host OOM killer is the likely killer"
         )
     _tmux_context(s)
 
@@ -849,11 +856,11 @@ def _how(exit_code: int | None, signal: int | None) -> str:
     return f"signal {signal}" if exit_code is None and signal else f"exit {exit_code}"
 
 
-def _orphans(s: Status, found: list[dict[str, t.Any]], stop: dict[str, t.Any] | None, what: str) -> None:
+def _orphans(s: Status, found: list[wire.Member], stop: wire.StopRecord | None, what: str) -> None:
     """Processes of the run outlived its command and its keeper: the run is not over, and nothing
     supervises it any more (docs/design.md section 6: `crashed`, cause `orphans-left`)."""
     s.state, s.cause = State.CRASHED, Cause.ORPHANS_LEFT
-    s.pid = found[0].get("pid")
+    s.pid = found[0].pid
     s.fingerprint = "orphans-left"
     s.detail = (
         f"{what}, but {_plural(len(found), 'process')} it started still {_run_or_runs(len(found))}: "
@@ -861,12 +868,12 @@ def _orphans(s: Status, found: list[dict[str, t.Any]], stop: dict[str, t.Any] | 
         "nothing will end them or record their end"
     )
     if stop:
-        s.detail += f"; a stop was requested at {stop.get('requested_at')}: run `dflashctl stop` again"
-        s.evidence.append(f"stop.json: requested at {stop.get('requested_at')}, yet processes of the run live on")
+        s.detail += f"; a stop was requested at {stop.requested_at}: run `dflashctl stop` again"
+        s.evidence.append(f"stop.json: requested at {stop.requested_at}, yet processes of the run live on")
     for m in found:
         s.evidence.append(
-            f"pid {m.get('pid')} (attempt {m.get('attempt')}, state {m.get('state')}, parent {m.get('ppid')}) "
-            f"is alive: {' '.join(map(str, m.get('argv') or []))[:160]}"
+            f"pid {m.pid} (attempt {m.attempt}, state {m.state}, parent {m.ppid}) "
+            f"is alive: {' '.join(map(str, m.argv or []))[:160]}"
         )
 
 
@@ -896,37 +903,37 @@ def _tmux_context(s: Status, *, alive: bool = False) -> None:
 
 
 def _classify_by_tmux(
-    s: Status, tf: dict[str, t.Any] | None, capture: dict[str, t.Any] | None, attempt: dict[str, t.Any] | None
+    s: Status, tf: wire.Tmux | None, capture: tuple[str, ...] | None, attempt: wire.Attempt | None
 ) -> None:
     """No run record (a session started by hand, or fallback mode): tmux is all there is."""
-    pane = _pick_pane(tf)
+    pane = _pane(tf)
     s.tmux = tmux_view(s.tmux.socket, tf, pane)
-    lines = list((capture or {}).get("lines") or [])
+    lines = list(capture or [])
     s.tail = lines[-TAIL_KEEP:]
     if attempt is not None:
-        s.attempt = attempt.get("attempt")
-        log = attempt.get("log") or {}
-        s.log = log.get("path")
-        if log.get("tail"):
-            lines = list(log["tail"])
+        s.attempt = attempt.attempt
+        log = attempt.log
+        s.log = log.path if log else None
+        if log and log.tail:
+            lines = list(log.tail)
             s.tail = lines[-TAIL_KEEP:]
     tm = s.tmux
     if tm.session == "alive" or (tm.evidence and "no server running" in tm.evidence):
         s.evidence.append("no run record (run.json): this session was not started by `dflashctl start`")
-    if tf is None or tf.get("timed_out"):
+    if tf is None or tf.timed_out:
         s.state, s.cause, s.detail = State.LOST, Cause.UNKNOWN, "tmux did not answer"
         return
     if tm.session == "alive" and pane is not None:
-        s.pid = as_int(pane.get("pane_pid"))
-        if pane.get("pane_dead") != "1":
+        s.pid = as_int(pane.pid)
+        if pane.dead != "1":
             s.state = State.RUNNING
             s.progress = progress_from_lines(lines, None)
             s.evidence.append(
-                f"pane process {pane.get('pane_pid')} ({pane.get('pane_current_command')}) is alive; "
+                f"pane process {pane.pid} ({pane.current_command}) is alive; "
                 "without a run record progress and hangs cannot be judged"
             )
             return
-        status, sig = pane.get("pane_dead_status") or "", pane.get("pane_dead_signal") or ""
+        status, sig = pane.dead_status or "", pane.dead_signal or ""
         s.exit_code = as_int(status) if status else None
         s.signal = as_int(sig) if sig else None
         s.evidence.append(

@@ -16,7 +16,7 @@ import time
 import typing as t
 
 from ops import errors, far_call
-from ops.far import kernel_log, tmux
+from ops.far import kernel_log, refusal, tmux
 from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
@@ -183,11 +183,11 @@ def start(
     answer = call_deployed(remote, "start", req, timeout=START_TIMEOUT)
     if not answer.get("ok"):
         kind, message = answer.get("error"), answer.get("message")
-        if kind == "not-deployed":
+        if kind == refusal.NOT_DEPLOYED:
             raise errors.NotDeployed(f"{host.label}: {message}")
-        if kind == "run-active":
+        if kind == refusal.RUN_ACTIVE:
             raise errors.RunActive(f"{host.label}: {message}")
-        if kind == "cancelled":
+        if kind == refusal.CANCELLED:
             raise errors.StartCancelled(f"{host.label}: {message}")
         raise errors.AgentError(f"{host.label}: start: {message}")
     return answer
@@ -332,7 +332,7 @@ def ask(remote: Remote, verb: str, req: t.Mapping[str, t.Any], *, timeout: float
     (``lacking``: what it cannot do, "cannot read metrics"); any other refusal is one line naming the verb."""
     a = call_deployed(remote, verb, req, timeout=timeout)
     if not a.get("ok"):
-        if a.get("error") == "usage":  # an agent older than this verb
+        if a.get("error") == refusal.USAGE:  # an agent older than this verb
             raise errors.AgentError(f"{remote.host.label}: the deployed agent {lacking}: run `dflashctl deploy`")
         raise errors.OpsError(f"{remote.host.label}: {verb}: {a.get('message')}")
     return a

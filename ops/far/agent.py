@@ -28,7 +28,7 @@ import sys
 import time
 import typing as t
 
-from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, tmux, watch
+from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, refusal, tmux, watch
 from ops.far import history as far_history
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
@@ -56,6 +56,7 @@ from ops.far.records import (
 )
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
+from ops.far.refusal import Refused
 from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read", "history", "checkpoint", "fetch")
@@ -74,15 +75,6 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 STARTED_BY_MAX = 2048  # run.json's room (RESERVE_BYTES) holds it beside a long command line
 
 Request = t.Mapping[str, t.Any]
-
-
-class Refused(Exception):
-    """A verb declines on purpose (nothing deployed, a live run...): ``kind`` says which."""
-
-    def __init__(self, kind: str, message: str, **extra: t.Any) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.extra = extra
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +171,7 @@ def numbered_attempts(sdir: str) -> list[tuple[int, str]]:
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise Refused("run-dir", f"cannot list {sdir}: {e.strerror or e}") from None
+        raise Refused(refusal.RUN_DIR, f"cannot list {sdir}: {e.strerror or e}") from None
     return sorted((n, name) for name in names if (n := _attempt_number(name)) is not None)
 
 
@@ -280,7 +272,7 @@ class SessionLock:
             self.lock.__enter__()
         except lock.Busy as e:
             raise Refused(
-                "busy",
+                refusal.BUSY,
                 f"another start or stop of this session is still running ({e.holder or 'another process'}); "
                 f"waited {self.wait:g}s for {self.path}: try again",
             ) from None
@@ -296,8 +288,8 @@ class SessionLock:
 
 def _disk_refusal(e: OSError, what: str) -> Refused:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return Refused("disk-full", f"{what}: the disk is full ({e.strerror})")
-    return Refused("run-dir", f"{what}: {e.strerror or e}")
+        return Refused(refusal.DISK_FULL, f"{what}: the disk is full ({e.strerror})")
+    return Refused(refusal.RUN_DIR, f"{what}: {e.strerror or e}")
 
 
 def _describe(af: AttemptFacts, live: ProcessFacts) -> str:
@@ -310,25 +302,26 @@ def _validate_start(req: Request) -> None:
     """Everything a start could trip over later, checked before anything changes on disk or in tmux."""
     command = req.get("command")
     if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
-        raise Refused("bad-request", "command: expected a non-empty list of strings")
+        raise Refused(refusal.BAD_REQUEST, "command: expected a non-empty list of strings")
     if not command[0]:
-        raise Refused("bad-request", "command: the program name is empty")
+        raise Refused(refusal.BAD_REQUEST, "command: the program name is empty")
     for i, arg in enumerate(command):
         if "\0" in arg:
-            raise Refused("bad-request", f"command: argument {i} holds a NUL byte, which no program can be given")
+            raise Refused(refusal.BAD_REQUEST, f"command: argument {i} holds a NUL byte, which no program can be given")
     env = req.get("env") or {}
     if not isinstance(env, dict):
-        raise Refused("bad-request", 'env: expected a table of NAME = "value"')
+        raise Refused(refusal.BAD_REQUEST, 'env: expected a table of NAME = "value"')
     for key, value in env.items():
         if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
             raise Refused(
-                "bad-request", f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)"
+                refusal.BAD_REQUEST,
+                f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)",
             )
         if not isinstance(value, str) or "\0" in value:
-            raise Refused("bad-request", f"env.{key}: expected a string without NUL bytes")
+            raise Refused(refusal.BAD_REQUEST, f"env.{key}: expected a string without NUL bytes")
     by = req.get("started_by")
     if by is not None and (not isinstance(by, dict) or len(json.dumps(by)) > STARTED_BY_MAX):
-        raise Refused("bad-request", f"started_by: expected an object of at most {STARTED_BY_MAX} bytes as JSON")
+        raise Refused(refusal.BAD_REQUEST, f"started_by: expected an object of at most {STARTED_BY_MAX} bytes as JSON")
     _start_id(req)
 
 
@@ -336,7 +329,7 @@ def _start_id(req: Request) -> str | None:
     """The id a dflashctl gives one start (``--group start``: what its Ctrl-C may stop, and only that)."""
     sid = req.get("start_id")
     if sid is not None and not (isinstance(sid, str) and START_ID.fullmatch(sid)):
-        raise Refused("bad-request", "start_id: expected 8 to 32 hex digits")
+        raise Refused(refusal.BAD_REQUEST, "start_id: expected 8 to 32 hex digits")
     return sid
 
 
@@ -382,7 +375,7 @@ def start(req: Request) -> dict[str, t.Any]:
     _validate_start(req)
     current = os.path.join(req["workdir"], "current")
     if not os.path.isdir(current):
-        raise Refused("not-deployed", f"nothing is deployed at {current}: run `dflashctl deploy` first")
+        raise Refused(refusal.NOT_DEPLOYED, f"nothing is deployed at {current}: run `dflashctl deploy` first")
     with SessionLock(req, "start"):
         return _start_locked(req, current)
 
@@ -399,11 +392,11 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     _prune_cancelled(session_dir(req))
     if start_id is not None and os.path.exists(_cancelled(req, start_id)):
         # the dflashctl that asked for this start was interrupted, and its stop got here first
-        raise Refused("cancelled", f"this start of session '{session}' was cancelled (Ctrl-C) before it ran")
+        raise Refused(refusal.CANCELLED, f"this start of session '{session}' was cancelled (Ctrl-C) before it ran")
 
     tf = tmux_facts(req)
     if not tf["installed"]:
-        raise Refused("no-tmux", f"tmux is not installed where the run lives ({tf['stderr']})")
+        raise Refused(refusal.NO_TMUX, f"tmux is not installed where the run lives ({tf['stderr']})")
     af = attempt_facts(req, 0)
     live = _alive(af)
     pane = _pane(tf)
@@ -412,7 +405,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     disk = disk_facts(sdir)
     if disk is not None and disk["full"]:
         raise Refused(
-            "disk-full",
+            refusal.DISK_FULL,
             f"the disk holding {disk['path']} is full ({disk['free']} bytes free, "
             f"less than {DISK_FULL_BYTES >> 20} MiB): free some space, then start again",
         )
@@ -429,14 +422,14 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         if not req.get("replace"):
             if leftovers and not live:
                 raise Refused(
-                    "run-active",
+                    refusal.RUN_ACTIVE,
                     f"session '{session}' has processes of an ended run still running ({members.describe(leftovers)}): "
                     "stop them with `dflashctl stop`, or start with --replace",
                     attempt=af.get("attempt") if af else None,
                     pid=leftovers[0]["pid"],
                 )
             raise Refused(
-                "run-active",
+                refusal.RUN_ACTIVE,
                 f"session '{session}' already has a live run ({what}): "
                 "stop it with `dflashctl stop`, or start with --replace",
                 attempt=af.get("attempt") if af else None,
@@ -454,7 +447,7 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         if not replaced.get("ended"):
             left = members.facts(session_members(req, (af.get("run") if af else None)))
             raise Refused(
-                "run-active",
+                refusal.RUN_ACTIVE,
                 f"session '{session}': the run it replaces did not end"
                 + (f" ({members.describe(left)} still running)" if left else "")
                 + ": nothing was started beside it; stop it with `dflashctl stop`, then start again",
@@ -734,10 +727,10 @@ def tail(req: Request) -> dict[str, t.Any]:
     live_pane = pane is not None and pane.get("pane_dead") == "0" and not (req.get("follow") and have_log)
     if source == "pane" or (source == "auto" and live_pane):
         if pane is None:
-            raise Refused("no-pane", f"no pane to show: {verdict.text if verdict else 'no session'}")
+            raise Refused(refusal.NO_PANE, f"no pane to show: {verdict.text if verdict else 'no session'}")
         cap = capture(req, n)
         if cap["exit_code"] != 0:
-            raise Refused("no-pane", f"cannot capture the pane: {cap['stderr']}")
+            raise Refused(refusal.NO_PANE, f"cannot capture the pane: {cap['stderr']}")
         why = f"session '{req['session']}' is alive; showing its pane"
         if pane.get("pane_dead") == "1":
             why = f"showing the dead pane of session '{req['session']}'"
@@ -779,7 +772,7 @@ def tail(req: Request) -> dict[str, t.Any]:
             "log": None,
         }
     where = f"no log under {session_dir(req)}"
-    raise Refused("nothing", f"nothing to show: {where}" + (f" and {verdict.text}" if verdict else ""))
+    raise Refused(refusal.NOTHING, f"nothing to show: {where}" + (f" and {verdict.text}" if verdict else ""))
 
 
 def _follow(req: Request) -> dict[str, t.Any]:
@@ -795,7 +788,7 @@ def _follow(req: Request) -> dict[str, t.Any]:
             f.seek(offset)
             data = f.read(FOLLOW_CHUNK)
     except (OSError, TypeError) as e:
-        raise Refused("no-log", f"cannot read the log {log}: {e}") from None
+        raise Refused(refusal.NO_LOG, f"cannot read the log {log}: {e}") from None
     # only complete lines; a partial one waits for its newline (unless it is huge). With no newline
     # at all, a `\r` ends a progress segment: tqdm output with no newline for hours still shows.
     cut = (data.rfind(b"\n") + 1) or (data.rfind(b"\r") + 1)
@@ -821,10 +814,10 @@ def read(req: Request) -> dict[str, t.Any]:
     sdir = session_dir(req)
     known = req.get("attempts") or {}
     if not isinstance(known, dict):
-        raise Refused("bad-request", "attempts: expected an object {attempt: {offset, run, tail}}")
+        raise Refused(refusal.BAD_REQUEST, "attempts: expected an object {attempt: {offset, run, tail}}")
     cap, offsets = req.get("cap", READ_CAP), [a.get("offset") or 0 for a in known.values() if isinstance(a, dict)]
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (cap, *offsets)):
-        raise Refused("bad-request", "cap and attempts.*.offset: expected whole numbers >= 0")
+        raise Refused(refusal.BAD_REQUEST, "cap and attempts.*.offset: expected whole numbers >= 0")
     budget = max(1, min(cap, READ_CAP))
     numbered = numbered_attempts(sdir)
     attempts = []
@@ -888,7 +881,7 @@ def history(req: Request) -> dict[str, t.Any]:
     request; the others bring a few lines (their last step, when they wrote no metrics)."""
     last = req.get("last")
     if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
-        raise Refused("bad-request", "last: expected a whole number >= 1")
+        raise Refused(refusal.BAD_REQUEST, "last: expected a whole number >= 1")
     sdir = session_dir(req)
     numbered = numbered_attempts(sdir)
     attempts = []
@@ -918,7 +911,8 @@ def _pulling(verb: t.Callable[[str, Request], dict[str, t.Any]], req: Request) -
     try:
         return verb(session_dir(req), req)
     except (checkpoints.Missing, ValueError) as e:
-        raise Refused("no-checkpoint" if isinstance(e, checkpoints.Missing) else "bad-request", str(e)) from None
+        kind = refusal.NO_CHECKPOINT if isinstance(e, checkpoints.Missing) else refusal.BAD_REQUEST
+        raise Refused(kind, str(e)) from None
 
 
 HANDLERS: dict[str, t.Callable[[Request], t.Mapping[str, object]]] = {
@@ -951,7 +945,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             json.dumps(
                 {
                     "ok": False,
-                    "error": "usage",
+                    "error": refusal.USAGE,
                     "message": f"usage: python -m ops.far.agent {{{','.join(VERBS)}}} --json",
                 }
             )
@@ -973,7 +967,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             if not re.fullmatch(r"[A-Za-z0-9_-]+", str(req[key])):
                 raise ValueError(f"{key}: use letters, digits, '-', '_' only, got {req[key]!r}")
     except ValueError as e:
-        print(json.dumps({"ok": False, "error": "bad-request", "message": f"{verb}: bad request: {e}"}))
+        print(json.dumps({"ok": False, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}))
         return 2
     if req.get("protocol", PROTOCOL) != PROTOCOL:
         # Another dflashctl's request: refuse before acting (a start must not start a run it cannot report).
@@ -981,7 +975,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             "ok": False,
             "protocol": PROTOCOL,
             "verb": verb,
-            "error": "protocol",
+            "error": refusal.PROTOCOL,
             "message": f"this agent speaks protocol {PROTOCOL}, the request {req['protocol']}: run `dflashctl deploy`",
         }
         sys.stdout.write(json.dumps(answer) + "\n")

@@ -6,8 +6,9 @@ inspect/install/rollback) takes ONE JSON object and answers ONE JSON object on s
     {"ok": true,  "protocol": 1, "verb": "probe", ...the verb's answer...}
     {"ok": false, "protocol": 1, "verb": "start", "error": "<kind>", "message": "<one line>", ...}
 
-The operator side reads it with ``ops.far_call``; ``ops.probe.classify`` reads the probe answer's
-facts below (``dflashctl status --facts`` prints them). ``tmux_facts`` is the one reading of tmux's
+The operator side reads it with ``ops.far_call`` and parses each answer once into ``ops.wire``'s
+frozen types (``dflashctl status --facts`` prints the probe's facts as they came). A refusal's kind is
+one of ``ops.far.refusal``'s names. ``tmux_facts`` is the one reading of tmux's
 session and panes, used by the agent and by the operator's raw fallback alike.
 """
 
@@ -26,7 +27,7 @@ class Envelope(t.TypedDict, total=False):
     ok: t.Required[bool]
     protocol: int
     verb: str
-    error: str  # when not ok: the kind (usage, bad-request, protocol, busy, run-active, recheck, need-content...)
+    error: str  # when not ok: the kind, one of ops.far.refusal's names
     message: str  # when not ok: one line for a person
 
 

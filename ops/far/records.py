@@ -168,61 +168,61 @@ MAX_INT = 1 << 63
 STARTED_BY_MAX = 2048  # bytes of started_by as JSON (what `start` accepts)
 MAX_LIST = 64  # entries of a list kept (`command` words, `left` / `killed` members)
 
-_INT, _NUM, _STR, _BOOL, _STRS, _DICT, _DICTS, _TIME = "int", "num", "str", "bool", "strs", "dict", "dicts", "time"
+INT, NUM, STR, BOOL, STRS, DICT, DICTS, TIME = "int", "num", "str", "bool", "strs", "dict", "dicts", "time"
 FIELDS = {
     RUN_JSON: {
-        "session": _STR,
-        "attempt": _INT,
-        "pid": _INT,
-        "pid_start": _INT,
-        "child_pid": _INT,
-        "child_start": _INT,
-        "keeper_pid": _INT,
-        "keeper_start": _INT,
-        "tag": _STR,
-        "subreaper": _BOOL,
-        "started_at": _TIME,
-        "started_ts": _NUM,
-        "command": _STRS,
-        "cwd": _STR,
-        "release": _STR,
-        "start_id": _STR,
-        "container_boot": _NUM,
-        "container_boot_ticks": _INT,
-        "oom_kill": _INT,
-        "hostname": _STR,
-        "python": _STR,
-        "started_by": _DICT,
+        "session": STR,
+        "attempt": INT,
+        "pid": INT,
+        "pid_start": INT,
+        "child_pid": INT,
+        "child_start": INT,
+        "keeper_pid": INT,
+        "keeper_start": INT,
+        "tag": STR,
+        "subreaper": BOOL,
+        "started_at": TIME,
+        "started_ts": NUM,
+        "command": STRS,
+        "cwd": STR,
+        "release": STR,
+        "start_id": STR,
+        "container_boot": NUM,
+        "container_boot_ticks": INT,
+        "oom_kill": INT,
+        "hostname": STR,
+        "python": STR,
+        "started_by": DICT,
     },
     EXIT_JSON: {
-        "exit_code": _INT,
-        "signal": _INT,
-        "ended_at": _TIME,
-        "ended_ts": _NUM,
-        "oom_kill": _INT,
-        "oom_kill_before": _INT,
-        "disk_free": _INT,
-        "disk_full": _BOOL,
-        "left": _DICTS,
-        "killed": _DICTS,
+        "exit_code": INT,
+        "signal": INT,
+        "ended_at": TIME,
+        "ended_ts": NUM,
+        "oom_kill": INT,
+        "oom_kill_before": INT,
+        "disk_free": INT,
+        "disk_full": BOOL,
+        "left": DICTS,
+        "killed": DICTS,
     },
     STOP_JSON: {
-        "requested_at": _TIME,
-        "grace": _NUM,
-        "reason": _STR,
-        "by": _STR,
-        "killed": _DICTS,
+        "requested_at": TIME,
+        "grace": NUM,
+        "reason": STR,
+        "by": STR,
+        "killed": DICTS,
     },
 }
 _EXPECTED = {
-    _INT: "a whole number",
-    _NUM: "a number",
-    _STR: "a string",
-    _BOOL: "true or false",
-    _STRS: "a list of strings",
-    _DICT: "an object",
-    _DICTS: "a list of objects",
-    _TIME: "a time as 2026-11-29T15:02:11Z",
+    INT: "a whole number",
+    NUM: "a number",
+    STR: "a string",
+    BOOL: "true or false",
+    STRS: "a list of strings",
+    DICT: "an object",
+    DICTS: "a list of objects",
+    TIME: "a time as 2026-11-29T15:02:11Z",
 }
 
 
@@ -230,38 +230,38 @@ def _cut(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
 
 
-def _fits(kind: str, value: t.Any) -> t.Any:
+def fits(kind: str, value: t.Any) -> t.Any:
     """``value`` as ``kind`` keeps it (cut where it is long); raises ValueError when it is not one."""
-    if kind == _BOOL:
+    if kind == BOOL:
         if isinstance(value, bool):
             return value
     elif isinstance(value, bool):
         pass
-    elif kind == _INT:
+    elif kind == INT:
         if isinstance(value, int) and -MAX_INT < value < MAX_INT:
             return value
-    elif kind == _NUM:
+    elif kind == NUM:
         if isinstance(value, (int, float)) and -1e15 < value < 1e15:
             return value
-    elif kind == _STR:
+    elif kind == STR:
         if isinstance(value, str):
             return _cut(value)
-    elif kind == _TIME:
+    elif kind == TIME:
         if isinstance(value, str) and len(value) == 20:
             try:
                 time.strptime(value, "%Y-%m-%dT%H:%M:%SZ")
                 return value
             except ValueError:
                 pass
-    elif kind == _STRS:
+    elif kind == STRS:
         if isinstance(value, list) and all(isinstance(x, str) for x in value):
             return [_cut(x) for x in value[:MAX_LIST]]
-    elif kind == _DICT:
+    elif kind == DICT:
         if isinstance(value, dict):
             if len(json.dumps(value)) > STARTED_BY_MAX:
                 raise ValueError(f"larger than {STARTED_BY_MAX} bytes")
             return value
-    elif kind == _DICTS:
+    elif kind == DICTS:
         if isinstance(value, list) and all(isinstance(x, dict) for x in value):
             return value[:MAX_LIST]
     raise ValueError(f"expected {_EXPECTED[kind]}")
@@ -280,7 +280,7 @@ def check(name: str, rec: t.Mapping[str, t.Any], path: str = "") -> tuple[dict[s
             out[key] = value
             continue
         try:
-            out[key] = _fits(kind, value)
+            out[key] = fits(kind, value)
         except ValueError as e:
             problems.append(f"{path or name}: {key}: {e}")
     return out, problems

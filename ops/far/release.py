@@ -35,7 +35,7 @@ import sys
 import tarfile
 import typing as t
 
-from ops.far import atomic, lock, procfs, records
+from ops.far import atomic, lock, procfs, records, refusal
 
 MANIFEST = ".release.json"
 MANIFEST_FORMAT = 1
@@ -48,7 +48,7 @@ Row = t.List[t.Any]  # noqa: UP006 -- [path, sha256, size, mode]; a run-time ali
 
 
 class Refused(Exception):
-    def __init__(self, message: str, kind: str = "refused", **extra: t.Any) -> None:
+    def __init__(self, message: str, kind: str = refusal.REFUSED, **extra: t.Any) -> None:
         super().__init__(message)
         self.kind = kind
         self.extra = extra
@@ -410,7 +410,7 @@ def install(workdir: str, want: str, keep: int, stdin: t.IO[bytes]) -> dict[str,
         try:
             need, received = fill(workdir, partial, rows, tar)
             if need:
-                raise Refused(f"{len(need)} file contents are missing", "need-content", need=need)
+                raise Refused(f"{len(need)} file contents are missing", refusal.NEED_CONTENT, need=need)
             with open(os.path.join(partial, MANIFEST), "wb") as f:
                 f.write(json.dumps(doc, separators=(",", ":")).encode())
             sync_fs(partial)  # the files are on disk before any name points at them
@@ -520,7 +520,7 @@ def handle(verb: str, req: dict[str, t.Any], stdin: t.IO[bytes]) -> dict[str, t.
             facts = inspect(workdir, req["run_dir"], req["session"], req.get("modules") or [])
             why = recheck_reason(facts, req)
             if why is not None:
-                raise Refused(why, "recheck", facts=facts)
+                raise Refused(why, refusal.RECHECK, facts=facts)
             if (facts["current"] or {}).get("id") == req["id"]:  # already current: no upload to read
                 rid = req["id"][:IDLEN]
                 return {
@@ -537,7 +537,7 @@ def handle(verb: str, req: dict[str, t.Any], stdin: t.IO[bytes]) -> dict[str, t.
         if facts is not None:
             out["facts"] = facts
         return out
-    raise Refused(f"unknown verb {verb!r}", "usage")
+    raise Refused(f"unknown verb {verb!r}", refusal.USAGE)
 
 
 def main(argv: t.Sequence[str], stdin: t.IO[bytes] | None = None, stdout: t.IO[str] | None = None) -> int:
@@ -549,23 +549,23 @@ def main(argv: t.Sequence[str], stdin: t.IO[bytes] | None = None, stdout: t.IO[s
     answer: dict[str, t.Any] = {"ok": True, "protocol": PROTOCOL, "verb": verb}
     try:
         if len(argv) != 2 or verb not in VERBS:
-            raise Refused("usage: <program> {{{}}} <request JSON>".format(",".join(VERBS)), "usage")
+            raise Refused("usage: <program> {{{}}} <request JSON>".format(",".join(VERBS)), refusal.USAGE)
         req = json.loads(argv[1])
         if not isinstance(req, dict) or not isinstance(req.get("workdir"), str):
-            raise Refused("the request is not a JSON object with a workdir", "bad-request")
+            raise Refused("the request is not a JSON object with a workdir", refusal.BAD_REQUEST)
         answer.update(handle(verb, req, sys.stdin.buffer if stdin is None else stdin))
     except Refused as e:
         answer.update(ok=False, error=e.kind, message=str(e), **e.extra)
     except (KeyError, ValueError, TypeError) as e:
-        answer.update(ok=False, error="bad-request", message=f"bad request: {e}")
+        answer.update(ok=False, error=refusal.BAD_REQUEST, message=f"bad request: {e}")
     except (tarfile.TarError, EOFError) as e:
         answer.update(
-            ok=False, error="cut", message=f"the upload was cut short or is not a tar ({e}); nothing was switched"
+            ok=False, error=refusal.CUT, message=f"the upload was cut short or is not a tar ({e}); nothing was switched"
         )
     except Interrupted as e:
-        answer.update(ok=False, error="interrupted", message=f"{e}; nothing was switched")
+        answer.update(ok=False, error=refusal.INTERRUPTED, message=f"{e}; nothing was switched")
     except OSError as e:
-        answer.update(ok=False, error="os", message=str(e))
+        answer.update(ok=False, error=refusal.OS, message=str(e))
     out.write(json.dumps(answer) + "\n")
     out.flush()
     return 0 if answer["ok"] else 1

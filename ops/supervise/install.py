@@ -17,9 +17,9 @@ import json
 import os
 import typing as t
 
-from ops import deploy, errors, far_call
+from ops import deploy, errors, far_call, wire
 from ops import session as run
-from ops.far import watch
+from ops.far import refusal, watch
 from ops.hosts import Host
 from ops.remote import Remote, connect_host, wrap
 from ops.supervise import unit
@@ -88,11 +88,11 @@ class HostSide:
             raise errors.SuperviseError(f"{self.host.name}: supervise {verb} failed: {last or f'exit {res.exit_code}'}")
         if not reply.answer.get("ok"):
             kind, message = reply.answer.get("error"), reply.answer.get("message")
-            if kind == "not-installed":
+            if kind == refusal.NOT_INSTALLED:
                 raise errors.NotInstalled(f"{self.host.name}: {message}")
-            if kind == "bad-config":
+            if kind == refusal.BAD_CONFIG:
                 raise errors.ConfigError(str(reply.answer.get("key")), f"{message} (on {self.host.name})")
-            if kind in ("locked", "refused", "taken"):
+            if kind in (refusal.LOCKED, refusal.REFUSED, refusal.TAKEN):
                 raise errors.SupervisorLocked(f"{self.host.name}: {message}")
             raise errors.SuperviseError(f"{self.host.name}: {message}")
         return reply.answer
@@ -200,10 +200,9 @@ def _refuse_foreign(side: HostSide, session: str) -> None:
         mine = side.call("status", {"session": session}).get("service") or {}
     except errors.NotInstalled:
         mine = {}
-    facts = run.gather(side.host, session, side.container)
-    agent = facts.get("agent") or {}
-    rec, now = agent.get("supervisor"), agent.get("now")
-    if isinstance(rec, dict) and isinstance(now, (int, float)) and rec.get("id") != mine.get("id"):
+    agent = wire.parse_facts(run.gather(side.host, session, side.container)).agent
+    rec, now = (agent.supervisor, agent.now) if agent is not None else (None, None)
+    if rec is not None and now is not None and rec.get("id") != mine.get("id"):
         if watch.live(rec, now):
             raise errors.SupervisorLocked(
                 f"another supervisor watches {side.host.name}/{session}: {holder_text(rec, now)}; stop it first "
@@ -225,17 +224,14 @@ def call(host: Host, verb: str, session: str | None, **extra: t.Any) -> dict[str
 # What `supervise status` prints
 
 
-def status_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[str]:
-    if not out.get("installed"):
+def status_lines(host: str, session: str, out: wire.SupervisorStatus) -> list[str]:
+    if not out.installed:
         return [
-            f"no supervisor is installed for {host}/{session} on {host}"
-            + (f" ({out['message']})" if out.get("message") else "")
+            f"no supervisor is installed for {host}/{session} on {host}" + (f" ({out.message})" if out.message else "")
         ]
-    service = out.get("service") or {}
-    mode = service.get("mode")
-    facts = out.get("unit") or {}
-    if out.get("running"):
-        head = f"supervisor of {host}/{session} on {host}: running ({mode}, pid {out.get('pid')}, since {out.get('since')})"
+    mode, facts = out.mode, out.unit
+    if out.running:
+        head = f"supervisor of {host}/{session} on {host}: running ({mode}, pid {out.pid}, since {out.since})"
     else:
         head = f"supervisor of {host}/{session} on {host}: NOT running ({mode})"
     lines = [head]
@@ -245,71 +241,58 @@ def status_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[st
             f"{facts.get('UnitFileState')}, restarted {facts.get('NRestarts', '?')} time(s) by systemd"
         )
     elif mode == "tmux":
-        lines.append(
-            f"  tmux:        session {session} on socket {service.get('tmux_socket')}: {facts.get('tmux_session')}"
-        )
-    opts = service.get("options") or {}
-    if opts:
-        lines.append(f"  policy:      {' '.join(unit.options_argv(Options(**opts)))}")
-    lines.append(f"  installed:   {service.get('installed_at')} (release {service.get('release')})")
-    st = out.get("status") or {}
-    probe = st.get("last_probe") or {}
+        lines.append(f"  tmux:        session {session} on socket {out.tmux_socket}: {facts.get('tmux_session')}")
+    if out.options:
+        lines.append(f"  policy:      {' '.join(unit.options_argv(Options(**out.options)))}")
+    lines.append(f"  installed:   {out.installed_at} (release {out.release})")
+    probe = out.last_probe
     if probe:
-        lines.append(
-            f"  last probe:  {probe.get('at')}: {probe.get('headline')} -> {probe.get('decision')} ({st.get('probes')} probes)"
-        )
+        lines.append(f"  last probe:  {probe.at}: {probe.headline} -> {probe.decision} ({out.probes} probes)")
     else:
         lines.append("  last probe:  none yet")
-    act = st.get("last_action") or {}
+    act = out.last_action
     if act:
-        nxt = f", attempt {act['next_attempt']} started" if act.get("next_attempt") is not None else ""
-        att = f", attempt {act['attempt']}" if act.get("attempt") is not None else ""
+        nxt = f", attempt {act.next_attempt} started" if act.next_attempt is not None else ""
+        att = f", attempt {act.attempt}" if act.attempt is not None else ""
         lines.append(
-            f"  last action: {act.get('at')}: {act.get('action')} ({act.get('outcome')}) after {act.get('state')}"
-            f"{' (' + str(act['cause']) + ')' if act.get('cause') else ''}{att}{nxt}"
+            f"  last action: {act.at}: {act.action} ({act.outcome}) after {act.state}"
+            f"{' (' + str(act.cause) + ')' if act.cause else ''}{att}{nxt}"
         )
     else:
         lines.append("  last action: none")
-    if st.get("error"):
-        lines.append(f"  ended on:    {st['error']}")
-    inc = out.get("incidents") or {}
-    newest = inc.get("newest") or []
-    lines.append(f"  incidents:   {inc.get('count', 0)}" + (" (newest last)" if newest else ""))
-    for i in newest:
-        nxt = f" -> attempt {i['next_attempt']}" if i.get("next_attempt") is not None else ""
-        cause = f" ({i['cause']})" if i.get("cause") else ""
-        att = f"attempt {i['attempt']} " if i.get("attempt") is not None else ""
-        lines.append(f"    {i.get('time')}  {att}{i.get('state')}{cause}: {i.get('action')} {i.get('outcome')}{nxt}")
-    lines.append(f"  log:         {out.get('log')} (dflashctl supervise logs)")
-    return lines
+    if out.error:
+        lines.append(f"  ended on:    {out.error}")
+    lines.append(f"  incidents:   {out.incidents}" + (" (newest last)" if out.newest else ""))
+    for i in out.newest:
+        nxt = f" -> attempt {i.next_attempt}" if i.next_attempt is not None else ""
+        cause = f" ({i.cause})" if i.cause else ""
+        att = f"attempt {i.attempt} " if i.attempt is not None else ""
+        lines.append(f"    {i.time}  {att}{i.state}{cause}: {i.action} {i.outcome}{nxt}")
+    lines.append(f"  log:         {out.log} (dflashctl supervise logs)")
+    return lines + [f"  unreadable:  {p}" for p in out.problems]
 
 
-def installed_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[str]:
+def installed_lines(host: str, session: str, out: wire.SupervisorInstalled) -> list[str]:
     """What `supervise install` prints."""
-    where = (
-        f"systemd unit {out['unit']}"
-        if out.get("mode") == "systemd"
-        else f"tmux session on socket {out.get('tmux_socket')}"
-    )
-    verb = "updated" if out.get("updated") else "installed"
-    lines = [f"{verb} the supervisor of {host}/{session} on {host}: {where}, pid {out.get('pid')}"]
-    replaced = out.get("replaced") or {}
-    if replaced.get("was_running"):
-        lines.append(f"  replaced:    the supervisor that ran before (pid {replaced.get('pid')})")
-    lines.append(f"  command:     {' '.join(out.get('command') or [])}")
-    first = out.get("first_probe") or {}
+    where = f"systemd unit {out.unit}" if out.mode == "systemd" else f"tmux session on socket {out.tmux_socket}"
+    verb = "updated" if out.updated else "installed"
+    lines = [f"{verb} the supervisor of {host}/{session} on {host}: {where}, pid {out.pid}"]
+    if out.replaced_running:
+        lines.append(f"  replaced:    the supervisor that ran before (pid {out.replaced_pid})")
+    lines.append(f"  command:     {' '.join(out.command)}")
+    first = out.first_probe
     if first:
-        lines.append(f"  first probe: {first.get('headline')} -> {first.get('decision')}")
+        lines.append(f"  first probe: {first.headline} -> {first.decision}")
     else:
         lines.append("  first probe: not yet (see `dflashctl supervise status`)")
-    lines.append(f"  log:         {out.get('log')} (dflashctl supervise logs)")
-    return lines
+    lines.append(f"  log:         {out.log} (dflashctl supervise logs)")
+    return lines + [f"  unreadable:  {p}" for p in out.problems]
 
 
-def uninstalled_lines(host: str, session: str, out: t.Mapping[str, t.Any]) -> list[str]:
+def uninstalled_lines(host: str, session: str, out: wire.SupervisorStopped) -> list[str]:
     """What `supervise uninstall` prints."""
-    was = f" (it ran as pid {out.get('pid')})" if out.get("was_running") else ""
+    was = f" (it ran as pid {out.pid})" if out.was_running else ""
     lines = [f"uninstalled the supervisor of {host}/{session}{was}; the run is left as it is"]
-    lines += [f"  removed {path}" for path in out.get("removed") or []]
-    lines.append(f"  kept    {out.get('kept')} (incidents, memory, supervisor.log)")
-    return lines
+    lines += [f"  removed {path}" for path in out.removed]
+    lines.append(f"  kept    {out.kept} (incidents, memory, supervisor.log)")
+    return lines + [f"  unreadable:  {p}" for p in out.problems]

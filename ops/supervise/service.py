@@ -31,7 +31,7 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
-from ops.far import tmux
+from ops.far import refusal, tmux
 from ops.far.atomic import write_json_atomic
 from ops.hosts import Host, load_inventory, supervise_dir_problem
 from ops.supervise import record, unit
@@ -61,7 +61,7 @@ class BadConfig(Failed):
     """A value the user gave is wrong (``key``: what names it): the operator's side raises a ConfigError."""
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__("bad-config", message)
+        super().__init__(refusal.BAD_CONFIG, message)
         self.key = key
 
 
@@ -184,7 +184,7 @@ def _start(place: Place, mode: str, socket: str, opts: Options) -> None:
                 raise Failed("systemd", f"{' '.join(argv)} failed: {(res.err.strip() or res.out.strip())[-300:]}")
         return
     if shutil.which("tmux") is None:
-        raise Failed("no-tmux", "systemd is not PID 1 here and tmux is not installed: apt-get install tmux")
+        raise Failed(refusal.NO_TMUX, "systemd is not PID 1 here and tmux is not installed: apt-get install tmux")
     command = unit.supervisor_argv(place.root, place.session, opts, loop=True)
     # One invocation (options before the command can end); tmux's shell is /bin/sh, the start dir constant.
     argv = [
@@ -240,21 +240,21 @@ def _stop(place: Place, mode: str | None, socket: str, by: str) -> dict[str, t.A
 def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
     if not os.path.isfile(os.path.join(place.root, unit.MARKER)):
-        raise Failed("not-ours", f"{place.root} is not dflashctl's (no {unit.MARKER} in it): nothing was written")
+        raise Failed(refusal.NOT_OURS, f"{place.root} is not dflashctl's (no {unit.MARKER} in it): nothing was written")
     by, socket = str(req["by"]), str(req.get("tmux_socket") or "dflashctl-supervise")
     entry = dict(req["entry"])
     notes: list[str] = []
     before = place.service()
     if before and (before.get("by"), before.get("container")) != (by, entry.get("container")):
         raise Failed(
-            "taken",
+            refusal.TAKEN,
             f"session {place.session} on this host is already supervised for {before.get('by')} "
             f"(ct {before.get('container')}): use another --session, or uninstall that one first",
         )
     holder = lock_holder(place.lock_path(by))
     if holder is not None and not ours(holder, place):
         raise Failed(
-            "locked",
+            refusal.LOCKED,
             f"another supervisor holds the lock of session {place.session} on this host: pid {holder.get('pid')}"
             f"{' since ' + str(holder['since']) if holder.get('since') else ''} ({' '.join(map(str, holder.get('argv') or []))[:200]}); "
             "stop it first",
@@ -318,7 +318,7 @@ def install(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
         _stop(place, mode, socket, by)
         if mode == "systemd":
             _disable_unit(place)
-        raise Failed("refused", f"the supervisor did not start watching: {first['error']}")
+        raise Failed(refusal.REFUSED, f"the supervisor did not start watching: {first['error']}")
     runs = lock_holder(place.lock_path(by)) or {}  # the supervisor that holds the lock now is the one reported
     return {
         "mode": mode,
@@ -426,7 +426,7 @@ def stop(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
     service = place.service()
     if service is None:
-        raise Failed("not-installed", f"no supervisor is installed for session {place.session} in {place.root}")
+        raise Failed(refusal.NOT_INSTALLED, f"no supervisor is installed for session {place.session} in {place.root}")
     out = _stop(place, service.get("mode"), str(service.get("tmux_socket")), str(service.get("by")))
     return {**out, "mode": service.get("mode")}
 
@@ -435,10 +435,10 @@ def uninstall(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     place = Place(str(req["dir"]), str(req["session"]))
     service = place.service()
     if service is None:
-        raise Failed("not-installed", f"no supervisor is installed for session {place.session} in {place.root}")
+        raise Failed(refusal.NOT_INSTALLED, f"no supervisor is installed for session {place.session} in {place.root}")
     out = _stop(place, service.get("mode"), str(service.get("tmux_socket")), str(service.get("by")))
     if not out["stopped"]:
-        raise Failed("busy", f"the supervisor (pid {out.get('pid')}) did not stop; nothing was removed")
+        raise Failed(refusal.BUSY, f"the supervisor (pid {out.get('pid')}) did not stop; nothing was removed")
     if service.get("mode") == "systemd":
         _disable_unit(place)
     removed = []
@@ -512,7 +512,7 @@ def logs(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     except FileNotFoundError:
         if place.service() is None:
             raise Failed(
-                "not-installed", f"no supervisor is installed for session {place.session} in {place.root}"
+                refusal.NOT_INSTALLED, f"no supervisor is installed for session {place.session} in {place.root}"
             ) from None
         return {"log": path, "lines": []}
     lines = data.decode("utf-8", "replace").splitlines()
@@ -547,7 +547,7 @@ class _install_lock:  # noqa: N801 (a context manager, named as it is used)
             who = who if isinstance(who, dict) else {}
             pid = who.get("pid")
             raise Failed(
-                "busy",
+                refusal.BUSY,
                 f"another `supervise {who.get('verb', 'install')}` runs on this host now (pid {pid}): "
                 "nothing was changed; run it again once that one is done",
             ) from None
@@ -699,7 +699,9 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     if len(args) >= 3 and args[0] == "run":
         return serve(args[1], args[2], args[3:])
     if len(args) != 1 or args[0] not in HANDLERS:
-        print(json.dumps({"ok": False, "error": "usage", "message": f"usage: {{{','.join(VERBS)}}} < request.json"}))
+        print(
+            json.dumps({"ok": False, "error": refusal.USAGE, "message": f"usage: {{{','.join(VERBS)}}} < request.json"})
+        )
         return 2
     verb = args[0]
     try:
@@ -715,19 +717,23 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         if not all(c.isalnum() or c in "-_" for c in req["session"]) or not req["session"]:
             raise ValueError("session: letters, digits, '-', '_' only")
     except ValueError as e:
-        print(json.dumps({"ok": False, "verb": verb, "error": "bad-request", "message": f"{verb}: bad request: {e}"}))
+        print(
+            json.dumps(
+                {"ok": False, "verb": verb, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}
+            )
+        )
         return 2
     try:
         with _install_lock(req["dir"], verb):
             answer = {"ok": True, "verb": verb, **HANDLERS[verb](req)}
     except record.BadRecord as e:
-        answer = {"ok": False, "verb": verb, "error": "bad-record", "message": f"{verb}: {e} (mend or remove it)"}
+        answer = {"ok": False, "verb": verb, "error": refusal.BAD_RECORD, "message": f"{verb}: {e} (mend or remove it)"}
     except Failed as e:
         answer = {"ok": False, "verb": verb, "error": e.kind, "message": str(e)}
         if isinstance(e, BadConfig):
             answer["key"] = e.key
     except (OSError, errors.OpsError) as e:
-        answer = {"ok": False, "verb": verb, "error": "failed", "message": f"{verb}: {e}"}
+        answer = {"ok": False, "verb": verb, "error": refusal.FAILED, "message": f"{verb}: {e}"}
     sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
     return 0

@@ -147,3 +147,54 @@ def test_every_bench_runs_as_a_module_of_the_bench_package() -> None:
         text = path.read_text()
         assert f"python -m bench.{path.stem}" in (ast.get_docstring(ast.parse(text)) or ""), path.name
         assert "sys.path" not in text, path.name
+
+
+def test_the_kinds_of_a_refusal_are_the_constants_both_ends_import() -> None:
+    """An answer's ``error`` is said (the agent, the release program, the host's service) and told apart
+    (the operator side) by ``ops.far.refusal``'s names, never by a string written twice."""
+    from ops.far import refusal
+
+    kinds = {v for k, v in vars(refusal).items() if k.isupper()}
+    assert len(kinds) == len([k for k in vars(refusal) if k.isupper()]), "two names for one kind"
+
+    def kind(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value in kinds
+
+    def error_of(node: ast.AST) -> bool:  # kind, or answer.get("error")
+        return (isinstance(node, ast.Name) and node.id == "kind") or (
+            isinstance(node, ast.Call) and bool(node.args) and ast.unparse(node).endswith('.get("error")')
+        )
+
+    found = []
+    for rel in (
+        "far/agent.py",
+        "far/release.py",
+        "supervise/service.py",
+        "session.py",
+        "deploy.py",
+        "supervise/install.py",
+    ):
+        for node in ast.walk(ast.parse((OPS / rel).read_text())):
+            said = (
+                (
+                    isinstance(node, ast.Call)
+                    and ast.unparse(node.func) in ("Refused", "Failed")
+                    and any(map(kind, node.args))
+                )
+                or (isinstance(node, ast.Call) and any(k.arg == "error" and kind(k.value) for k in node.keywords))
+                or (
+                    isinstance(node, ast.Dict)
+                    and any(
+                        isinstance(k, ast.Constant) and k.value == "error" and kind(v)
+                        for k, v in zip(node.keys, node.values)
+                    )
+                )
+                or (
+                    isinstance(node, ast.Compare)
+                    and error_of(node.left)
+                    and any(kind(c) or (isinstance(c, ast.Tuple) and any(map(kind, c.elts))) for c in node.comparators)
+                )
+            )
+            if said:
+                found.append(f"ops/{rel}:{getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]}")
+    assert not found, "\n".join(found)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import probe
+from ops import probe, wire
 from ops.cli import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
@@ -80,6 +80,20 @@ def test_recorded_fact_set(path: Path) -> None:
     assert json.loads(json.dumps(got)) == got
     assert isinstance(exit_code_for_state(st.state), ExitCode)
     assert st.lines()[0] == st.headline() and st.headline()
+
+
+STATUSES = FACTS / "status"  # what each fact set classified to when it was stored: JSON and the lines
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
+def test_recorded_fact_set_classifies_to_its_stored_status(path: Path) -> None:
+    """The whole Status, not only its state: a change to how facts are read must not move a key or a line.
+    A change that means to move them rewrites the stored file (``json.dumps({"json": st.to_json(),
+    "lines": st.lines()}, indent=1, sort_keys=True)``) and says why."""
+    st = probe.classify(json.loads(path.read_text())["facts"])
+    want = json.loads((STATUSES / path.name).read_text())
+    assert json.loads(json.dumps(st.to_json())) == want["json"]
+    assert st.lines() == want["lines"]
 
 
 def test_exit_codes_follow_the_state_table() -> None:
@@ -376,12 +390,13 @@ def test_last_exception_takes_the_last_traceback_only() -> None:
 
 
 def test_progress_from_metrics_then_log() -> None:
-    p = probe.progress_of({"last": {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}}, None)
+    last = {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}
+    p = probe.progress_of(wire.Metrics(mtime=None, last=last), None)
     assert p == probe.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
     line = "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
-    p = probe.progress_of(None, {"tail": ["noise", line, "more noise"], "mtime": 0})
+    p = probe.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
     assert p == probe.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
-    assert probe.progress_of(None, {"tail": ["nothing"]}) is None
+    assert probe.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
 
 
 def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
@@ -420,3 +435,34 @@ def test_records_from_an_older_agent_are_checked_before_any_figure() -> None:
     assert "stop.json: not a JSON object" in text, text
     json.dumps(got, allow_nan=False)  # no NaN reaches --json
     assert st.lines()
+
+
+def test_a_mistyped_fact_of_the_agent_is_one_unreadable_record_line_not_a_figure_or_a_traceback() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    facts["agent"]["attempt"]["child"]["pid"] = "109"  # a pid as a string: never shown as the run's pid
+    facts["agent"]["attempt"]["members"] = ["junk"]
+    facts["agent"]["tmux"]["panes"] = "junk"
+    facts["agent"]["disk"] = {"path": "/r", "free": "lots", "full": False}
+    st = probe.classify(facts)
+    assert st.state == "running" and st.pid is None
+    unreadable = [e for e in st.evidence if e.startswith("unreadable record: ")]
+    assert unreadable == [
+        "unreadable record: probe.attempt.child: pid: expected a whole number",
+        "unreadable record: probe.attempt: members: expected a list of objects",
+        "unreadable record: probe.disk: free: expected a whole number",
+        "unreadable record: probe.tmux: panes: expected a list of objects",
+    ]
+    facts["agent"]["attempt"]["child"] = "alive"  # not an object at all
+    st = probe.classify(facts)
+    assert "unreadable record: probe.attempt.child: expected an object" in st.evidence
+    assert st.state == "running" and st.pid == 8  # the runner is alive
+
+
+def test_a_gpu_entry_that_is_no_object_is_named_and_the_status_still_prints() -> None:
+    facts = copy.deepcopy(load("running")["facts"])
+    gpu = {"index": 0, "name": "H200", "memory_used_mib": 1.0, "memory_total_mib": 2.0, "utilization_pct": 3.0}
+    facts["agent"]["gpus"] = [gpu, "junk"]
+    st = probe.classify(facts)
+    assert st.to_json()["gpus"] == [gpu]
+    assert "  gpu 0:     1.0/2.0 MiB, 3.0% util" in st.lines()
+    assert "unreadable record: probe: gpus: expected a list of objects" in st.evidence

@@ -591,3 +591,26 @@ def test_once_restarts_now_and_says_so() -> None:
     p = policy(once=True, backoff=10)
     d = p.observe(crashed(1, at=T0), T0)
     assert (d.action, d.delay) == (RESTART, 0.0) and d.reason.startswith("restart now (--once)")
+
+
+def test_supervise_status_of_a_mistyped_answer_names_each_bad_key_in_one_line() -> None:
+    from ops import wire
+    from ops.supervise import install
+
+    answer = {
+        "installed": True,
+        "running": True,
+        "pid": "123",  # a pid as a string: not shown as one
+        "since": "2026-12-01 10:00:00",
+        "service": {"mode": "tmux", "tmux_socket": "s"},
+        "unit": {"tmux_session": "alive"},
+        "incidents": {"count": 2, "newest": ["junk", {"time": "t1", "state": "lost", "action": "wait"}]},
+        "log": "/x/supervisor.log",
+    }
+    lines = install.status_lines("pve", "dflash", wire.parse_supervisor_status(answer))
+    assert lines[0] == "supervisor of pve/dflash on pve: running (tmux, pid None, since 2026-12-01 10:00:00)"
+    assert "    t1  lost: wait None" in lines
+    assert [x for x in lines if x.startswith("  unreadable:")] == [
+        "  unreadable:  supervise status: pid: expected a whole number",
+        "  unreadable:  supervise status.incidents: newest: expected a list of objects",
+    ]

@@ -397,7 +397,9 @@ def test_the_host_side_loads_nothing_but_the_stdlib_and_ops() -> None:
     p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(repo)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     ours = [m for m in json.loads(p.stdout) if m.split(".")[0] not in sys.stdlib_module_names and m != "__main__"]
-    assert "ops.supervise.loop" in ours and all(m == "ops" or m.startswith("ops.") for m in ours), ours
+    assert (
+        "ops.supervise.loop" in ours and "ops.wire" in ours and all(m == "ops" or m.startswith("ops.") for m in ours)
+    ), ours
 
 
 HF_TOKEN = "hf_Zq8secretTOKENvalue42"
