@@ -1,14 +1,19 @@
 """`dflashctl status --json` vs the raw one-liner a user would type, against the same sshd + fake
 Proxmox container + live tmux session (all on 127.0.0.1).
 
-    .venv/bin/python -m bench.status_vs_raw [--rounds 15]
+    .venv/bin/python -m bench.status_vs_raw [--rounds 15] [--dflashctl PATH]
 
 raw:    ssh ... 'pct exec 200 -- tmux -L <sock> capture-pane -t =dflash: -p -S -30'   (30 lines, no state;
         `-t =dflash` without the colon fails: "can't find pane: =dflash")
 status: dflashctl status --json   (a fresh CLI process: one ssh connection, one agent call, the full state)
 
-Prints the median wall time of each (rounds interleaved, so both see the same machine load), and the
-ratio of medians. Goal: ratio <= 1.5.
+The dflashctl measured is the operator's install, .venv-base's (scripts/floor-venv base), when it is there,
+else this interpreter's (an editable install's finder adds its own start-up); --dflashctl picks one.
+
+Prints the median wall time of each (rounds interleaved, so both see the same machine load), the ratio of
+medians (goal: <= 1.25), then where status's time goes: each round also runs bench/status_phases.py (one
+status in a process of the same interpreter, its phases timed) and the agent's own work inside the
+container; the medians of each phase are printed.
 """
 
 from __future__ import annotations
@@ -18,15 +23,23 @@ import json
 import shlex
 import statistics
 import sys
+import time
+from pathlib import Path
 
 from testkit import retry_until
 from testkit.runkit import bench_box, fake_release, timed, train_command
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = Path(__file__).with_name("status_phases.py")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--dflashctl", default=None, help="the dflashctl to measure (default: .venv-base's, else ours)")
     args = ap.parse_args()
+    base = REPO / ".venv-base" / "bin" / "dflashctl"
+    dflashctl = args.dflashctl or (str(base) if base.exists() else None)
 
     with bench_box("dflash-bench") as hosts:
         finish = hosts.workdir.parent / "finish"
@@ -61,13 +74,17 @@ def main() -> int:
         )
         from testkit.hostsfile import dflashctl_argv
 
-        status = [*dflashctl_argv(), "--hosts", str(hosts.path), "status", "--json"]
+        ctl = [dflashctl] if dflashctl else dflashctl_argv()
+        python = _python_of(ctl)
+        status = [*ctl, "--hosts", str(hosts.path), "status", "--json"]
         env = hosts.env()
         # warm-up: page cache, sshd's first fork
         for _ in range(2):
             timed(raw)
             timed(status, env)
         t_raw, t_status = [], []
+        phases: dict[str, list[float]] = {}
+        agent: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             dt, p = timed(raw)
             assert p.returncode == 0 and "step" in p.stdout, p.stderr
@@ -75,6 +92,14 @@ def main() -> int:
             dt, p = timed(status, env)
             assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
             t_status.append(dt)
+            p = timed([python, "-I", str(PHASES), str(hosts.path), repr(time.time())], env)[1]
+            assert p.returncode == 0, p.stderr[-2000:]
+            split = json.loads(p.stdout.strip().splitlines()[-1])
+            assert split["state"] == "running", split
+            for k, v in split["phases"].items():
+                phases.setdefault(k, []).append(v)
+            for k, v in split["agent"].items():
+                agent.setdefault(k, []).append(v)
         finish.touch()
 
     m_raw, m_status = statistics.median(t_raw), statistics.median(t_status)
@@ -85,8 +110,27 @@ def main() -> int:
     print(
         f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})"
     )
-    print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.5x)")
+    print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.25x)")
+    print(f"dflashctl: {' '.join(ctl)}")
+    print(f"\nstatus --json by phase (bench/status_phases.py, {python}; median ms of {args.rounds} rounds):")
+    for k, v in phases.items():
+        if len(v) == args.rounds and statistics.median(v) >= 0.0005:
+            print(f"  {statistics.median(v) * 1000:7.1f}  {k}")
+    print(f"  {sum(statistics.median(v) for v in phases.values()) * 1000:7.1f}  sum of the medians")
+    print("the agent inside the container (a second connection, after the status; median ms):")
+    for k, v in agent.items():
+        if isinstance(v[0], (int, float)):
+            print(f"  {statistics.median(v) * 1000:7.1f}  {k}")
     return 0
+
+
+def _python_of(argv: list[str]) -> str:
+    """The interpreter behind a dflashctl command line (a console script's shebang, or argv[0])."""
+    first = Path(argv[0])
+    if len(argv) > 1:
+        return argv[0]
+    line = first.read_text().splitlines()[0]
+    return line[2:].strip() if line.startswith("#!") else sys.executable
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ from dflash.config import ConfigError, load_config
 from dflash.corpus import drop_lines
 from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, BadInput, DataError, DflashError, Failed
 
-# The modules above import neither torch nor transformers. A command imports the rest inside its function:
+# The modules above import neither torch nor transformers (nor anything the base install lacks: `pip install
+# dflash` alone is the operator's dflashctl; main() names the [train] extra before any command runs). A command imports the rest inside its function:
 # they pull in torch and transformers (seconds), which `--help`, a usage error or another command need not pay.
 
 
@@ -680,9 +681,23 @@ def export_cmd(
 cli.add_command(bench)
 
 
+TRAINING_CORE = ("torch", "transformers", "safetensors", "accelerate")  # the [train] extra's modules
+TRAIN_EXTRA = "pip install 'dflash[train]'"
+
+
+def require_training_core() -> None:
+    """Every command needs the [train] extra: without it one line naming it (found without importing torch)."""
+    import importlib.util
+
+    missing = [name for name in TRAINING_CORE if importlib.util.find_spec(name) is None]
+    if missing:
+        raise Failed(f"dflash: the training core is not installed (no {', '.join(missing)}): {TRAIN_EXTRA}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; maps errors to the exit codes above (the only place that does: ``dflash.errors``)."""
     try:
+        require_training_core()
         # a command's return value, or the code of a click ``Exit`` (``--help``: 0)
         rv = cli.main(args=argv, prog_name="dflash", standalone_mode=False)
     except SystemExit as e:  # sys.exit() deep in a library

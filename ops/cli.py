@@ -401,14 +401,19 @@ def status_cmd(
             raise click.UsageError("--facts is for one host: use --host")
         hosts = list(app.inventory.hosts.values()) if every_host else app.members()
         label = "all" if every_host else f"group {app.group_name}"
+        kept: dict[str, t.Any] = {}  # one connection per host across the rounds of --watch
         try:
             while True:
-                code = group_commands.status_of_many(hosts, session, label, as_json=as_json, stamp=bool(watch))
+                code = group_commands.status_of_many(
+                    hosts, session, label, as_json=as_json, stamp=bool(watch), kept=kept if watch else None
+                )
                 if not watch:
                     return code
                 time.sleep(watch)
         except KeyboardInterrupt:
             return ExitCode.OK
+        finally:
+            group_commands.close_all(kept)
     host = app.host
     code = ExitCode.OK
     try:

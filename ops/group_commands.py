@@ -21,6 +21,13 @@ def say(name: str, text: str, *, err: bool = False) -> None:
             click.echo(f"{name}: {line}", err=err)
 
 
+def close_all(kept: dict[str, t.Any]) -> None:
+    """The connections status_of_many kept for --watch."""
+    for remote in kept.values():
+        remote.close()
+    kept.clear()
+
+
 def on_each(
     hosts: t.Sequence[Host], group: str | None, verb: t.Callable[[Host, t.Any, t.Callable[[str], None]], str]
 ) -> ExitCode:
@@ -51,7 +58,17 @@ def on_each(
     return code
 
 
-def status_of_many(hosts: list[Host], session: str | None, label: str, *, as_json: bool, stamp: bool) -> ExitCode:
+def status_of_many(
+    hosts: list[Host],
+    session: str | None,
+    label: str,
+    *,
+    as_json: bool,
+    stamp: bool,
+    kept: dict[str, t.Any] | None = None,
+) -> ExitCode:
+    """One status line per host and the verdict. ``kept``: connections by host name that outlive the call (the
+    rounds of --watch share them, as one host's --watch does); a host that is down gets a new one next round."""
     import json
     import time
 
@@ -59,20 +76,25 @@ def status_of_many(hosts: list[Host], session: str | None, label: str, *, as_jso
     from ops.probe import Status
     from ops.remote import Remote, connect
     from ops.session import status
+    from ops.states import State
+
+    pool: dict[str, Remote] = {} if kept is None else kept
 
     def one(host: Host) -> Status:
-        opened: list[Remote] = []
-
         def connect_once() -> Remote:
-            if not opened:
-                opened.append(connect(host))
-            return opened[0]
+            if host.name not in pool:  # each host's thread touches its own key only
+                pool[host.name] = connect(host)
+            return pool[host.name]
 
+        st = None
         try:
-            return status(host, session, connect_once)
+            st = status(host, session, connect_once)
+            return st
         finally:
-            for r in opened:
-                r.close()
+            if kept is None or st is None or st.state in (State.UNREACHABLE, State.CONTAINER_DOWN):
+                remote = pool.pop(host.name, None)
+                if remote is not None:
+                    remote.close()
 
     outcomes = fan_out(hosts, one)
     for o in outcomes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import subprocess
 import sys
 import typing as t
 from pathlib import Path
@@ -123,3 +124,30 @@ def tf457_python() -> str:
 def floor_python() -> str:
     """The interpreter of .venv-floor: transformers 5.17, speculators 0.9.0, the project (editable)."""
     return _side_python(".venv-floor", "floor")
+
+
+@pytest.fixture(scope="session")
+def base_python() -> str:
+    """The interpreter of .venv-base: the project installed with no extra (the operator's: no torch), from a
+    copy of the checkout. A copy that no longer matches the checkout would test old code: it counts as missing."""
+    python = _side_python(".venv-base", "base")
+    where = subprocess.run(
+        [python, "-c", "import dflash, ops, os; print(os.path.dirname(os.path.dirname(ops.__file__)))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",  # not this checkout's packages, the installed ones
+    )
+    if where.returncode != 0:
+        _missing(f"{python} cannot import the project: {where.stderr.strip()[-300:]}")
+    site = Path(where.stdout.strip())
+    for pkg in ("dflash", "ops"):
+        for f in sorted((REPO / pkg).rglob("*")):
+            rel = f.relative_to(REPO)
+            if f.is_file() and "__pycache__" not in rel.parts:
+                installed = site / rel
+                if not installed.is_file() or installed.read_bytes() != f.read_bytes():
+                    _missing(
+                        f"{python}'s copy of the project is older than the checkout ({rel}): scripts/floor-venv base"
+                    )
+    return python

@@ -28,10 +28,25 @@ def requirements(entries: list[str]) -> dict[str, Requirement]:
     return {r.name: r for r in reqs}
 
 
+# the base install (the operator's dflashctl) and the training core, the [train] extra
+TRAINING = PYPROJECT["dependencies"] + PYPROJECT["optional-dependencies"]["train"]
+OPERATOR = {"click", "paramiko", "proxmoxer", "requests", "numpy"}
+
+
+def test_the_base_install_is_the_operators_and_train_is_the_training_core() -> None:
+    base = requirements(PYPROJECT["dependencies"])
+    assert set(base) == OPERATOR, sorted(base)
+    assert {"torch", "transformers", "safetensors", "accelerate"} == set(
+        requirements(PYPROJECT["optional-dependencies"]["train"])
+    )
+    # the tests train tiny models: [test] pulls the training core
+    assert "dflash[train]" in PYPROJECT["optional-dependencies"]["test"]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_dependencies_admit_the_engines_torch_and_transformers(engine: str) -> None:
     torch, transformers = ENGINES[engine]
-    deps = requirements(PYPROJECT["dependencies"])
+    deps = requirements(TRAINING)
     assert deps["torch"].specifier.contains(torch), (engine, str(deps["torch"]))
     assert deps["transformers"].specifier.contains(transformers), (engine, str(deps["transformers"]))
     for extra, entries in PYPROJECT["optional-dependencies"].items():
@@ -41,7 +56,7 @@ def test_the_dependencies_admit_the_engines_torch_and_transformers(engine: str) 
 
 
 def test_deploy_installs_the_ranges_pyproject_declares() -> None:
-    deps = requirements(PYPROJECT["dependencies"])
+    deps = requirements(TRAINING)
     for module, entry in REQUIRED_MODULES.items():
         req = Requirement(entry)
         if req.name == "torch":  # unpinned on purpose: a GPU box brings its own CUDA build

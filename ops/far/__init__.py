@@ -24,9 +24,11 @@ never consulted).
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-HERE = Path(__file__).resolve().parent
+# os.path, not pathlib: every agent call imports this package, and pathlib (with urllib.parse, ipaddress and
+# fnmatch) was a fifth of the agent's imports
+HERE = os.path.dirname(os.path.realpath(__file__))
 
 _BOOT = """import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]
@@ -52,6 +54,11 @@ def program(main: str, deps: tuple[str, ...]) -> str:
     Python >= 3.7 (the far side's interpreter may be old; it must run far enough to say so)."""
     parts = [_BOOT]
     for name in (*deps, main):
-        parts.append("_module({!r}, {!r})\n".format(f"ops.far.{name}", (HERE / f"{name}.py").read_text()))
+        parts.append("_module({!r}, {!r})\n".format(f"ops.far.{name}", _read(os.path.join(HERE, f"{name}.py"))))
     parts.append("sys.exit(sys.modules[{!r}].main(sys.argv[1:]))\n".format(f"ops.far.{main}"))
     return "".join(parts)
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()

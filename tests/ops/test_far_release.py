@@ -199,7 +199,7 @@ def test_what_travels_by_value_runs_on_an_old_python_to_say_it_is_too_old(tmp_pa
     from ops.far import HERE
 
     for name in (*deploy_mod.RELEASE_DEPS, "release"):
-        ast.parse((HERE / f"{name}.py").read_text(), filename=f"{name}.py", feature_version=(3, 7))
+        ast.parse((Path(HERE) / f"{name}.py").read_text(), filename=f"{name}.py", feature_version=(3, 7))
     req = json.dumps({"workdir": str(tmp_path / "wd"), "run_dir": str(tmp_path), "session": "s", "modules": []})
     for version in ("3.7.16", "3.8.18"):  # pyenv builds this machine kind keeps (CI's image too)
         old = Path(f"/root/.pyenv/versions/{version}/bin/python")

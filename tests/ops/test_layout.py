@@ -91,6 +91,18 @@ def test_the_agent_and_the_runner_load_nothing_but_the_stdlib_and_ops_far() -> N
     assert ours and all(m in ("ops", "ops.far") or m.startswith("ops.far.") for m in ours), ours
 
 
+def test_the_agent_does_not_load_pathlib_which_the_probe_does_not_use() -> None:
+    """Every status pays the agent's imports: what the probe does not use stays unloaded (pathlib with
+    urllib.parse and ipaddress was a fifth of them)."""
+    code = "import sys, json; sys.path.insert(0, sys.argv[1])\nimport ops.far.agent\nprint(json.dumps(sorted(sys.modules)))"
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(REPO)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    loaded = set(json.loads(p.stdout))
+    assert not loaded & {"pathlib", "urllib.parse", "ipaddress"}, sorted(
+        loaded & {"pathlib", "urllib.parse", "ipaddress"}
+    )
+
+
 def test_no_package_has_an_import_circle() -> None:
     """Imports that run (module level or inside a function; not TYPE_CHECKING ones) form no cycle."""
     edges = {

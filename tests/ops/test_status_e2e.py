@@ -367,3 +367,40 @@ def test_attach_prints_the_ssh_pct_tmux_command(box: Box) -> None:
         remote_command([h["pct"], "exec", "200", "--", "tmux", "-L", box.socket, "attach-session", "-t", "=dflash"])
     )
     assert r.stdout.rstrip().endswith(f"-- root@127.0.0.1 {tail}")
+
+
+@pytest.mark.parametrize("every", [False, True], ids=["one-host", "all"])
+def test_status_watch_keeps_one_ssh_connection_across_its_rounds(pve_hosts: PveHosts, every: bool) -> None:
+    import signal
+    import threading
+
+    from testkit.hostsfile import dflashctl_argv
+
+    log = pve_hosts.sshd.log
+    before = log.read_text().count("Accepted publickey")
+    argv = [
+        *dflashctl_argv(),
+        "--hosts",
+        str(pve_hosts.path),
+        "status",
+        *(["--all"] if every else []),
+        "--watch",
+        "0.5",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=pve_hosts.env(), cwd=pve_hosts.root
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(t.cast(t.IO[str], proc.stdout)), daemon=True)
+    reader.start()
+    try:
+        retry_until(lambda: sum(x.startswith("--- ") for x in lines) >= 4, 60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=60)  # Ctrl-C: one host's watch exits with the last state's code, --all's with 0
+    err = t.cast(t.IO[str], proc.stderr).read()
+    assert code == (0 if every else 7) and "Traceback" not in err, err
+    reader.join(timeout=10)
+    assert any("not-started" in x for x in lines), lines
+    # four rounds (and more), one login: the rounds share the host's connection
+    assert log.read_text().count("Accepted publickey") - before == 1, lines

@@ -385,3 +385,17 @@ print(sorted(m for m in ("paramiko", "invoke", "cryptography") if m in sys.modul
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_paramiko_is_imported_without_importlib_metadata_and_knows_its_version() -> None:
+    """Every ssh status pays paramiko's import: its `importlib.metadata` (only for its own version, the SSH
+    banner's) is left out, and the version is still the installed one."""
+    import importlib.metadata
+
+    code = (
+        "import sys\nfrom ops.transport import SSHTransport\nfrom ops.transport._paramiko import paramiko\n"
+        "print(paramiko.__version__, 'importlib.metadata' in sys.modules)"
+    )
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [importlib.metadata.version("paramiko"), "False"], p.stdout
