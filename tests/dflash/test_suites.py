@@ -410,6 +410,18 @@ def test_cli_decodes_every_turn_with_the_chat_template_and_reports_per_suite(
     assert mt["report"]["num_prompts"] == 4 and mt["conversations"] == 2
 
 
+def test_a_suite_report_that_cannot_be_written_is_one_line_after_the_report(
+    tiny: Tiny, folders: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json on a full disk: the table is on stdout already, the failed write is one line, exit 1."""
+    args = ["--untrained", "--config", str(tiny.config), "--suite", f"gsm8k={folders['gsm8k']}"]
+    rc, stdout, err = run_cli(capsys, *args, "--max-new", "4", "--limit", "1", "--json", "/dev/full")
+    assert rc == 1
+    assert "output identical to plain greedy decoding" in stdout
+    assert err.strip().splitlines()[-1].startswith("eval: /dev/full: "), err
+    assert "Traceback" not in err
+
+
 def test_the_published_figure_stands_beside_ours_for_the_same_target(
     tiny: Tiny,
     folders: dict[str, Path],
