@@ -27,6 +27,7 @@ The code: ``policy`` (Options, backoff, Policy), ``state`` (state dir, lock, inc
 (Supervisor, save_stack).
 """
 
+from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Action
 from ops.supervise.loop import STACK_FILE, STACK_TIMEOUT, Outcome, Supervisor, save_stack
 from ops.supervise.policy import (
@@ -45,19 +46,17 @@ from ops.supervise.policy import (
     Policy,
     backoff_delay,
     describe,
-    parse_iso,
     reconnect_delay,
 )
 from ops.supervise.state import (
     HOOK_TIMEOUT,
     IncidentLog,
     Lock,
-    default_state_dir,
     incident_for,
     parse_hook,
-    private_dir,
     run_hook,
 )
+from ops.times import parse_iso
 
 __all__ = [
     "Action",

@@ -34,11 +34,12 @@ from ops import errors
 from ops.far import tmux
 from ops.far.atomic import write_json_atomic
 from ops.hosts import Host, load_inventory, supervise_dir_problem
+from ops.state_dir import private_dir
 from ops.supervise import record, unit
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.loop import Supervisor
 from ops.supervise.policy import Options
-from ops.supervise.state import private_dir, slug
+from ops.supervise.state import slug
 from ops.transport import CommandResult, LocalTransport
 
 VERBS = ("install", "status", "stop", "uninstall", "logs")

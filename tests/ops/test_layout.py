@@ -147,3 +147,16 @@ def test_every_bench_runs_as_a_module_of_the_bench_package() -> None:
         text = path.read_text()
         assert f"python -m bench.{path.stem}" in (ast.get_docstring(ast.parse(text)) or ""), path.name
         assert "sys.path" not in text, path.name
+
+
+def test_only_the_command_line_reaches_up_into_restart_on_crash() -> None:
+    """ops.supervise builds on the operator's modules (probe, session, remote), never the other way: a helper
+    both need lives below both (ops/state_dir.py, ops/times.py), and only cli.py, the top, imports ops.supervise."""
+    bad = []
+    for name, path in MODULES.items():
+        if not name.startswith("ops.") or name.startswith(("ops.supervise", "ops.far")) or name == "ops.cli":
+            continue
+        for imp in imports(path):
+            if any(m == "ops.supervise" or m.startswith("ops.supervise.") for m in targets(imp)):
+                bad.append(f"{path.relative_to(REPO)}:{imp.line}: {imp.module}")
+    assert bad == []
