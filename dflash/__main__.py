@@ -4,7 +4,7 @@
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
-    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force] [--format zlab|speculators]
+    dflash export CKPT OUT [--dtype bfloat16|float16|float32] [--eval eval.json] [--force] [--format zlab|speculators]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
@@ -30,6 +30,7 @@ import typing as t
 import click
 
 from dflash.bench_commands import bench
+from dflash.dtypes import ALIASES, NAMES, canonical
 from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, DflashError
 
 # The modules above import neither torch nor transformers. A command imports the rest inside its function:
@@ -338,10 +339,10 @@ def eval_cmd(**options: t.Any) -> None:
 @click.argument("out", metavar="OUT", type=click.Path())
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
-    default="bf16",
+    type=click.Choice([*NAMES, *ALIASES]),
+    default="bfloat16",
     show_default=True,
-    help="Weights dtype of the exported model.",
+    help="Weights dtype of the exported model (bf16, fp16, fp32: the same, short).",
 )
 @click.option(
     "--eval",
@@ -372,6 +373,7 @@ def export_cmd(
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
+    dtype = canonical(dtype) or dtype
     path = export(
         source,
         out,
