@@ -18,7 +18,7 @@ On a CUDA machine (``--quick``: at most ~6 minutes on one GPU, compile included)
    ``--quick`` warms up only the shape classes the smoke's data makes (``dflash.compile.shape_class``);
 3. ``--quick``: the class check: a one-layer drafter of the same width is compiled for every shape class
    (``dflash.compile.warm_up_shapes``), then one batch of each class, in other sizes than its warm-up's, is
-   trained under ``fail_on_recompile``: each must hit compiled code (item 3 of issue 20);
+   trained under ``fail_on_recompile``: each must hit compiled code;
 4. prints: the vocabulary and MASK id, Ktok/s, drafter step time, the drafter step's MFU, peak memory per
    GPU, compile time (train() start to the pipeline start: the warm-up), compiled cache entries per drafter
    device, recompiles after warm-up (must be 0), eager (unfused) flex calls (must be 0), and an averaging
@@ -520,7 +520,7 @@ def gpu_memory() -> list[dict[str, t.Any]]:
 
 
 # --------------------------------------------------------------------------------------------
-# --quick: warm-up of the data's classes; the class check (issue 20, item 3)
+# --quick: warm-up of the data's classes; the class check
 
 
 def data_shapes(run: t.Any, args: argparse.Namespace) -> list[tuple[int, int, int]]:

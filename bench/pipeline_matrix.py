@@ -1,4 +1,4 @@
-"""The pipeline figures of issue 7, one run after the other on this machine (same costs, same steps).
+"""The pipeline figures, one run after the other on this machine (same costs, same steps).
 
     .venv/bin/python -m bench.pipeline_matrix [--steps 1500] [--target-ms 80] [--drafter-ms 60] [--json out.json]
 

@@ -90,3 +90,15 @@ def test_every_dflash_module_has_its_stage_in_the_design() -> None:
     named = re.findall(r"`([\w]+\.py)`", table)
     assert sorted(n for n in set(named) if named.count(n) > 1) == []
     assert sorted(set(named) ^ {p.name for p in (REPO / "dflash").glob("*.py")} - {"__init__.py"}) == []
+
+
+def test_no_comment_or_docstring_points_at_an_issue_number() -> None:
+    """The repository has no tracker: an issue number, or a finding label such as H2 or M8, means nothing to a reader."""
+    pointer = re.compile(r"\bissues? #?\d+|^\s*(?:\"\"\"|#|-)\s*[HM]\d+\b", re.I | re.M)
+    bad = []
+    for top in ("dflash", "ops", "testkit", "tests", "bench", "scripts"):
+        for path in sorted((REPO / top).rglob("*")):
+            if path.suffix in (".py", ".sh") or (path.parent.name == "scripts" and not path.suffix):
+                for m in pointer.finditer(path.read_text(errors="replace")):
+                    bad.append(f"{path.relative_to(REPO)}: {m.group(0).strip()}")
+    assert bad == []

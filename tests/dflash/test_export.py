@@ -1,4 +1,4 @@
-"""Issue 13 section 4: checkpoints any Hugging Face user can load (dflash.py remote code, export, MASK id)."""
+"""Checkpoints any Hugging Face user can load (dflash.py remote code, export, MASK id)."""
 
 from __future__ import annotations
 
@@ -372,7 +372,7 @@ def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_jso
     )
 
 
-# ---- tried as a hostile user would (issue 21 section 2) ---------------------------------------
+# ---- tried as a hostile user would ---------------------------------------
 
 
 def export_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -386,7 +386,7 @@ def export_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
 def test_export_force_never_deletes_what_it_did_not_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """H3: `export CKPT . --force` deleted the working directory; OUT = the checkpoint replaced it (trainer
+    """`export CKPT . --force` deleted the working directory; OUT = the checkpoint replaced it (trainer
     state, manifest, fp32 weights gone); OUT = the checkpoints folder deleted every step-*. And
     `export CKPT .` in an empty folder removed it, then crashed."""
     root = tmp_path / "run" / "checkpoints"

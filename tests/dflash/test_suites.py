@@ -1,7 +1,7 @@
 """`dflash eval --suite`: the published tables' suites read through `datasets` from local folders laid out
 as the hub repositories are (their files, splits, configs and field names; a save_to_disk copy too), in
 z-lab's wording and selection, decoded with the target's chat template (mt-bench's turn 2 after the
-target's own turn 1), and set beside the published tau (issue 24, section 1).
+target's own turn 1), and set beside the published tau.
 
 The target is test_eval_chat's: a tiny random-init Qwen3 saved as a HF folder with a real BPE tokenizer
 and a Qwen3-like chat template; the drafter is the untrained one of a run config, enough here: what is

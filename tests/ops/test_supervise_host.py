@@ -1,4 +1,4 @@
-"""Issue 25 section 2: `dflashctl supervise install` puts the supervisor on the Proxmox host, where it
+"""`dflashctl supervise install` puts the supervisor on the Proxmox host, where it
 cannot fall asleep.
 
 Real parts: the REAL dflashctl on "the laptop" (a subprocess with its own HOME), the real sshd on
