@@ -19,6 +19,11 @@ Prints bytes, seconds and GB/s. On CUDA the snapshot is a device-to-host copy; o
 
 from __future__ import annotations
 
+if (
+    not __package__
+):  # `python bench/checkpoint_barrier.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.checkpoint_barrier")
+
 import argparse
 import shutil
 import tempfile

@@ -60,6 +60,9 @@ Exit code: 0 when every check passed, 1 when one failed (the table says which), 
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/gpu_smoke.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.gpu_smoke")
+
 import argparse
 import copy
 import json

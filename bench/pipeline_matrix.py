@@ -14,6 +14,9 @@ rates) x tokens per batch, their ratio, and for per-drafter mode the best round-
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/pipeline_matrix.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.pipeline_matrix")
+
 import argparse
 import json
 import logging

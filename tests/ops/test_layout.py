@@ -160,3 +160,20 @@ def test_only_the_command_line_reaches_up_into_restart_on_crash() -> None:
             if any(m == "ops.supervise" or m.startswith("ops.supervise.") for m in targets(imp)):
                 bad.append(f"{path.relative_to(REPO)}:{imp.line}: {imp.module}")
     assert bad == []
+
+
+def test_a_bench_run_by_its_path_says_the_module_form_in_one_line() -> None:
+    """`python bench/NAME.py` cannot import bench or testkit (nothing edits sys.path): every bench with a
+    __main__ says `python -m bench.NAME` before an import could fail; one is run by its path to prove it."""
+    for path in sorted((REPO / "bench").glob("*.py")):
+        text = path.read_text()
+        if path.name == "__init__.py" or "__main__" not in text:
+            continue
+        tree = ast.parse(text)
+        first = next(n for n in tree.body[1:] if not (isinstance(n, ast.ImportFrom) and n.module == "__future__"))
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "not __package__", path.name
+        assert f"python -m bench.{path.stem}" in ast.unparse(first.body[0]), path.name
+    p = subprocess.run(
+        [sys.executable, "bench/gpu_smoke.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", "run it from the repo root as: python -m bench.gpu_smoke\n")
