@@ -24,6 +24,11 @@ Peak RSS is the kernel's VmHWM, reset to the current RSS right before averaging 
 
 from __future__ import annotations
 
+if (
+    not __package__
+):  # `python bench/averaging_memory.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.averaging_memory")
+
 import argparse
 import json
 import os

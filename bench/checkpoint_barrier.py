@@ -19,6 +19,11 @@ Prints bytes, seconds and GB/s. On CUDA the snapshot is a device-to-host copy; o
 
 from __future__ import annotations
 
+if (
+    not __package__
+):  # `python bench/checkpoint_barrier.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.checkpoint_barrier")
+
 import argparse
 import shutil
 import tempfile
@@ -29,9 +34,8 @@ import torch
 
 from dflash import checkpoint as ckpt
 from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.dtypes import NAMES, torch_dtype
 from dflash.target import tiny_target_config
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def nbytes(obj: object) -> int:
@@ -49,7 +53,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--dtype", choices=NAMES, default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", default=None, help="Where to write (default: a temp dir under /var/tmp).")
     args = ap.parse_args()
@@ -66,9 +70,9 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = DFlashDraftModel(draft_config_for(tc, num_layers=args.layers, block_size=16, mask_token_id=1023))
-    model.to(device=args.device, dtype=DTYPES[args.dtype])
+    model.to(device=args.device, dtype=torch_dtype(args.dtype))
     params = [p for p in model.parameters() if p.requires_grad]
-    separate = DTYPES[args.dtype] != torch.float32
+    separate = torch_dtype(args.dtype) != torch.float32
     opts, masters = [], []
     for _ in range(args.replicas):  # each replica's masters and moments (the model is shared: same bytes)
         m = [torch.nn.Parameter(p.detach().float().clone()) for p in params] if separate else params

@@ -14,6 +14,9 @@ One torch thread, so that figures are comparable on a shared machine. Prints fig
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/chunked_loss.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.chunked_loss")
+
 import argparse
 import json
 import os

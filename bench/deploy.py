@@ -15,6 +15,9 @@ Figures:
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/deploy.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.deploy")
+
 import argparse
 import os
 import random

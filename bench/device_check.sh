@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 20 in one command, for a lent one-GPU box (docs/gpu.md, "Checking a GPU box"):
+# The GPU check in one command, for a lent one-GPU box (docs/gpu.md, "Checking a GPU box"):
 #
 #     bench/device_check.sh [gpu_smoke options...]
 #

@@ -12,6 +12,9 @@ run's wall time for both.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/eval_barrier.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.eval_barrier")
+
 import argparse
 import io
 import statistics

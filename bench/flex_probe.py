@@ -13,6 +13,9 @@ backend, forward only (the plumbing, for tests). Exit 0 when the BACKEND=TRITON 
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/flex_probe.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.flex_probe")
+
 import argparse
 import json
 import sys

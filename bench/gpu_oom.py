@@ -10,6 +10,9 @@ dir and classifies it with the agent's probe facts and ``ops.probe.classify``.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/gpu_oom.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.gpu_oom")
+
 import argparse
 import json
 import os

@@ -18,7 +18,7 @@ On a CUDA machine (``--quick``: at most ~6 minutes on one GPU, compile included)
    ``--quick`` warms up only the shape classes the smoke's data makes (``dflash.compile.shape_class``);
 3. ``--quick``: the class check: a one-layer drafter of the same width is compiled for every shape class
    (``dflash.compile.warm_up_shapes``), then one batch of each class, in other sizes than its warm-up's, is
-   trained under ``fail_on_recompile``: each must hit compiled code (item 3 of issue 20);
+   trained under ``fail_on_recompile``: each must hit compiled code;
 4. prints: the vocabulary and MASK id, Ktok/s, drafter step time, the drafter step's MFU, peak memory per
    GPU, compile time (train() start to the pipeline start: the warm-up), compiled cache entries per drafter
    device, recompiles after warm-up (must be 0), eager (unfused) flex calls (must be 0), and an averaging
@@ -59,6 +59,9 @@ Exit code: 0 when every check passed, 1 when one failed (the table says which), 
 """
 
 from __future__ import annotations
+
+if not __package__:  # `python bench/gpu_smoke.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.gpu_smoke")
 
 import argparse
 import copy
@@ -520,7 +523,7 @@ def gpu_memory() -> list[dict[str, t.Any]]:
 
 
 # --------------------------------------------------------------------------------------------
-# --quick: warm-up of the data's classes; the class check (issue 20, item 3)
+# --quick: warm-up of the data's classes; the class check
 
 
 def data_shapes(run: t.Any, args: argparse.Namespace) -> list[tuple[int, int, int]]:

@@ -20,6 +20,9 @@ is bounded by the link (2 x bytes x (N-1)/N per node for a ring all_reduce).
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/multinode.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.multinode")
+
 import argparse
 import datetime as dt
 import multiprocessing as mp

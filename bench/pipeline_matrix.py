@@ -1,4 +1,4 @@
-"""The pipeline figures of issue 7, one run after the other on this machine (same costs, same steps).
+"""The pipeline figures, one run after the other on this machine (same costs, same steps).
 
     .venv/bin/python -m bench.pipeline_matrix [--steps 1500] [--target-ms 80] [--drafter-ms 60] [--json out.json]
 
@@ -13,6 +13,9 @@ rates) x tokens per batch, their ratio, and for per-drafter mode the best round-
 """
 
 from __future__ import annotations
+
+if not __package__:  # `python bench/pipeline_matrix.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.pipeline_matrix")
 
 import argparse
 import json

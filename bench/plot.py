@@ -13,6 +13,9 @@ RSS of the dflashctl process (its largest process, os.wait4).
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/plot.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.plot")
+
 import argparse
 import json
 import os

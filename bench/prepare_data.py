@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/prepare_data.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.prepare_data")
+
 import argparse
 import json
 import os

@@ -10,6 +10,9 @@ the old fixed default (4 GiB, 4 MiB here) and the derived default (``feature_que
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/queue_bound.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.queue_bound")
+
 import argparse
 import itertools
 import threading

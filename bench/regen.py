@@ -14,6 +14,9 @@ model load are left out, as the hf load is).
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/regen.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.regen")
+
 import argparse
 import io
 import json

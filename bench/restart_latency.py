@@ -15,6 +15,9 @@ start and the trainer's first line. Goal: at most interval + 3 s on loopback.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/restart_latency.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.restart_latency")
+
 import argparse
 import functools
 import json

@@ -6,6 +6,9 @@ Usage: .venv/bin/python -m bench.ssh_reuse [-n 50]
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/ssh_reuse.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.ssh_reuse")
+
 import argparse
 import os
 import statistics

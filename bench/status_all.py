@@ -10,6 +10,9 @@ host's, not the sum. Prints the medians, the ratio, and one host alone for scale
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/status_all.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.status_all")
+
 import argparse
 import statistics
 import subprocess

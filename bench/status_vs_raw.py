@@ -18,6 +18,9 @@ container; the medians of each phase are printed.
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/status_vs_raw.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.status_vs_raw")
+
 import argparse
 import json
 import shlex

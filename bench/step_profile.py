@@ -22,6 +22,9 @@ Prints a small table (median ms per call, syncs per call); ``--json`` prints one
 
 from __future__ import annotations
 
+if not __package__:  # `python bench/step_profile.py`: bench and testkit import only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.step_profile")
+
 import argparse
 import collections
 import io

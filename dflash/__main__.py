@@ -4,7 +4,7 @@
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
-    dflash export CKPT OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force] [--format zlab|speculators]
+    dflash export CKPT OUT [--dtype bfloat16|float16|float32] [--eval eval.json] [--force] [--format zlab|speculators]
     dflash eval --drafter .dflash/runs/dflash/checkpoints [--untrained] [--json eval.json]
                 [--prompts FILE [--chat [--template-kwargs JSON]]] [--max-new N] [--ignore-eos]
                 [--plot eval.png [--compare eval-before.json]]
@@ -22,21 +22,16 @@ checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second S
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import sys
 import time
 import typing as t
-from pathlib import Path
 
 import click
 
-from dflash import eval_plot, inputs, model_config, outputs, suites
 from dflash.bench_commands import bench
-from dflash.chat import Renderer, load_tokenizer
-from dflash.config import ConfigError, load_config
-from dflash.corpus import drop_lines
-from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, BadInput, DataError, DflashError, Failed
+from dflash.dtypes import ALIASES, NAMES, canonical
+from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, DflashError, Failed
 
 # The modules above import neither torch nor transformers (nor anything the base install lacks: `pip install
 # dflash` alone is the operator's dflashctl; main() names the [train] extra before any command runs). A command imports the rest inside its function:
@@ -155,93 +150,11 @@ def make_tiny_cmd(
 @click.option(
     "--shard-lines", default=10_000, show_default=True, type=click.IntRange(1), help="Lines per resumable shard."
 )
-def prepare_data_cmd(
-    config_path: str | None,
-    tokenizer_path: str | None,
-    template_kwargs: str | None,
-    src: str,
-    out: str,
-    workers: int,
-    strict: bool,
-    max_len: int | None,
-    shard_lines: int,
-) -> None:
+def prepare_data_cmd(**options: t.Any) -> None:
     """Render a chat corpus with the target's chat template into a memory-mapped token store."""
-    from dflash.store import PrepareSpec, StoreError, prepare
+    from dflash.store import PrepareRequest, run_prepare
 
-    def fail(msg: str) -> t.NoReturn:
-        raise BadInput(msg)
-
-    if (config_path is None) == (tokenizer_path is None):
-        fail("prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH")
-    kwargs: dict[str, t.Any] = {}
-    vocab_size: int | None = None
-    if config_path is not None:
-        if template_kwargs is not None:
-            fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
-        try:
-            cfg = load_config(config_path, ())
-        except ConfigError as e:
-            fail(f"prepare-data: {e}")
-        kwargs = dict(cfg.data.chat_template_kwargs)
-        max_len = max_len or cfg.data.max_length
-        tokenizer_path = cfg.data.tokenizer or cfg.target.path
-        if tokenizer_path is not None and cfg.data.tokenizer is None:
-            try:  # a target folder without a tokenizer still prepares pre-tokenized data
-                load_tokenizer(tokenizer_path)
-            except DataError:
-                tokenizer_path = None
-        if tokenizer_path is None:  # pre-tokenized ids are checked against the target's vocabulary instead
-            vocab_size = _target_vocab(cfg)
-    elif template_kwargs is not None:
-        try:
-            kwargs = inputs.loads(template_kwargs)
-        except inputs.JsonProblem as e:
-            fail(f"prepare-data: --template-kwargs: {e}")
-        if not isinstance(kwargs, dict):
-            fail("prepare-data: --template-kwargs: expected a JSON object")
-    spec = PrepareSpec(
-        src=src,
-        out=out,
-        tokenizer_path=tokenizer_path,
-        kwargs=kwargs,
-        max_len=max_len or 3072,
-        workers=workers,
-        strict=strict,
-        shard_lines=shard_lines,
-        vocab_size=vocab_size,
-    )
-    try:
-        meta = prepare(spec, log=lambda m: click.echo(m, err=True))
-    except (StoreError, DataError) as e:
-        fail(str(e))
-    c = meta["counts"]
-    secs = meta["seconds"]
-    sup = 100.0 * c["supervised"] / max(c["tokens"], 1)
-    click.echo(
-        f"prepare-data: {c['records']} records -> {c['sequences']} sequences, {c['tokens']} tokens "
-        f"({sup:.0f}% supervised) in {secs:.1f}s ({c['records'] / max(secs, 1e-9):.0f} records/s, "
-        f"{workers} worker{'s' if workers > 1 else ''}); wrote {out}"
-    )
-    if c["cut"]:
-        click.echo(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
-    if c["dropped_turns"]:
-        click.echo(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
-    for line in drop_lines("prepare-data", meta["drops"]):
-        click.echo(line)
-
-
-def _target_vocab(cfg: t.Any) -> int | None:
-    """The vocabulary of the run's target without loading it: target.tiny, else its config.json (None: no
-    config.json there; one that is no model's is one line, never a vocabulary left unchecked)."""
-    if cfg.target.tiny is not None:
-        return int(cfg.target.tiny.vocab_size)
-    if not (Path(cfg.target.path).expanduser() / model_config.CONFIG_FILE).exists():
-        return None
-    try:
-        return model_config.read_vocab_size(cfg.target.path, "target.path")
-    except (inputs.InputFileError, inputs.RecordError) as e:
-        raise BadInput(f"prepare-data: target.path: {e}") from None
+    run_prepare(PrepareRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
 
 
 @cli.command("regen")
@@ -308,99 +221,11 @@ def _target_vocab(cfg: t.Any) -> int | None:
     type=click.IntRange(1),
     help="Not a TTY: a progress line every N conversations.",
 )
-def regen_cmd(
-    config_path: str,
-    overrides: tuple[str, ...],
-    src: str,
-    out: str,
-    backend: str,
-    server: str | None,
-    model: str | None,
-    concurrency: int,
-    timeout: float,
-    retries: int,
-    batch_size: int,
-    max_new_tokens: int | None,
-    shard_lines: int,
-    log_every: int,
-) -> None:
+def regen_cmd(**options: t.Any) -> None:
     """The target rewrites every assistant turn (temperature 0, the serving chat template and kwargs)."""
-    from dflash.regen import OpenAIGenerator, RegenError, RegenSpec, ServerError, check_io, load_hf, regen
+    from dflash.regen_command import RegenRequest, run_regen
 
-    def fail(msg: str) -> t.NoReturn:
-        raise BadInput(msg)
-
-    if backend == "openai" and not server:
-        fail("regen: --backend openai needs --server URL")
-    if backend == "hf" and server:
-        fail("regen: --server goes with --backend openai")
-    cfg = load_config(config_path, overrides)
-    kwargs = dict(cfg.data.chat_template_kwargs)
-    tok_path = cfg.data.tokenizer or cfg.target.path
-    renderer = None
-    try:
-        if tok_path is None:
-            raise DataError("no data.tokenizer and no target.path")
-        tok = load_tokenizer(tok_path)
-        if not getattr(tok, "chat_template", None):
-            raise DataError(f"the tokenizer in {tok_path} has no chat template")
-        renderer = Renderer(tok, kwargs)
-    except DataError as e:
-        if backend == "hf":
-            fail(f"regen: the hf backend renders prompts with the target's tokenizer and chat template: {e}")
-        click.echo(f"regen: no local tokenizer ({e}): answers bounded by --max-new-tokens only", err=True)
-    spec = RegenSpec(
-        src=src,
-        out=out,
-        kwargs=kwargs,
-        max_new_tokens=max_new_tokens or cfg.data.max_length,
-        max_len=cfg.data.max_length if renderer is not None else None,
-        shard_lines=shard_lines,
-        log_every=log_every,
-    )
-    gens: list[t.Any] = []
-    try:
-        check_io(spec)
-        if backend == "hf":
-            from transformers.utils import logging as hf_logging  # the hf backend only: seconds to import
-
-            hf_logging.disable_progress_bar()
-            assert renderer is not None
-            gens = list(load_hf(cfg, renderer.tokenizer, batch_size=batch_size))
-        else:
-            assert server is not None
-            gens = [
-                OpenAIGenerator(
-                    server, model=model, kwargs=kwargs, concurrency=concurrency, timeout=timeout, retries=retries
-                )
-            ]
-        summary = regen(spec, gens, renderer, log=lambda m: click.echo(m, err=True))
-    except RegenError as e:
-        fail(str(e))
-    except ServerError as e:
-        raise Failed(f"{e} (finished shards are kept: run again to go on)") from None
-    finally:
-        for g in gens:
-            if hasattr(g, "close"):
-                g.close()
-    c = summary["counts"]
-    secs = summary["seconds"]
-    click.echo(
-        f"regen: {c['records']} records -> {c['written']} written, {c['turns']} assistant turns "
-        f"regenerated in {secs:.1f}s ({summary['done_now'] / max(secs, 1e-9):.2f} conv/s, {backend}); wrote {out}"
-    )
-    if c["cut_answers"]:
-        click.echo(
-            f"regen: {c['cut_answers']} answers stopped at the token limit ({spec.max_new_tokens}, or "
-            f"max_length {spec.max_len} minus the prompt)"
-        )
-    if c["cut_conversations"]:
-        click.echo(
-            f"regen: {c['cut_conversations']} conversations end before a turn whose prompt fills "
-            f"max_length ({spec.max_len} tokens)"
-        )
-    for line in drop_lines("regen", summary["drops"]):
-        click.echo(line)
+    run_regen(RegenRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
 
 
 @cli.command("eval")
@@ -499,126 +324,15 @@ def regen_cmd(
     metavar="REPORT.json",
     help="With --plot: an earlier report (--json) drawn side by side, as before / after.",
 )
-def eval_cmd(
-    drafter_path: str | None,
-    untrained: bool,
-    config_path: str | None,
-    target_path: str | None,
-    prompts_path: str | None,
-    chat: bool,
-    template_kwargs: str | None,
-    suite_spec: str | None,
-    suite_dir: str | None,
-    max_new_tokens: int | None,
-    temperature: float,
-    seed: int,
-    count: str,
-    ignore_eos: bool,
-    limit: int | None,
-    ddtree_budget: int,
-    device: str,
-    json_path: str | None,
-    strict: bool,
-    plot_path: str | None,
-    compare_path: str | None,
-) -> None:
+def eval_cmd(**options: t.Any) -> None:
     """Exact speculative decoding on held-out prompts or the published suites: tau, acceptance,
     target-equivalence."""
-    from dflash.evaluate import check_max_new
+    from dflash.eval_command import BadOption, EvalRequest, run_eval
 
-    if max_new_tokens is None:
-        max_new_tokens = 2048 if suite_spec else 64
-    check_max_new(max_new_tokens)  # said before loading anything
-    specs = None
-    if suite_spec is not None:  # said before loading anything
-        if plot_path:
-            raise suites.SuiteError("--plot draws one report: give --prompts, not --suite")
-        specs = suites.parse_suites(suite_spec, suite_dir)
-    elif suite_dir is not None:
-        raise suites.SuiteError("--suite-dir goes with --suite")
-    before = None
-    if compare_path and not plot_path:
-        raise click.BadParameter("needs --plot FILE", param_hint="--compare")
-    if json_path:  # said before the (long) eval, not after it
-        outputs.check_out(json_path, what="eval: --json", kind="file")
-    if plot_path:  # said before the (long) eval, not after it
-        eval_plot.check_out(plot_path)
-        eval_plot.require_matplotlib()
-        before = eval_plot.load_report(compare_path) if compare_path else None
-
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from dflash.evaluate import evaluate, load_setup
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars are noise in a report
-
-    if device != "cpu" and not torch.cuda.is_available():
-        raise click.BadParameter(f"{device} asked for, but this torch has no CUDA device", param_hint="--device")
-    s = load_setup(
-        drafter=drafter_path,
-        untrained=untrained,
-        config=config_path,
-        target=target_path,
-        prompts=prompts_path,
-        device=device,
-        limit=limit,
-        chat=chat,
-        template_kwargs=template_kwargs,
-        max_new_tokens=max_new_tokens,
-        ignore_eos=ignore_eos,
-        suite=specs is not None,
-        log=lambda line: click.echo(line, err=True),  # which checkpoint a folder meant (checkpoints/best)
-    )
-    decoding: dict[str, t.Any] = {"temperature": temperature, "seed": seed, "count": count}
-    if specs is not None:
-        from dflash.suite_report import run_suites
-
-        suite_report = run_suites(
-            s,
-            specs,
-            max_new_tokens=max_new_tokens,
-            limit=limit,
-            ddtree_budget=ddtree_budget or None,
-            log=lambda line: click.echo(line, err=True),
-            **decoding,
-        )
-        for line in suite_report.lines():
-            click.echo(line)
-        if json_path:
-            with open(json_path, "w") as f:
-                f.write(json.dumps(suite_report.to_json(), indent=1) + "\n")
-        if strict and not suite_report.all_equal:
-            raise Failed()  # the report above says which outputs differ
-        return
-    if before is not None:  # said before the (long) eval, not after it
-        warning = eval_plot.protocol_warning(before, s.protocol(max_new_tokens, **decoding), compare_path or "")
-        if warning:
-            click.echo(warning, err=True)
-    report = evaluate(
-        s.target,
-        s.drafter,
-        s.prompts,
-        max_new_tokens=max_new_tokens,
-        drafter_name=s.drafter_name,
-        untrained=s.untrained,
-        step=s.step,
-        target_name=s.target_name,
-        prompts_name=s.prompts_name,
-        ddtree_budget=ddtree_budget or None,
-        stop_token_ids=s.stop_token_ids,
-        protocol=s.prompt_protocol,
-        **decoding,
-    )
-    for line in report.lines():
-        click.echo(line)
-    if json_path:  # the report is on stdout already: a failure here loses nothing
-        outputs.write_json(json_path, report.to_json(), command="eval")
-    if plot_path:
-        eval_plot.draw(plot_path, [before, report.to_json()] if before else [report.to_json()])
-        click.echo(f"plot: {plot_path}")
-    if strict and not report.all_equal:
-        raise Failed()  # the report above says which outputs differ
+    try:
+        run_eval(EvalRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
+    except BadOption as e:
+        raise click.BadParameter(e.message, param_hint=e.option) from None
 
 
 @cli.command("export")
@@ -626,10 +340,10 @@ def eval_cmd(
 @click.argument("out", metavar="OUT", type=click.Path())
 @click.option(
     "--dtype",
-    type=click.Choice(["bf16", "fp16", "fp32"]),
-    default="bf16",
+    type=click.Choice([*NAMES, *ALIASES]),
+    default="bfloat16",
     show_default=True,
-    help="Weights dtype of the exported model.",
+    help="Weights dtype of the exported model (bf16, fp16, fp32: the same, short).",
 )
 @click.option(
     "--eval",
@@ -660,6 +374,7 @@ def export_cmd(
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
     from dflash.export import export
 
+    dtype = canonical(dtype) or dtype
     path = export(
         source,
         out,

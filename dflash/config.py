@@ -25,12 +25,13 @@ import typing as t
 from pathlib import Path
 
 from dflash import inputs
+from dflash.dtypes import NAMES
 from dflash.errors import InputError
 from dflash.suites import SUITES  # names only: dflash.suites imports datasets when a suite is read
 
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = NAMES  # the canonical spelling only (dflash/dtypes.py)
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 

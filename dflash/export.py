@@ -1,6 +1,6 @@
 """`dflash export CKPT OUT`: a serving folder from a training checkpoint.
 
-    dflash export runs/tiny-cpu/checkpoints OUT [--dtype bf16|fp16|fp32] [--eval eval.json] [--force]
+    dflash export runs/tiny-cpu/checkpoints OUT [--dtype bfloat16|float16|float32] [--eval eval.json] [--force]
                   [--format zlab|speculators [--verifier TARGET]]
 
 OUT holds what a Hugging Face user or a serving engine loads, and nothing for resuming:
@@ -35,11 +35,11 @@ from safetensors.torch import save_file
 
 from dflash import checkpoint as ckpt
 from dflash import contract, hf_remote, inputs, model_config, outputs, speculators_format
+from dflash.dtypes import ALIASES, NAMES, canonical, torch_dtype
 from dflash.errors import InputError
 
-__all__ = ["DTYPES", "FORMATS", "ExportError", "export"]
+__all__ = ["FORMATS", "ExportError", "export"]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FORMATS = ("zlab", "speculators")
 
 
@@ -362,7 +362,7 @@ def export(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    dtype: str = "bf16",
+    dtype: str = "bfloat16",
     eval_report: str | os.PathLike[str] | None = None,
     force: bool = False,
     fmt: str = "zlab",
@@ -372,8 +372,8 @@ def export(
     """Write the serving folder ``out`` from a checkpoint (or the latest under a root); returns ``out``.
     ``fmt``: "zlab" (vLLM, SGLang and transformers read it) or "speculators" (``verifier``: the target it
     names, default the run's target folder)."""
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if canonical(dtype) is None:
+        raise ExportError(f"--dtype: expected one of {', '.join(NAMES)} (or {', '.join(ALIASES)}), got {dtype!r}")
     if fmt not in FORMATS:
         raise ExportError(f"--format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
     if verifier is not None and fmt != "speculators":
@@ -389,8 +389,8 @@ def export(
     except ckpt.CheckpointError as exc:
         raise ExportError(str(exc)) from None
     run = _run_config(path)
-    weights = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
-    config = json.loads(ckpt.config_json(model.config, dtype=DTYPES[dtype]))
+    weights = {k: v.detach().to(torch_dtype(dtype)).contiguous() for k, v in model.state_dict().items()}
+    config = json.loads(ckpt.config_json(model.config, dtype=torch_dtype(dtype)))
     target = _target_facts(run)
     try:  # said before anything is written: OUT stays as it was
         shapes = {k: tuple(v.shape) for k, v in weights.items()}

@@ -5,7 +5,7 @@
 - ``DrafterReplica``: a drafter with its fp32 master weights, AdamW, anchor generator and the target's
   frozen head; one ``step`` is one optimizer update over one batch or several (gradient accumulation, one
   weight sum), with the OOM retry's halved batch (``micro_batches``);
-- ``LRSchedule``: the learning rate at a global step; ``DTYPES``: the dtypes a config names.
+- ``LRSchedule``: the learning rate at a global step; ``torch_dtype``: a config's dtype name (dflash/dtypes.py).
 """
 
 from __future__ import annotations
@@ -19,17 +19,11 @@ import torch
 
 from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
 from dflash.drafter import DFlashDraftModel
+from dflash.dtypes import torch_dtype
 from dflash.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
 from dflash.loss import drafter_loss
 from dflash.pipeline import StepStats
 from dflash.target import TargetHead, TargetModel
-
-# The dtypes a config names (target.dtype, drafter.dtype), once for training, eval and regen.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return DTYPES[name]
 
 
 class LRSchedule:
@@ -484,7 +478,6 @@ def _add(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "DTYPES",
     "DrafterReplica",
     "FeatureBatch",
     "LRSchedule",

@@ -573,6 +573,7 @@ __all__ = [
     "DIE_AFTER_ENV",
     "NO_VOCAB_LIMIT",
     "STORE_FORMAT",
+    "PrepareRequest",
     "PrepareSpec",
     "StoreError",
     "TokenStore",
@@ -580,3 +581,108 @@ __all__ = [
     "is_store",
     "prepare",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# The command: `dflash prepare-data`'s options -> a token store and a summary on stdout
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareRequest:
+    """What `dflash prepare-data` was asked, one field per option (docs/training.md)."""
+
+    src: str
+    out: str
+    config_path: str | None = None
+    tokenizer_path: str | None = None
+    template_kwargs: str | None = None
+    workers: int = 1
+    strict: bool = False
+    max_len: int | None = None
+    shard_lines: int = 10_000
+
+
+def run_prepare(req: PrepareRequest, *, say: t.Callable[[str], None], note: t.Callable[[str], None]) -> None:
+    """Run `dflash prepare-data`: the summary's lines to ``say`` (stdout), progress to ``note`` (stderr)."""
+    from dflash.config import ConfigError, load_config
+    from dflash.corpus import drop_lines
+    from dflash.errors import BadInput, DataError
+
+    def fail(msg: str) -> t.NoReturn:
+        raise BadInput(msg)
+
+    if (req.config_path is None) == (req.tokenizer_path is None):
+        fail("prepare-data: give exactly one of --config RUN.toml or --tokenizer PATH")
+    kwargs: dict[str, t.Any] = {}
+    vocab_size: int | None = None
+    max_len = req.max_len
+    tokenizer_path = req.tokenizer_path
+    if req.config_path is not None:
+        if req.template_kwargs is not None:
+            fail("prepare-data: --template-kwargs goes with --tokenizer; with --config set data.chat_template_kwargs")
+        try:
+            cfg = load_config(req.config_path, ())
+        except ConfigError as e:
+            fail(f"prepare-data: {e}")
+        kwargs = dict(cfg.data.chat_template_kwargs)
+        max_len = max_len or cfg.data.max_length
+        tokenizer_path = cfg.data.tokenizer or cfg.target.path
+        if tokenizer_path is not None and cfg.data.tokenizer is None:
+            try:  # a target folder without a tokenizer still prepares pre-tokenized data
+                load_tokenizer(tokenizer_path)
+            except DataError:
+                tokenizer_path = None
+        if tokenizer_path is None:  # pre-tokenized ids are checked against the target's vocabulary instead
+            vocab_size = _target_vocab(cfg)
+    elif req.template_kwargs is not None:
+        try:
+            kwargs = inputs.loads(req.template_kwargs)
+        except inputs.JsonProblem as e:
+            fail(f"prepare-data: --template-kwargs: {e}")
+        if not isinstance(kwargs, dict):
+            fail("prepare-data: --template-kwargs: expected a JSON object")
+    spec = PrepareSpec(
+        src=req.src,
+        out=req.out,
+        tokenizer_path=tokenizer_path,
+        kwargs=kwargs,
+        max_len=max_len or 3072,
+        workers=req.workers,
+        strict=req.strict,
+        shard_lines=req.shard_lines,
+        vocab_size=vocab_size,
+    )
+    try:
+        meta = prepare(spec, log=note)
+    except (StoreError, DataError) as e:
+        fail(str(e))
+    c = meta["counts"]
+    secs = meta["seconds"]
+    sup = 100.0 * c["supervised"] / max(c["tokens"], 1)
+    say(
+        f"prepare-data: {c['records']} records -> {c['sequences']} sequences, {c['tokens']} tokens "
+        f"({sup:.0f}% supervised) in {secs:.1f}s ({c['records'] / max(secs, 1e-9):.0f} records/s, "
+        f"{req.workers} worker{'s' if req.workers > 1 else ''}); wrote {req.out}"
+    )
+    if c["cut"]:
+        say(f"prepare-data: {c['cut']} sequences cut to {spec.max_len} tokens")
+    if c["dropped_turns"]:
+        say(f"prepare-data: {c['dropped_turns']} assistant turns not rendered as serving shows them (left out)")
+    for line in drop_lines("prepare-data", meta["drops"]):
+        say(line)
+
+
+def _target_vocab(cfg: t.Any) -> int | None:
+    """The vocabulary of the run's target without loading it: target.tiny, else its config.json (None: no
+    config.json there; one that is no model's is one line, never a vocabulary left unchecked)."""
+    from dflash import model_config
+    from dflash.errors import BadInput
+
+    if cfg.target.tiny is not None:
+        return int(cfg.target.tiny.vocab_size)
+    if not (Path(cfg.target.path).expanduser() / model_config.CONFIG_FILE).exists():
+        return None
+    try:
+        return model_config.read_vocab_size(cfg.target.path, "target.path")
+    except (inputs.InputFileError, inputs.RecordError) as e:
+        raise BadInput(f"prepare-data: target.path: {e}") from None

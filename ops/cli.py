@@ -164,7 +164,7 @@ def hosts_cmd(app: App) -> None:
         click.echo(f"{mark} {name:<12} {h.transport:<5} {where}{ct}  session={h.session}  workdir={h.workdir}")
 
 
-# --- doctor, trust-host (issue 2): the work is in ops/doctor.py and ops/transport/ (host_keys, ssh) -
+# --- doctor, trust-host: the work is in ops/doctor.py and ops/transport/ (host_keys, ssh) -
 
 
 @cli.command("doctor")
@@ -282,7 +282,7 @@ def deploy_cmd(app: App, dry_run: bool, rollback: bool, force: bool, install: bo
     return ExitCode.OK
 
 
-# --- start, stop, status, tail, attach (issue 3): thin; the work is in ops/session.py -----------
+# --- start, stop, status, tail, attach: thin; the work is in ops/session.py -----------
 
 _session_option = click.option(
     "--session",
@@ -506,7 +506,7 @@ def attach_cmd(app: App, session: str | None, do_exec: bool) -> ExitCode:
     os.execvp(argv[0], argv)
 
 
-# --- restart-on-crash (issue 5): thin; the policy and the loop are in ops/supervise/ -------------
+# --- restart-on-crash: thin; the policy and the loop are in ops/supervise/ -------------
 
 
 # restart-on-crash's policy, on restart-on-crash itself and on `supervise install` (which forwards it to the
@@ -685,7 +685,7 @@ def restart_on_crash_cmd(
     return exit_code_for_state(outcome.state)
 
 
-# --- history (issue 25): the records and the table are in ops/history.py ---------------------------
+# --- history: the records and the table are in ops/history.py ---------------------------
 
 
 @cli.command("history")
@@ -772,7 +772,7 @@ def pull_cmd(
     return ExitCode.OK
 
 
-# --- supervise (issue 25): the supervisor on the Proxmox host; the work is in ops/supervise/install.py ---
+# --- supervise: the supervisor on the Proxmox host; the work is in ops/supervise/install.py ---
 
 
 @cli.group("supervise")
@@ -886,7 +886,7 @@ def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
     return ExitCode.OK
 
 
-# --- plot (issue 14): fetch + cache + draw are in ops/plot.py --------------------------------------
+# --- plot: fetch + cache + draw are in ops/plot.py --------------------------------------
 
 
 @cli.command("plot")

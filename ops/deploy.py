@@ -38,7 +38,7 @@ from ops.far import refusal
 from ops.far.release import state_digest
 from ops.far_call import Reply, call, cannot_exec
 from ops.hosts import Host
-from ops.supervise import default_state_dir, private_dir
+from ops.state_dir import default_state_dir, private_dir
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote

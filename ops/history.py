@@ -26,7 +26,7 @@ from ops.far import records
 from ops.group import fan_out
 from ops.hosts import Host
 from ops.states import Cause, State
-from ops.supervise.policy import duration, parse_iso
+from ops.times import duration, parse_iso
 
 if t.TYPE_CHECKING:
     from ops.remote import Remote

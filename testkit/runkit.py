@@ -1,4 +1,4 @@
-"""Helpers for the start/stop/status/tail tests (issue 3) and the ops benches: a fake release and the fake trainer."""
+"""Helpers for the start/stop/status/tail tests and the ops benches: a fake release and the fake trainer."""
 
 from __future__ import annotations
 

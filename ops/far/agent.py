@@ -28,7 +28,7 @@ import sys
 import time
 import typing as t
 
-from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, refusal, tmux, watch
+from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, refusal, request, tmux, watch
 from ops.far import history as far_history
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
@@ -941,21 +941,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     args = [a for a in args if a != "--json"]  # JSON is the only output there is
     if len(args) != 1 or args[0] not in HANDLERS:
-        print(
-            json.dumps(
-                {
-                    "ok": False,
-                    "error": refusal.USAGE,
-                    "message": f"usage: python -m ops.far.agent {{{','.join(VERBS)}}} --json",
-                }
-            )
-        )
-        return 2
+        usage = f"usage: python -m ops.far.agent {{{','.join(VERBS)}}} --json"
+        return request.answer({"ok": False, "error": refusal.USAGE, "message": usage}, 2)
     verb = args[0]
     try:
-        req = records.parse_line(sys.stdin.read() or "{}")
-        if not isinstance(req, dict):
-            raise ValueError("expected a JSON object")
+        req = request.read_request()
         missing = [k for k in REQUIRED[verb] if k not in req]
         if missing:
             raise ValueError(f"missing keys: {', '.join(missing)}")
@@ -967,8 +957,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             if not re.fullmatch(r"[A-Za-z0-9_-]+", str(req[key])):
                 raise ValueError(f"{key}: use letters, digits, '-', '_' only, got {req[key]!r}")
     except ValueError as e:
-        print(json.dumps({"ok": False, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}))
-        return 2
+        return request.answer({"ok": False, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}, 2)
     if req.get("protocol", PROTOCOL) != PROTOCOL:
         # Another dflashctl's request: refuse before acting (a start must not start a run it cannot report).
         answer = {
@@ -978,16 +967,13 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             "error": refusal.PROTOCOL,
             "message": f"this agent speaks protocol {PROTOCOL}, the request {req['protocol']}: run `dflashctl deploy`",
         }
-        sys.stdout.write(json.dumps(answer) + "\n")
-        return 0
+        return request.answer(answer)
     try:
         result = HANDLERS[verb](req)
         answer = {"ok": True, "protocol": PROTOCOL, "verb": verb, **result}
     except Refused as e:
         answer = {"ok": False, "protocol": PROTOCOL, "verb": verb, "error": e.kind, "message": str(e), **e.extra}
-    sys.stdout.write(json.dumps(answer) + "\n")
-    sys.stdout.flush()
-    return 0
+    return request.answer(answer)
 
 
 if __name__ == "__main__":

@@ -1,32 +1,13 @@
 """restart-on-crash: watch one run and bring it back after a crash, without thrashing and never blind.
 
-Two halves (docs/design.md sections 8 and 11):
-
-- ``Policy`` is a pure state machine: it takes a ``Status`` and the time and returns a ``Decision``
-  (``restart``, ``stop-then-restart``, ``start-container``, ``wait``, ``give-up``, ``done``) with its
-  reason. Backoff, the crash-loop guard and every "never restart this" rule live here, so they are
-  tested from sequences of Status objects and a fake clock, without processes.
-- ``Supervisor`` is the loop that executes decisions: it starts a probe every ``--interval`` over ONE
-  kept connection, reconnects with jittered backoff when it drops, restarts through the start path of
-  ``dflashctl start`` (``ops.session.start``: a new attempt dir, the old one's evidence kept), writes
-  one JSON file per incident and hands it to ``--on-event``.
-
-Decisions a user can count on:
-- An outage (``unreachable``) is never a crash: the loop reconnects, re-probes, and only a fresh probe
-  can lead to a restart. A backoff longer than the interval is watched (probed every interval), so a
-  run started by hand meanwhile cancels the restart; a crashed or lost run is restarted WITHOUT
-  ``--replace``, so the agent refuses if any run came alive since the probe. Only a stalled run is
-  replaced (stopped: C-c, TERM, KILL), after a re-probe that still says stalled.
-- ``stopped`` (a ``dflashctl stop`` during supervision) is reported once and never restarted; the
-  supervisor keeps watching, so a later ``dflashctl start`` is supervised again without restarting it.
-- A run started by hand (an attempt this supervisor did not start) resets the crash-loop memory.
-- The memory (restart times, backoff streak, last fingerprint) is kept in the state dir, so a
-  supervisor run from cron with ``--once`` or restarted by systemd still sees a crash loop.
-
-The code: ``policy`` (Options, backoff, Policy), ``state`` (state dir, lock, incidents, hook), ``loop``
-(Supervisor, save_stack).
+Two halves: ``Policy`` (``policy``), the pure state machine (Status, time) -> Decision where backoff, the
+crash-loop guard and every "never restart this" rule live, tested from Status sequences and a fake clock;
+and ``Supervisor`` (``loop``), the loop that probes over one kept connection and carries the decisions out.
+``state`` holds the state dir, lock, incidents and hook. What a user can count on, and why: docs/design.md
+sections 8 (restart-on-crash) and 18 (the supervisor on the Proxmox host).
 """
 
+from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Action
 from ops.supervise.loop import STACK_FILE, STACK_TIMEOUT, Outcome, Supervisor, save_stack
 from ops.supervise.policy import (
@@ -45,19 +26,17 @@ from ops.supervise.policy import (
     Policy,
     backoff_delay,
     describe,
-    parse_iso,
     reconnect_delay,
 )
 from ops.supervise.state import (
     HOOK_TIMEOUT,
     IncidentLog,
     Lock,
-    default_state_dir,
     incident_for,
     parse_hook,
-    private_dir,
     run_hook,
 )
+from ops.times import parse_iso
 
 __all__ = [
     "Action",

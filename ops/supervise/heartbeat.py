@@ -20,7 +20,8 @@ from ops import errors
 from ops.far import watch
 from ops.far.atomic import write_json_atomic
 from ops.probe import Status, iso
-from ops.supervise.policy import Decision, duration
+from ops.supervise.policy import Decision
+from ops.times import duration
 
 FOREGROUND = "foreground"  # restart-on-crash run by hand (a terminal, cron, a unit of the user's own)
 

@@ -23,6 +23,7 @@ from ops.far_call import cannot_exec
 from ops.hosts import Host
 from ops.probe import Status, classify, iso
 from ops.remote import connect as connect_remote
+from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.policy import (
@@ -34,10 +35,10 @@ from ops.supervise.policy import (
     Options,
     Policy,
     describe,
-    duration,
     reconnect_delay,
 )
-from ops.supervise.state import IncidentLog, Lock, default_state_dir, incident_for, private_dir, run_hook, slug
+from ops.supervise.state import IncidentLog, Lock, incident_for, run_hook, slug
+from ops.times import duration
 
 if t.TYPE_CHECKING:
     from ops.notify import Notifier

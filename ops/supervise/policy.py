@@ -3,15 +3,14 @@ crash-loop guard and every "never restart this" rule live here (no I/O, no clock
 
 from __future__ import annotations
 
-import calendar
 import dataclasses
 import random
-import time
 import typing as t
 
 from ops import errors
 from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
+from ops.times import duration, parse_iso
 
 # Actions a Decision can carry (short names for the policy's rules).
 RESTART = Action.RESTART
@@ -83,26 +82,6 @@ def reconnect_delay(failures: int, interval: float, rng: random.Random) -> float
     cap = max(interval, RECONNECT_CAP)
     d = min(cap, first * (2.0 ** min(max(failures - 1, 0), 60)))
     return d / 2 + rng.random() * d / 2
-
-
-def parse_iso(text: str | None) -> float | None:
-    """``2026-11-29T15:02:11Z`` -> epoch seconds (None when absent or unreadable)."""
-    if not text:
-        return None
-    try:
-        return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
-    except (TypeError, ValueError):
-        return None
-
-
-def duration(seconds: float) -> str:
-    if seconds < 10:
-        return f"{seconds:.1f}s"
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    return f"{seconds / 3600:.1f}h"
 
 
 # --------------------------------------------------------------------------------------------

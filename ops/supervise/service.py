@@ -31,14 +31,15 @@ import typing as t
 from pathlib import Path
 
 from ops import errors
-from ops.far import refusal, tmux
+from ops.far import refusal, request, tmux
 from ops.far.atomic import write_json_atomic
 from ops.hosts import Host, load_inventory, supervise_dir_problem
+from ops.state_dir import private_dir
 from ops.supervise import record, unit
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.loop import Supervisor
 from ops.supervise.policy import Options
-from ops.supervise.state import private_dir, slug
+from ops.supervise.state import slug
 from ops.transport import CommandResult, LocalTransport
 
 VERBS = ("install", "status", "stop", "uninstall", "logs")
@@ -699,15 +700,11 @@ def main(argv: t.Sequence[str] | None = None) -> int:
     if len(args) >= 3 and args[0] == "run":
         return serve(args[1], args[2], args[3:])
     if len(args) != 1 or args[0] not in HANDLERS:
-        print(
-            json.dumps({"ok": False, "error": refusal.USAGE, "message": f"usage: {{{','.join(VERBS)}}} < request.json"})
-        )
-        return 2
+        usage = f"usage: {{{','.join(VERBS)}}} < request.json"
+        return request.answer({"ok": False, "error": refusal.USAGE, "message": usage}, 2)
     verb = args[0]
     try:
-        req = json.loads(sys.stdin.read() or "{}")
-        if not isinstance(req, dict):
-            raise ValueError("expected a JSON object")
+        req = request.read_request()
         for key in ("dir", "session"):
             if not isinstance(req.get(key), str):
                 raise ValueError(f"{key}: expected a string")
@@ -717,12 +714,8 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         if not all(c.isalnum() or c in "-_" for c in req["session"]) or not req["session"]:
             raise ValueError("session: letters, digits, '-', '_' only")
     except ValueError as e:
-        print(
-            json.dumps(
-                {"ok": False, "verb": verb, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}
-            )
-        )
-        return 2
+        bad = {"ok": False, "verb": verb, "error": refusal.BAD_REQUEST, "message": f"{verb}: bad request: {e}"}
+        return request.answer(bad, 2)
     try:
         with _install_lock(req["dir"], verb):
             answer = {"ok": True, "verb": verb, **HANDLERS[verb](req)}
@@ -734,9 +727,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
             answer["key"] = e.key
     except (OSError, errors.OpsError) as e:
         answer = {"ok": False, "verb": verb, "error": refusal.FAILED, "message": f"{verb}: {e}"}
-    sys.stdout.write(json.dumps(answer) + "\n")
-    sys.stdout.flush()
-    return 0
+    return request.answer(answer)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from ops import errors
 from ops.far.atomic import write_json_atomic
 from ops.probe import Status, iso
+from ops.state_dir import private_dir
 from ops.states import RECOVERY
 from ops.supervise.policy import Decision, Options
 from ops.transport import LocalTransport
@@ -27,24 +28,6 @@ HOOK_TIMEOUT = 60.0
 
 # --------------------------------------------------------------------------------------------
 # The state dir: incidents, memory, lock
-
-
-def default_state_dir() -> Path:
-    """``$XDG_STATE_HOME/dflashctl``, else ``~/.local/state/dflashctl``."""
-    xdg = os.environ.get("XDG_STATE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "dflashctl"
-    return Path.home() / ".local" / "state" / "dflashctl"
-
-
-def private_dir(path: Path) -> Path:
-    """``path`` as a folder only we can read (0700): incidents hold log tails, the lock the
-    --on-event command line. An existing folder of ours that is open to others is closed."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = path.stat()
-    if st.st_uid == os.getuid() and st.st_mode & 0o077:
-        path.chmod(0o700)
-    return path
 
 
 def slug(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Issue 24 sections 2 and 3: held-out tau during training, checkpoints/best, W&B (offline), the tau panel.
+"""Held-out tau during training, checkpoints/best, W&B (offline), the tau panel.
 
 Real parts: the tiny random target and drafter of tests/dflash/test_train.py (2 targets + 2 drafters on CPU),
 an eval prompt file in the layout `dflash eval --prompts` reads (the first records of the training data),

@@ -1,5 +1,5 @@
-"""Checkpoints you can trust: run identities (issue 11.6), sha256 verification (11.7), the background
-writer (16.7), and one-line errors for bad run configs and mismatched drafters (11.14)."""
+"""Checkpoints you can trust: run identities, sha256 verification, the background
+writer, and one-line errors for bad run configs and mismatched drafters."""
 
 from __future__ import annotations
 

@@ -191,7 +191,7 @@ def test_warm_up_shapes_cover_every_size_that_can_be_one() -> None:
             (True, True, True, True),
             (True, True, True, False),
             (False, True, True, True),
-            (False, True, True, False),  # 2-7 blocks over many keys: the short-query guard (issue 20)
+            (False, True, True, False),  # 2-7 blocks over many keys: the short-query guard
             (False, False, True, False),  # exactly one query tile (8 blocks)
             (False, False, False, False),
         ]

@@ -1,5 +1,5 @@
 """`dflash eval --chat --prompts FILE --max-new N`: prompts rendered as serving renders them, decoding that
-stops at EOS, and a report that records how it was measured (issue 13, section 5).
+stops at EOS, and a report that records how it was measured.
 
 A tiny real target (random init, saved as a HF folder) carries a real tokenizer with the Qwen3-like chat
 template of test_prepare_data (think blocks, ``enable_thinking``); the drafter is the untrained one of a
@@ -377,7 +377,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny: Tiny, tmp_path: Path, capsys: py
     )
 
 
-# ---- tried as a hostile user would (issue 21 section 2) ---------------------------------------
+# ---- tried as a hostile user would ---------------------------------------
 
 
 HOSTILE = ["surrogate", "deep-prompts", "config-abc", "config-negative", "config-deep", "json-ro", "plot-ro"]
@@ -387,7 +387,7 @@ HOSTILE = ["surrogate", "deep-prompts", "config-abc", "config-negative", "config
 def test_hostile_prompts_drafters_and_outputs_are_one_line_before_any_decoding(
     tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
 ) -> None:
-    """H2: a lone surrogate in a chat prompt was the tokenizer's TypeError; prompts or a drafter config.json
+    """A lone surrogate in a chat prompt was the tokenizer's TypeError; prompts or a drafter config.json
     nested 100000 deep a RecursionError; a published drafter's config.json with `hidden_size: "abc"` a
     traceback; an unwritable --json or --plot failed only after the whole eval."""
     from test_prepare_data import unwritable

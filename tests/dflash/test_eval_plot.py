@@ -1,4 +1,4 @@
-"""Issue 14: `dflash eval --plot FILE [--compare BEFORE.json]` on a real tiny target and drafter."""
+"""`dflash eval --plot FILE [--compare BEFORE.json]` on a real tiny target and drafter."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 13 section 4: checkpoints any Hugging Face user can load (dflash.py remote code, export, MASK id)."""
+"""Checkpoints any Hugging Face user can load (dflash.py remote code, export, MASK id)."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     )
     out = tmp_path / "served"
     assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--eval", str(report)]) == 0
-    assert f"exported bf16 drafter to {out}" in capsys.readouterr().out
+    assert f"exported bfloat16 drafter to {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "dflash.py", "model.safetensors"]
     weights = load_file(str(out / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
@@ -337,8 +337,12 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
         f"dflash: --eval: {tmp_path / 'x.json'} does not exist",
     ]
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
-    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--dtype", "fp16", "--force"]) == 0
-    assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
+    # one dtype vocabulary: the config's names (canonical, dflash/dtypes.py) and the short ones export took first
+    for spelling in ("fp16", "float16"):
+        capsys.readouterr()
+        assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--dtype", spelling, "--force"]) == 0
+        assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
+        assert f"exported float16 drafter to {out}" in capsys.readouterr().out
 
 
 def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_json(tmp_path: Path) -> None:
@@ -368,7 +372,7 @@ def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_jso
     )
 
 
-# ---- tried as a hostile user would (issue 21 section 2) ---------------------------------------
+# ---- tried as a hostile user would ---------------------------------------
 
 
 def export_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -382,7 +386,7 @@ def export_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, st
 def test_export_force_never_deletes_what_it_did_not_write(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """H3: `export CKPT . --force` deleted the working directory; OUT = the checkpoint replaced it (trainer
+    """`export CKPT . --force` deleted the working directory; OUT = the checkpoint replaced it (trainer
     state, manifest, fp32 weights gone); OUT = the checkpoints folder deleted every step-*. And
     `export CKPT .` in an empty folder removed it, then crashed."""
     root = tmp_path / "run" / "checkpoints"

@@ -1,6 +1,6 @@
 """The golden loss: 20 CPU steps of the tiny config give the per-step losses recorded in golden/loss.json.
 
-A restructuring that moves code (issue 22) must leave training bit for bit as it was; this is the check
+A restructuring that moves code must leave training bit for bit as it was; this is the check
 (as torchtitan keeps loss curves of a fixed config). One target thread and one drafter thread, so the batch
 order is deterministic; ``tests/conftest.py`` sets one torch thread. The figures are metrics.jsonl's (loss,
 acc and tau_tf rounded to 6 decimals, lr as computed), read from the run's own output.

@@ -1,4 +1,4 @@
-"""Issue 20: the GPU path, each CUDA-only mechanism reproduced on the CPU.
+"""The GPU path, each CUDA-only mechanism reproduced on the CPU.
 
 - the recompile limit counts every distinct drafter device: replicas that differ in a guarded property
   (their dtype) stand in for devices, as dynamo's tensor guards check both (a third device hit the limit);

@@ -36,7 +36,7 @@ def test_cpu_run_reports_every_figure_and_status_reads_the_oom() -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout)
     assert r["train_exit"] == 0 and r["steps"] == 4
-    # the GPU configuration's vocabulary and MASK rule (issue 20: the data held the published MASK id)
+    # the GPU configuration's vocabulary and MASK rule (the data held the published MASK id)
     assert (r["vocab_size"], r["mask_token_id"], r["mask_token_id_expected"]) == (151936, 151669, 151669)
     assert "vocabulary 151936, MASK id 151669" in p.stderr
     c = r["class_check"]  # dense attention on the CPU: the classes are the rows (1 and 2)

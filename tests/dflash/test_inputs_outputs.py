@@ -1,4 +1,4 @@
-"""What a user hands dflash and where dflash writes (issue 21 section 2): the one reader of user JSON and user
+"""What a user hands dflash and where dflash writes: the one reader of user JSON and user
 files (dflash.inputs), the one output check and lock (dflash.outputs), each tried as a hostile user would."""
 
 from __future__ import annotations

@@ -407,7 +407,7 @@ def test_the_vectorized_plan_of_a_store_follows_the_list_plans_rules() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Tried as a hostile user would (issue 21 section 2): every command run in this process by
+# Tried as a hostile user would: every command run in this process by
 # dflash.__main__.main (the real command, without an interpreter start per case)
 
 
@@ -426,7 +426,7 @@ SURROGATE = '{"messages": [{"role": "user", "content": "cut \\ud83d"}, {"role": 
 def test_a_changed_json_array_is_converted_again_after_a_failed_run(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H1: the first run fails (a --strict drop) after converting the array; the input is fixed; the next run
+    """The first run fails (a --strict drop) after converting the array; the input is fixed; the next run
     must read the new records, not the old conversion."""
     llama3.save_pretrained(tmp_path / "tok")
     src = tmp_path / "raw.json"
@@ -449,7 +449,7 @@ def test_a_changed_json_array_is_converted_again_after_a_failed_run(
 def test_a_lone_surrogate_is_dropped_as_bad_text_with_its_line(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H2: "\\ud83d" (an emoji cut in half) is valid JSON but no text: the tokenizer's TypeError killed the run."""
+    """A "\\ud83d" (an emoji cut in half) is valid JSON but no text: the tokenizer's TypeError killed the run."""
     llama3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", [chats(1)[0], SURROGATE, chats(2)[1]])
     base = ["prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src)]
@@ -473,7 +473,7 @@ def test_a_lone_surrogate_is_dropped_as_bad_text_with_its_line(
 def test_a_second_prepare_into_the_same_out_is_refused_while_the_first_runs(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H4: the lock a running prepare-data holds, taken by a real second process exactly as prepare does."""
+    """The lock a running prepare-data holds, taken by a real second process exactly as prepare does."""
     llama3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(4))
     out_dir = tmp_path / "s"
@@ -509,7 +509,7 @@ with OutputLock(sys.argv[1], command=sys.argv[2]):
 def test_token_ids_outside_the_tokenizer_are_dropped_and_counts_stay_small(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H5: one id of 2**32 - 1 made prepare-data allocate 32 GiB; 10**6 made an 8 MB token_counts.bin for a
+    """One id of 2**32 - 1 made prepare-data allocate 32 GiB; 10**6 made an 8 MB token_counts.bin for a
     351-token vocabulary (10**8: 800 MB)."""
     llama3.save_pretrained(tmp_path / "tok")
     vocab = len(llama3)
@@ -536,7 +536,7 @@ def test_token_ids_outside_the_tokenizer_are_dropped_and_counts_stay_small(
 
 
 def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: t.Any) -> None:
-    """M3: every assistant turn rendered the whole history before it (1600 pairs: 56 s and 1.9 GB for one
+    """Every assistant turn rendered the whole history before it (1600 pairs: 56 s and 1.9 GB for one
     line, then cut to 3072 tokens). The renders are counted, the tokens compared with the whole render cut."""
     messages = []
     for k in range(300):
@@ -592,7 +592,7 @@ def unwritable(path: Path) -> t.Iterator[Path]:
 def test_out_is_checked_before_any_work(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """M9: an existing folder that is not a store (and --out .) cost all the work, then a traceback at the
+    """An existing folder that is not a store (and --out .) cost all the work, then a traceback at the
     final rename and the complete store stranded in DIR.partial; also: --out holding --in, an unwritable
     place, a FIFO as --in (a FIFO must never be waited on)."""
     llama3.save_pretrained(tmp_path / "tok")
@@ -659,7 +659,7 @@ echo "rc=$?" >&2
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_finished_shards(tmp_path: Path, llama3: t.Any) -> None:
-    """M8: a real full disk: a 256 KiB tmpfs in a mount namespace of its own (unshare -m), grown afterwards;
+    """A real full disk: a 256 KiB tmpfs in a mount namespace of its own (unshare -m), grown afterwards;
     the second run goes on from the shards the first one finished."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         if os.environ.get("CI", "").lower() == "true":

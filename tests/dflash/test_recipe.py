@@ -1,4 +1,4 @@
-"""Issue 13 section 3: updates the size the recipe used (gradient accumulation, one weight sum, epochs)."""
+"""Updates the size the recipe used (gradient accumulation, one weight sum, epochs)."""
 
 from __future__ import annotations
 

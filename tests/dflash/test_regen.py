@@ -605,7 +605,7 @@ def test_parquet_input_regenerates_as_jsonl_does(
 
 
 # --------------------------------------------------------------------------------------------
-# Tried as a hostile user would (issue 21 section 2)
+# Tried as a hostile user would
 
 SURROGATE = '{"id": 9, "messages": [{"role": "user", "content": "cut \\ud83d"}, {"role": "assistant", "content": "x"}]}'
 # vLLM's own 400 for a prompt longer than the served context (vllm/entrypoints/openai/serving_engine.py)
@@ -635,7 +635,7 @@ def ids_of(path: Path) -> list[int]:
 def test_a_changed_input_is_converted_again_after_a_failed_run(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H1: a server 500 ends the first run after the JSON array was converted; the input is replaced; the
+    """A server 500 ends the first run after the JSON array was converted; the input is replaced; the
     next run regenerated the OLD records (`resuming: 1 of 1 shards already done` at worst)."""
     src = tmp_path / "raw.json"
     src.write_text(json.dumps([CORPUS[0], CORPUS[6]]))
@@ -658,7 +658,7 @@ def test_a_changed_input_is_converted_again_after_a_failed_run(
 def test_a_lone_surrogate_is_dropped_as_bad_text_by_both_backends(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H2: the tokenizer's TypeError (the prompt is rendered locally by both backends) ended the run at the same
+    """The tokenizer's TypeError (the prompt is rendered locally by both backends) ended the run at the same
     place on every rerun."""
     src = tmp_path / "raw.jsonl"
     src.write_text(json.dumps(CORPUS[0]) + "\n" + SURROGATE + "\n" + json.dumps(CORPUS[6]) + "\n")
@@ -683,7 +683,7 @@ def test_a_lone_surrogate_is_dropped_as_bad_text_by_both_backends(
 def test_a_second_regen_into_the_same_out_is_refused(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """H4: two runs into one --out mixed their shards (1515 records from 1500)."""
+    """Two runs into one --out mixed their shards (1515 records from 1500)."""
     from test_prepare_data import HOLD
 
     src = write_corpus(tmp_path / "raw.jsonl")
@@ -704,7 +704,7 @@ def test_a_second_regen_into_the_same_out_is_refused(
 def test_a_record_the_server_refuses_is_dropped_and_the_run_goes_on(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """M1: vLLM's 400 for one prompt longer than its context stopped the run, and every rerun at the same shard."""
+    """vLLM's 400 for one prompt longer than its context stopped the run, and every rerun at the same shard."""
     too_long = {"id": 3, "messages": [{"role": "user", "content": "a long one"}, {"role": "assistant", "content": "x"}]}
     src = tmp_path / "raw.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in (CORPUS[0], too_long, CORPUS[6], CORPUS[7])))
@@ -735,7 +735,7 @@ def test_a_record_the_server_refuses_is_dropped_and_the_run_goes_on(
 
 
 def test_answers_that_are_not_text_are_retried_then_dropped() -> None:
-    """M2: content null (a tool call) was written as an empty answer and list/dict content as its Python repr."""
+    """Content null (a tool call) was written as an empty answer and list/dict content as its Python repr."""
     from dflash.regen import Answer, Dropped, OpenAIGenerator, Turn
 
     def message(**msg: t.Any) -> dict[str, t.Any]:
@@ -815,7 +815,7 @@ class Stalling(threading.Thread):
 
 
 def test_a_request_is_bounded_as_a_whole_by_its_deadline_and_its_size() -> None:
-    """M4: --timeout bounded each socket read: a slow-drip server or an endless body ran forever (+2.4 MB/s)."""
+    """--timeout bounded each socket read: a slow-drip server or an endless body ran forever (+2.4 MB/s)."""
     from dflash.regen import OpenAIGenerator, ServerError, Turn
 
     for how, words in (
@@ -851,7 +851,7 @@ def test_a_request_is_bounded_as_a_whole_by_its_deadline_and_its_size() -> None:
 
 
 def test_ctrl_c_ends_regen_without_waiting_for_the_requests_in_flight(target: Path, tmp_path: Path) -> None:
-    """M5: Ctrl-C printed "aborted", then waited for the requests in flight (600 s by default, forever with a
+    """Ctrl-C printed "aborted", then waited for the requests in flight (600 s by default, forever with a
     server that never answers). A real SIGINT to a real `dflash regen`, against a server that holds them."""
     srv = Stalling("hold")
     src = write_corpus(tmp_path / "raw.jsonl")
@@ -899,7 +899,7 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_stops_every_hf_target_not_after_the_whole_corpus(target: Path, tmp_path: Path) -> None:
-    """M5 with the hf backend and several targets: Ctrl-C left the pool's `with` waiting for its threads,
+    """With the hf backend and several targets: Ctrl-C left the pool's `with` waiting for its threads,
     which went on through every shard left before the process ended. A real SIGINT to a real process."""
     good = [r for r in CORPUS if isinstance(r, dict) and ("messages" in r or "conversations" in r)]
     src = tmp_path / "raw.jsonl"
@@ -932,7 +932,7 @@ def test_ctrl_c_stops_every_hf_target_not_after_the_whole_corpus(target: Path, t
 def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """M8: an unwritable --out was a traceback (after loading the target); a full disk too."""
+    """An unwritable --out was a traceback (after loading the target); a full disk too."""
     from test_prepare_data import unwritable
 
     src = write_corpus(tmp_path / "raw.jsonl")

@@ -1,4 +1,4 @@
-"""Issue 23 section 1: exports every engine reads the same way (dflash.contract, --format speculators, the card)."""
+"""Exports every engine reads the same way (dflash.contract, --format speculators, the card)."""
 
 from __future__ import annotations
 

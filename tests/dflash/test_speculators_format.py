@@ -1,4 +1,4 @@
-"""Issue 23: ``dflash export --format speculators`` against the REAL vllm-project/speculators package.
+"""``dflash export --format speculators`` against the REAL vllm-project/speculators package.
 
 speculators 0.9.0 needs transformers <= 5.19: scripts/test runs the ``speculators`` tests in the floor venv
 that has it (.venv-floor); where it is not installed they skip (under CI=true in .venv-floor they fail). Two checks: speculators' own config class

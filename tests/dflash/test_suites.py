@@ -1,7 +1,7 @@
 """`dflash eval --suite`: the published tables' suites read through `datasets` from local folders laid out
 as the hub repositories are (their files, splits, configs and field names; a save_to_disk copy too), in
 z-lab's wording and selection, decoded with the target's chat template (mt-bench's turn 2 after the
-target's own turn 1), and set beside the published tau (issue 24, section 1).
+target's own turn 1), and set beside the published tau.
 
 The target is test_eval_chat's: a tiny random-init Qwen3 saved as a HF folder with a real BPE tokenizer
 and a Qwen3-like chat template; the drafter is the untrained one of a run config, enough here: what is
@@ -408,6 +408,18 @@ def test_cli_decodes_every_turn_with_the_chat_template_and_reports_per_suite(
     ]
     assert outputs[1] == greedy(served(tok, turn2, enable_thinking=False))
     assert mt["report"]["num_prompts"] == 4 and mt["conversations"] == 2
+
+
+def test_a_suite_report_that_cannot_be_written_is_one_line_after_the_report(
+    tiny: Tiny, folders: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json on a full disk: the table is on stdout already, the failed write is one line, exit 1."""
+    args = ["--untrained", "--config", str(tiny.config), "--suite", f"gsm8k={folders['gsm8k']}"]
+    rc, stdout, err = run_cli(capsys, *args, "--max-new", "4", "--limit", "1", "--json", "/dev/full")
+    assert rc == 1
+    assert "output identical to plain greedy decoding" in stdout
+    assert err.strip().splitlines()[-1].startswith("eval: /dev/full: "), err
+    assert "Traceback" not in err
 
 
 def test_the_published_figure_stands_beside_ours_for_the_same_target(

@@ -1,4 +1,4 @@
-"""Issue 14: where every worker's time goes (busy / waiting on the queue / barrier / other), and TensorBoard.
+"""Where every worker's time goes (busy / waiting on the queue / barrier / other), and TensorBoard.
 
 The pipeline is the real one (threads, queue, barrier, metrics); the workers are the bench's simulated ones
 (a sleep per batch releases the GIL the way a CUDA kernel does), so the expected fractions follow from the

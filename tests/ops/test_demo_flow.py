@@ -1,4 +1,4 @@
-"""Issue 8 "Done when": the demo's flow, shortened, with the REAL parts: make-tiny's target and raw chat
+"""The demo's flow, shortened, with the REAL parts: make-tiny's target and raw chat
 corpus, `dflash regen` (the target rewrites every assistant turn) and `dflash prepare-data` (the token store
 the run trains on), `dflashctl deploy` of this checkout to a local host, `start` in a real tmux server (this test's own
 socket), `status`, `tail`, `restart-on-crash`, the real `dflash train` (2 target + 2 drafter threads)

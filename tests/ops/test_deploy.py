@@ -1,4 +1,4 @@
-"""deploy: content-addressed releases, incremental upload, atomic switch, rollback (issue 4).
+"""deploy: content-addressed releases, incremental upload, atomic switch, rollback.
 
 Every flow test runs twice: on a ``transport = "local"`` host and on host ``pve`` (the real sshd
 + the fake Proxmox container 200, whose workdir the test also sees on this machine).
@@ -791,7 +791,7 @@ def test_a_command_that_outlived_its_runner_still_blocks(
 
 
 # --------------------------------------------------------------------------------------------
-# One round trip (issue 12): the operator's cache plans the upload, the far side checks it first
+# One round trip: the operator's cache plans the upload, the far side checks it first
 
 
 class Calls:

@@ -1,4 +1,4 @@
-"""The far side's modules in-process (issue 12): the release program's verbs on a tmp workdir, the id
+"""The far side's modules in-process: the release program's verbs on a tmp workdir, the id
 rule bundle.py shares with it, the by-value program, the one liveness verdict and the one lock.
 The same program end to end (local and the fake Proxmox container) is tests/ops/test_deploy.py."""
 

@@ -1,4 +1,4 @@
-"""Issue 5 "Done when": the fault matrix of `dflashctl restart-on-crash`.
+"""The fault matrix of `dflashctl restart-on-crash`.
 
 Real parts only: the REAL dflashctl (the supervisor runs as a subprocess of the CLI, `-v` so every
 probe is logged on stderr), a real sshd on 127.0.0.1, a fake Proxmox container (a real pid+mount

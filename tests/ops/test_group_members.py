@@ -1,6 +1,6 @@
-"""Issue 21 for groups, with real groups in two fake Proxmox containers (ct 200, 201) behind the test sshd:
+"""A run is every process its command starts, for groups: real groups in two fake Proxmox containers (ct 200, 201) behind the test sshd:
 
-- M6: Ctrl-C during `dflashctl --group start` while one host is slow to start (a slow pct) says each
+- Ctrl-C during `dflashctl --group start` while one host is slow to start (a slow pct) says each
   host's outcome at once and stops what this call started; the slow host's start, when it finally
   reaches its container, is refused (it was cancelled): no node is left waiting alone;
 - a real torchrun group: the torchrun agent of a node SIGKILLed with its keeper leaves no `dflash train`
@@ -80,7 +80,7 @@ def two_hosts(pve_hosts: PveHosts, tmux_servers: t.Any, **both: t.Any) -> tuple[
 
 
 # ---------------------------------------------------------------------------------------------
-# M6
+# Ctrl-C during a group start
 
 
 def test_ctrl_c_during_a_group_start_says_each_outcome_and_stops_what_it_started(

@@ -1,4 +1,4 @@
-"""`dflashctl history` (issue 25 section 4): every attempt of a session in one table, read in ONE agent call
+"""`dflashctl history`: every attempt of a session in one table, read in ONE agent call
 over the real sshd + `pct exec` into the fake Proxmox container, with the real tmux and the fake trainer
 (which resumes from its checkpoint and prints the training core's resume line).
 

@@ -1,4 +1,4 @@
-"""Issue 11, the far side (agent, runner, tmux): each test plays one fault a hostile or unlucky user
+"""The far side (agent, runner, tmux): each test plays one fault a hostile or unlucky user
 found, against the real agent, the real runner and a real tmux server on the test's own socket."""
 
 from __future__ import annotations

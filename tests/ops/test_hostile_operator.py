@@ -1,4 +1,4 @@
-"""Issue 11, operator side: a hostile or unlucky user against the real tools (real sshd, real files).
+"""Operator side: a hostile or unlucky user against the real tools (real sshd, real files).
 
 known_hosts as OpenSSH reads it, finite durations, one session-name rule, hosts.toml values that
 would turn into ssh options, ProxyCommand tokens, a login shell that is not sh, secrets and modes

@@ -210,3 +210,33 @@ def test_the_kinds_of_a_refusal_are_the_constants_both_ends_import() -> None:
             if said:
                 found.append(f"ops/{rel}:{getattr(node, 'lineno', '?')}: {ast.unparse(node)[:80]}")
     assert not found, "\n".join(found)
+
+
+def test_only_the_command_line_reaches_up_into_restart_on_crash() -> None:
+    """ops.supervise builds on the operator's modules (probe, session, remote), never the other way: a helper
+    both need lives below both (ops/state_dir.py, ops/times.py), and only cli.py, the top, imports ops.supervise."""
+    bad = []
+    for name, path in MODULES.items():
+        if not name.startswith("ops.") or name.startswith(("ops.supervise", "ops.far")) or name == "ops.cli":
+            continue
+        for imp in imports(path):
+            if any(m == "ops.supervise" or m.startswith("ops.supervise.") for m in targets(imp)):
+                bad.append(f"{path.relative_to(REPO)}:{imp.line}: {imp.module}")
+    assert bad == []
+
+
+def test_a_bench_run_by_its_path_says_the_module_form_in_one_line() -> None:
+    """`python bench/NAME.py` cannot import bench or testkit (nothing edits sys.path): every bench with a
+    __main__ says `python -m bench.NAME` before an import could fail; one is run by its path to prove it."""
+    for path in sorted((REPO / "bench").glob("*.py")):
+        text = path.read_text()
+        if path.name == "__init__.py" or "__main__" not in text:
+            continue
+        tree = ast.parse(text)
+        first = next(n for n in tree.body[1:] if not (isinstance(n, ast.ImportFrom) and n.module == "__future__"))
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "not __package__", path.name
+        assert f"python -m bench.{path.stem}" in ast.unparse(first.body[0]), path.name
+    p = subprocess.run(
+        [sys.executable, "bench/gpu_smoke.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (p.returncode, p.stdout, p.stderr) == (1, "", "run it from the repo root as: python -m bench.gpu_smoke\n")

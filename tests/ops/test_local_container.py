@@ -1,4 +1,4 @@
-"""Issue 25 section 1: dflashctl on the Proxmox host itself. ``transport = "local"`` with ``container = N``
+"""dflashctl on the Proxmox host itself. ``transport = "local"`` with ``container = N``
 reaches the container with ``pct exec`` directly, no ssh; every verb works that way.
 
 Real parts: the REAL dflashctl executable, the fake Proxmox host's ``pct`` on this machine (its

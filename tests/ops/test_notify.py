@@ -1,4 +1,4 @@
-"""restart-on-crash --notify (issue 25 section 3): messages through the real apprise to a real HTTP server
+"""restart-on-crash --notify: messages through the real apprise to a real HTTP server
 on 127.0.0.1 (``json://``), one that is down and one that hangs; never a secret in a message.
 
 The notifier alone first (real apprise, real server), then the real dflashctl supervising a run in the

@@ -1,4 +1,4 @@
-"""Issue 14 part 2: `dflashctl plot` draws the dashboard of a REAL tiny run with one restart.
+"""`dflashctl plot` draws the dashboard of a REAL tiny run with one restart.
 
 The real parts of tests/ops/test_demo_flow.py: make-tiny's target and data, `dflashctl deploy` of this
 checkout to a local host on this test's tmux socket, the real `dflash train` (2 target + 2 drafter
@@ -268,7 +268,7 @@ def test_plot_over_ssh_and_pct(pve_hosts: t.Any, tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Issue 21: a long run (M7), outputs that cannot be written (M8), wrong-typed fields, flat series
+# A long run, outputs that cannot be written, wrong-typed fields, flat series
 
 
 @dataclasses.dataclass
@@ -316,7 +316,7 @@ def rec(step: int, **fields: t.Any) -> str:
 def test_a_long_run_is_parsed_once_and_drawn_with_at_most_four_points_a_bucket_spikes_kept(
     local_host: LocalHost,
 ) -> None:
-    """M7: 20,000 records. Each line drawn holds at most first/lowest/highest/last of each of BUCKETS x
+    """20,000 records. Each line drawn holds at most first/lowest/highest/last of each of BUCKETS x
     slices (the old code drew every point), the spike and the dip survive, and so do the first and last
     step. The parsed table is kept: bytes already parsed are never parsed again (the cached raw file,
     altered in place, changes nothing), new lines are, and a table cut short is rebuilt."""
@@ -415,7 +415,7 @@ def test_a_metrics_line_with_a_field_of_the_wrong_type_is_skipped_counted_and_sa
 
 
 def test_plot_refuses_an_output_it_cannot_write_in_one_line_before_fetching(local_host: LocalHost) -> None:
-    """M8 (plot): --out, --csv, --state-dir that cannot be written (no folder, a file where a folder goes,
+    """Plot: --out, --csv, --state-dir that cannot be written (no folder, a file where a folder goes,
     a folder where the file goes, a file system that takes no files): one line, exit 1, nothing fetched
     (the old code fetched and drew everything first, then died with a traceback). A disk that fills while
     --csv is written (/dev/full) is one line too."""

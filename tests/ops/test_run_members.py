@@ -1,4 +1,4 @@
-"""Issue 21 section 1: a run is every process its command starts. The REAL dflashctl against the real sshd
+"""A run is every process its command starts. The REAL dflashctl against the real sshd
 + a fake Proxmox container (a real pid+mount namespace), with commands shaped as users write them: a
 script that runs the trainer as its child, a pipeline into `tee`, a child that calls `setsid`, one that
 double-forks away. `stop`, a crash of the script while its trainer lives, a keeper killed with it, and

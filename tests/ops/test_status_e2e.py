@@ -1,4 +1,4 @@
-"""Issue 3 "Done when": the REAL dflashctl against a real sshd + a fake Proxmox container (a real
+"""The REAL dflashctl against a real sshd + a fake Proxmox container (a real
 pid+mount namespace) + real tmux inside it, with a fake trainer. Each scenario asserts the state,
 the cause, the exit code and the key JSON fields.
 

@@ -1,4 +1,4 @@
-"""Issue 25 section 2: `dflashctl supervise install` puts the supervisor on the Proxmox host, where it
+"""`dflashctl supervise install` puts the supervisor on the Proxmox host, where it
 cannot fall asleep.
 
 Real parts: the REAL dflashctl on "the laptop" (a subprocess with its own HOME), the real sshd on
@@ -599,3 +599,28 @@ def test_supervise_stop_ends_the_supervisor_while_a_webhook_trickles_its_answer(
         retry_until(lambda: not pid_alive(pid), 15)
         assert not [w for w in workers if pid_alive(w)], "no delivery process left behind"
         assert hook.streaming >= 1 or hook.cut >= 1  # the webhook still trickled (or saw us hang up)
+
+
+def test_the_host_service_answers_one_json_line_for_bad_requests_as_the_agent_does(tmp_path: Path) -> None:
+    """Both JSON verbs share one prelude (ops/far/request.py): a request nested past the parser, or a huge
+    integer, is a bad-request answer (exit 2), never a traceback."""
+    repo = Path(__file__).resolve().parents[2]
+    code = "import sys, importlib; sys.path.insert(0, sys.argv[1]); sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))"
+    service, agent = ["-c", code, str(repo), "ops.supervise.service"], ["-c", code, str(repo), "ops.far.agent"]
+    for module_argv, stdin in (
+        ([*service, "status"], "[" * 100_000),
+        ([*service, "status"], '{"dir": 1' + "0" * 5000 + "}"),
+        ([*agent, "probe", "--json"], "[" * 100_000),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-I", "-S", *module_argv],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=repo,
+        )
+        assert p.returncode == 2 and p.stderr == "", p.stderr[-300:]
+        (line,) = p.stdout.splitlines()
+        a = json.loads(line)
+        assert a["ok"] is False and a["error"] == "bad-request", a

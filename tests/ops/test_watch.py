@@ -1,4 +1,4 @@
-"""Who watches a run (issue 25 section 2): the heartbeat record and its lease (ops/far/watch.py), how
+"""Who watches a run: the heartbeat record and its lease (ops/far/watch.py), how
 `status` shows it (ops/probe.py), and the policy of a supervisor that never ends (keep_watching)."""
 
 from __future__ import annotations

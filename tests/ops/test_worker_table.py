@@ -1,4 +1,4 @@
-"""Issue 14: `dflashctl status` shows the workers of the last metrics.jsonl record (probe is pure).
+"""`dflashctl status` shows the workers of the last metrics.jsonl record (probe is pure).
 
 RECORD is a real last record: the pipeline with the bench's simulated workers, 5 targets on 3 round-robin
 (per-drafter) queues = [2, 2, 1], the seed's night in small: drafter-2 starved, the targets of the other two
