@@ -71,11 +71,14 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "CheckpointWriter",
+    "Room",
     "Snapshot",
     "latest_complete",
     "best_of",
     "choose",
     "list_complete",
+    "make_room",
+    "prunable",
     "load_checkpoint",
     "load_drafter",
     "move_aside",
@@ -397,6 +400,113 @@ def write_checkpoint(
     return final
 
 
+# ---- disk space -----------------------------------------------------------------------------
+
+# What a checkpoint writes beside its tensors' bytes: config.json, dflash.py, the manifest, the
+# safetensors header and the trainer state's pickle framing (each well under this).
+SPACE_SLACK = 1 << 20
+
+
+def snapshot_bytes(snap: Snapshot) -> int:
+    """The bytes writing ``snap`` puts on disk, near enough: its tensors' bytes plus ``SPACE_SLACK``."""
+    total = 0
+
+    def walk(value: t.Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(snap.weights)
+    walk(snap.trainer_state)
+    walk(snap.optimizer_state)
+    return total + SPACE_SLACK
+
+
+def checkpoint_bytes(path: Path) -> int | None:
+    """A complete checkpoint's size on disk, from its manifest (None: no readable manifest)."""
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return None
+    return sum(int(v) for v in manifest["files"].values()) + (path / MANIFEST_FILE).stat().st_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What ``make_room`` found: ``free`` bytes where checkpoints go, ``need`` for the next one, what it pruned."""
+
+    free: int
+    need: int
+    pruned: tuple[Path, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.free >= self.need
+
+
+def prunable(root: Path, run_id: str | None, *, keep: int | None, protect: t.Collection[int] = ()) -> list[Path]:
+    """The run's checkpoints that the prune after its next checkpoint would remove anyway, oldest first:
+    all but its ``keep - 1`` newest (the new one makes ``keep``), less ``best`` and the ``protect``ed steps.
+    None/0 ``keep`` (keep all): none."""
+    if not keep:
+        return []
+    kept = {_step_of(b)} if (b := best_of(root)) is not None else set()
+    kept |= set(protect)
+    mine = [p for p in list_complete(root) if _manifest_run(p) == run_id]
+    return [p for p in mine[: max(0, len(mine) + 1 - keep)] if _step_of(p) not in kept]
+
+
+def make_room(
+    root: str | os.PathLike[str],
+    snap: Snapshot,
+    *,
+    keep: int | None,
+    protect: t.Callable[[], t.Collection[int]] | None = None,
+) -> Room:
+    """Before a checkpoint is written: is there room for it (``shutil.disk_usage``)? When not, the run's
+    checkpoints that ``keep`` lets go after this one are pruned first, oldest first, one by one until it
+    fits (``prunable``: never ``best``, an eval's step, another run's). ``Room.fits`` says the result."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    need = snapshot_bytes(snap)
+    free = shutil.disk_usage(root).free
+    pruned: list[Path] = []
+    if free >= need:
+        return Room(free, need)
+    with _BEST_LOCK:
+        for old_path in prunable(root, snap.run_id, keep=keep, protect=protect() if protect is not None else ()):
+            doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
+            old_path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+            pruned.append(old_path)
+            logger.info("checkpoint %s pruned early: the next one needs its room", old_path)
+            free = shutil.disk_usage(root).free
+            if free >= need:
+                break
+    return Room(free, need, tuple(pruned))
+
+
+FACTS_FILE = "checkpointing.json"  # in the run dir: what dflashctl's agent reads of this run's checkpoints
+
+
+def write_facts(run_dir: Path, facts: t.Mapping[str, t.Any]) -> None:
+    """``<run dir>/checkpointing.json``: where the run checkpoints, its ``keep``, its low-disk threshold, the
+    last skipped checkpoint and the last sync (docs/design.md section 9). Atomic; a failure is a warning."""
+    tmp = run_dir / f".{FACTS_FILE}.{os.getpid()}.{threading.get_ident()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(dict(facts), sort_keys=True) + "\n")
+        os.replace(tmp, run_dir / FACTS_FILE)
+    except OSError as e:  # a full disk: status then reads the older file
+        logger.warning("cannot write %s: %s", run_dir / FACTS_FILE, e.strerror)
+        tmp.unlink(missing_ok=True)
+
+
 def prune(
     root: str | os.PathLike[str],
     run_id: str | None,
@@ -493,9 +603,13 @@ class CheckpointWriter:
         *,
         keep: int | None = 3,
         protect: t.Callable[[], t.Collection[int]] | None = None,
+        on_skip: t.Callable[[int, Room], None] | None = None,
+        on_written: t.Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.on_skip = on_skip  # a checkpoint skipped for want of room (``make_room``): the caller records it
+        self.on_written = on_written  # a checkpoint is on disk (from the writer's thread: must not block)
         self.protect = protect  # steps pruning must leave alone (evals in flight): write_checkpoint
         self.written: Path | None = None  # the last checkpoint written
         self._spare: Snapshot | None = None  # the last snapshot written: its buffers serve the next one
@@ -514,14 +628,38 @@ class CheckpointWriter:
 
     def _write(self, snap: Snapshot) -> None:
         try:
+            if self._skip(snap):
+                return
             self.written = write_checkpoint(self.root, snap, keep=self.keep, protect=self.protect)
             self._spare = snap
+            if self.on_written is not None:
+                self.on_written(self.written)
         except BaseException as e:  # reported by the caller's next wait()
             self._error = e
         finally:
             with self._ended_cond:
                 self._ended = snap.step
                 self._ended_cond.notify_all()
+
+    def _skip(self, snap: Snapshot) -> bool:
+        """No room for ``snap`` even after pruning what ``keep`` lets go: one line, ``on_skip``, no write
+        (a write that died half-way would cost the run; the earlier checkpoints stand)."""
+        room = make_room(self.root, snap, keep=self.keep, protect=self.protect)
+        if room.fits:
+            return False
+        self._spare = snap  # its buffers are free again
+        logger.warning(
+            "checkpoint step %d skipped: it needs %.1f MiB and %s has %.1f MiB free%s; the last checkpoint stays %s",
+            snap.step,
+            room.need / 2**20,
+            self.root,
+            room.free / 2**20,
+            f" after pruning {len(room.pruned)}" if room.pruned else " (nothing keep lets go)",
+            self.written.name if self.written is not None else "the one before",
+        )
+        if self.on_skip is not None:
+            self.on_skip(snap.step, room)
+        return True
 
     def ended(self, step: int, timeout: float | None = None) -> bool:
         """From any thread: wait until the write of ``step`` (or a later one) has ended, written or failed

@@ -24,6 +24,7 @@ import signal as signal_mod
 import time
 import typing as t
 
+from ops.disk import DiskView, SyncView, disk_view, sync_view
 from ops.far import members, records, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
@@ -180,6 +181,9 @@ class Status:
     # the run's live processes ({pid, start, attempt, argv}: the command and all it started, any
     # attempt of the session); None when unknown (a runner that does not tag them)
     members: list[dict[str, t.Any]] | None = None
+    # room for the next checkpoint and the last sync off the box (ops/disk.py); None: unknown / no sync
+    disk: DiskView | None = None
+    sync: SyncView | None = None
     # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
     stop_requested: bool = False
@@ -191,6 +195,8 @@ class Status:
         d["container"] = dataclasses.asdict(self.container) if self.container else None
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
         d["supervisor"] = dataclasses.asdict(self.supervisor) if self.supervisor else None
+        d["disk"] = dataclasses.asdict(self.disk) if self.disk else None
+        d["sync"] = dataclasses.asdict(self.sync) if self.sync else None
         d["evidence"] = list(self.evidence)
         return d
 
@@ -225,6 +231,10 @@ class Status:
         if self.state == State.UNREACHABLE:
             return f"unreachable ({self.cause}): {self.detail}"
         return f"{self.state}: {self.detail}" if self.detail else self.state
+
+    def watch_flags(self) -> list[str]:
+        """What the operator should act on though the run goes on: ``low disk``, ``sync failed``."""
+        return [p for p in (self.disk.phrase() if self.disk else None, self.sync.phrase() if self.sync else None) if p]
 
     def lines(self) -> list[str]:
         """The headline, then tmux, container, progress, log and the evidence."""
@@ -265,8 +275,10 @@ class Status:
                 )
         if self.log:
             out.append(f"  log:       {self.log}")
-        if self.supervisor is not None:
-            out.append(f"  watch:     {self.supervisor.phrase()}")
+        flags = self.watch_flags()
+        if self.supervisor is not None or flags:
+            said = [self.supervisor.phrase()] if self.supervisor is not None else []
+            out.append(f"  watch:     {'; '.join([*said, *flags])}")
         if self.mode != "agent":
             out.append(f"  mode:      {self.mode}")
         if self.evidence:
@@ -612,6 +624,7 @@ def classify(facts: t.Mapping[str, t.Any]) -> Status:
                 f"the pane runs {other[:300]}: the run of another host entry (same container, socket and "
                 "session, another run_dir); this entry's run_dir holds no record of it",
             )
+    _checkpoint_context(s, agent)
     if "supervisor" in agent:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.get("supervisor"), agent.get("now"))
         if s.supervisor.state == "stale":
@@ -863,6 +876,18 @@ def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:
             f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
             "the log, metrics and checkpoints cannot grow"
         )
+
+
+def _checkpoint_context(s: Status, agent: dict[str, t.Any]) -> None:
+    """Room for the next checkpoint and the last sync (an agent older than them sends no ``checkpoints``)."""
+    facts = agent.get("checkpoints")
+    s.disk, s.sync = disk_view(facts), sync_view(facts)
+    if s.disk is not None and s.disk.low:
+        s.evidence.append(f"{s.disk.phrase()} ({s.disk.keep} kept by checkpoint.keep, best beyond them)")
+    if s.sync is not None and s.sync.state == "failed":
+        s.evidence.append(f"{s.sync.phrase()} (at {s.sync.at}): the next checkpoint syncs again")
+    if isinstance(facts, dict) and facts.get("error"):
+        s.evidence.append(f"checkpoints: {facts['error']}")
 
 
 def _tmux_context(s: Status, *, alive: bool = False) -> None:

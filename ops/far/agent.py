@@ -30,6 +30,7 @@ import typing as t
 from ops.far import history as far_history
 from ops.far import lock, members, nvidia_smi, protocol, records, tmux, watch
 from ops.far.atomic import write_json_atomic
+from ops.far.checkpoints import checkpoint_facts
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
 from ops.far.protocol import (
@@ -245,6 +246,8 @@ def probe(req: Request) -> ProbeFacts:
     heartbeat = watch.beat(session_dir(req), req["heartbeat"], now) if req.get("heartbeat") is not None else None
     return {
         "disk": disk_facts(req["run_dir"]),
+        # optional (an older agent sends none): sizes and free space for status's low-disk flag and sync
+        "checkpoints": checkpoint_facts(af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")),
         "now": now,
         "supervisor": watch.read(session_dir(req)),
         "heartbeat": heartbeat,
