@@ -71,14 +71,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
     "CheckpointWriter",
-    "Room",
     "Snapshot",
     "latest_complete",
     "best_of",
     "choose",
     "list_complete",
-    "make_room",
-    "prunable",
     "load_checkpoint",
     "load_drafter",
     "move_aside",
@@ -109,7 +106,7 @@ _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 # Switching ``best`` and pruning happen in different threads (an eval's, the writer's): never at once, so
 # that a prune never removes the checkpoint that best is being switched to.
-_BEST_LOCK = threading.Lock()
+BEST_LOCK = threading.Lock()
 
 
 class CheckpointError(InputError, ValueError):
@@ -400,113 +397,6 @@ def write_checkpoint(
     return final
 
 
-# ---- disk space -----------------------------------------------------------------------------
-
-# What a checkpoint writes beside its tensors' bytes: config.json, dflash.py, the manifest, the
-# safetensors header and the trainer state's pickle framing (each well under this).
-SPACE_SLACK = 1 << 20
-
-
-def snapshot_bytes(snap: Snapshot) -> int:
-    """The bytes writing ``snap`` puts on disk, near enough: its tensors' bytes plus ``SPACE_SLACK``."""
-    total = 0
-
-    def walk(value: t.Any) -> None:
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-
-    walk(snap.weights)
-    walk(snap.trainer_state)
-    walk(snap.optimizer_state)
-    return total + SPACE_SLACK
-
-
-def checkpoint_bytes(path: Path) -> int | None:
-    """A complete checkpoint's size on disk, from its manifest (None: no readable manifest)."""
-    manifest = _read_manifest(path)
-    if manifest is None:
-        return None
-    return sum(int(v) for v in manifest["files"].values()) + (path / MANIFEST_FILE).stat().st_size
-
-
-@dataclasses.dataclass(frozen=True)
-class Room:
-    """What ``make_room`` found: ``free`` bytes where checkpoints go, ``need`` for the next one, what it pruned."""
-
-    free: int
-    need: int
-    pruned: tuple[Path, ...] = ()
-
-    @property
-    def fits(self) -> bool:
-        return self.free >= self.need
-
-
-def prunable(root: Path, run_id: str | None, *, keep: int | None, protect: t.Collection[int] = ()) -> list[Path]:
-    """The run's checkpoints that the prune after its next checkpoint would remove anyway, oldest first:
-    all but its ``keep - 1`` newest (the new one makes ``keep``), less ``best`` and the ``protect``ed steps.
-    None/0 ``keep`` (keep all): none."""
-    if not keep:
-        return []
-    kept = {_step_of(b)} if (b := best_of(root)) is not None else set()
-    kept |= set(protect)
-    mine = [p for p in list_complete(root) if _manifest_run(p) == run_id]
-    return [p for p in mine[: max(0, len(mine) + 1 - keep)] if _step_of(p) not in kept]
-
-
-def make_room(
-    root: str | os.PathLike[str],
-    snap: Snapshot,
-    *,
-    keep: int | None,
-    protect: t.Callable[[], t.Collection[int]] | None = None,
-) -> Room:
-    """Before a checkpoint is written: is there room for it (``shutil.disk_usage``)? When not, the run's
-    checkpoints that ``keep`` lets go after this one are pruned first, oldest first, one by one until it
-    fits (``prunable``: never ``best``, an eval's step, another run's). ``Room.fits`` says the result."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    need = snapshot_bytes(snap)
-    free = shutil.disk_usage(root).free
-    pruned: list[Path] = []
-    if free >= need:
-        return Room(free, need)
-    with _BEST_LOCK:
-        for old_path in prunable(root, snap.run_id, keep=keep, protect=protect() if protect is not None else ()):
-            doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
-            old_path.rename(doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
-            pruned.append(old_path)
-            logger.info("checkpoint %s pruned early: the next one needs its room", old_path)
-            free = shutil.disk_usage(root).free
-            if free >= need:
-                break
-    return Room(free, need, tuple(pruned))
-
-
-FACTS_FILE = "checkpointing.json"  # in the run dir: what dflashctl's agent reads of this run's checkpoints
-
-
-def write_facts(run_dir: Path, facts: t.Mapping[str, t.Any]) -> None:
-    """``<run dir>/checkpointing.json``: where the run checkpoints, its ``keep``, its low-disk threshold, the
-    last skipped checkpoint and the last sync (docs/design.md section 9). Atomic; a failure is a warning."""
-    tmp = run_dir / f".{FACTS_FILE}.{os.getpid()}.{threading.get_ident()}"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(dict(facts), sort_keys=True) + "\n")
-        os.replace(tmp, run_dir / FACTS_FILE)
-    except OSError as e:  # a full disk: status then reads the older file
-        logger.warning("cannot write %s: %s", run_dir / FACTS_FILE, e.strerror)
-        tmp.unlink(missing_ok=True)
-
-
 def prune(
     root: str | os.PathLike[str],
     run_id: str | None,
@@ -519,17 +409,17 @@ def prune(
     steps ``protect()`` names (evals in flight: a run prunes once more when they end). Returns the removed."""
     root = Path(root)
     removed = []
-    with _BEST_LOCK:
-        kept = {_step_of(b)} if (b := best_of(root)) is not None else set()
+    with BEST_LOCK:
+        kept = {step_of(b)} if (b := best_of(root)) is not None else set()
         kept |= set(protect() if protect is not None else ())
         mine = [p for p in list_complete(root) if p != newest and _manifest_run(p) == run_id]
         if newest is not None:
             mine.append(newest)  # the newest of its run: steps only grow within a run
         for old_path in mine[:-keep]:
-            if _step_of(old_path) in kept:
+            if step_of(old_path) in kept:
                 continue  # the best (or an eval in flight): it stays, beyond keep
             # Rename first: a half-deleted directory must not look like a checkpoint.
-            doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
+            doomed = root / f".old-step-{step_of(old_path)}-{os.getpid()}"
             old_path.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(old_path)
@@ -603,7 +493,7 @@ class CheckpointWriter:
         *,
         keep: int | None = 3,
         protect: t.Callable[[], t.Collection[int]] | None = None,
-        on_skip: t.Callable[[int, Room], None] | None = None,
+        on_skip: t.Callable[[int, t.Any], None] | None = None,
         on_written: t.Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(root)
@@ -644,6 +534,8 @@ class CheckpointWriter:
     def _skip(self, snap: Snapshot) -> bool:
         """No room for ``snap`` even after pruning what ``keep`` lets go: one line, ``on_skip``, no write
         (a write that died half-way would cost the run; the earlier checkpoints stand)."""
+        from dflash.room import make_room  # dflash.room reads the checkpoints through this module
+
         room = make_room(self.root, snap, keep=self.keep, protect=self.protect)
         if room.fits:
             return False
@@ -734,7 +626,7 @@ def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
     except (inputs.InputFileError, inputs.RecordError) as exc:
         logger.warning("%s; taken as no best (the next eval sets one)", exc)
         return None
-    if target is None or step != _step_of(target):
+    if target is None or step != step_of(target):
         return None
     return dict(rec.data)
 
@@ -748,7 +640,7 @@ def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Pat
     root = Path(root)
     step = int(record["step"])
     name = f"step-{step}"
-    with _BEST_LOCK:
+    with BEST_LOCK:
         if _manifest_problem(root / name) is not None if (root / name).is_dir() else True:
             raise CheckpointError(f"{root / name}: not a complete checkpoint, so it cannot be the best")
         tmp = root / f".{BEST_FILE}.{os.getpid()}"
@@ -796,7 +688,7 @@ def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
 # ---- finding and reading ------------------------------------------------------------------
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     match = _STEP_DIR.match(path.name)
     if match is None:
         raise CheckpointError(f"{path}: not a checkpoint directory (expected a name like step-<n>)")
@@ -856,7 +748,7 @@ def _manifest_problem(path: Path) -> str | None:
     manifest, problem = _manifest(path)
     if manifest is None:
         return problem
-    if manifest["step"] != _step_of(path):
+    if manifest["step"] != step_of(path):
         return f"{MANIFEST_FILE}: step {manifest['step']!r} does not match the directory name"
     for name, size in manifest["files"].items():
         try:
@@ -896,7 +788,7 @@ def list_complete(root: str | os.PathLike[str]) -> list[Path]:
                 found.append(entry)
             else:
                 logger.warning("skipping checkpoint %s: %s", entry, problem)
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
 def resume_order(root: str | os.PathLike[str]) -> list[Path]:
@@ -904,7 +796,7 @@ def resume_order(root: str | os.PathLike[str]) -> list[Path]:
     checkpoints without a run id last), and within a run the newest step first."""
     found = list_complete(root)
     runs = {p: _manifest_run(p) for p in found}
-    return sorted(found, key=lambda p: (runs[p] is not None, runs[p] or "", _step_of(p)), reverse=True)
+    return sorted(found, key=lambda p: (runs[p] is not None, runs[p] or "", step_of(p)), reverse=True)
 
 
 def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Path | None:

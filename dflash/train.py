@@ -75,6 +75,7 @@ from pathlib import Path
 import torch
 
 from dflash import checkpoint as ckpt
+from dflash import room
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
 from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
@@ -190,7 +191,7 @@ class Run:
             if cfg.checkpoint.sync is not None
             else None
         )
-        # <run dir>/checkpointing.json: what dflashctl status reads of the checkpoints (ckpt.write_facts)
+        # <run dir>/checkpointing.json: what dflashctl status reads of the checkpoints (room.write_facts)
         self._facts_lock = threading.Lock()
         warn = cfg.checkpoint.disk_warn_gb
         self._facts: dict[str, t.Any] = {
@@ -536,16 +537,16 @@ class Run:
             return  # rank 0 writes the checkpoints: its run dir says how they go
         with self._facts_lock:
             self._facts.update(changes)
-            ckpt.write_facts(self.run_dir, self._facts)
+            room.write_facts(self.run_dir, self._facts)
 
-    def _skipped(self, step: int, room: ckpt.Room) -> None:
+    def _skipped(self, step: int, found: room.Room) -> None:
         """From the writer's thread: a checkpoint skipped for want of disk space (``CheckpointWriter._skip``)."""
         rec = {
             "event": "checkpoint-skipped",
             "step": step,
-            "need_bytes": room.need,
-            "free_bytes": room.free,
-            "pruned": [p.name for p in room.pruned],
+            "need_bytes": found.need,
+            "free_bytes": found.free,
+            "pruned": [p.name for p in found.pruned],
             "dir": str(self.ckpt_dir),
         }
         self._event(rec)
