@@ -547,7 +547,7 @@ class CheckpointWriter:
             self.root,
             room.free / 2**20,
             f" after pruning {len(room.pruned)}" if room.pruned else " (nothing keep lets go)",
-            self.written.name if self.written is not None else "the one before",
+            getattr(latest_complete(self.root, verify=False), "name", "none"),
         )
         if self.on_skip is not None:
             self.on_skip(snap.step, room)
