@@ -493,12 +493,15 @@ class CheckpointWriter:
         *,
         keep: int | None = 3,
         protect: t.Callable[[], t.Collection[int]] | None = None,
+        room_for: t.Callable[[Snapshot], t.Any] | None = None,
         on_skip: t.Callable[[int, t.Any], None] | None = None,
         on_written: t.Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep = keep
-        self.on_skip = on_skip  # a checkpoint skipped for want of room (``make_room``): the caller records it
+        # before each write: room on disk for it (``dflash.room.make_room``: a ``Room``, pruning early first)
+        self.room_for = room_for
+        self.on_skip = on_skip  # a checkpoint skipped for want of room: the caller records it
         self.on_written = on_written  # a checkpoint is on disk (from the writer's thread: must not block)
         self.protect = protect  # steps pruning must leave alone (evals in flight): write_checkpoint
         self.written: Path | None = None  # the last checkpoint written
@@ -534,9 +537,9 @@ class CheckpointWriter:
     def _skip(self, snap: Snapshot) -> bool:
         """No room for ``snap`` even after pruning what ``keep`` lets go: one line, ``on_skip``, no write
         (a write that died half-way would cost the run; the earlier checkpoints stand)."""
-        from dflash.room import make_room  # dflash.room reads the checkpoints through this module
-
-        room = make_room(self.root, snap, keep=self.keep, protect=self.protect)
+        if self.room_for is None:
+            return False
+        room = self.room_for(snap)
         if room.fits:
             return False
         self._spare = snap  # its buffers are free again

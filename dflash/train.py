@@ -176,6 +176,9 @@ class Run:
             self.ckpt_dir,
             keep=cfg.checkpoint.keep,
             protect=self._evaluating,
+            room_for=lambda snap: room.make_room(
+                self.ckpt_dir, snap, keep=cfg.checkpoint.keep, protect=self._evaluating
+            ),
             on_skip=self._skipped,
             on_written=self._written,
         )
