@@ -21,7 +21,6 @@ from ops import session as run
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
-from ops.notify import flag_message
 from ops.probe import Status, classify, iso
 from ops.remote import connect as connect_remote
 from ops.states import RECOVERY, Cause, State
@@ -456,6 +455,8 @@ class Supervisor:
         for c in changes:
             self.emit(c.text)
             if c.began and self.notifier is not None:
+                from ops.notify import flag_message  # as the notifier itself: only with --notify
+
                 self.notifier.send(flag_message(c.flag, self.label, self.session, c.text, st.attempt))
         if changes:
             self._save_memory()
