@@ -172,3 +172,17 @@ def test_the_low_disk_message_reaches_a_real_webhook() -> None:
         n.close(10)
     (m,) = hook.messages
     assert m["type"] == "warning" and m["title"] == f"dflash pve/dflash: {text}" and "attempt 3" in m["message"]
+
+
+def test_event_records_are_no_progress_for_status_nor_figures_for_the_dashboard(tmp_path: Path) -> None:
+    from ops.far.logs import metrics_facts
+    from ops.metrics_table import read_record
+
+    step = {"step": 500, "loss": 1.5, "interval_s": 2.0, "at": "2026-12-02T00:10:00Z"}
+    event = {"event": "sync-failed", "step": 500, "error": "x", "at": "2026-12-02T00:10:05Z"}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(step) + "\n" + json.dumps(event) + "\n")
+    facts = metrics_facts(str(path))
+    assert facts is not None and facts["last"] == step
+    row = read_record(json.dumps(event).encode())
+    assert (row.step, row.interval, row.values) == (500, 0.0, [])
