@@ -106,7 +106,7 @@ _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
 # Switching ``best`` and pruning happen in different threads (an eval's, the writer's): never at once, so
 # that a prune never removes the checkpoint that best is being switched to.
-_BEST_LOCK = threading.Lock()
+BEST_LOCK = threading.Lock()
 
 
 class CheckpointError(InputError, ValueError):
@@ -409,17 +409,17 @@ def prune(
     steps ``protect()`` names (evals in flight: a run prunes once more when they end). Returns the removed."""
     root = Path(root)
     removed = []
-    with _BEST_LOCK:
-        kept = {_step_of(b)} if (b := best_of(root)) is not None else set()
+    with BEST_LOCK:
+        kept = {step_of(b)} if (b := best_of(root)) is not None else set()
         kept |= set(protect() if protect is not None else ())
         mine = [p for p in list_complete(root) if p != newest and _manifest_run(p) == run_id]
         if newest is not None:
             mine.append(newest)  # the newest of its run: steps only grow within a run
         for old_path in mine[:-keep]:
-            if _step_of(old_path) in kept:
+            if step_of(old_path) in kept:
                 continue  # the best (or an eval in flight): it stays, beyond keep
             # Rename first: a half-deleted directory must not look like a checkpoint.
-            doomed = root / f".old-step-{_step_of(old_path)}-{os.getpid()}"
+            doomed = root / f".old-step-{step_of(old_path)}-{os.getpid()}"
             old_path.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             removed.append(old_path)
@@ -493,9 +493,16 @@ class CheckpointWriter:
         *,
         keep: int | None = 3,
         protect: t.Callable[[], t.Collection[int]] | None = None,
+        room_for: t.Callable[[Snapshot], t.Any] | None = None,
+        on_skip: t.Callable[[int, t.Any], None] | None = None,
+        on_written: t.Callable[[Path], None] | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep = keep
+        # before each write: room on disk for it (``dflash.room.make_room``: a ``Room``, pruning early first)
+        self.room_for = room_for
+        self.on_skip = on_skip  # a checkpoint skipped for want of room: the caller records it
+        self.on_written = on_written  # a checkpoint is on disk (from the writer's thread: must not block)
         self.protect = protect  # steps pruning must leave alone (evals in flight): write_checkpoint
         self.written: Path | None = None  # the last checkpoint written
         self._spare: Snapshot | None = None  # the last snapshot written: its buffers serve the next one
@@ -514,14 +521,40 @@ class CheckpointWriter:
 
     def _write(self, snap: Snapshot) -> None:
         try:
+            if self._skip(snap):
+                return
             self.written = write_checkpoint(self.root, snap, keep=self.keep, protect=self.protect)
             self._spare = snap
+            if self.on_written is not None:
+                self.on_written(self.written)
         except BaseException as e:  # reported by the caller's next wait()
             self._error = e
         finally:
             with self._ended_cond:
                 self._ended = snap.step
                 self._ended_cond.notify_all()
+
+    def _skip(self, snap: Snapshot) -> bool:
+        """No room for ``snap`` even after pruning what ``keep`` lets go: one line, ``on_skip``, no write
+        (a write that died half-way would cost the run; the earlier checkpoints stand)."""
+        if self.room_for is None:
+            return False
+        room = self.room_for(snap)
+        if room.fits:
+            return False
+        self._spare = snap  # its buffers are free again
+        logger.warning(
+            "checkpoint step %d skipped: it needs %.1f MiB and %s has %.1f MiB free%s; the last checkpoint stays %s",
+            snap.step,
+            room.need / 2**20,
+            self.root,
+            room.free / 2**20,
+            f" after pruning {len(room.pruned)}" if room.pruned else " (nothing keep lets go)",
+            getattr(latest_complete(self.root, verify=False), "name", "none"),
+        )
+        if self.on_skip is not None:
+            self.on_skip(snap.step, room)
+        return True
 
     def ended(self, step: int, timeout: float | None = None) -> bool:
         """From any thread: wait until the write of ``step`` (or a later one) has ended, written or failed
@@ -596,7 +629,7 @@ def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
     except (inputs.InputFileError, inputs.RecordError) as exc:
         logger.warning("%s; taken as no best (the next eval sets one)", exc)
         return None
-    if target is None or step != _step_of(target):
+    if target is None or step != step_of(target):
         return None
     return dict(rec.data)
 
@@ -610,7 +643,7 @@ def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Pat
     root = Path(root)
     step = int(record["step"])
     name = f"step-{step}"
-    with _BEST_LOCK:
+    with BEST_LOCK:
         if _manifest_problem(root / name) is not None if (root / name).is_dir() else True:
             raise CheckpointError(f"{root / name}: not a complete checkpoint, so it cannot be the best")
         tmp = root / f".{BEST_FILE}.{os.getpid()}"
@@ -658,7 +691,7 @@ def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
 # ---- finding and reading ------------------------------------------------------------------
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     match = _STEP_DIR.match(path.name)
     if match is None:
         raise CheckpointError(f"{path}: not a checkpoint directory (expected a name like step-<n>)")
@@ -718,7 +751,7 @@ def _manifest_problem(path: Path) -> str | None:
     manifest, problem = _manifest(path)
     if manifest is None:
         return problem
-    if manifest["step"] != _step_of(path):
+    if manifest["step"] != step_of(path):
         return f"{MANIFEST_FILE}: step {manifest['step']!r} does not match the directory name"
     for name, size in manifest["files"].items():
         try:
@@ -758,7 +791,7 @@ def list_complete(root: str | os.PathLike[str]) -> list[Path]:
                 found.append(entry)
             else:
                 logger.warning("skipping checkpoint %s: %s", entry, problem)
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
 def resume_order(root: str | os.PathLike[str]) -> list[Path]:
@@ -766,7 +799,7 @@ def resume_order(root: str | os.PathLike[str]) -> list[Path]:
     checkpoints without a run id last), and within a run the newest step first."""
     found = list_complete(root)
     runs = {p: _manifest_run(p) for p in found}
-    return sorted(found, key=lambda p: (runs[p] is not None, runs[p] or "", _step_of(p)), reverse=True)
+    return sorted(found, key=lambda p: (runs[p] is not None, runs[p] or "", step_of(p)), reverse=True)
 
 
 def latest_complete(root: str | os.PathLike[str], *, verify: bool = True) -> Path | None:

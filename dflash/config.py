@@ -28,6 +28,7 @@ from dflash import inputs
 from dflash.dtypes import NAMES
 from dflash.errors import InputError
 from dflash.suites import SUITES  # names only: dflash.suites imports datasets when a suite is read
+from dflash.sync import SyncError, parse_template
 
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
@@ -153,6 +154,12 @@ class CheckpointConfig:
     # in the dir are moved into old-<run id>-<time>/), or a checkpoint path
     resume: str = "auto"
     optimizer: bool = True  # save one replica's AdamW moments + fp32 masters (resume gives them to every replica)
+    # `dflashctl status` says `low disk` under this many GB free where checkpoints go; None: one checkpoint's size
+    disk_warn_gb: float | None = None
+    # a command run in the background after each checkpoint and each switch of `best` (dflash.sync):
+    # "rclone copy {dir} remote:bucket/run"; {dir} is the checkpoints folder, {step} the step; no shell
+    sync: str | None = None
+    sync_timeout: float = 3600.0  # seconds a sync may run before it is killed (its process group)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -562,6 +569,14 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.dir", "must not be empty (leave it out for the default)")
     if not c.resume.strip():
         raise ConfigError("checkpoint.resume", 'expected "auto", "never" or a checkpoint path')
+    if c.disk_warn_gb is not None:
+        positive("checkpoint.disk_warn_gb", c.disk_warn_gb, zero=True)
+    positive("checkpoint.sync_timeout", c.sync_timeout)
+    if c.sync is not None:
+        try:
+            parse_template(c.sync)
+        except SyncError as e:
+            raise ConfigError("checkpoint.sync", str(e)) from None
 
     mt = cfg.metrics
     if mt.wandb is not None:

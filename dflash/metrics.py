@@ -301,6 +301,7 @@ class Metrics:
         self._outbox: collections.deque[_Interval] = collections.deque()  # closed, not yet emitted
         self._file: t.TextIO | None = None
         self._file_failed = False
+        self._closed = False
         self._reset()
         self._t_last: float | None = None
         self._prev: dict[str, tuple[float, float, float, int]] = {}
@@ -474,6 +475,18 @@ class Metrics:
             self.records.append(rec)
             del self.records[:-100]
 
+    def record_event(self, rec: dict[str, t.Any]) -> None:
+        """A record of its own in metrics.jsonl, ``{"event": "checkpoint-skipped" | "sync-failed" | ...}``: from
+        any thread, also after ``close`` (a sync ends after the last step)."""
+        with self._lock:
+            rec = {**rec, "at": utc_now()}
+            self._write(rec)
+            if self._closed and self._file is not None:
+                self._file.close()
+                self._file = None
+            self.records.append(rec)
+            del self.records[:-100]
+
     def _write_tensorboard(self, rec: dict[str, t.Any]) -> None:
         """The record's scalars as TensorBoard tags (``train/loss``, ``busy/drafter-1``, ``eval/tau``, ...)."""
         if self._tb is None:
@@ -501,6 +514,7 @@ class Metrics:
             while self._outbox:
                 self._emit(self._outbox.popleft())
         with self._lock:
+            self._closed = True
             if self._file is not None:
                 self._file.close()
                 self._file = None

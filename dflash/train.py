@@ -75,6 +75,7 @@ from pathlib import Path
 import torch
 
 from dflash import checkpoint as ckpt
+from dflash import room
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
 from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
@@ -85,11 +86,21 @@ from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.feature_queue import MIN_DEFAULT_BYTES, default_max_bytes, format_bytes, short_bound_warning
 from dflash.kernels import missing_kernels_warning
-from dflash.metrics import TENSORBOARD_HINT, WANDB_HINT, Metrics, WandbRun, tensorboard_available, wandb_available
+from dflash.metrics import (
+    TENSORBOARD_HINT,
+    WANDB_HINT,
+    Metrics,
+    WandbRun,
+    tensorboard_available,
+    utc_now,
+    wandb_available,
+)
 from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
 from dflash.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica, torch_dtype
 from dflash.resume import find_resume, group_resume, restore
+from dflash.sync import LOG_FILE as SYNC_LOG
+from dflash.sync import CheckpointSync, SyncResult, parse_template
 from dflash.target import TargetHead
 from dflash.validation import EvalResult, Validator
 
@@ -161,7 +172,39 @@ class Run:
         self.last_saved: int | None = None
         self.run_id: str | None = None  # chosen by dflash.resume: kept across resumes, new for a fresh start
         # pruning leaves the steps an eval still measures (checkpoints/best may become one of them)
-        self.writer = ckpt.CheckpointWriter(self.ckpt_dir, keep=cfg.checkpoint.keep, protect=self._evaluating)
+        self.writer = ckpt.CheckpointWriter(
+            self.ckpt_dir,
+            keep=cfg.checkpoint.keep,
+            protect=self._evaluating,
+            room_for=lambda snap: room.make_room(
+                self.ckpt_dir, snap, keep=cfg.checkpoint.keep, protect=self._evaluating
+            ),
+            on_skip=self._skipped,
+            on_written=self._written,
+        )
+        # [checkpoint] sync: a copy off the box after each checkpoint and each switch of best (dflash.sync)
+        self.sync = (
+            CheckpointSync(
+                parse_template(cfg.checkpoint.sync),
+                self.ckpt_dir,
+                timeout=cfg.checkpoint.sync_timeout,
+                log_path=self.run_dir / SYNC_LOG,
+                on_end=self._synced,
+            )
+            if cfg.checkpoint.sync is not None
+            else None
+        )
+        # <run dir>/checkpointing.json: what dflashctl status reads of the checkpoints (room.write_facts)
+        self._facts_lock = threading.Lock()
+        warn = cfg.checkpoint.disk_warn_gb
+        self._facts: dict[str, t.Any] = {
+            "dir": str(self.ckpt_dir),
+            "run_id": None,  # set at start (dflash.resume chooses it)
+            "keep": cfg.checkpoint.keep,
+            "disk_warn_bytes": None if warn is None else int(warn * 1e9),
+            "skipped": None,
+            "sync": None if self.sync is None else {"command": self.sync.name, "last": None, "failures": 0},
+        }
         self.validator: Validator | None = None  # [eval] every: held-out tau at the barrier (dflash.validation)
         self.pipeline: Pipeline | None = None
         self.metrics: Metrics | None = None
@@ -483,6 +526,67 @@ class Run:
         """From the eval's thread: the tau into metrics.jsonl, the log and the trackers."""
         if self.metrics is not None:  # evals start in the pipeline, after the metrics are made
             self.metrics.record_eval(result.record())
+        if result.is_best and self.sync is not None:
+            self.sync.request(result.step, "best")
+
+    # ---- the checkpoints' facts for dflashctl: a skipped checkpoint, the sync -------------------
+
+    def _event(self, rec: dict[str, t.Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.record_event(rec)
+
+    def _write_facts(self, **changes: t.Any) -> None:
+        if self.group is not None and not self.group.is_main:
+            return  # rank 0 writes the checkpoints: its run dir says how they go
+        with self._facts_lock:
+            self._facts.update(changes)
+            room.write_facts(self.run_dir, self._facts)
+
+    def _skipped(self, step: int, found: room.Room) -> None:
+        """From the writer's thread: a checkpoint skipped for want of disk space (``CheckpointWriter._skip``)."""
+        rec = {
+            "event": "checkpoint-skipped",
+            "step": step,
+            "need_bytes": found.need,
+            "free_bytes": found.free,
+            "pruned": [p.name for p in found.pruned],
+            "dir": str(self.ckpt_dir),
+        }
+        self._event(rec)
+        self._write_facts(skipped={k: v for k, v in rec.items() if k != "event"} | {"at": utc_now()})
+
+    def _written(self, path: Path) -> None:
+        if self.sync is not None:
+            self.sync.request(int(path.name.removeprefix("step-")), "checkpoint")
+
+    def _synced(self, result: SyncResult) -> None:
+        """From the sync's thread: its end in the log, metrics.jsonl and checkpointing.json."""
+        if result.ok:
+            logger.info("sync of step %d (%s) done in %.1f s", result.step, result.why, result.seconds)
+        else:
+            logger.warning(
+                "sync of step %d (%s) failed: %s; the next checkpoint syncs again (output in %s)",
+                result.step,
+                result.why,
+                result.error,
+                self.run_dir / SYNC_LOG,
+            )
+        self._event(result.record())
+        with self._facts_lock:
+            before = dict(self._facts["sync"] or {})
+        failures = 0 if result.ok else int(before.get("failures") or 0) + 1
+        last = {k: v for k, v in result.record().items() if k != "event"} | {"ok": result.ok, "at": utc_now()}
+        self._write_facts(sync={**before, "last": last, "failures": failures})
+
+    def _end_sync(self, *, failing: bool = False) -> None:
+        """Wait for the sync in flight (the final checkpoint's), bounded by ``sync_timeout`` (60 s at most
+        while an error is on its way out); what still runs then is killed."""
+        if self.sync is None:
+            return
+        wait = self.cfg.checkpoint.sync_timeout if not failing else min(60.0, self.cfg.checkpoint.sync_timeout)
+        if self.sync.busy:
+            logger.info("waiting for the checkpoint sync (%s, %.0f s at most)", self.sync.name, wait)
+        self.sync.close(wait)
 
     def on_sync(self, ev: SyncEvent) -> None:
         if self.group is not None:
@@ -665,6 +769,7 @@ class Run:
             self.run_dir / "metrics.jsonl",
         )
         self.metrics.start()
+        self._write_facts(run_id=self.run_id)
         if self.barrier is not None:
             self.barrier.restart()
         try:
@@ -675,6 +780,7 @@ class Run:
             if self.validator is not None:
                 self.validator.close(wait=False)
             self._finish_writes(failing=True)
+            self._end_sync(failing=True)
             raise
         else:
             if self.validator is not None:  # the last checkpoint's eval ends in metrics.jsonl (not after a stop)
@@ -687,6 +793,7 @@ class Run:
             if compiled:
                 torch.compiler.set_stance("default")
         self._finish_writes()  # the final checkpoint is on disk before we say so or exit
+        self._end_sync()
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
         group_stop = self.barrier.stop if self.barrier is not None else 0  # another node's signal: we stopped with it

@@ -163,6 +163,8 @@ def read_record(line: bytes) -> Row:
         evals = [(f"eval_{k}", v) for k in ("tau", "best_tau") if (v := typed(rec.get(k), "number", k)) is not None]
         # interval 0: it takes no time of the steps around it (record_times sums the intervals after a record)
         return Row(step, at, 0.0, evals)
+    if rec.get("event") is not None:  # a skipped checkpoint, a sync's end: no figures, no time of the steps
+        return Row(step, at, 0.0, [])
     interval = typed(rec.get("interval_s"), "number", "interval_s")
     values = []
     for key in SCALARS:

@@ -246,6 +246,13 @@ def supervisor_message(event: str, host: str, session: str, text: str) -> Messag
     return Message(f"supervisor-{event}", title, body, "warning" if event == "stopped" else "info")
 
 
+def flag_message(flag: str, host: str, session: str, text: str, attempt: int | None) -> Message:
+    """``low-disk`` / ``sync-failed``: the run goes on, the operator should act (once per episode)."""
+    title = f"dflash {host}/{session}: {text}"
+    body = f"host {host}, session {session}, attempt {attempt}\n{text}\nthe run goes on; `dflashctl status` shows it"
+    return Message(flag, title, body, "warning")
+
+
 # --------------------------------------------------------------------------------------------
 # Delivery
 

@@ -25,6 +25,7 @@ import time
 import typing as t
 
 from ops import gpu_fault, wire
+from ops.disk import DiskView, SyncView, checkpoint_context
 from ops.far import members, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
@@ -183,6 +184,9 @@ class Status:
     # the run's live processes ({pid, start, attempt, argv}: the command and all it started, any
     # attempt of the session); None when unknown (a runner that does not tag them)
     members: list[dict[str, t.Any]] | None = None
+    # room for the next checkpoint and the last sync off the box (ops/disk.py); None: unknown / no sync
+    disk: DiskView | None = None
+    sync: SyncView | None = None
     # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
     stop_requested: bool = False
@@ -194,8 +198,10 @@ class Status:
         d["container"] = dataclasses.asdict(self.container) if self.container else None
         d["progress"] = dataclasses.asdict(self.progress) if self.progress else None
         d["supervisor"] = dataclasses.asdict(self.supervisor) if self.supervisor else None
+        d["disk"] = dataclasses.asdict(self.disk) if self.disk else None
+        d["sync"] = dataclasses.asdict(self.sync) if self.sync else None
         d["evidence"] = list(self.evidence)
-        d["gpus"] = None if self.gpus is None else [_gpu_json(g) for g in self.gpus]
+        d["gpus"] = None if self.gpus is None else [g.to_json() for g in self.gpus]
         d["workers"] = None if self.workers is None else [dataclasses.asdict(w) for w in self.workers]
         return d
 
@@ -230,6 +236,10 @@ class Status:
         if self.state == State.UNREACHABLE:
             return f"unreachable ({self.cause}): {self.detail}"
         return f"{self.state}: {self.detail}" if self.detail else self.state
+
+    def watch_flags(self) -> list[str]:
+        """What the operator should act on though the run goes on: ``low disk``, ``sync failed``."""
+        return [p for p in (self.disk.phrase() if self.disk else None, self.sync.phrase() if self.sync else None) if p]
 
     def lines(self) -> list[str]:
         """The headline, then tmux, container, progress, log and the evidence."""
@@ -269,22 +279,16 @@ class Status:
                 )
         if self.log:
             out.append(f"  log:       {self.log}")
-        if self.supervisor is not None:
-            out.append(f"  watch:     {self.supervisor.phrase()}")
+        flags = self.watch_flags()
+        if self.supervisor is not None or flags:
+            said = [self.supervisor.phrase()] if self.supervisor is not None else []
+            out.append(f"  watch:     {'; '.join([*said, *flags])}")
         if self.mode != "agent":
             out.append(f"  mode:      {self.mode}")
         if self.evidence:
             out.append("  evidence:")
             out.extend(f"    - {e}" for e in self.evidence)
         return out
-
-
-def _gpu_json(g: wire.Gpu) -> dict[str, t.Any]:
-    """The GPU as the agent said it: ``pci_bus_id`` only where nvidia-smi gave one."""
-    d = dataclasses.asdict(g)
-    if d["pci_bus_id"] is None:
-        del d["pci_bus_id"]
-    return d
 
 
 def _join(*parts: str | None) -> str:
@@ -637,6 +641,8 @@ def _judge(s: Status, f: wire.Facts) -> None:
                 "and session, another run_dir); this entry's run_dir holds no record of it",
             )
     gpu_fault.explain(s, agent.raw, f.host_kernel)  # the driver's words, wherever they are
+    s.disk, s.sync, said = checkpoint_context(agent.raw.get("checkpoints"))
+    s.evidence.extend(said)
     if agent.has_supervisor:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.supervisor, agent.now)
         if s.supervisor.state == "stale":

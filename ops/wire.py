@@ -358,6 +358,13 @@ class Gpu:
     utilization_pct: float | None
     pci_bus_id: str | None = None  # 00000000:3B:00.0 (an agent older than gpu-fault does not say)
 
+    def to_json(self) -> dict[str, t.Any]:
+        """The GPU as the agent said it: ``pci_bus_id`` only where nvidia-smi gave one."""
+        d = dataclasses.asdict(self)
+        if d["pci_bus_id"] is None:
+            del d["pci_bus_id"]
+        return d
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Probe:

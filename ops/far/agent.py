@@ -57,6 +57,7 @@ from ops.far.records import (
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
 from ops.far.refusal import Refused
+from ops.far.room import checkpoint_facts
 from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read", "history", "checkpoint", "fetch")
@@ -238,6 +239,8 @@ def probe(req: Request) -> ProbeFacts:
     heartbeat = watch.beat(session_dir(req), req["heartbeat"], now) if req.get("heartbeat") is not None else None
     return {
         "disk": disk_facts(req["run_dir"]),
+        # optional (an older agent sends none): sizes and free space for status's low-disk flag and sync
+        "checkpoints": checkpoint_facts(af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")),
         "now": now,
         "supervisor": watch.read(session_dir(req)),
         "heartbeat": heartbeat,

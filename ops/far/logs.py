@@ -59,7 +59,7 @@ def metrics_facts(path: str) -> MetricsFacts | None:
             rec = records.parse_line(line)
         except ValueError:
             continue  # a line being written right now (or one no record of ours is: skipped)
-        if isinstance(rec, dict):
+        if isinstance(rec, dict) and "event" not in rec:  # a skipped checkpoint, a sync's end: no progress figures
             last = rec
             break
     return {"path": path, "size": size, "mtime": mtime, "last": last}

@@ -117,6 +117,9 @@ class ProbeFacts(t.TypedDict):
     """The probe verb's answer (less the envelope)."""
 
     disk: DiskFacts | None
+    # the run's checkpoints (ops/far/room.py): dir, record (the trainer's checkpointing.json), free,
+    # checkpoints [{step, bytes, run_id}], truncated, best_step, error; absent from an older agent's answer
+    checkpoints: dict[str, t.Any]
     now: float
     supervisor: dict[str, t.Any] | None  # the heartbeat record of who watches the run (ops/far/watch.py)
     heartbeat: dict[str, t.Any] | None  # what became of the request's heartbeat (None: it carried none)

@@ -25,6 +25,7 @@ from ops.probe import Status, classify, iso
 from ops.remote import connect as connect_remote
 from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Cause, State
+from ops.supervise.episode import Episodes
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.policy import (
     DONE,
@@ -157,6 +158,7 @@ class Supervisor:
         # gave up on, is watched on, never left unwatched: a later `dflashctl start` is supervised again.
         self.keep_watching = keep_watching
         self.policy = Policy(opts, rng=self.rng, keep_watching=keep_watching)
+        self.episodes = Episodes()  # low disk, a failing sync: told once per episode (kept with the memory)
         # Who watches, written with every probe (docs/design.md section 18); --once only reads the lease.
         self.heartbeat = heartbeat or Heartbeat(interval=opts.interval, clock=clock)
         self._beating = False  # a heartbeat went out (then a stop on purpose says so: _end_lease)
@@ -243,6 +245,7 @@ class Supervisor:
             return
         if isinstance(data, dict):
             self.policy.load(data)
+            self.episodes.load(data)
 
     def _save_memory(self) -> None:
         try:
@@ -251,6 +254,7 @@ class Supervisor:
                 self.memory_path,
                 {
                     **self.policy.memory(),
+                    **self.episodes.memory(),
                     "host": self.host.name,
                     "session": self.session,
                     "updated_at": iso(self.clock()),
@@ -355,6 +359,7 @@ class Supervisor:
             now = self.clock()
             d = self.policy.observe(st, now)
             self.heartbeat.probed(st, d)
+            self._episodes(st, now)
             last = st
             if first:
                 mode = "once" if o.once else f"every {o.interval:g}s"
@@ -450,6 +455,18 @@ class Supervisor:
             + (f" ({last.state}, attempt {last.attempt})" if last and last.attempt is not None else "")
         )
         return Outcome("interrupted", state, self._signal or "")
+
+    def _episodes(self, st: Status, now: float) -> None:
+        """Low disk, a failing sync: a line and a notification when an episode begins, a line when it ends."""
+        changes = self.episodes.observe(st, now)
+        for c in changes:
+            self.emit(c.text)
+            if c.began and self.notifier is not None:
+                from ops.notify import flag_message  # as the notifier itself: only with --notify
+
+                self.notifier.send(flag_message(c.flag, self.label, self.session, c.text, st.attempt))
+        if changes:
+            self._save_memory()
 
     def _recover(self, st: Status, d: Decision) -> bool:
         """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""
