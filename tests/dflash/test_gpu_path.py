@@ -612,7 +612,7 @@ def test_the_step_figures_are_built_and_read_on_the_reader_stream_after_its_wait
         rows = Metrics._read_pending(steps)
     finally:
         STREAMS["recording"] = False
-    assert rows == [[2.5, 0.5, 3.0, 0.75, 0.25], [1.5, 0.25, 2.0, 0.5, 0.0]]
+    assert rows == [[2.5, 0.5, 3.0, 0.0, 0.75, 0.25], [1.5, 0.25, 2.0, 0.0, 0.5, 0.0]]
     names = [n for n, _ in STREAMS["ops"]]
     assert {"double", "cat", "stack", "tolist"} <= set(names), names
     outside = [n for n, inside in STREAMS["ops"] if not inside]
