@@ -95,7 +95,7 @@ class Verdict:
 
     def line(self) -> str:
         return (
-            f"warning: step {self.step}: {self.figure} not finite; update skipped "
+            f"step {self.step}: {self.figure} not finite; update skipped "
             f"({self.in_row} in a row, {self.total} in this attempt)"
         )
 
@@ -139,7 +139,7 @@ class Spike:
 
     def line(self) -> str:
         return (
-            f"warning: loss spike at step {self.step}: loss {self.loss:.3f} above {self.factor:g} x the running "
+            f"loss spike at step {self.step}: loss {self.loss:.3f} above {self.factor:g} x the running "
             f"median {self.median:.3f} for {self.steps} steps"
         )
 

@@ -154,6 +154,10 @@ class CrashLoop(OpsError):
     """restart-on-crash gave up: the run crashes again and again."""
 
 
+class GaveUpDiverged(CrashLoop):
+    """restart-on-crash gave up on a run whose training diverged (a restart would replay the same data)."""
+
+
 class SupervisorLocked(OpsError):
     """Another restart-on-crash already watches this host and session."""
 

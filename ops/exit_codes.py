@@ -22,6 +22,7 @@ class ExitCode(enum.IntEnum):
     CONTAINER_DOWN = 9
     UNREACHABLE = 10
     CRASH_LOOP = 11
+    DIVERGED = 12  # restart-on-crash gave up on a run whose training diverged
 
 
 # docs/design.md section 6: the state a status reports -> the exit code of `status`.
@@ -41,6 +42,7 @@ STATE_EXIT: dict[str, ExitCode] = {
 ERROR_EXIT: tuple[tuple[type[errors.OpsError], ExitCode], ...] = (
     (errors.UnreachableError, ExitCode.UNREACHABLE),
     (errors.ContainerDown, ExitCode.CONTAINER_DOWN),
+    (errors.GaveUpDiverged, ExitCode.DIVERGED),
     (errors.CrashLoop, ExitCode.CRASH_LOOP),
     (errors.OpsError, ExitCode.ERROR),
 )

@@ -246,6 +246,13 @@ def supervisor_message(event: str, host: str, session: str, text: str) -> Messag
     return Message(f"supervisor-{event}", title, body, "warning" if event == "stopped" else "info")
 
 
+def training_message(event: str, host: str, session: str, attempt: int | None, text: str) -> Message:
+    """What the run's own log warned about (``loss-spike``): the run goes on, nothing was done."""
+    title = f"dflash {host}/{session}: {text}"
+    body = f"host {host}, session {session}, attempt {attempt}\n{event}: {text}\nthe run goes on (a warning only)"
+    return Message(event, title, body, "warning")
+
+
 # --------------------------------------------------------------------------------------------
 # Delivery
 
@@ -365,6 +372,9 @@ class Notifier:
 
     def supervisor(self, event: str, host: str, session: str, text: str) -> None:
         self.send(supervisor_message(event, host, session, text))
+
+    def training(self, event: str, host: str, session: str, attempt: int | None, text: str) -> None:
+        self.send(training_message(event, host, session, attempt, text))
 
     def close(self, timeout: float = FLUSH) -> None:
         """Deliver what is queued within ``timeout`` seconds (retries included), then give up: what is
