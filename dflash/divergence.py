@@ -146,8 +146,8 @@ class Spike:
 
 class LossSpike:
     """``steps`` finite losses in a row above ``factor`` x the median of the last ``window`` before them:
-    one ``Spike`` per episode (the next needs a loss back under the bar first). The median of a spike's
-    own losses stays out of the window while the spike lasts, so a long spike does not raise its own bar."""
+    one ``Spike`` per episode (the next needs a loss back under the bar first). A spike's own losses stay
+    out of the window (a long spike does not raise its own bar); an excursion too short to be one joins it."""
 
     def __init__(self, *, factor: float, steps: int, window: int) -> None:
         self.factor = factor
@@ -181,8 +181,9 @@ class LossSpike:
                 self._told = True
                 return Spike(step, loss, med, self.factor, len(self._above))
             return None
-        for x in self._above:  # a short excursion joins the window; the spike's told, the episode ends
-            self._push(x)
+        if not self._told:  # a short excursion joins the window; a told spike's losses do not raise the bar
+            for x in self._above:
+                self._push(x)
         self._above.clear()
         self._told = False
         self._push(loss)
