@@ -2,7 +2,7 @@
 $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside the fake container).
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
-                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|kill|forever]
+                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|diverged|kill|forever]
                   [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 import time
+
+CHECKPOINT: tuple[str | None, int] = (None, 5)  # --checkpoint and --every: the diverged line names it
 
 
 def log(text: str) -> None:
@@ -47,6 +49,8 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    global CHECKPOINT
+    CHECKPOINT = (a.checkpoint, a.every)
     run_dir = os.environ.get("DFLASH_RUN_DIR", ".")
     for i in range(1, a.lines + 1):
         log(f"line {i}")
@@ -149,6 +153,13 @@ def end(how: str, step: int) -> int:
         return 1
     if kind == "exception":
         raise KeyError(arg or "missing_key")
+    if kind == "diverged":  # dflash train's one line for a non-finite update (dflash.divergence.Diverged), exit 3
+        path, every = CHECKPOINT
+        saved = step - step % every if path else 0
+        last = f"{path} (step {saved})" if path and saved else "none"
+        sys.stderr.write(f"dflash: diverged at step {step + 1}: loss not finite; last finite checkpoint: {last}\n")
+        sys.stderr.flush()
+        return 3
     if kind == "nccl-timeout":
         log(
             "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "

@@ -28,6 +28,7 @@ from dflash.pipeline import StepStats
 from dflash.replicas import FeatureBatch
 from dflash.target import tiny_target_config
 from dflash.train import Run
+from ops.probe import diagnose, last_finite_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -213,6 +214,10 @@ def test_nan_at_step_stops_with_exit_3_one_line_and_no_checkpoint_after_it(tmp_p
     assert (ckpt.read_best(tmp_path / "ckpt") or {}).get("step", 99) <= good
     diverged = [r for r in records(tmp_path) if r.get("event") == "diverged"]
     assert [(r["step"], r["figure"]) for r in diverged] == [(bad, "loss")]
+    # what dflashctl makes of this real log and exit code: crashed/diverged, and restart-on-crash gives up
+    diag = diagnose(res.stderr.splitlines(), exit_code=res.returncode, signal=None)
+    assert (diag.cause, diag.detail) == ("diverged", last.removeprefix("dflash: "))
+    assert last_finite_checkpoint(diag.detail) == f"{path} (step {good})"
 
 
 def test_on_nonfinite_skip_goes_on_counts_and_ends_with_a_finite_checkpoint(tmp_path: Path) -> None:

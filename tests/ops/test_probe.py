@@ -420,3 +420,17 @@ def test_records_from_an_older_agent_are_checked_before_any_figure() -> None:
     assert "stop.json: not a JSON object" in text, text
     json.dumps(got, allow_nan=False)  # no NaN reaches --json
     assert st.lines()
+
+
+def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> None:
+    from dflash.divergence import Diverged, Spike
+
+    line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
+    d = probe.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
+    assert (d.cause, d.detail) == ("diverged", line.removeprefix("dflash: "))
+    assert probe.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
+    assert probe.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
+    assert probe.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
+    spike = Spike(40, 9.5, 2.0, 3.0, 20).line()
+    logged = f"2026-12-02T00:27:40 WARNING dflash.metrics: {spike}"
+    assert probe.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
