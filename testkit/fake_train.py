@@ -10,7 +10,7 @@ $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside th
 every K steps, as the training core does with `resume = "auto"`.
 --control FILE is read before each step: `once:KIND[@N]` (the file is taken, so a restarted run does
 not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
-without output), @N: after N steps of this run.
+without output; `spike` prints the trainer's loss-spike warning and goes on), @N: after N steps of this run.
 --ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
 """
 
@@ -69,7 +69,13 @@ def main() -> int:
     done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
         fault = control(a.control, done_here)
-        if fault:
+        if fault == "spike":  # dflash train's warning (dflash.divergence.Spike.line, the log format): the run goes on
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log(
+                f"{stamp} WARNING dflash.metrics: loss spike at step {step}: loss 9.500 above 3 x the running "
+                "median 2.000 for 20 steps"
+            )
+        elif fault:
             return end(fault, step)
         step += 1
         done_here += 1
