@@ -24,6 +24,7 @@ import signal as signal_mod
 import time
 import typing as t
 
+from ops import divergence
 from ops.far import members, records, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
@@ -414,37 +415,6 @@ def _gpu_of(texts: t.Iterable[str]) -> int | None:
     return None
 
 
-# dflash train's one line when a non-finite update stopped it (dflash.divergence.Diverged.line): exit 3
-_DIVERGED = re.compile(
-    r"dflash: (?P<what>diverged at step (?P<step>\d+): (?P<figure>[a-z -]+?) not finite.*?; "
-    r"last finite checkpoint: (?P<last>.+?))\s*$"
-)
-
-
-def diverged(lines: t.Sequence[str]) -> Diagnosis | None:
-    """The trainer's diverged line (the last one in the tail), as a ``diverged`` diagnosis."""
-    for line in reversed(lines):
-        m = _DIVERGED.search(line)
-        if m:
-            return Diagnosis(Cause.DIVERGED, _short(m.group("what"), 400), evidence=[f"log: {_short(m.group(0), 300)}"])
-    return None
-
-
-# dflash train's warning when the loss stays far above its running median (dflash.divergence.Spike.line)
-_SPIKE = re.compile(r"(?P<what>loss spike at step (?P<step>\d+): .+?)\s*$")
-
-
-def loss_spikes(lines: t.Sequence[str]) -> list[tuple[int, str]]:
-    """The trainer's loss-spike warnings in a log tail: (step, what it says), oldest first."""
-    return [(int(m.group("step")), m.group("what")) for m in map(_SPIKE.search, _clean(lines)) if m]
-
-
-def last_finite_checkpoint(detail: str | None) -> str | None:
-    """The checkpoint a diverged diagnosis names as the last finite one (None: none, or no such detail)."""
-    m = re.search(r"last finite checkpoint: (.+)$", detail or "")
-    return m.group(1).strip() if m and m.group(1).strip() != "none" else None
-
-
 def diagnose(
     lines: t.Sequence[str],
     *,
@@ -457,9 +427,9 @@ def diagnose(
     """Why a run ended non-zero: the log tail, the exit record (``disk_free``: bytes left where the run
     wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
     lines = _clean(lines)
-    div = diverged(lines)
-    if div is not None:
-        return div
+    div = divergence.diverged_line(lines)
+    if div is not None:  # the trainer's own verdict: nothing else in the tail explains the end better
+        return Diagnosis(Cause.DIVERGED, _short(div[0], 400), evidence=[f"log: {_short(div[1], 300)}"])
     exc = last_exception(lines)
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
         how = f"signal {signal}" if signal else f"exit {exit_code}"

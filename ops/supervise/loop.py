@@ -18,10 +18,11 @@ from pathlib import Path
 
 from ops import errors
 from ops import session as run
+from ops.divergence import loss_spikes
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
-from ops.probe import Status, classify, iso, loss_spikes
+from ops.probe import Status, classify, iso
 from ops.remote import connect as connect_remote
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.heartbeat import Heartbeat

@@ -10,7 +10,8 @@ import time
 import typing as t
 
 from ops import errors
-from ops.probe import Status, last_finite_checkpoint
+from ops.divergence import last_finite_checkpoint
+from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
 
 # Actions a Decision can carry (short names for the policy's rules).

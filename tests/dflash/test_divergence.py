@@ -28,7 +28,8 @@ from dflash.pipeline import StepStats
 from dflash.replicas import FeatureBatch
 from dflash.target import tiny_target_config
 from dflash.train import Run
-from ops.probe import diagnose, last_finite_checkpoint
+from ops.divergence import last_finite_checkpoint
+from ops.probe import diagnose
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import probe
+from ops import divergence, probe
 from ops.cli import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
@@ -428,9 +428,9 @@ def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> 
     line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
     d = probe.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
     assert (d.cause, d.detail) == ("diverged", line.removeprefix("dflash: "))
-    assert probe.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
-    assert probe.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
+    assert divergence.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
+    assert divergence.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
     assert probe.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
     spike = Spike(40, 9.5, 2.0, 3.0, 20).line()
     logged = f"2026-12-02T00:27:40 WARNING dflash.metrics: {spike}"
-    assert probe.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
+    assert divergence.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
