@@ -314,6 +314,7 @@ class Metrics:
         self._held_out: dict[str, t.Any] | None = None  # the last eval record: its tau ends the step line
         self.guard = guard  # a step whose update was not finite: stop (Diverged) or count the skip
         self.spike = spike  # finite losses far above their running median: a warning and a record
+        self.diverged: Diverged | None = None  # the first bad step that stopped the run (raised once)
 
     def start(self) -> None:
         """Start the clock of the first interval (call right before the pipeline runs)."""
@@ -424,9 +425,12 @@ class Metrics:
         kept = []
         for step, row in zip(iv.at, rows):
             if row[3] and self.guard is not None:
+                if self.diverged is not None:  # the run is ending with the first one: said once
+                    continue
                 try:
                     verdict = self.guard.bad(step, row[3])
                 except Diverged as e:
+                    self.diverged = e
                     self._write({"event": "diverged", "step": e.step, "figure": e.figure,
                                  "last_finite": e.last_finite, "at": utc_now()})  # fmt: skip
                     raise
@@ -548,7 +552,7 @@ class Metrics:
             self._wandb = None
 
     def close(self) -> None:
-        diverged: Diverged | None = None
+        diverged: Diverged | None = None  # first seen here (one raised earlier is on its way out already)
         with self._emit_lock:  # every closed interval is out before the files close
             while self._outbox:
                 try:

@@ -233,3 +233,14 @@ def test_on_nonfinite_skip_goes_on_counts_and_ends_with_a_finite_checkpoint(tmp_
     assert max(steps) == 8 and finite(steps[8])
     figures = [r for r in records(tmp_path) if "event" not in r and r.get("kind") != "eval"]
     assert all(math.isfinite(r["loss"]) for r in figures)
+
+
+def test_after_the_first_diverged_step_later_bad_steps_are_neither_recorded_nor_raised_again(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    m = Metrics(log_every=1, path=path, stream=io.StringIO(), guard=NonfiniteGuard("stop", 5, lambda: "none"))
+    with pytest.raises(Diverged) as first:
+        m.record(7, StepStats(loss=NAN, acc=0.0, tau_tf=1.0, nonfinite=1.0), 10)
+    m.record(8, StepStats(loss=NAN, acc=0.0, tau_tf=1.0, nonfinite=1.0), 10)  # another drafter's, in flight
+    m.close()  # the run ends with the first: close does not raise a second, later one
+    assert first.value.step == 7
+    assert [json.loads(x).get("step") for x in path.read_text().splitlines()] == [7]
