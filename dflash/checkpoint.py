@@ -81,6 +81,7 @@ __all__ = [
     "move_aside",
     "new_run_id",
     "prune",
+    "nonfinite_weights",
     "read_best",
     "restore_rng_state",
     "resume_order",
@@ -331,6 +332,14 @@ def check_servable(drafter: torch.nn.Module, config: DFlashDraftConfig, *, vocab
     contract.check(json.loads(config_json(config)), shapes, target=contract.Target(vocab_size=vocab_size))
 
 
+def nonfinite_weights(weights: t.Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding a NaN or inf (None: all finite): such weights are never written."""
+    for name, w in weights.items():
+        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+            return name
+    return None
+
+
 def write_checkpoint(
     root: str | os.PathLike[str],
     snap: Snapshot,
@@ -344,6 +353,8 @@ def write_checkpoint(
     if keep is not None and keep < 0:
         raise ValueError(f"keep: must be >= 0 (0 or None keeps all), got {keep}")
     weights = snap.weights
+    if (bad := nonfinite_weights(weights)) is not None:
+        raise CheckpointError(f"step {step}: {bad} is not finite (NaN or inf): no checkpoint from these weights")
     dtype = next(iter(weights.values())).dtype if weights else None
     config_text = config_json(snap.config, dtype=dtype)
     # what an engine would refuse or serve wrongly is refused before anything is written (one line)

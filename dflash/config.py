@@ -203,6 +203,21 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """What the trainer does with a diverging run (``dflash.divergence``)."""
+
+    # "stop": the first update with a non-finite loss or gradient norm ends the run (exit 3, no checkpoint);
+    # "skip": that update is skipped (counted in metrics.jsonl) and the run stops after nonfinite_limit in a row
+    on_nonfinite: str = "stop"
+    nonfinite_limit: int = 10
+    # a loss above spike_factor x the median of the last spike_window steps' for spike_steps steps in a row is
+    # a warning and a metrics record, never a stop (0: not watched)
+    spike_factor: float = 3.0
+    spike_steps: int = 20
+    spike_window: int = 200
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     target: TargetConfig
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
@@ -214,6 +229,7 @@ class RunConfig:
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     # global steps: optimizer updates by all drafters together (each update is optim.sequences_per_update
     # sequences of one drafter). None: derived from `epochs` and the corpus size.
     max_steps: int | None = None
@@ -615,6 +631,13 @@ def _check(cfg: RunConfig) -> None:
     positive("average_every", cfg.average_every)
     positive("barrier_timeout", cfg.barrier_timeout)
     positive("distributed.timeout", cfg.distributed.timeout)
+    tr = cfg.train
+    choice("train.on_nonfinite", tr.on_nonfinite, ("stop", "skip"))
+    positive("train.nonfinite_limit", tr.nonfinite_limit)
+    if tr.spike_factor and not (math.isfinite(tr.spike_factor) and tr.spike_factor > 1):
+        raise ConfigError("train.spike_factor", f"must be > 1 (0: no spike watch), got {tr.spike_factor:g}")
+    positive("train.spike_steps", tr.spike_steps)
+    positive("train.spike_window", tr.spike_window)
     choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
     if not cfg.output_dir.strip():
         raise ConfigError("output_dir", "must not be empty")
@@ -677,6 +700,7 @@ __all__ = [
     "RunConfig",
     "TargetConfig",
     "TinyTargetConfig",
+    "TrainConfig",
     "WandbConfig",
     "apply_override",
     "check_devices",

@@ -3,7 +3,8 @@
 Every exception dflash raises on purpose derives from ``DflashError``; a subclass lives next to what
 raises it (``config.ConfigError``, ``store.StoreError``, ``distributed.PeerLost``, ...) and says two things:
 
-- ``exit_code``: 2 for a user's mistake (bad config, arguments or input), 1 for a failure;
+- ``exit_code``: 2 for a user's mistake (bad config, arguments or input), 1 for a failure, 3 for a run
+  that diverged (a non-finite loss, gradient norm or weights: ``dflash.divergence.Diverged``);
 - ``traceback``: False for a message that names its cause (``dflash.__main__.main`` prints ``line()`` and
   returns the code: never a traceback for a user's mistake); True for a run's failure mid-training (a
   worker error, a lost peer, a checkpoint that could not be written), which leaves the process with its
@@ -20,6 +21,7 @@ import typing as t
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
+EXIT_DIVERGED = 3  # training stopped at a non-finite update, without a checkpoint (dflash.divergence)
 
 
 class DflashError(Exception):
@@ -63,4 +65,14 @@ class Failed(DflashError):
         return str(self)
 
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "BadInput", "DataError", "DflashError", "Failed", "InputError"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_DIVERGED",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "BadInput",
+    "DataError",
+    "DflashError",
+    "Failed",
+    "InputError",
+]

@@ -25,10 +25,10 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class Fault:
-    role: str  # "target", "drafter", or "checkpoint" (checked by the trainer when it saves)
+    role: str  # "target", "drafter", "checkpoint" (checked by the trainer when it saves) or "update" (a replica's)
     index: int | None  # None: whichever worker of that role gets there first
     step: int
-    kind: str = "raise"  # "raise", "hang" (stop making progress until the run stops) or "kill" (checkpoint)
+    kind: str = "raise"  # "raise", "hang" (stop making progress until the run stops), "kill" (checkpoint), "nan"
     exc: t.Callable[[str], BaseException] | None = None  # built from the worker's device
     times: int = 1  # consecutive checks it fires on (2 = also the OOM retry)
     fatal: bool = False  # stop the whole run instead of one worker
@@ -124,6 +124,7 @@ def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
     - ``drafter-oom-at-step:N:I``   drafter I dies at step N with a CUDA OOM (the others go on)
     - ``hang-at-step:N``            every drafter stops making progress at step N (until SIGTERM)
     - ``kill-in-checkpoint:N``      SIGKILL in the middle of writing the first checkpoint at step >= N
+    - ``nan-at-step:N``             the update at step N has a NaN loss and NaN gradients (``DrafterReplica.poison``)
 
     Before firing, a marker file ``.dflash-fault-<spec>`` is written into ``marker_dir`` (the checkpoint
     dir): a resumed run with the same environment sees it and does not fire again.
@@ -144,6 +145,7 @@ def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
             "hang-at-step": 1,
             "drafter-oom-at-step": 2,
             "kill-in-checkpoint": 1,
+            "nan-at-step": 1,
         }
         if kind not in want:
             raise ValueError(f"{FAULT_ENV}: unknown fault {kind!r} (known: {', '.join(want)})")
@@ -175,6 +177,8 @@ def faults_from_env(spec: str, marker_dir: Path) -> FaultInjector:
             inj.fail_at("drafter", nums[1], step, cuda_oom, times=2, label=part, on_fire=fire)
         elif kind == "kill-in-checkpoint":
             inj.add(Fault("checkpoint", 0, step, "kill", label=part, on_fire=fire))
+        elif kind == "nan-at-step":  # checked by the drafter replica itself, on its real update
+            inj.add(Fault("update", None, step, "nan", label=part, on_fire=fire))
         else:  # every drafter hangs, not only the first one there
             inj.hang_at("drafter", None, step, times=1 << 30, label=part, on_fire=fire)
     return inj

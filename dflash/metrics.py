@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.divergence import Diverged, LossSpike, NonfiniteGuard
 from dflash.pipeline import Snapshot, StepStats, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class _Interval:
     tokens: int
     lr: float
     pending: list[StepStats]
+    at: list[int]  # the step of each pending figure
     snapshot: Snapshot | None
     workers: list[dict[str, t.Any]]
 
@@ -287,6 +289,8 @@ class Metrics:
         tensorboard_dir: Path | None = None,
         step_stride: int = 1,
         wandb: WandbRun | None = None,
+        guard: NonfiniteGuard | None = None,
+        spike: LossSpike | None = None,
     ) -> None:
         self.log_every = log_every
         # a node of a group counts its updates in strides of the nodes: log when a multiple is reached or passed
@@ -309,6 +313,9 @@ class Metrics:
         self._tb = tensorboard_writer(tensorboard_dir) if tensorboard_dir is not None else None
         self._wandb = wandb
         self._held_out: dict[str, t.Any] | None = None  # the last eval record: its tau ends the step line
+        self.guard = guard  # a step whose update was not finite: stop (Diverged) or count the skip
+        self.spike = spike  # finite losses far above their running median: a warning and a record
+        self.diverged: Diverged | None = None  # the first bad step that stopped the run (raised once)
 
     def start(self) -> None:
         """Start the clock of the first interval (call right before the pipeline runs)."""
@@ -322,6 +329,7 @@ class Metrics:
         self._tokens = 0
         self._lr = 0.0
         self._pending: list[StepStats] = []  # this interval's steps, read at its end
+        self._at: list[int] = []
 
     def record(self, step: int, stats: StepStats, tokens: int) -> None:
         """A drafter's finished step (any thread). Closing an interval happens under the lock (counters, the
@@ -332,6 +340,7 @@ class Metrics:
             self._tokens += tokens
             self._lr = stats.lr
             self._pending.append(stats)  # device figures are NOT read here: that would sync every step
+            self._at.append(step)
             seen, self._seen = self._seen, max(self._seen, step)
             if step % self.log_every == 0 if self.step_stride == 1 else step // self.log_every > seen // self.log_every:
                 self._outbox.append(self._close(step))
@@ -348,7 +357,7 @@ class Metrics:
             for w in snap.workers:
                 workers.append(worker_window(w, self._prev.get(w.name), interval))
                 self._prev[w.name] = (w.busy_s, w.wait_s, w.sync_s, w.items)
-        closed = _Interval(step, interval, self._n, self._tokens, self._lr, self._pending, snap, workers)
+        closed = _Interval(step, interval, self._n, self._tokens, self._lr, self._pending, self._at, snap, workers)
         self._t_last = now
         self._reset()
         return closed
@@ -365,23 +374,38 @@ class Metrics:
             finally:
                 self._emit_lock.release()
 
+    def nonfinite_pending(self) -> tuple[int, float] | None:
+        """The first step not yet emitted whose update was not finite, and its code (``dflash.divergence``);
+        read at a checkpoint barrier (no step in flight), before anything is written."""
+        with self._lock:
+            pending = [(n, s) for iv in self._outbox for n, s in zip(iv.at, iv.pending)]
+            pending += zip(self._at, self._pending)
+        if not pending:
+            return None
+        rows = self._read_pending([s for _, s in pending])
+        return next(((n, row[3]) for (n, _), row in zip(pending, rows) if row[3]), None)
+
     @staticmethod
     def _read_pending(pending: t.Sequence[StepStats]) -> list[list[float]]:
-        """The interval's figures as rows of numbers: one read per device, on a reader stream of its own
+        """The interval's figures as rows of numbers ``loss, acc, tau_tf, nonfinite, *acc_per_slot``, in the
+        order of ``pending``: one read per device, on a reader stream of its own
         after the steps' ``ready`` events (only those steps' work is waited for, not the device's queue).
 
         Every op on a CUDA figure runs on the reader stream after its wait: one queued on the emitting
         thread's stream would come after ``ready`` with nothing ordering the reader's read after it."""
         by_device: dict[torch.device, list[tuple[t.Any, ...]]] = {}
+        where: dict[torch.device, list[int]] = {}
         events: dict[torch.device, t.Any] = {}
-        rows: list[list[float]] = []
-        for s in pending:
-            parts = (s.loss, s.acc, s.tau_tf, s.acc_per_slot)
+        rows: list[list[float]] = [[] for _ in pending]
+        for k, s in enumerate(pending):
+            parts = (s.loss, s.acc, s.tau_tf, s.nonfinite, s.acc_per_slot)
             dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
             if dev is None:
-                rows.append([float(s.loss), float(s.acc), float(s.tau_tf), *(float(a) for a in s.acc_per_slot)])
+                rows[k] = [float(s.loss), float(s.acc), float(s.tau_tf), float(s.nonfinite)]
+                rows[k] += [float(a) for a in s.acc_per_slot]
                 continue
             by_device.setdefault(dev, []).append(parts)
+            where.setdefault(dev, []).append(k)
             if s.ready is not None:
                 events[dev] = s.ready  # steps of one device finish in order: the last one covers them
         for dev, group in by_device.items():
@@ -389,16 +413,47 @@ class Metrics:
                 reader = _reader_stream(dev)
                 with torch.cuda.stream(reader):
                     reader.wait_event(events[dev])
-                    rows.extend(_stacked(group, dev).tolist())  # syncs the reader stream only
+                    read = _stacked(group, dev).tolist()  # syncs the reader stream only
             else:
-                rows.extend(_stacked(group, dev).tolist())
+                read = _stacked(group, dev).tolist()
+            for k, row in zip(where[dev], read):
+                rows[k] = row
         return rows
 
+    def _checked(self, iv: _Interval, rows: list[list[float]]) -> list[list[float]]:
+        """The rows of finite updates; a non-finite one goes to the guard (a skip recorded, or ``Diverged``
+        raised after its record), a finite loss to the spike watch."""
+        kept = []
+        for step, row in zip(iv.at, rows):
+            if row[3] and self.guard is not None:
+                if self.diverged is not None:  # the run is ending with the first one: said once
+                    continue
+                try:
+                    verdict = self.guard.bad(step, row[3])
+                except Diverged as e:
+                    self.diverged = e
+                    self._write({"event": "diverged", "step": e.step, "figure": e.figure,
+                                 "last_finite": e.last_finite, "at": utc_now()})  # fmt: skip
+                    raise
+                logger.warning("%s", verdict.line())
+                self._write({**verdict.record(), "at": utc_now()})
+                continue
+            if self.guard is not None:
+                self.guard.finite()
+            spike = self.spike.observe(step, row[0]) if self.spike is not None else None
+            if spike is not None:
+                logger.warning("%s", spike.line())
+                self._write({**spike.record(), "at": utc_now()})
+            kept.append(row)
+        return kept
+
     def _emit(self, iv: _Interval) -> None:
-        rows = self._read_pending(iv.pending)
+        rows = self._checked(iv, self._read_pending(iv.pending))
+        if not rows:  # every update of the interval was skipped: their records say so, no step line
+            return
         loss_sum = acc_sum = tau_sum = 0.0
         slots_sum: list[float] = []
-        for loss, acc, tau, *slots in rows:
+        for loss, acc, tau, _bad, *slots in rows:
             loss_sum += loss
             acc_sum += acc
             tau_sum += tau
@@ -407,7 +462,7 @@ class Metrics:
                     slots_sum = [0.0] * len(slots)
                 for k, a in enumerate(slots):
                     slots_sum[k] += a
-        n = max(iv.steps, 1)
+        n = max(len(rows), 1)
         ktok_s = iv.tokens / iv.interval / 1000.0
         snap, workers = iv.snapshot, iv.workers
         rec: dict[str, t.Any] = {
@@ -510,9 +565,20 @@ class Metrics:
             self._wandb = None
 
     def close(self) -> None:
+        diverged: Diverged | None = None  # first seen here (one raised earlier is on its way out already)
         with self._emit_lock:  # every closed interval is out before the files close
             while self._outbox:
-                self._emit(self._outbox.popleft())
+                try:
+                    self._emit(self._outbox.popleft())
+                except Diverged as e:  # the files still close; the run ends with it
+                    diverged = diverged or e
+        try:
+            self._close_files()
+        finally:
+            if diverged is not None:
+                raise diverged
+
+    def _close_files(self) -> None:
         with self._lock:
             self._closed = True
             if self._file is not None:

@@ -99,6 +99,8 @@ class StepStats:
     blocks: int = 0
     lr: float = 0.0
     acc_per_slot: tuple[float, ...] | torch.Tensor = ()
+    # what went bad in the update (dflash.divergence: 0 finite, 1 the loss, 2 the gradient norm); skipped if not 0
+    nonfinite: float | torch.Tensor = 0.0
     ready: t.Any = (
         None  # CUDA: an event after the step's figures on its stream (the metrics wait on it, not the device)
     )
@@ -853,7 +855,9 @@ class Pipeline:
 
     def _fail(self, role: Role, index: int, step: int | None, exc: BaseException) -> None:
         ws = self.workers[(role, index)]
+        # a diverged update (dflash.divergence.Diverged) is the run's end, not one worker's
         fatal = id(exc) in self._fatal_ids or isinstance(exc, (KeyboardInterrupt, SystemExit))
+        fatal = fatal or getattr(exc, "fatal", False) is True
         failure = WorkerFailure(role, index, ws.device, step, exc, traceback.format_exc(), fatal)
         if not fatal:  # the run goes on: a kept traceback would pin the dead worker's tensors until the end
             _drop_frames(exc)
@@ -863,7 +867,10 @@ class Pipeline:
             ws.error = failure.error_line
             left = sum(1 for w in self.workers.values() if w.role == role and w.alive and w is not ws)
         if fatal:
-            logger.error("%s\n%s", failure.summary(), failure.traceback.rstrip())
+            if getattr(exc, "traceback", True) is False:  # its one line says it all (printed at exit)
+                logger.error("%s", failure.summary())
+            else:
+                logger.error("%s\n%s", failure.summary(), failure.traceback.rstrip())
             if self._fatal is None:
                 self._fatal = failure
             self._stop.set()

@@ -18,6 +18,7 @@ import typing as t
 import torch
 
 from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
+from dflash.divergence import nonfinite_code
 from dflash.drafter import DFlashDraftModel
 from dflash.dtypes import torch_dtype
 from dflash.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
@@ -281,6 +282,7 @@ class DrafterReplica:
         # fused: one kernel for all tensors, and the step counters stay on the device (the default
         # for-each/single-tensor paths read them on the host per parameter)
         fused = torch.device(device).type in _FUSED_ADAMW
+        self.fused = fused
         self.optimizer = torch.optim.AdamW(
             self.masters,
             lr=o.lr,
@@ -297,6 +299,7 @@ class DrafterReplica:
         # at most 2 micro-batches queued on the GPU (see LaunchFence); the next item's features copy on a side stream
         self.fence = LaunchFence(2, _blocking_event if cuda else None)
         self._copy_stream: t.Any = None
+        self.poison: t.Callable[[int], bool] | None = None  # fault injection: True makes that step's update NaN
 
     def trainable(self) -> list[torch.Tensor]:
         """What averaging averages: the fp32 masters (the parameters themselves in fp32)."""
@@ -424,6 +427,15 @@ class DrafterReplica:
             torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
         return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
 
+    def _grad_norm(self) -> torch.Tensor | None:
+        """The masters' global gradient norm, clipped to ``optim.grad_clip`` when set (a device tensor)."""
+        grads = [m for m in self.masters if m.grad is not None]
+        if not grads:
+            return None
+        if self.cfg.optim.grad_clip:
+            return torch.nn.utils.clip_grad_norm_(grads, self.cfg.optim.grad_clip)
+        return torch.nn.utils.get_total_norm([t.cast(torch.Tensor, m.grad) for m in grads])
+
     def _prefetch(self, payloads: t.Sequence[FeatureBatch], k: int) -> None:
         dev = torch.device(self.device)
         if k >= len(payloads) or dev.type != "cuda" or not isinstance(payloads[k], FeatureBatch):
@@ -440,9 +452,20 @@ class DrafterReplica:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         fig = self.accumulate(payloads, micro_batches=micro_batches)
-        if self.cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        if self.poison is not None and self.poison(step):  # DFLASH_FAULT nan-at-step: the loss and grads NaN
+            fig["loss"] = fig["loss"] * float("nan")
+            grads = [m.grad for m in self.masters if m.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, float("nan"))
+        grad_norm = self._grad_norm()
+        code = nonfinite_code(fig["loss"], grad_norm)
+        # A non-finite update never reaches the weights: fused AdamW skips its step (and its step count) on
+        # the device when found_inf is 1, as under GradScaler; the code is read with the step's figures.
+        if self.fused:
+            self.optimizer.found_inf = (code > 0).to(torch.float32)  # type: ignore[attr-defined]
+            self.optimizer.step()
+        elif not bool(code):  # no device-side skip without the fused kernel: one host read
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.sync_from_masters()
@@ -454,6 +477,7 @@ class DrafterReplica:
             ready.record()
         return StepStats(
             loss=fig["loss"],
+            nonfinite=code,
             acc=fig["acc"],
             tau_tf=tau_sum / blocks if tau_sum is not None else float("nan"),
             blocks=blocks,

@@ -34,6 +34,13 @@ write fails the run). ``checkpoint.resume = "auto"`` continues the newest run fr
 checkpoint (a corrupted one is skipped with a warning): same step count, same next batch of every shard.
 ``"never"`` moves the checkpoints already there into ``old-<run id>-<time>/`` and starts a new run.
 
+Divergence (``dflash.divergence``, ``[train]``): every update's loss and gradient norm are checked on its
+device; a non-finite update is skipped there (fused AdamW's ``found_inf``) and read with the step line's
+figures, or at the next checkpoint barrier if that comes first: ``on_nonfinite = "stop"`` ends the run with
+one line (the step, the figure, the last finite checkpoint) and exit 3, writing no checkpoint; ``"skip"``
+goes on and stops after ``nonfinite_limit`` in a row. Averaged weights and a checkpoint's weights are
+checked too (a barrier's one read per device). A loss spike is a warning and a ``loss-spike`` record.
+
 Signals: the first SIGTERM (or SIGINT) lets the steps in flight finish, writes a checkpoint and exits
 143 (130 for SIGINT); a second one exits at once.
 
@@ -53,7 +60,8 @@ next barrier (with a checkpoint). A dead or hung node: the next collective fails
 
 Fault injection (``DFLASH_FAULT``, for the supervisor's tests; see ``dflash.faults.faults_from_env``):
 ``raise-at-step:N``, ``oom-at-step:N``, ``drafter-oom-at-step:N:I``, ``hang-at-step:N``, and
-``kill-in-checkpoint:N`` (SIGKILL in the middle of writing the first checkpoint at step >= N). Each fires
+``kill-in-checkpoint:N`` (SIGKILL in the middle of writing the first checkpoint at step >= N), ``nan-at-step:N``
+(that update's loss and gradients NaN: see Divergence). Each fires
 once per checkpoint dir (a marker file there), so the resumed run goes on.
 """
 
@@ -82,6 +90,7 @@ from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
 from dflash.config import ConfigError, RunConfig, check_devices, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
+from dflash.divergence import AVERAGED, FIGURES, WEIGHTS, Diverged, LossSpike, NonfiniteGuard, all_finite
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.feature_queue import MIN_DEFAULT_BYTES, default_max_bytes, format_bytes, short_bound_warning
@@ -445,7 +454,30 @@ class Run:
                     index=j,
                 )
             )
+        for r in out:  # DFLASH_FAULT nan-at-step: the replica's own update turns NaN, on the real path
+            r.poison = lambda step, j=r.index: self.injector.check("update", j, step) is not None
         return out
+
+    def _last_finite(self) -> str:
+        """The last checkpoint written (or being written: a stop waits for it) from finite weights, for the
+        diverged line: no checkpoint is ever written from a non-finite update, so it is the latest."""
+        if self.last_saved is None:
+            return "none"
+        return f"{self.ckpt_dir / f'step-{self.last_saved}'} (step {self.last_saved})"
+
+    def _check_finite(self, step: int, tensors: t.Iterable[torch.Tensor], figure: str) -> None:
+        """Averaged or checkpointed weights with a NaN/inf end the run (at a barrier: one read per device)."""
+        if not all_finite(tensors):
+            raise Diverged(step, figure, self._last_finite())
+
+    def _check_pending(self, step: int) -> None:
+        """Before a checkpoint: with on_nonfinite "stop", an update not yet read by the step line that was not
+        finite ends the run now, before anything is written (the step line would have stopped it later)."""
+        if self.metrics is None or self.cfg.train.on_nonfinite != "stop":
+            return
+        bad = self.metrics.nonfinite_pending()
+        if bad is not None:
+            raise Diverged(bad[0], FIGURES.get(int(bad[1]), "loss"), self._last_finite())
 
     def _data_fingerprint(self) -> str:
         """The data and its batching: a resumed run whose data changed is told so."""
@@ -494,6 +526,7 @@ class Run:
                 "replicas": [first.optimizer.state_dict()],
                 "masters": list(first.masters) if first.separate_masters else None,
             }
+        self._check_pending(step)
         if self.injector.check("checkpoint", 0, step) is not None:
             trainer_state["fault"] = SigkillWhenPickled()
         snap = ckpt.snapshot(
@@ -504,6 +537,8 @@ class Run:
             optimizer_state=optimizer_state,
             reuse=self.writer.spare(),
         )
+        if ckpt.nonfinite_weights(snap.weights) is not None:  # never a checkpoint (nor a best) from them
+            raise Diverged(step, WEIGHTS, self._last_finite())
         self.writer.submit(snap)
         self.last_saved = step
         self._last_snapshot: ckpt.Snapshot | None = snap
@@ -595,6 +630,7 @@ class Run:
         if ev.average and len(ev.replicas) > 1:
             reps = [self.drafters[j] for j in ev.replicas]
             self.averager.average([r.trainable() for r in reps])
+            self._check_finite(ev.step, reps[0].trainable(), AVERAGED)
             for r in reps:
                 r.sync_from_masters()
             rnd = self.averager.last_round
@@ -622,6 +658,7 @@ class Run:
             group.doing = "averaging"
             reps = [self.drafters[j] for j in ev.replicas]
             self.averager.average([r.trainable() for r in reps])
+            self._check_finite(step, reps[0].trainable(), AVERAGED)
             for r in reps:
                 r.sync_from_masters()
             avg = self.averager.last_round
@@ -746,6 +783,10 @@ class Run:
             snapshot=self.pipeline.snapshot,
             tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None,
             step_stride=len(self.nodes),
+            guard=NonfiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_limit, self._last_finite),
+            spike=LossSpike(factor=cfg.train.spike_factor, steps=cfg.train.spike_steps, window=cfg.train.spike_window)
+            if cfg.train.spike_factor
+            else None,
         )
         self.pipeline.on_step = self._on_step if self.group is not None else self.metrics.record
         self.signals = signals

@@ -571,6 +571,14 @@ _POLICY_OPTIONS: tuple[t.Callable[[t.Any], t.Any], ...] = (
     click.option(
         "--retry-oom", is_flag=True, help="Also restart after a CUDA out-of-memory crash (it usually repeats)."
     ),
+    click.option(
+        "--on-diverged",
+        type=click.Choice(["give-up", "resume-from-last-finite"]),
+        default="give-up",
+        show_default=True,
+        help="A run that diverged (NaN/inf): give up (exit 12), or resume once from its last finite checkpoint "
+        "(the same data replays).",
+    ),
 )
 
 
@@ -617,6 +625,7 @@ def restart_on_crash_cmd(
     restart_stalled: bool,
     start_container: bool,
     retry_oom: bool,
+    on_diverged: str,
     on_event: str | None,
     notify_urls: tuple[str, ...],
     state_dir: str | None,
@@ -624,7 +633,8 @@ def restart_on_crash_cmd(
     """Watch the run and restart it after a crash (backoff, crash-loop guard, incident files).
 
     Exit 0 when the run succeeded, or with --once when it is left running (or was restarted); with
-    --once a run left alone exits with its `status` code; 11 when it gave up on a crash loop. Ctrl-C
+    --once a run left alone exits with its `status` code; 11 when it gave up on a crash loop, 12 when it
+    gave up on a run that diverged. Ctrl-C
     or SIGTERM stop the supervisor, never the run (exit 0).
     """
     from pathlib import Path
@@ -642,6 +652,7 @@ def restart_on_crash_cmd(
         restart_stalled=restart_stalled,
         start_container=start_container,
         retry_oom=retry_oom,
+        on_diverged=on_diverged,
     )
     hook = supervise.parse_hook(on_event)
     watched = app.members() if app.group_name is not None else [app.host]

@@ -154,6 +154,10 @@ class CrashLoop(OpsError):
     """restart-on-crash gave up: the run crashes again and again."""
 
 
+class GaveUpDiverged(CrashLoop):
+    """restart-on-crash gave up on a run whose training diverged (a restart would replay the same data)."""
+
+
 class GpuFaultGiveUp(OpsError):
     """restart-on-crash gave up: the run's GPU failed in hardware (cause gpu-fault); a restart would run
     into it again."""

@@ -22,6 +22,7 @@ class ExitCode(enum.IntEnum):
     CONTAINER_DOWN = 9
     UNREACHABLE = 10
     CRASH_LOOP = 11
+    DIVERGED = 12  # restart-on-crash gave up on a run whose training diverged
     GPU_FAULT = 13  # restart-on-crash gave up on a GPU that failed in hardware
 
 
@@ -42,6 +43,7 @@ STATE_EXIT: dict[str, ExitCode] = {
 ERROR_EXIT: tuple[tuple[type[errors.OpsError], ExitCode], ...] = (
     (errors.UnreachableError, ExitCode.UNREACHABLE),
     (errors.ContainerDown, ExitCode.CONTAINER_DOWN),
+    (errors.GaveUpDiverged, ExitCode.DIVERGED),
     (errors.CrashLoop, ExitCode.CRASH_LOOP),
     (errors.GpuFaultGiveUp, ExitCode.GPU_FAULT),
     (errors.OpsError, ExitCode.ERROR),

@@ -159,6 +159,8 @@ def read_record(line: bytes) -> Row:
     at = at_seconds(at_text) if at_text is not None else math.nan
     if at is None:
         raise WrongType("at is text that is not a time like 2026-01-01T00:00:00Z")
+    if typed(rec.get("event"), "text", "event") is not None:  # a loss-spike, nonfinite-skip... record: no figures
+        return Row(step, at, 0.0, [])
     if typed(rec.get("kind"), "text", "kind") == "eval":  # a held-out eval of [eval] every (dflash/validation.py)
         evals = [(f"eval_{k}", v) for k in ("tau", "best_tau") if (v := typed(rec.get(k), "number", k)) is not None]
         # interval 0: it takes no time of the steps around it (record_times sums the intervals after a record)

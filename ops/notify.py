@@ -253,6 +253,13 @@ def flag_message(flag: str, host: str, session: str, text: str, attempt: int | N
     return Message(flag, title, body, "warning")
 
 
+def training_message(event: str, host: str, session: str, attempt: int | None, text: str) -> Message:
+    """What the run's own log warned about (``loss-spike``): the run goes on, nothing was done."""
+    title = f"dflash {host}/{session}: {text}"
+    body = f"host {host}, session {session}, attempt {attempt}\n{event}: {text}\nthe run goes on (a warning only)"
+    return Message(event, title, body, "warning")
+
+
 # --------------------------------------------------------------------------------------------
 # Delivery
 
@@ -372,6 +379,9 @@ class Notifier:
 
     def supervisor(self, event: str, host: str, session: str, text: str) -> None:
         self.send(supervisor_message(event, host, session, text))
+
+    def training(self, event: str, host: str, session: str, attempt: int | None, text: str) -> None:
+        self.send(training_message(event, host, session, attempt, text))
 
     def close(self, timeout: float = FLUSH) -> None:
         """Deliver what is queued within ``timeout`` seconds (retries included), then give up: what is

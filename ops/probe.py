@@ -24,7 +24,7 @@ import signal as signal_mod
 import time
 import typing as t
 
-from ops import gpu_fault, wire
+from ops import divergence, gpu_fault, wire
 from ops.disk import DiskView, SyncView, checkpoint_context
 from ops.far import members, watch
 from ops.far import tmux as tmux_mod
@@ -323,6 +323,8 @@ def _cause_text(s: Status) -> str:
         return "GPU fault: " + gpu_fault.Fault(s.detail or "", s.xid, s.gpu_bus_id, s.gpu).phrase()
     if c == Cause.PYTHON_EXCEPTION:
         return _short(s.detail or "Python exception")
+    if c == Cause.DIVERGED:
+        return "training diverged" + (f": {_short(s.detail)}" if s.detail else " (a non-finite loss or gradient)")
     if c == Cause.SIGNAL:
         return f"killed by signal {s.signal} ({_signame(s.signal)})"
     if c == Cause.NONZERO_EXIT:
@@ -379,6 +381,7 @@ _PEER_LOST = re.compile(
 )
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
+_TAIL_CAUSES = ((_NCCL_TIMEOUT, Cause.NCCL_TIMEOUT), (_CUDA_OOM, Cause.CUDA_OOM), (_NCCL_ERROR, Cause.NCCL_ERROR))
 _STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
 _KTOK = re.compile(r"([0-9.]+) Ktok/s")
 
@@ -447,10 +450,14 @@ def diagnose(
     wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
     lines = _clean(lines)
     exc = last_exception(lines)
-    fault = gpu_fault.find(lines)  # first: the CUDA error's traceback and what NCCL says follow from it
+    # first: the CUDA error's traceback, what NCCL says and a loss gone NaN on a failing GPU follow from it
+    fault = gpu_fault.find(lines)
     if fault is not None:
         why = [f"log: {_short(fault.line, 200)}"]
         return Diagnosis(Cause.GPU_FAULT, _short(fault.text, 400), fault.gpu, signal, why, fault.xid, fault.bus_id)
+    div = divergence.diverged_line(lines)
+    if div is not None:  # the trainer's own verdict: nothing else in the tail explains the end better
+        return Diagnosis(Cause.DIVERGED, _short(div[0], 400), evidence=[f"log: {_short(div[1], 300)}"])
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
         how = f"signal {signal}" if signal else f"exit {exit_code}"
         return Diagnosis(
@@ -467,11 +474,7 @@ def diagnose(
         return Diagnosis(Cause.NCCL_ERROR, exc)
     if exc and _ENOSPC.search(exc):
         return Diagnosis(Cause.DISK_FULL, exc)
-    for pattern, cause in (
-        (_NCCL_TIMEOUT, Cause.NCCL_TIMEOUT),
-        (_CUDA_OOM, Cause.CUDA_OOM),
-        (_NCCL_ERROR, Cause.NCCL_ERROR),
-    ):
+    for pattern, cause in _TAIL_CAUSES:
         hits = [x.strip() for x in lines if pattern.search(x)]
         if hits:
             gpu = _gpu_of(hits) if cause == Cause.CUDA_OOM else None

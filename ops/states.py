@@ -32,6 +32,7 @@ class Cause(enum.StrEnum):
     PEER_LOST = "peer-lost"  # a node of a multi-node run lost the others (gloo: reset by peer, or timed out)
     DISK_FULL = "disk-full"  # crashed or lost
     PYTHON_EXCEPTION = "python-exception"
+    DIVERGED = "diverged"  # a non-finite loss, gradient norm or weights stopped training (dflash exit 3)
     SIGNAL = "signal"
     NONZERO_EXIT = "nonzero-exit"
     # the driver said the GPU failed in hardware (Xid, uncorrectable ECC, fallen off the bus): a restart
@@ -70,6 +71,7 @@ CAUSES: dict[State, tuple[Cause, ...]] = {
         Cause.NONZERO_EXIT,
         Cause.ORPHANS_LEFT,
         Cause.GPU_FAULT,
+        Cause.DIVERGED,
     ),
     State.LOST: (
         Cause.CONTAINER_RESTART,

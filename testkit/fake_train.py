@@ -2,7 +2,7 @@
 $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside the fake container).
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
-                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|cuda-ecc|cuda-launch|kill|forever]
+                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|cuda-ecc|cuda-launch|diverged|kill|forever]
                   [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
@@ -10,7 +10,7 @@ $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside th
 every K steps, as the training core does with `resume = "auto"`.
 --control FILE is read before each step: `once:KIND[@N]` (the file is taken, so a restarted run does
 not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
-without output), @N: after N steps of this run.
+without output; `spike` prints the trainer's loss-spike warning and goes on), @N: after N steps of this run.
 --ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
 """
 
@@ -22,6 +22,8 @@ import os
 import signal
 import sys
 import time
+
+CHECKPOINT: tuple[str | None, int] = (None, 5)  # --checkpoint and --every: the diverged line names it
 
 
 def log(text: str) -> None:
@@ -47,6 +49,8 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    global CHECKPOINT
+    CHECKPOINT = (a.checkpoint, a.every)
     run_dir = os.environ.get("DFLASH_RUN_DIR", ".")
     for i in range(1, a.lines + 1):
         log(f"line {i}")
@@ -65,7 +69,13 @@ def main() -> int:
     done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
         fault = control(a.control, done_here)
-        if fault:
+        if fault == "spike":  # dflash train's warning (dflash.divergence.Spike.line, the log format): the run goes on
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            log(
+                f"{stamp} WARNING dflash.metrics: loss spike at step {step}: loss 9.500 above 3 x the running "
+                "median 2.000 for 20 steps"
+            )
+        elif fault:
             return end(fault, step)
         step += 1
         done_here += 1
@@ -162,6 +172,13 @@ def end(how: str, step: int) -> int:
         log("For debugging consider passing CUDA_LAUNCH_BLOCKING=1")
         log("Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
         return 1
+    if kind == "diverged":  # dflash train's one line for a non-finite update (dflash.divergence.Diverged), exit 3
+        path, every = CHECKPOINT
+        saved = step - step % every if path else 0
+        last = f"{path} (step {saved})" if path and saved else "none"
+        sys.stderr.write(f"dflash: diverged at step {step + 1}: loss not finite; last finite checkpoint: {last}\n")
+        sys.stderr.flush()
+        return 3
     if kind == "nccl-timeout":
         log(
             "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, "

@@ -46,9 +46,9 @@ def log_facts(path: str, lines: int) -> LogFacts | None:
 
 
 def metrics_facts(path: str) -> MetricsFacts | None:
-    """The last complete JSON line of metrics.jsonl and the file's mtime."""
+    """The last complete step record of metrics.jsonl (event records skipped) and the file's mtime."""
     try:
-        data, size, mtime = tail_bytes(path, 5)
+        data, size, mtime = tail_bytes(path, 20)  # event records may come after the last step record
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -59,7 +59,9 @@ def metrics_facts(path: str) -> MetricsFacts | None:
             rec = records.parse_line(line)
         except ValueError:
             continue  # a line being written right now (or one no record of ours is: skipped)
-        if isinstance(rec, dict) and "event" not in rec:  # a skipped checkpoint, a sync's end: no progress figures
+        if (
+            isinstance(rec, dict) and "event" not in rec
+        ):  # an event (a loss spike, a skipped checkpoint, a sync): no step's figures
             last = rec
             break
     return {"path": path, "size": size, "mtime": mtime, "last": last}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ops import errors
 from ops import session as run
+from ops.divergence import loss_spikes
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
@@ -360,6 +361,7 @@ class Supervisor:
             d = self.policy.observe(st, now)
             self.heartbeat.probed(st, d)
             self._episodes(st, now)
+            self._training_warnings(st)
             last = st
             if first:
                 mode = "once" if o.once else f"every {o.interval:g}s"
@@ -419,7 +421,8 @@ class Supervisor:
                 )
             elif d.action == GIVE_UP:
                 self._save_memory()
-                raise errors.CrashLoop(
+                gave_up = errors.GaveUpDiverged if d.kind == "diverged" else errors.CrashLoop
+                raise gave_up(
                     f"{self.host.name}/{self.session}: gave up: {d.reason}. The run is left "
                     "crashed: fix the cause, then `dflashctl start` (a run started by hand is "
                     "supervised afresh)"
@@ -467,6 +470,16 @@ class Supervisor:
                 self.notifier.send(flag_message(c.flag, self.label, self.session, c.text, st.attempt))
         if changes:
             self._save_memory()
+
+    def _training_warnings(self, st: Status) -> None:
+        """The trainer's loss-spike warnings in the log tail: one line (and --notify message) each, once;
+        a warning only, nothing is done about it."""
+        for step, what in loss_spikes(st.tail):
+            if not self.policy.spike_news(st.attempt, step):
+                continue
+            self.emit(f"attempt {st.attempt}: {what} (a warning: the run goes on)")
+            if self.notifier is not None:
+                self.notifier.training("loss-spike", self.host.name, self.session, st.attempt, what)
 
     def _recover(self, st: Status, d: Decision) -> bool:
         """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""

@@ -8,6 +8,7 @@ import random
 import typing as t
 
 from ops import errors
+from ops.divergence import last_finite_checkpoint
 from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
 from ops.times import duration, parse_iso
@@ -23,6 +24,7 @@ DONE = Action.DONE
 JITTER = 0.25  # a delay is stretched by up to 25%: supervisors of many runs do not act in lockstep
 RECONNECT_FIRST = 1.0  # first reconnect delay (seconds), doubled per failure up to max(interval, RECONNECT_CAP)
 RECONNECT_CAP = 60.0
+ON_DIVERGED = ("give-up", "resume-from-last-finite")  # --on-diverged
 
 
 # --------------------------------------------------------------------------------------------
@@ -43,6 +45,7 @@ class Options:
     restart_stalled: bool = False
     start_container: bool = False
     retry_oom: bool = False
+    on_diverged: str = "give-up"  # or "resume-from-last-finite": once, from the checkpoint before it diverged
 
     def __post_init__(self) -> None:
         for name in ("interval", "backoff", "max_backoff", "min_uptime", "window"):
@@ -58,6 +61,10 @@ class Options:
         if self.max_backoff < self.backoff:
             raise errors.ConfigError(
                 "--max-backoff", f"must be >= --backoff ({self.backoff:g}), got {self.max_backoff:g}"
+            )
+        if self.on_diverged not in ON_DIVERGED:
+            raise errors.ConfigError(
+                "--on-diverged", f"expected one of {', '.join(ON_DIVERGED)}, got {self.on_diverged!r}"
             )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise errors.ConfigError("--max-restarts", f"expected a whole number >= 0, got {self.max_restarts!r}")
@@ -103,6 +110,7 @@ class Decision:
     cancelled: str | None = None
     recovered_after: float | None = None
     note: str | None = None
+    kind: str | None = None  # a GIVE_UP's kind: "diverged" (its own exit code), else a crash loop
 
 
 @dataclasses.dataclass
@@ -143,6 +151,8 @@ class Policy:
         self.last_fingerprint: str | None = None  # the previous EARLY failure's fingerprint ("twice in a row")
         self.last_failure_attempt: int | None = None  # the attempt that failure belongs to
         self.last_started: int | None = None  # the attempt this supervisor (or its predecessor) started last
+        self.resumed_diverged: int | None = None  # the diverged attempt --on-diverged resumed (once per run)
+        self.spike_told: tuple[int, int] | None = None  # (attempt, step) of the last loss spike told
         # this process only
         self.container_failures = 0
         self.pending: Pending | None = None
@@ -164,6 +174,8 @@ class Policy:
             "last_started": self.last_started,
             "seen": list(self.seen) if self.seen else None,
             "gave_up": self.gave_up,
+            "resumed_diverged": self.resumed_diverged,
+            "spike_told": list(self.spike_told) if self.spike_told else None,
         }
 
     def load(self, mem: t.Mapping[str, t.Any]) -> None:
@@ -181,16 +193,30 @@ class Policy:
             self.last_started = mem["last_started"]
         if isinstance(mem.get("gave_up"), int):
             self.gave_up = mem["gave_up"]
+        if isinstance(mem.get("resumed_diverged"), int):
+            self.resumed_diverged = mem["resumed_diverged"]
+        told = mem.get("spike_told")
+        if isinstance(told, list) and len(told) == 2 and all(isinstance(x, int) for x in told):
+            self.spike_told = (told[0], told[1])
         seen = mem.get("seen")
         if isinstance(seen, list) and len(seen) == 3 and all(x is None or isinstance(x, (str, int)) for x in seen):
             self.seen = tuple(seen)
 
     def reset(self) -> None:
         self.gave_up = None
+        self.resumed_diverged = None
         self.restarts.clear()
         self.streak = 0
         self.last_fingerprint = None
         self.last_failure_attempt = None
+
+    def spike_news(self, attempt: int | None, step: int) -> bool:
+        """A loss spike of the log not told yet (a --once from cron sees the same tail again): True once."""
+        key = (attempt if attempt is not None else -1, step)
+        if self.spike_told is not None and key <= self.spike_told:
+            return False
+        self.spike_told = key
+        return True
 
     def restarts_in_window(self, now: float) -> int:
         self.restarts = [x for x in self.restarts if x > now - self.opts.window]
@@ -328,6 +354,8 @@ class Policy:
                 # Its keeper is gone, so nothing else will end them: stop them (TERM first, a trainer
                 # checkpoints), then start. A plain start would refuse to run beside them.
                 return self._failure(st, now, STOP_THEN_RESTART)
+            if st.cause == Cause.DIVERGED:
+                return self._diverged(st, now)
             if st.cause == Cause.CUDA_OOM and not o.retry_oom:
                 return Decision(
                     WAIT,
@@ -354,6 +382,35 @@ class Policy:
             "that GPU out of the run config's devices), then `dflashctl start`",
             new=True,
         )
+
+    def _diverged(self, st: Status, now: float) -> Decision:
+        """A diverged run is not restarted blindly: the trainer resumes from its latest checkpoint, which is
+        the last finite one (none is written after a non-finite update), and replays the same data from
+        there. By default: give up; --on-diverged resume-from-last-finite: resume once per run."""
+        what = st.detail or "a non-finite loss or gradient"
+        last = last_finite_checkpoint(st.detail)
+        where = last or "none: the run starts over from step 0"
+        again = self.resumed_diverged is not None and self.resumed_diverged != st.attempt
+        if self.opts.on_diverged == "resume-from-last-finite" and not again:
+            self.resumed_diverged = st.attempt
+            d = self._failure(st, now, RESTART)
+            if d.action != RESTART:
+                return dataclasses.replace(d, kind="diverged" if d.action == GIVE_UP else d.kind)
+            return dataclasses.replace(
+                d,
+                reason=f"{d.reason}: resuming once from the last finite checkpoint ({where}) "
+                "(--on-diverged resume-from-last-finite); the same data position replays, so the same "
+                "batches come again",
+            )
+        if again:
+            why = f"it diverged again after the one resume from the last finite checkpoint ({where}): {what}"
+        else:
+            why = (
+                f"training diverged: {what}; not restarted: a restart resumes from the last finite checkpoint "
+                f"({where}) and replays the same data: lower the learning rate or look at the data, then "
+                "`dflashctl start`, or pass --on-diverged resume-from-last-finite to resume once"
+            )
+        return Decision(GIVE_UP, why, new=True, kind="diverged")
 
     def _uptime(self, st: Status, now: float) -> float | None:
         started, ended = parse_iso(st.started_at), parse_iso(st.ended_at)

@@ -591,6 +591,8 @@ def options_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, action="store_true")
+        elif f.type in ("str", str):
+            p.add_argument(flag, dest=f.name, default=f.default)
         else:
             p.add_argument(flag, dest=f.name, type=int if f.type in ("int", int) else float, default=f.default)
     return p

@@ -604,15 +604,29 @@ def test_the_step_figures_are_built_and_read_on_the_reader_stream_after_its_wait
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     fig = lambda *v: torch.tensor(v if len(v) > 1 else v[0], dtype=torch.float32).as_subclass(CudaFigure)  # noqa: E731
     steps = [
-        StepStats(loss=fig(2.5), acc=fig(0.5), tau_tf=fig(3.0), acc_per_slot=fig(0.75, 0.25), ready=object()),
-        StepStats(loss=fig(1.5), acc=fig(0.25), tau_tf=fig(2.0), acc_per_slot=fig(0.5, 0.0), ready=object()),
+        StepStats(
+            loss=fig(2.5),
+            acc=fig(0.5),
+            tau_tf=fig(3.0),
+            acc_per_slot=fig(0.75, 0.25),
+            nonfinite=fig(0.0),
+            ready=object(),
+        ),
+        StepStats(
+            loss=fig(1.5),
+            acc=fig(0.25),
+            tau_tf=fig(2.0),
+            acc_per_slot=fig(0.5, 0.0),
+            nonfinite=fig(1.0),
+            ready=object(),
+        ),
     ]
     STREAMS.update(recording=True, ops=[])
     try:
         rows = Metrics._read_pending(steps)
     finally:
         STREAMS["recording"] = False
-    assert rows == [[2.5, 0.5, 3.0, 0.75, 0.25], [1.5, 0.25, 2.0, 0.5, 0.0]]
+    assert rows == [[2.5, 0.5, 3.0, 0.0, 0.75, 0.25], [1.5, 0.25, 2.0, 1.0, 0.5, 0.0]]
     names = [n for n, _ in STREAMS["ops"]]
     assert {"double", "cat", "stack", "tolist"} <= set(names), names
     outside = [n for n, inside in STREAMS["ops"] if not inside]

@@ -250,8 +250,14 @@ def test_a_drafter_step_makes_no_host_sync_and_returns_device_figures(target: Ta
             stats = r.step(payload, step=s)
             metrics.record(s, stats, 100)
     assert not ops.syncs, dict(ops.syncs)
-    for value in (stats.loss, stats.acc, stats.tau_tf, stats.acc_per_slot):
+    for value in (stats.loss, stats.acc, stats.tau_tf, stats.acc_per_slot, stats.nonfinite):
         assert isinstance(value, torch.Tensor) and value.device == torch.device("cpu")
+    r.poison = lambda step: True  # a NaN update is found and skipped on the device too, with no host read
+    with Ops() as bad_ops:
+        bad = r.step(payload, step=4)
+    assert not bad_ops.syncs, dict(bad_ops.syncs)
+    r.poison = None
+    assert int(t.cast(torch.Tensor, bad.nonfinite)) == 1
     assert stats.blocks > 0 and stats.acc_per_slot.shape == (7,)
     metrics.record(1000, stats, 100)  # the log interval ends: read once, here
     rec = metrics.records[-1]

@@ -479,3 +479,48 @@ def test_local_host_once_restarts_a_crashed_run(pve_hosts: PveHosts, tmp_path: P
     finally:
         finish.touch()
         reap_runs(run_dir.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# a run that diverged (dflash train's exit 3 and its one line)
+
+
+def test_a_diverged_run_is_not_restarted_by_default_exit_12(rig: Rig) -> None:
+    rig.configure()
+    rig.start()
+    sup = rig.supervise(*FAST)
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault("once:diverged")
+    line = sup.event(r"crashed: training diverged")
+    assert "-> give-up" in line and f"last finite checkpoint: {rig.ckpt} (step " in line
+    assert "--on-diverged resume-from-last-finite" in line
+    assert sup.wait(60) == 12, sup.text
+    assert "dflashctl: pve/dflash: gave up: training diverged: diverged at step" in "\n".join(sup.err)
+    assert rig.attempts() == [1]
+    [inc] = rig.incidents()
+    assert (inc["state"], inc["cause"], inc["action"], inc["exit_code"]) == ("crashed", "diverged", "give-up", 3)
+    assert any(e.startswith("log: dflash: diverged at step") for e in inc["evidence"]), inc["evidence"]
+    st = rig.status()
+    assert (st["state"], st["cause"]) == ("crashed", "diverged") and "last finite checkpoint" in st["detail"]
+    hist = rig.cli("history")
+    assert "diverged" in hist.stdout, hist.output
+
+
+def test_on_diverged_resume_from_last_finite_resumes_once_then_gives_up(rig: Rig) -> None:
+    rig.configure()
+    rig.start()
+    sup = rig.supervise(*FAST, "--on-diverged", "resume-from-last-finite")
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault("always:diverged@3")  # the same data replays: every run diverges again
+    line = sup.event(r"crashed: training diverged")
+    assert "resuming once from the last finite checkpoint" in line and "the same data position replays" in line
+    sup.event(r"restarted: attempt 2 started")
+    rig.assert_resumed(1, 2)
+    assert sup.wait(60) == 12, sup.text
+    give_up = sup.event(r"-> give-up")
+    assert "it diverged again after the one resume from the last finite checkpoint" in give_up
+    assert rig.attempts() == [1, 2]
+    assert [(i["attempt"], i["cause"], i["action"]) for i in rig.incidents()] == [
+        (1, "diverged", "restart"),
+        (2, "diverged", "give-up"),
+    ]

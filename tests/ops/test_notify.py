@@ -395,3 +395,26 @@ def test_the_delivery_process_imports_apprise_from_where_the_supervisor_did(tmp_
         p = subprocess.run([base, "-c", code, hook.url], capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 0 and "sent 1" in p.stdout, p.stdout + p.stderr
         assert hook.titles() == ["via PYTHONPATH"]
+
+
+def test_a_loss_spike_is_told_once_and_a_diverged_run_s_give_up_names_it(rig: Rig) -> None:
+    rig.configure()
+    rig.start()
+    with Webhook() as hook:
+        sup = rig.supervise(*FAST, "--notify", hook.url)
+        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+        rig.fault("once:spike")
+        line = sup.event(r"loss spike at step")
+        assert "(a warning: the run goes on)" in line
+        sup.more_probes(3)
+        assert len(sup.events(r"loss spike at step")) == 1, "told once, though later probes see it again"
+        rig.fault("once:diverged")
+        assert sup.wait(60) == 12, sup.text
+        retry_until(lambda: len(hook.messages) >= 4, 30)
+    titles = hook.titles()
+    spikes = [x for x in titles if "loss spike at step" in x]
+    assert len(spikes) == 1 and spikes[0].startswith("dflash pve/dflash: loss spike at step"), titles
+    [gave_up] = [x for x in titles if "gave up" in x]
+    assert gave_up.startswith("dflash pve/dflash: gave up: training diverged: diverged at step"), gave_up
+    body = next(m["message"] for m in hook.messages if m["title"] == gave_up)
+    assert "crashed (diverged), attempt 1" in body and "last finite checkpoint" in body

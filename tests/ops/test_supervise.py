@@ -614,3 +614,46 @@ def test_supervise_status_of_a_mistyped_answer_names_each_bad_key_in_one_line() 
         "  unreadable:  supervise status: pid: expected a whole number",
         "  unreadable:  supervise status.incidents: newest: expected a list of objects",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# a run that diverged (dflash train exit 3): never restarted blindly
+
+DIVERGED = "diverged at step 51: loss not finite; last finite checkpoint: /r/checkpoints/step-50 (step 50)"
+
+
+def diverged(attempt: int, *, at: float) -> Status:
+    return status("crashed", attempt, cause="diverged", fp="diverged|x", started=at - 900, ended=at, detail=DIVERGED)
+
+
+def test_a_diverged_run_gives_up_by_default_naming_the_last_finite_checkpoint() -> None:
+    d = policy().observe(diverged(1, at=T0), T0)
+    assert (d.action, d.kind, d.new) == (GIVE_UP, "diverged", True)
+    assert "last finite checkpoint (/r/checkpoints/step-50 (step 50))" in d.reason and DIVERGED in d.reason
+    assert "--on-diverged resume-from-last-finite" in d.reason
+
+
+def test_on_diverged_resumes_once_then_gives_up_and_the_memory_keeps_it() -> None:
+    p = policy(on_diverged="resume-from-last-finite")
+    d, now = restart_now(p, diverged(1, at=T0), T0)
+    assert "resuming once from the last finite checkpoint (/r/checkpoints/step-50 (step 50))" in d.reason
+    assert "the same data position replays" in d.reason
+    q = policy(on_diverged="resume-from-last-finite")
+    q.load(json.loads(json.dumps(p.memory())))  # a supervisor restarted in between
+    again = q.observe(diverged(2, at=now + 900), now + 900)
+    assert (again.action, again.kind) == (GIVE_UP, "diverged")
+    assert again.reason.startswith("it diverged again after the one resume")
+
+
+def test_on_diverged_is_checked() -> None:
+    with pytest.raises(errors.ConfigError) as e:
+        Options(on_diverged="retry")
+    assert e.value.path == "--on-diverged"
+
+
+def test_a_loss_spike_is_news_once_also_for_the_next_once() -> None:
+    p = policy()
+    assert [p.spike_news(1, s) for s in (40, 40, 30, 60)] == [True, False, False, True]
+    q = policy()
+    q.load(p.memory())
+    assert (q.spike_news(1, 60), q.spike_news(2, 10)) == (False, True)

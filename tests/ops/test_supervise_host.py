@@ -366,17 +366,21 @@ def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     text = path.read_text()
     assert "Restart=always" in text and "RestartSec=10" in text and "KillMode=process" in text
     exec_start = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
-    assert "/var lib/dflash%%ctl/bin/" in exec_start and exec_start.endswith('"--start-container" "--retry-oom"')
+    assert "/var lib/dflash%%ctl/bin/" in exec_start
+    assert exec_start.endswith('"--start-container" "--retry-oom" "--on-diverged" "give-up"')
 
 
 def test_the_launcher_and_the_options_round_trip() -> None:
     from ops.supervise.service import options_parser
 
-    opts = Options(interval=7.5, backoff=3, max_backoff=30, min_uptime=60, max_restarts=2, window=99, retry_oom=True)
+    opts = Options(
+        interval=7.5, backoff=3, max_backoff=30, min_uptime=60, max_restarts=2, window=99, retry_oom=True,
+        on_diverged="resume-from-last-finite",
+    )  # fmt: skip
     argv = unit.options_argv(opts)
     assert argv == [
         "--interval", "7.5", "--backoff", "3", "--max-backoff", "30", "--min-uptime", "60",
-        "--max-restarts", "2", "--window", "99", "--retry-oom",
+        "--max-restarts", "2", "--window", "99", "--retry-oom", "--on-diverged", "resume-from-last-finite",
     ]  # fmt: skip
     assert Options(**vars(options_parser().parse_args(argv))) == opts
     sh = unit.launcher_text("/var/lib/it's", "/usr/bin/python3")

@@ -221,6 +221,20 @@ def _(p: Player) -> dict[str, t.Any]:
     return p.wait_state("crashed")
 
 
+@scenario(
+    "crashed-diverged",
+    "dflash train's diverged line (a NaN loss), exit 3",
+    state="crashed",
+    cause="diverged",
+    exit_code=3,
+    detail="diverged at step 3: loss not finite; last finite checkpoint: none",
+)
+def _(p: Player) -> dict[str, t.Any]:
+    p.reset("--steps", "2", "--then", "diverged")
+    p.start()
+    return p.wait_state("crashed")
+
+
 @scenario("crashed-signal", "SIGKILL on the trainer", state="crashed", cause="signal", signal=9, exit_code=None)
 def _(p: Player) -> dict[str, t.Any]:
     p.reset(*p.forever())
