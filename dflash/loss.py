@@ -46,6 +46,7 @@ __all__ = [
     "block_targets",
     "candidate_counts",
     "default_gamma",
+    "dpace_weights",
     "dflash_loss",
     "drafter_loss",
     "mask_mod",
@@ -148,6 +149,23 @@ def slot_weights(block_size: int, gamma: float | None, *, device: torch.device |
     w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma is not None and gamma > 0 else torch.ones_like(k)
     w[0] = 0.0
     return w
+
+
+def dpace_weights(confidence: torch.Tensor, scored: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights ``[n, B]`` from the drafter's confidence in each label ``[n, B]`` (no grad).
+
+    A block's expected accepted length is ``sum_j prod_{i<=j} c_i`` over its scored slots, with ``c`` the
+    confidences smoothed to ``(1 - alpha) * c + alpha`` (alpha keeps one bad slot from zeroing the rest).
+    Slot k's weight is what that sum gains per unit of log-confidence at k: ``sum_{j>=k} prod_{i<=j} c_i``,
+    so an early slot, which every later acceptance depends on, weighs more while the block is going well.
+    Unscored slots count as confidence 1 and weigh 0.
+    """
+    with torch.no_grad():
+        mask = scored.to(torch.float32)
+        smooth = torch.where(scored, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(mask))
+        reach = torch.cumprod(smooth, dim=-1) * mask  # prod_{i<=j} c_i for each scored slot j
+        tail = reach.flip(-1).cumsum(-1).flip(-1)  # sum over j >= k
+        return tail * mask
 
 
 def block_targets(
@@ -353,23 +371,31 @@ class LossTerms:
 
 
 def _chunk_terms(
-    hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lm_head: nn.Module
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    lm_head: nn.Module,
+    dpace_alpha: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks)."""
+    """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks,
+    and with ``dpace_alpha`` the chunk's D-PACE weight sum: ``weights`` then only say which slots count)."""
     weight = getattr(lm_head, "weight", None)
     if weight is not None and hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # a drafter may train in another dtype than the frozen head
     logits = lm_head(hidden).float()  # [n, B, V]: CE in fp32 whatever the model dtype
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    scored = weights > 0
+    dpace = None
+    if dpace_alpha is not None:
+        weights = dpace = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
     loss_sum = (ce * weights).sum()
     with torch.no_grad():
-        scored = weights > 0
         correct = (logits.argmax(dim=-1) == labels) & scored
         # Teacher-forced acceptance: the run of correct, scored slots from slot 1 on.
         accepted = correct[:, 1:].long().cumprod(dim=1).sum(dim=1)
         has_scored = scored.any(dim=1)
         terms = (correct.sum(dim=0), scored.sum(dim=0), (accepted * has_scored).sum(), has_scored.sum())
-    return (loss_sum, *terms)
+    return (loss_sum, *terms) if dpace is None else (loss_sum, *terms, dpace.sum())
 
 
 def dflash_loss(
@@ -380,6 +406,7 @@ def dflash_loss(
     *,
     chunk_size: int | None = 128,
     keep: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
 ) -> LossTerms:
     """Weighted cross-entropy of the block slots through the frozen lm_head.
 
@@ -388,6 +415,8 @@ def dflash_loss(
     time (in forward and in backward); None or 0 computes everything at once (no recomputation).
     ``keep``: indices into the ``Bt*N`` blocks of those with a positive weight, when the caller knows
     them from host data; without it they are found on the device (``nonzero``: a host sync on a GPU).
+    ``dpace_alpha``: weigh the slots by ``dpace_weights`` of this forward's confidences (``weights`` > 0
+    say which slots are scored); None: ``weights`` as given.
     """
     block = labels.shape[-1]
     hidden = hidden.reshape(-1, block, hidden.shape[-1])
@@ -406,13 +435,13 @@ def dflash_loss(
     for start in range(0, total, step):
         parts = (hidden[start : start + step], labels[start : start + step], weights[start : start + step])
         if use_checkpoint:
-            terms = checkpoint(_chunk_terms, *parts, lm_head, use_reentrant=False)
+            terms = checkpoint(_chunk_terms, *parts, lm_head, dpace_alpha, use_reentrant=False)
         else:
-            terms = _chunk_terms(*parts, lm_head)
+            terms = _chunk_terms(*parts, lm_head, dpace_alpha)
         sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
     assert sums is not None
-    loss_sum, correct, scored, accepted, blocks = sums
-    weight_sum = weights.sum()
+    loss_sum, correct, scored, accepted, blocks = sums[:5]
+    weight_sum = weights.sum() if dpace_alpha is None else sums[5]
     return LossTerms(
         loss=loss_sum / weight_sum,
         weight_sum=weight_sum,
@@ -451,6 +480,8 @@ def drafter_loss(
     generator: torch.Generator,
     chunk_size: int | None = 128,
     attention: str = "auto",
+    position_weight: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> StepOutput:
     """The whole DFlash objective for one batch: the entry point a drafter replica calls per step.
 
@@ -458,6 +489,7 @@ def drafter_loss(
     and ``loss_mask`` [Bt, S] on the host (pinned for an asynchronous copy), moved there.
     ``gamma`` None: ``default_gamma(block_size)``.
     ``attention``: "auto" (flex BlockMask on GPU, dense mask elsewhere), "dense" or "flex".
+    ``position_weight``: "decay" (``slot_weights`` of ``gamma``) or "dpace" (``dpace_weights``, ``dpace_alpha``).
     No host sync: every shape and count comes from the host copy of ``loss_mask``.
     """
     device = features.device
@@ -488,7 +520,10 @@ def drafter_loss(
         noise_embedding=head.embed(block_ids),
         target_hidden=features,
     )
-    labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=gamma)
+    if position_weight not in ("decay", "dpace"):
+        raise ValueError(f"position_weight: expected 'decay' or 'dpace', got {position_weight!r}")
+    dpace = position_weight == "dpace"
+    labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=None if dpace else gamma)
     terms = dflash_loss(
         hidden.view(batch, anchors.num_blocks, block, -1),
         head.lm_head,
@@ -496,6 +531,7 @@ def drafter_loss(
         weights,
         chunk_size=chunk_size,
         keep=keep.to(device, non_blocking=True),
+        dpace_alpha=dpace_alpha if dpace else None,
     )
 
     correct = terms.correct_per_slot[1:].double()

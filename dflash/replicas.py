@@ -17,7 +17,7 @@ import typing as t
 
 import torch
 
-from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
+from dflash.config import DataConfig, DrafterConfig, LossConfig, OptimConfig, RunConfig
 from dflash.drafter import DFlashDraftModel
 from dflash.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
 from dflash.loss import drafter_loss
@@ -251,10 +251,11 @@ class ReplicaConfig:
     optim: OptimConfig
     drafter: DrafterConfig
     data: DataConfig
+    loss: LossConfig = LossConfig()  # slot weights and the selector's share
 
     @classmethod
     def of(cls, cfg: RunConfig) -> ReplicaConfig:
-        return cls(cfg.optim, cfg.drafter, cfg.data)
+        return cls(cfg.optim, cfg.drafter, cfg.data, cfg.loss)
 
 
 class DrafterReplica:
@@ -405,6 +406,8 @@ class DrafterReplica:
                     gamma=d.loss_gamma,
                     generator=self.generator,
                     chunk_size=d.loss_chunk,
+                    position_weight=self.cfg.loss.position_weight,
+                    dpace_alpha=self.cfg.loss.dpace_alpha,
                 )
                 if scale is None:
                     scale = out.weight_sum.detach()
