@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 if t.TYPE_CHECKING:
-    from dflash.drafter import DFlashDraftModel
+    from dflash.drafter import CandidateSelector, DFlashDraftModel
     from dflash.target import TargetHead
 
 try:
@@ -368,6 +368,8 @@ class LossTerms:
     scored_per_slot: torch.Tensor  # [B]
     accepted_sum: torch.Tensor  # scalar: sum over blocks of the matched prefix length (slots 1..)
     blocks: torch.Tensor  # scalar: blocks with at least one scored slot
+    selector_correct: torch.Tensor | None = None  # DFlash2: the selector's right picks among in_top_k slots
+    in_top_k: torch.Tensor | None = None  # DFlash2: scored slots whose label is among the unary top-k
 
 
 def _chunk_terms(
@@ -376,9 +378,12 @@ def _chunk_terms(
     weights: torch.Tensor,
     lm_head: nn.Module,
     dpace_alpha: float | None = None,
+    selector: CandidateSelector | None = None,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
     """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks,
-    and with ``dpace_alpha`` the chunk's D-PACE weight sum: ``weights`` then only say which slots count)."""
+    with ``dpace_alpha`` the chunk's D-PACE weight sum (``weights`` then only say which slots count), with a
+    ``selector`` its correct picks and the slots whose label was among the top-k)."""
     weight = getattr(lm_head, "weight", None)
     if weight is not None and hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # a drafter may train in another dtype than the frozen head
@@ -389,13 +394,49 @@ def _chunk_terms(
     if dpace_alpha is not None:
         weights = dpace = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
     loss_sum = (ce * weights).sum()
+    extra: tuple[torch.Tensor, ...] = () if dpace is None else (dpace.sum(),)
+    if selector is not None:
+        sel_sum, sel_correct, in_top = _selector_terms(selector, hidden, logits, labels, scored, weights, dpace_alpha)
+        loss_sum = loss_sum + selector_weight * sel_sum
+        extra = (*extra, sel_correct, in_top)
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == labels) & scored
         # Teacher-forced acceptance: the run of correct, scored slots from slot 1 on.
         accepted = correct[:, 1:].long().cumprod(dim=1).sum(dim=1)
         has_scored = scored.any(dim=1)
         terms = (correct.sum(dim=0), scored.sum(dim=0), (accepted * has_scored).sum(), has_scored.sum())
-    return (loss_sum, *terms) if dpace is None else (loss_sum, *terms, dpace.sum())
+    return (loss_sum, *terms, *extra)
+
+
+def _selector_terms(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scored: torch.Tensor,
+    weights: torch.Tensor,
+    dpace_alpha: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DFlash2's selector objective on one chunk: cross-entropy over each slot's top-k candidates, the
+    previous slot's label as the predecessor (teacher forcing). A label outside the top-k replaces the k-th
+    candidate, so every scored slot has a target among K; the picks count only where serving could make them
+    (the label in the unary top-k). Returns (weighted CE sum, correct picks, labels in the top-k)."""
+    k = selector.top_k
+    candidates = logits.detach().topk(k, dim=-1).indices  # [n, B, K]
+    match = candidates == labels[..., None]
+    in_top = match.any(dim=-1)
+    target = torch.where(in_top, match.long().argmax(dim=-1), torch.full_like(labels, k - 1))
+    candidates = torch.cat([candidates[..., :-1], torch.where(in_top, candidates[..., -1], labels)[..., None]], dim=-1)
+    previous = torch.cat([labels[:, :1], labels[:, :-1]], dim=1)  # slot 0 (never scored) gets its own token
+    scores = logits.gather(-1, candidates) + selector.edge_scores(hidden, previous, candidates).float()
+    ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none").view_as(labels)
+    if dpace_alpha is not None:
+        weights = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
+    loss_sum = (ce * weights).sum()
+    with torch.no_grad():
+        live = in_top & scored
+        picked = scores.argmax(dim=-1) == target
+        return loss_sum, (picked & live).sum(), live.sum()
 
 
 def dflash_loss(
@@ -407,6 +448,8 @@ def dflash_loss(
     chunk_size: int | None = 128,
     keep: torch.Tensor | None = None,
     dpace_alpha: float | None = None,
+    selector: CandidateSelector | None = None,
+    selector_weight: float = 1.0,
 ) -> LossTerms:
     """Weighted cross-entropy of the block slots through the frozen lm_head.
 
@@ -416,7 +459,8 @@ def dflash_loss(
     ``keep``: indices into the ``Bt*N`` blocks of those with a positive weight, when the caller knows
     them from host data; without it they are found on the device (``nonzero``: a host sync on a GPU).
     ``dpace_alpha``: weigh the slots by ``dpace_weights`` of this forward's confidences (``weights`` > 0
-    say which slots are scored); None: ``weights`` as given.
+    say which slots are scored); None: ``weights`` as given. ``selector``: add DFlash2's selector objective
+    (``selector_weight`` times its weighted cross-entropy, in the same sum over the same weight sum).
     """
     block = labels.shape[-1]
     hidden = hidden.reshape(-1, block, hidden.shape[-1])
@@ -435,13 +479,16 @@ def dflash_loss(
     for start in range(0, total, step):
         parts = (hidden[start : start + step], labels[start : start + step], weights[start : start + step])
         if use_checkpoint:
-            terms = checkpoint(_chunk_terms, *parts, lm_head, dpace_alpha, use_reentrant=False)
+            terms = checkpoint(
+                _chunk_terms, *parts, lm_head, dpace_alpha, selector, selector_weight, use_reentrant=False
+            )
         else:
-            terms = _chunk_terms(*parts, lm_head, dpace_alpha)
+            terms = _chunk_terms(*parts, lm_head, dpace_alpha, selector, selector_weight)
         sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
     assert sums is not None
     loss_sum, correct, scored, accepted, blocks = sums[:5]
     weight_sum = weights.sum() if dpace_alpha is None else sums[5]
+    sel = sums[6:] if dpace_alpha is not None else sums[5:]
     return LossTerms(
         loss=loss_sum / weight_sum,
         weight_sum=weight_sum,
@@ -450,6 +497,8 @@ def dflash_loss(
         scored_per_slot=scored,
         accepted_sum=accepted,
         blocks=blocks,
+        selector_correct=sel[0] if sel else None,
+        in_top_k=sel[1] if sel else None,
     )
 
 
@@ -466,6 +515,8 @@ class StepOutput:
     n_tokens: int  # supervised tokens in the batch (loss_mask), for Ktok/s
     n_blocks: int  # valid anchors (blocks) trained on
     anchors: Anchors
+    sel_acc: torch.Tensor | None = None  # DFlash2, 0-dim float64: selector picks right where the label is in top-k
+    top_k_rate: torch.Tensor | None = None  # DFlash2, 0-dim float64: scored slots whose label is in the top-k
 
 
 def drafter_loss(
@@ -482,6 +533,7 @@ def drafter_loss(
     attention: str = "auto",
     position_weight: str = "decay",
     dpace_alpha: float = 0.5,
+    selector_weight: float = 1.0,
 ) -> StepOutput:
     """The whole DFlash objective for one batch: the entry point a drafter replica calls per step.
 
@@ -532,6 +584,8 @@ def drafter_loss(
         chunk_size=chunk_size,
         keep=keep.to(device, non_blocking=True),
         dpace_alpha=dpace_alpha if dpace else None,
+        selector=drafter.candidate_selector,
+        selector_weight=selector_weight,
     )
 
     correct = terms.correct_per_slot[1:].double()
@@ -539,6 +593,11 @@ def drafter_loss(
     acc_per_slot = torch.where(scored > 0, correct / scored.clamp(min=1), torch.zeros_like(correct))
     n_scored = scored.sum()
     blocks = terms.blocks.double()
+    sel_acc = top_k_rate = None
+    if terms.selector_correct is not None and terms.in_top_k is not None:
+        live = terms.in_top_k.double()
+        sel_acc = torch.where(live > 0, terms.selector_correct.double() / live.clamp(min=1), torch.zeros_like(live))
+        top_k_rate = torch.where(n_scored > 0, live / n_scored.clamp(min=1), torch.zeros_like(live))
     return StepOutput(
         loss=terms.loss,
         loss_sum=terms.loss_sum,
@@ -551,4 +610,6 @@ def drafter_loss(
         n_tokens=n_tokens,
         n_blocks=sum(per_row),
         anchors=anchors,
+        sel_acc=sel_acc,
+        top_k_rate=top_k_rate,
     )

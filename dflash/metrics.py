@@ -70,6 +70,7 @@ def format_step_line(
     drafters_total: int,
     workers: t.Sequence[t.Mapping[str, t.Any]] = (),
     held_out: t.Mapping[str, t.Any] | None = None,
+    selector: tuple[float, float] | None = None,
 ) -> str:
     line = (
         f"step {step} | loss {loss:.3f} | acc {acc:.2f} | tau_tf {tau_tf:.1f} | {ktok_s:.1f} Ktok/s | "
@@ -79,6 +80,8 @@ def format_step_line(
         line += " | " + busy_field(workers)
     if held_out is not None:  # after the busy field: the fields before it stay where they were
         line += " | " + tau_field(held_out)
+    if selector is not None:  # DFlash2, last of all for the same reason
+        line += f" | sel {selector[0]:.2f} | top-k {selector[1]:.2f}"
     return line
 
 
@@ -109,7 +112,18 @@ def scalars(rec: t.Mapping[str, t.Any]) -> dict[str, float]:
         if rec.get("best_tau") is not None:
             out["eval/best_tau"] = rec["best_tau"]
         return out
-    for key in ("loss", "acc", "tau_tf", "ktok_s", "lr", "queue_depth", "drafters_live", "targets_live"):
+    for key in (
+        "loss",
+        "acc",
+        "tau_tf",
+        "ktok_s",
+        "lr",
+        "queue_depth",
+        "drafters_live",
+        "targets_live",
+        "sel_acc",
+        "top_k_rate",
+    ):
         if rec.get(key) is not None:
             out[f"train/{key}"] = rec[key]
     for k, a in enumerate(rec.get("acc_per_slot") or []):
@@ -375,10 +389,18 @@ class Metrics:
         events: dict[torch.device, t.Any] = {}
         rows: list[list[float]] = []
         for s in pending:
-            parts = (s.loss, s.acc, s.tau_tf, s.acc_per_slot)
+            parts = (s.loss, s.acc, s.tau_tf, s.selector, s.acc_per_slot)
             dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
             if dev is None:
-                rows.append([float(s.loss), float(s.acc), float(s.tau_tf), *(float(a) for a in s.acc_per_slot)])
+                rows.append(
+                    [
+                        float(s.loss),
+                        float(s.acc),
+                        float(s.tau_tf),
+                        *(float(a) for a in s.selector),
+                        *(float(a) for a in s.acc_per_slot),
+                    ]
+                )
                 continue
             by_device.setdefault(dev, []).append(parts)
             if s.ready is not None:
@@ -395,12 +417,18 @@ class Metrics:
 
     def _emit(self, iv: _Interval) -> None:
         rows = self._read_pending(iv.pending)
+        # DFlash2 steps carry two selector figures between tau_tf and the slots (every step of a run alike)
+        has_sel = any(len(s.selector) for s in iv.pending)
         loss_sum = acc_sum = tau_sum = 0.0
+        sel_sum = [0.0, 0.0]
         slots_sum: list[float] = []
         for loss, acc, tau, *slots in rows:
             loss_sum += loss
             acc_sum += acc
             tau_sum += tau
+            if has_sel:
+                sel_sum = [sel_sum[0] + slots[0], sel_sum[1] + slots[1]]
+                slots = slots[2:]
             if slots:
                 if len(slots_sum) != len(slots):
                     slots_sum = [0.0] * len(slots)
@@ -429,6 +457,9 @@ class Metrics:
             "workers": workers,
             "at": utc_now(),
         }
+        if has_sel:
+            rec["sel_acc"] = round(sel_sum[0] / n, 6)
+            rec["top_k_rate"] = round(sel_sum[1] / n, 6)
         line = format_step_line(
             step=iv.step,
             loss=rec["loss"],
@@ -441,6 +472,7 @@ class Metrics:
             drafters_total=rec["drafters_total"] or 0,
             workers=workers,
             held_out=self._held_out,
+            selector=(rec["sel_acc"], rec["top_k_rate"]) if has_sel else None,
         )
         print(line, file=self.stream, flush=True)
         self._write(rec)

@@ -99,6 +99,8 @@ class StepStats:
     blocks: int = 0
     lr: float = 0.0
     acc_per_slot: tuple[float, ...] | torch.Tensor = ()
+    # DFlash2: (selector accuracy where the label is in the top-k, how often it is); () for DFlash
+    selector: tuple[float, ...] | torch.Tensor = ()
     ready: t.Any = (
         None  # CUDA: an event after the step's figures on its stream (the metrics wait on it, not the device)
     )

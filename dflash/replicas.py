@@ -375,6 +375,7 @@ class DrafterReplica:
         acc_sum: torch.Tensor | None = None
         tau_sum: torch.Tensor | None = None
         slots: torch.Tensor | None = None
+        selector: torch.Tensor | None = None  # DFlash2: (selector accuracy, label-in-top-k rate)
         blocks = 0
         scale: torch.Tensor | None = None
         grad_sum: _GradSum | None = None  # separate masters: the fp32 sum of the micro-batches' gradients
@@ -408,6 +409,7 @@ class DrafterReplica:
                     chunk_size=d.loss_chunk,
                     position_weight=self.cfg.loss.position_weight,
                     dpace_alpha=self.cfg.loss.dpace_alpha,
+                    selector_weight=self.cfg.loss.selector_weight,
                 )
                 if scale is None:
                     scale = out.weight_sum.detach()
@@ -425,13 +427,22 @@ class DrafterReplica:
                     tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
                     blocks += out.n_blocks
                 slots = _add(slots, out.acc_per_slot * share)
+                if out.sel_acc is not None and out.top_k_rate is not None:
+                    selector = _add(selector, torch.stack([out.sel_acc, out.top_k_rate]) * share)
         assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
         if self.separate_masters:
             self._grads_to_masters(grad_sum)
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:  # in fp32 on the masters: the one normalisation
             torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
-        return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
+        return {
+            "loss": loss_sum / weight_sum,
+            "acc": acc_sum,
+            "tau_sum": tau_sum,
+            "blocks": blocks,
+            "slots": slots,
+            "selector": selector,
+        }
 
     def _prefetch(self, payloads: t.Sequence[FeatureBatch], k: int) -> None:
         dev = torch.device(self.device)
@@ -468,6 +479,7 @@ class DrafterReplica:
             blocks=blocks,
             lr=lr,
             acc_per_slot=slots if slots is not None else (),
+            selector=fig["selector"] if fig["selector"] is not None else (),
             ready=ready,
         )
 
