@@ -272,7 +272,9 @@ def check(
 # ---- how to start them ---------------------------------------------------------------------
 
 
-def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = ()) -> str:
+def vllm_command(
+    *, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = (), dflash2: bool = False
+) -> str:
     """``vllm serve`` for a z-lab folder. ``"method": "dflash"`` is named unless the drafter's path says
     "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1.
 
@@ -281,12 +283,15 @@ def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.S
     the drafter's is auto-selected among the backends that run non-causal layers (V2
     ``spec_decode/dflash/utils.py``: ``use_non_causal``); a pin belongs in the speculative config
     (``ATTENTION_BACKEND_PIN``). ``VLLM_USE_V2_MODEL_RUNNER=1`` only for mixed sliding/full layers:
-    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default."""
+    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default; and for a
+    ``dflash2`` drafter: its speculator (the selector's walk) exists on the V2 runner only (0.33
+    ``v1/worker/gpu/spec_decode/__init__.py`` picks ``DFlash2Speculator`` by the architecture under
+    ``method: dflash``)."""
     spec: dict[str, t.Any] = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
     if "dflash" in drafter.lower():
         del spec["method"]
     kinds = set(layer_types)
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 or dflash2 else ""
     return f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 

@@ -314,3 +314,51 @@ def test_dflash2_sampled_decoding_is_the_targets_own_sampling(target: TargetMode
     for temperature in (0.0, 1.0):
         report = evaluate(target, trained2, prompts, max_new_tokens=30, ddtree_budget=None, temperature=temperature)
         assert report.all_equal and report.tau >= 1.0
+
+
+# ---- export and the contract -------------------------------------------------------------
+
+
+def test_zlab_export_of_a_dflash2_drafter_and_the_contracts_refusals(tmp_path: Path, target_dir: Path) -> None:
+    from dflash import contract
+    from dflash.__main__ import main
+
+    ck = ckpt.save_checkpoint(
+        tmp_path / "ck",
+        step=3,
+        drafter=drafter("dflash2"),
+        trainer_state={"config": {"target": {"path": str(target_dir)}}},
+    )
+    out = tmp_path / "zlab"
+    assert main(["export", str(ck), str(out)]) == 0
+    data = json.loads((out / "config.json").read_text())
+    assert data["architectures"] == ["DFlash2DraftModel"]
+    assert {k: data["dflash_config"][k] for k in DFLASH2} == DFLASH2  # where vLLM and SGLang read them
+    card = (out / "README.md").read_text()
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in card and "DFlash2DraftModel" in card
+    from safetensors.torch import load_file
+
+    shapes = {k: list(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}
+    assert shapes["layers.0.attention_conv.base_kernel"] == [2, 3, 64]
+    assert shapes["layers.1.mlp_conv.kernel_projection.weight"] == [2 * 3 * 4, 64]
+    assert shapes["candidate_selector.predecessor_codebook"] == [512, 8]
+    contract.check(data, shapes)
+    refusals = [
+        ({**data, "architectures": ["DFlashDraftModel"]}, shapes, r"architectures \['DFlashDraftModel'\] with DFlash2"),
+        (
+            {**data, "dflash_config": {k: v for k, v in data["dflash_config"].items() if k != "selector_top_k"}},
+            shapes,
+            r"but not \['selector_top_k'\]",
+        ),
+        (data, {**shapes, "candidate_selector.transition_bias": [4]}, r"^weights outside"),
+        (data, {**shapes, "candidate_selector.successor_codebook": [512, 9]}, r"successor_codebook is \[512, 9\]"),
+        (data, {k: v for k, v in shapes.items() if "mlp_conv" not in k}, r"^weights missing: layers.0.mlp_conv"),
+        (
+            {**data, "dflash_config": {k: v for k, v in data["dflash_config"].items() if k not in DFLASH2}},
+            {k: v for k, v in shapes.items() if "conv" not in k and "selector" not in k},
+            r"names DFlash2 but dflash_config has none",
+        ),
+    ]
+    for bad, bad_shapes, message in refusals:
+        with pytest.raises(contract.ContractError, match=message):
+            contract.check(bad, bad_shapes)
