@@ -362,3 +362,21 @@ def test_zlab_export_of_a_dflash2_drafter_and_the_contracts_refusals(tmp_path: P
     for bad, bad_shapes, message in refusals:
         with pytest.raises(contract.ContractError, match=message):
             contract.check(bad, bad_shapes)
+
+
+# ---- compile -----------------------------------------------------------------------------
+
+
+def test_a_compiled_dflash2_run_warms_up_and_trains(tmp_path: Path) -> None:
+    """The convolutions trace inside each compiled layer (fullgraph: a graph break would fail here), warm-up
+    compiles every shape class first, and the run trains without a recompile (aot_eager/inductor cost minutes
+    on 2 shared cores: dynamo's tracing is what this checks)."""
+    run = Run(
+        tiny(
+            tmp_path, "drafter.kind=dflash2", "compile=true", "compile_backend=eager", "activation_checkpointing=true"
+        ),
+        environ={},
+    )
+    assert all(layer._compiled_call_impl is not None for r in run.drafters for layer in r.model.layers)
+    assert run.train() == 0
+    assert [r["step"] for r in records(tmp_path)] == [2, 4]
