@@ -10,7 +10,8 @@ One training step of a drafter on a batch of sequences (``drafter_loss``):
    target state does not exist yet at inference) and its own block, never another block; in
    ``sliding_attention`` layers the block part is causal and the context is cut to the window;
 4. loss: slot ``k`` (k >= 1) is scored against ``input_ids[p + k]`` (same position, NOT shifted by one)
-   with weight ``exp(-(k-1)/gamma) * loss_mask[p+k] * in_bounds * block_valid``; slot 0 is the given
+   with weight ``exp(-(k-1)/gamma) * loss_mask[p+k] * in_bounds * block_valid`` (``position_weight="dpace"``:
+   ``dpace_weights`` of the forward's own confidences in place of the decay); slot 0 is the given
    token and is never scored; the loss is the weighted mean. lm_head and cross-entropy run over chunks
    of blocks under activation checkpointing, so ``blocks x B x vocab`` logits never exist at once.
 
