@@ -61,7 +61,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash import contract, hf_remote, inputs, model_config
-from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+from dflash.drafter import ARCHITECTURES, DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DflashError, InputError
 
 __all__ = [
@@ -173,7 +173,7 @@ def config_json(config: DFlashDraftConfig, *, dtype: torch.dtype | None = None) 
         "hidden_size",
     ):
         data.setdefault(key, full.get(key))
-    data["architectures"] = ["DFlashDraftModel"]
+    data["architectures"] = [ARCHITECTURES[config.kind]]  # DFlash2's name is what the engines load it under
     rope = data.get("rope_parameters") or {}
     if "rope_theta" in rope and rope.get("rope_type", "default") == "default":
         # transformers 4.x (z-lab pins 4.57) reads rope_theta, not rope_parameters.

@@ -199,6 +199,8 @@ def warm_up(
                 generator=torch.Generator(device=replica.device).manual_seed(0),
                 chunk_size=d.loss_chunk,
                 attention=attention,
+                position_weight=replica.cfg.loss.position_weight,
+                dpace_alpha=replica.cfg.loss.dpace_alpha,
             )
             if out.loss.requires_grad:
                 out.loss.backward()

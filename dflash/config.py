@@ -33,6 +33,8 @@ from dflash.sync import SyncError, parse_template
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
 DTYPES = NAMES  # the canonical spelling only (dflash/dtypes.py)
+DRAFTER_KINDS = ("dflash", "dflash2")
+POSITION_WEIGHTS = ("decay", "dpace")
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
@@ -87,12 +89,30 @@ class DrafterConfig:
     init_from: str | None = None  # a drafter folder (config.json + model.safetensors, z-lab names) to start from
     dtype: str = "bfloat16"
     loss_chunk: int = 128  # blocks per lm_head + cross-entropy chunk
+    # "dflash" (z-lab's drafter) or "dflash2" (a grouped dynamic convolution around each sublayer over the
+    # block, and a low-rank selector that reranks the top-k tokens of each slot by the token before it)
+    kind: str = "dflash"
+    conv_kernel_size: int = 2  # dflash2: taps of each convolution (the slot and the ones before it in the block)
+    conv_group_size: int = 16  # dflash2: hidden channels sharing one dynamic tap weight (divides hidden_size)
+    selector_rank: int = 256  # dflash2: rank of the selector's token codebooks
+    selector_top_k: int = 16  # dflash2: candidates per slot the selector reranks
 
     @property
     def loss_gamma(self) -> float:
         if self.gamma is not None:
             return self.gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LossConfig:
+    """How block slots are weighted (``dflash.loss``), and the DFlash2 selector's share of the loss."""
+
+    # "decay": exp(-(k-1)/gamma) per slot (the paper's); "dpace": per block, from the drafter's own
+    # confidence in each slot (what each slot adds to the expected accepted length; D-PACE)
+    position_weight: str = "decay"
+    dpace_alpha: float = 0.5  # dpace: confidences are smoothed to (1 - alpha) * p + alpha, in [0, 1]
+    selector_weight: float = 1.0  # dflash2: the selector's cross-entropy over its top-k, beside the block loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,6 +241,7 @@ class TrainConfig:
 class RunConfig:
     target: TargetConfig
     drafter: DrafterConfig = dataclasses.field(default_factory=DrafterConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     data: DataConfig
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
     queue: QueueConfig = dataclasses.field(default_factory=QueueConfig)
@@ -511,6 +532,28 @@ def _check(cfg: RunConfig) -> None:
         positive("drafter.gamma", d.gamma)
     positive("drafter.num_anchors", d.num_anchors)
     positive("drafter.loss_chunk", d.loss_chunk)
+    choice("drafter.kind", d.kind, DRAFTER_KINDS)
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        positive(f"drafter.{name}", getattr(d, name))
+    if d.kind == "dflash2" and d.conv_kernel_size > d.block_size:
+        raise ConfigError(
+            "drafter.conv_kernel_size", f"must be <= drafter.block_size ({d.block_size}), got {d.conv_kernel_size}"
+        )
+    if d.kind == "dflash2" and tg.tiny is not None:
+        if tg.tiny.hidden_size % d.conv_group_size:
+            raise ConfigError(
+                "drafter.conv_group_size",
+                f"must divide the hidden size ({tg.tiny.hidden_size}), got {d.conv_group_size}",
+            )
+        if d.selector_top_k > tg.tiny.vocab_size:
+            raise ConfigError(
+                "drafter.selector_top_k", f"must be <= the vocabulary ({tg.tiny.vocab_size}), got {d.selector_top_k}"
+            )
+    lo = cfg.loss
+    choice("loss.position_weight", lo.position_weight, POSITION_WEIGHTS)
+    if not 0 <= lo.dpace_alpha <= 1:
+        raise ConfigError("loss.dpace_alpha", f"must be in [0, 1], got {lo.dpace_alpha:g}")
+    positive("loss.selector_weight", lo.selector_weight, zero=True)
     choice("drafter.dtype", d.dtype, DTYPES)
     if d.target_layer_ids is not None:
         if not d.target_layer_ids:
@@ -693,6 +736,7 @@ __all__ = [
     "DistributedConfig",
     "DrafterConfig",
     "EvalConfig",
+    "LossConfig",
     "MetricsConfig",
     "OptimConfig",
     "QueueConfig",

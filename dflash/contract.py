@@ -30,6 +30,14 @@ The rules, with the engine code each one was read from (engine facts: ``../share
   nothing else: SGLang's ``DFlashDraftModel.load_weights`` (python/sglang/srt/models/dflash.py) skips an
   unknown name SILENTLY and serves that weight's random init; vLLM prepends ``model.`` to each name
   (``DFlashQwen3ForCausalLM.load_weights``) and fails on one it does not know.
+- **DFlash2** (``dflash_config`` has ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``,
+  ``selector_top_k``): all four or none (SGLang ``parse_dflash_draft_config`` refuses half a pair, vLLM
+  ``qwen3_dflash2.py`` indexes all four), and ``architectures`` ``DFlash2DraftModel`` (vLLM's registry maps it
+  to ``DFlash2Qwen3ForCausalLM``, SGLang to its ``DFlash2DraftModel``; under ``DFlashDraftModel`` vLLM would
+  refuse the conv/selector weights and SGLang serve without them). Per layer ``attention_conv`` and
+  ``mlp_conv`` (``base_kernel`` [2, taps, hidden], ``kernel_projection.weight`` [2 x taps x hidden/group,
+  hidden]) and one ``candidate_selector`` (``predecessor_codebook``/``successor_codebook`` [vocab, rank],
+  ``hidden_projection.weight`` [rank, hidden]): the names and shapes both engines and speculators build.
 - **fc** is ``[hidden_size, target_hidden_size x len(target_layer_ids)]``: vLLM sizes it from the aux
   layers (``_get_dflash_fc_input_size``) and raises "DFlash drafter expects N concatenated aux hidden
   features"; SGLang checks the shape on load.
@@ -51,6 +59,7 @@ __all__ = [
     "ContractError",
     "Target",
     "check",
+    "is_dflash2",
     "serving_keys",
     "sglang_command",
     "vllm_command",
@@ -76,6 +85,16 @@ _LAYER_WEIGHTS = (
 )
 _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
 _TOP_WEIGHTS = ("fc.weight", "hidden_norm.weight", "norm.weight")
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+_CONV_WEIGHTS = tuple(
+    f"{c}.{w}" for c in ("attention_conv", "mlp_conv") for w in ("base_kernel", "kernel_projection.weight")
+)
+_SELECTOR_WEIGHTS = (
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+    "candidate_selector.hidden_projection.weight",
+)
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -109,9 +128,69 @@ def serving_keys(data: dict[str, t.Any]) -> dict[str, t.Any]:
 
 def weight_names(data: t.Mapping[str, t.Any]) -> set[str]:
     """The weight names z-lab's DFlashDraftModel has for this config.json (no embedding, no lm_head)."""
-    per_layer = _LAYER_WEIGHTS + (_BIASES if data.get("attention_bias") else ())
+    dflash2 = is_dflash2(data)
+    per_layer = _LAYER_WEIGHTS + (_BIASES if data.get("attention_bias") else ()) + (_CONV_WEIGHTS if dflash2 else ())
     names = {f"layers.{i}.{w}" for i in range(int(data.get("num_hidden_layers") or 0)) for w in per_layer}
-    return names | set(_TOP_WEIGHTS)
+    return names | set(_TOP_WEIGHTS) | (set(_SELECTOR_WEIGHTS) if dflash2 else set())
+
+
+def is_dflash2(data: t.Mapping[str, t.Any]) -> bool:
+    """A DFlash2 config.json: ``dflash_config`` carries the selector (``check`` refuses half the keys)."""
+    return (data.get("dflash_config") or {}).get("selector_rank") is not None
+
+
+def _check_dflash2(data: t.Mapping[str, t.Any], shapes: t.Mapping[str, t.Sequence[int]], vocab: t.Any) -> None:
+    dflash = data.get("dflash_config") or {}
+    present = [k for k in DFLASH2_KEYS if dflash.get(k) is not None]
+    archs = list(data.get("architectures") or [])
+    if not present:
+        if DFLASH2_ARCHITECTURE in archs:
+            raise ContractError(
+                f"architectures {archs} names DFlash2 but dflash_config has none of {', '.join(DFLASH2_KEYS)}: "
+                "vLLM's DFlash2 model and SGLang's read them there"
+            )
+        return
+    if len(present) < len(DFLASH2_KEYS):
+        missing = [k for k in DFLASH2_KEYS if k not in present]
+        raise ContractError(
+            f"dflash_config has {present} but not {missing}: SGLang refuses half a DFlash2 config, vLLM needs all four"
+        )
+    for k in DFLASH2_KEYS:
+        v = dflash[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ContractError(f"dflash_config.{k}: expected a positive integer, got {v!r}")
+    if archs != [DFLASH2_ARCHITECTURE]:
+        raise ContractError(
+            f"architectures {archs} with DFlash2 weights: vLLM loads {DFLASH2_ARCHITECTURE} only under that name "
+            "(DFlashDraftModel refuses the conv/selector weights) and SGLang's DFlashDraftModel drops them"
+        )
+    hidden, taps, group = data.get("hidden_size"), dflash["conv_kernel_size"], dflash["conv_group_size"]
+    rank, top_k = dflash["selector_rank"], dflash["selector_top_k"]
+    if isinstance(hidden, int) and hidden % group:
+        raise ContractError(
+            f"dflash_config.conv_group_size {group} does not divide hidden_size {hidden}: both engines refuse it"
+        )
+    if isinstance(vocab, int) and top_k > vocab:
+        raise ContractError(f"dflash_config.selector_top_k {top_k} exceeds the vocabulary size {vocab}")
+    if not isinstance(hidden, int):
+        return
+    want: dict[str, list[int]] = {}
+    for i in range(int(data.get("num_hidden_layers") or 0)):
+        for conv in ("attention_conv", "mlp_conv"):
+            want[f"layers.{i}.{conv}.base_kernel"] = [2, taps, hidden]
+            want[f"layers.{i}.{conv}.kernel_projection.weight"] = [2 * taps * (hidden // group), hidden]
+    rows = vocab if isinstance(vocab, int) else None
+    for name in _SELECTOR_WEIGHTS[:2]:
+        if rows is not None:
+            want[name] = [rows, rank]
+    want[_SELECTOR_WEIGHTS[2]] = [rank, hidden]
+    for name, shape in want.items():
+        got = list(shapes.get(name, shape))
+        if got != shape:
+            raise ContractError(
+                f"{name} is {got}, not {shape} (from dflash_config's DFlash2 keys, hidden_size and the vocabulary): "
+                "vLLM and SGLang build it at that shape and refuse the checkpoint"
+            )
 
 
 def _first(names: t.Iterable[str], limit: int = 3) -> str:
@@ -159,6 +238,7 @@ def check(
             "SGLang and the speculators converter read either one"
         )
 
+    _check_dflash2(data, shapes, vocab)
     expected = weight_names(data)
     unknown = set(shapes) - expected
     if unknown:
@@ -192,7 +272,9 @@ def check(
 # ---- how to start them ---------------------------------------------------------------------
 
 
-def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = ()) -> str:
+def vllm_command(
+    *, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = (), dflash2: bool = False
+) -> str:
     """``vllm serve`` for a z-lab folder. ``"method": "dflash"`` is named unless the drafter's path says
     "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1.
 
@@ -201,12 +283,15 @@ def vllm_command(*, target: str, drafter: str, block_size: int, layer_types: t.S
     the drafter's is auto-selected among the backends that run non-causal layers (V2
     ``spec_decode/dflash/utils.py``: ``use_non_causal``); a pin belongs in the speculative config
     (``ATTENTION_BACKEND_PIN``). ``VLLM_USE_V2_MODEL_RUNNER=1`` only for mixed sliding/full layers:
-    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default."""
+    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default; and for a
+    ``dflash2`` drafter: its speculator (the selector's walk) exists on the V2 runner only (0.33
+    ``v1/worker/gpu/spec_decode/__init__.py`` picks ``DFlash2Speculator`` by the architecture under
+    ``method: dflash``)."""
     spec: dict[str, t.Any] = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
     if "dflash" in drafter.lower():
         del spec["method"]
     kinds = set(layer_types)
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 else ""
+    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 or dflash2 else ""
     return f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
 
 

@@ -65,12 +65,17 @@ except ImportError:  # pragma: no cover - torch without flex attention
     FlexKernelOptions = dict  # type: ignore[misc,assignment]
 
 __all__ = [
+    "ARCHITECTURES",
+    "DFLASH2_KEYS",
+    "BlockConv",
+    "CandidateSelector",
     "CompileMissError",
     "DFlashDraftConfig",
     "DFlashDraftModel",
     "DraftCache",
     "draft_config_for",
     "published_mask_token_id",
+    "selector_walk",
 ]
 
 FULL_ATTENTION = "full_attention"
@@ -79,6 +84,12 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 # What z-lab's Hub checkpoints carry: AutoModel resolves to dflash.py's DFlashDraftModel (trust_remote_code).
 ZLAB_AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+
+DFLASH, DFLASH2 = "dflash", "dflash2"
+# The drafter kinds' architectures: the names vLLM's registry and SGLang's model classes map to each one.
+ARCHITECTURES = {DFLASH: "DFlashDraftModel", DFLASH2: "DFlash2DraftModel"}
+# DFlash2's keys inside dflash_config (vLLM qwen3_dflash2.py and SGLang dflash_utils.py read them there).
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 AttentionMask = t.Union[torch.Tensor, "BlockMask", None]
 
@@ -169,6 +180,7 @@ class DFlashDraftConfig(Qwen3Config):
         self._check_causal(layer_types)
         if self.dflash_config is None:
             return
+        self._check_dflash2()
         mask_id = self.dflash_config.get("mask_token_id")
         if mask_id is not None and (
             isinstance(mask_id, bool) or not isinstance(mask_id, int) or not 0 <= mask_id < self.vocab_size
@@ -214,6 +226,40 @@ class DFlashDraftConfig(Qwen3Config):
             )
         del self.__dict__["is_causal"]
 
+    def _check_dflash2(self) -> None:
+        """DFlash2's four keys in ``dflash_config`` (where vLLM's and SGLang's DFlash2 readers look): all or none."""
+        cfg = self.dflash_config or {}
+        present = [k for k in DFLASH2_KEYS if cfg.get(k) is not None]
+        if not present:
+            return
+        if len(present) != len(DFLASH2_KEYS):
+            missing = [k for k in DFLASH2_KEYS if k not in present]
+            raise ValueError(f"dflash_config: a DFlash2 drafter needs {', '.join(DFLASH2_KEYS)}; missing {missing}")
+        for k in DFLASH2_KEYS:
+            v = cfg[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"dflash_config.{k}: expected a positive integer, got {v!r}")
+        if self.hidden_size % cfg["conv_group_size"]:
+            raise ValueError(
+                f"dflash_config.conv_group_size: {cfg['conv_group_size']} does not divide hidden_size {self.hidden_size}"
+            )
+        if cfg["conv_kernel_size"] > self.block_size:
+            raise ValueError(
+                f"dflash_config.conv_kernel_size: {cfg['conv_kernel_size']} taps exceed block_size {self.block_size}"
+            )
+        if cfg["selector_top_k"] > self.vocab_size:
+            raise ValueError(
+                f"dflash_config.selector_top_k: {cfg['selector_top_k']} exceeds vocab_size {self.vocab_size}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """``dflash2`` when ``dflash_config`` carries the convolution and selector keys, else ``dflash``."""
+        return DFLASH2 if (self.dflash_config or {}).get("selector_rank") is not None else DFLASH
+
+    def dflash2_value(self, key: str) -> int:
+        return int((self.dflash_config or {})[key])
+
     @property
     def mask_token_id(self) -> int | None:
         return (self.dflash_config or {}).get("mask_token_id")
@@ -235,10 +281,12 @@ def draft_config_for(
     target_layer_ids: t.Sequence[int] | None = None,
     layer_types: t.Sequence[str] | None = None,
     sliding_window: int | None = None,
+    dflash2: t.Mapping[str, int] | None = None,
     **overrides: t.Any,
 ) -> DFlashDraftConfig:
     """The drafter config for a target: same width, heads, vocabulary and RoPE base as the target.
 
+    ``dflash2``: the four ``DFLASH2_KEYS`` for a DFlash2 drafter (None: DFlash).
     ``overrides`` set any other Qwen3Config field (e.g. ``intermediate_size``).
     """
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
@@ -275,8 +323,12 @@ def draft_config_for(
         pad_token_id=getattr(text, "pad_token_id", None),
         block_size=block_size,
         num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": [int(i) for i in ids]},
-        architectures=["DFlashDraftModel"],
+        dflash_config={
+            "mask_token_id": int(mask_token_id),
+            "target_layer_ids": [int(i) for i in ids],
+            **({k: int(dflash2[k]) for k in DFLASH2_KEYS} if dflash2 is not None else {}),
+        },
+        architectures=[ARCHITECTURES[DFLASH2 if dflash2 is not None else DFLASH]],
         auto_map=dict(ZLAB_AUTO_MAP),
     )
     fields.update(overrides)
@@ -481,6 +533,120 @@ class Qwen3DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, self.num_heads * self.head_dim))
 
 
+def block_conv(
+    x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, *, block_size: int, group_size: int
+) -> torch.Tensor:
+    """DFlash2's grouped dynamic convolution along the block: ``out[k] = sum_t (base[t] + delta[k, t]) * x[k - t]``
+    over taps ``t`` with ``k - t`` in the same block (a tap reaching before the block's first slot adds 0).
+
+    ``x`` [..., Q, H] (Q a whole number of blocks, each contiguous), ``delta`` [..., Q, T, G] (one weight
+    per tap and group of ``group_size`` channels, from the token itself), ``base`` [T, H] (per channel).
+    """
+    q_len, hidden = x.shape[-2], x.shape[-1]
+    taps = base.shape[0]
+    groups = hidden // group_size
+    xs = x.unflatten(-1, (groups, group_size))  # [..., Q, G, g]
+    coef = base.to(x.dtype).view(taps, groups, group_size) + delta.to(x.dtype)[..., None]  # [..., Q, T, G, g]
+    out = coef[..., 0, :, :] * xs
+    slot = torch.arange(q_len, device=x.device) % block_size
+    for tap in range(1, taps):
+        earlier = F.pad(xs, (0, 0, 0, 0, tap, 0))[..., :q_len, :, :]  # x[k - tap] at k (zeros before the start)
+        out = out + coef[..., tap, :, :] * earlier * (slot >= tap).to(x.dtype).view(q_len, 1, 1)
+    return out.flatten(-2)
+
+
+class BlockConv(nn.Module):
+    """The pair of convolutions around one sublayer (its input and its output), both weighted from the
+    sublayer's input by one projection. Starts as the identity (tap 0 = 1, the rest and the projection 0), so a
+    new DFlash2 drafter computes what a DFlash one does. Names as speculators, vLLM and SGLang load them:
+    ``base_kernel`` [2, T, H] (input side, output side), ``kernel_projection.weight`` [2*T*G, H]."""
+
+    def __init__(self, hidden_size: int, *, block_size: int, taps: int, group_size: int) -> None:
+        super().__init__()
+        self.block_size, self.taps, self.group_size = block_size, taps, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sublayer's convolved input, and the output side's dynamic weights ``[..., Q, T, G]``."""
+        delta = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
+        conv = block_conv(
+            x, delta[..., 0, :, :], self.base_kernel[0], block_size=self.block_size, group_size=self.group_size
+        )
+        return conv, delta[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return block_conv(x, delta, self.base_kernel[1], block_size=self.block_size, group_size=self.group_size)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank reranker: slot k's candidates (the lm_head's top-k) get
+    ``logit(c) + <P[prev] * W h_k, S[c]>``, ``prev`` the token in slot k-1 (the anchor for slot 1). Names as
+    the engines load them: ``predecessor_codebook`` [V, r], ``successor_codebook`` [V, r],
+    ``hidden_projection.weight`` [r, H]; all three start normal(0, initializer_range)."""
+
+    def __init__(self, *, vocab_size: int, hidden_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def reset_parameters(self, std: float) -> None:
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(p, std=std)
+
+    def edge_scores(self, hidden: torch.Tensor, previous: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """``hidden`` [..., H], ``previous`` [...] token ids, ``candidates`` [..., K] -> the pair scores [..., K]."""
+        context = self.predecessor_codebook[previous] * self.hidden_projection(
+            hidden.to(self.hidden_projection.weight.dtype)
+        )
+        return (self.successor_codebook[candidates] * context[..., None, :]).sum(-1)
+
+
+def selector_walk(
+    selector: CandidateSelector,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft tokens of one block as vLLM's and SGLang's DFlash2 walk picks them, left to right.
+
+    ``logits`` [B, L, V] (the lm_head on the L predicting slots' hidden [B, L, H]), ``anchor`` [B] the
+    verified token. Slot k's candidates are its top-k unary tokens; each scores ``logit + edge`` from the token
+    chosen at k-1. Temperature 0 takes the best score; above it one draw from ``softmax(score / T)`` over the K
+    candidates. Returns the tokens [B, L] and each slot's draft distribution [B, L, V] (0 off the candidates,
+    what the rejection sampler divides by; one-hot when greedy)."""
+    top = logits.float().topk(selector.top_k, dim=-1)
+    candidates, unary = top.indices, top.values
+    batch, steps = candidates.shape[:2]
+    previous = anchor.to(candidates.device)
+    tokens, dists = [], []
+    for k in range(steps):
+        scores = unary[:, k] + selector.edge_scores(hidden[:, k], previous, candidates[:, k]).float()
+        if temperature > 0:
+            probs = torch.softmax(scores / temperature, dim=-1)
+            pick = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            pick = scores.argmax(dim=-1)
+            probs = F.one_hot(pick, selector.top_k).float()
+        previous = candidates[:, k].gather(-1, pick[:, None]).squeeze(-1)
+        tokens.append(previous)
+        dists.append(torch.zeros(batch, logits.shape[-1], device=logits.device).scatter(-1, candidates[:, k], probs))
+    return torch.stack(tokens, dim=1), torch.stack(dists, dim=1)
+
+
 class Qwen3DFlashDecoderLayer(nn.Module):
     """Pre-norm attention + residual, pre-norm SiLU-gated MLP + residual (a Qwen3 layer).
 
@@ -501,6 +667,16 @@ class Qwen3DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # The attribute name transformers' gradient_checkpointing_enable() sets, so that switch works too.
         self.gradient_checkpointing = False
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
+        if config.kind == DFLASH2:  # DFlash2: a convolution pair around attention and one around the MLP
+            conv = dict(
+                block_size=int(config.block_size),
+                taps=config.dflash2_value("conv_kernel_size"),
+                group_size=config.dflash2_value("conv_group_size"),
+            )
+            self.attention_conv = BlockConv(config.hidden_size, **conv)
+            self.mlp_conv = BlockConv(config.hidden_size, **conv)
 
     def forward(
         self,
@@ -532,12 +708,31 @@ class Qwen3DFlashDecoderLayer(nn.Module):
         attention_mask: AttentionMask = None,
         cache: DraftCache | None = None,
     ) -> torch.Tensor:
+        if self.attention_conv is not None and self.mlp_conv is not None:
+            return self._forward_dflash2(hidden_states, target_hidden, position_embeddings, attention_mask, cache)
         residual = hidden_states
         hidden_states = self.self_attn(
             self.input_layernorm(hidden_states), target_hidden, position_embeddings, attention_mask, cache=cache
         )
         hidden_states = residual + hidden_states
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    def _forward_dflash2(
+        self,
+        hidden_states: torch.Tensor,
+        target_hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: AttentionMask = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        """The same layer with each sublayer's normed input and its output convolved along the block (the
+        target context reaches attention unconvolved, as in the engines: only block queries pass here)."""
+        assert self.attention_conv is not None and self.mlp_conv is not None
+        x, delta = self.attention_conv.prepare(self.input_layernorm(hidden_states))
+        x = self.self_attn(x, target_hidden, position_embeddings, attention_mask, cache=cache)
+        hidden_states = hidden_states + self.attention_conv.finish(x, delta)
+        x, delta = self.mlp_conv.prepare(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.mlp_conv.finish(self.mlp(x), delta)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -573,7 +768,26 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.candidate_selector: CandidateSelector | None = None
+        if config.kind == DFLASH2:
+            self.candidate_selector = CandidateSelector(
+                vocab_size=int(config.vocab_size),
+                hidden_size=int(config.hidden_size),
+                rank=config.dflash2_value("selector_rank"),
+                top_k=config.dflash2_value("selector_top_k"),
+            )
         self.post_init()
+        # After post_init, which would give the convolutions' Linear a random init: they start as the identity.
+        for layer in t.cast(t.Iterable[Qwen3DFlashDecoderLayer], self.layers):
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    conv.reset_parameters()
+        if self.candidate_selector is not None:
+            self.candidate_selector.reset_parameters(float(getattr(config, "initializer_range", 0.02)))
+
+    @property
+    def kind(self) -> str:
+        return str(self.config.kind)
 
     @property
     def layer_types(self) -> list[str]:

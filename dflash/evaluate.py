@@ -69,7 +69,15 @@ from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DataError, InputError
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
 from dflash.replicas import torch_dtype
-from dflash.spec_decode import COUNT_RULES, Sampler, speculative_generate, step_credits, target_greedy, target_sample
+from dflash.spec_decode import (
+    COUNT_RULES,
+    Sampler,
+    draft_tokens,
+    speculative_generate,
+    step_credits,
+    target_greedy,
+    target_sample,
+)
 from dflash.target import TargetHead, TargetModel
 
 __all__ = [
@@ -308,7 +316,7 @@ def teacher_forced_walk(
             )
             logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))[0].float()
             if budget is None:
-                best = logits.argmax(dim=-1).tolist()
+                best = draft_tokens(drafter, hidden[:, 1:], logits[None], block_ids[:, 0])[0].tolist()
                 accepted = 0
                 while accepted < drafted and best[accepted] == truth[accepted]:
                     accepted += 1

@@ -227,7 +227,11 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
             "",
             "```bash",
             contract.vllm_command(
-                target=target, drafter=drafter, block_size=block, layer_types=config.layer_types or ()
+                target=target,
+                drafter=drafter,
+                block_size=block,
+                layer_types=config.layer_types or (),
+                dflash2=getattr(config, "kind", "dflash") == "dflash2",
             ),
             "```",
             "",
@@ -236,6 +240,17 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
             "backend only, and vLLM picks the drafter's among those that run its non-causal layers. To pin the "
             f"drafter's (a build before PR #48167 on Blackwell), put `{contract.ATTENTION_BACKEND_PIN}` inside "
             "`--speculative-config`.",
+            *(
+                [
+                    "",
+                    "DFlash2: vLLM and SGLang pick their DFlash2 model (convolutions and the selector's walk over "
+                    f"the top-{config.dflash2_value('selector_top_k')} candidates) from `architectures` "
+                    "`DFlash2DraftModel`; keep the number of draft tokens at the block size (the convolutions "
+                    "are laid out per block).",
+                ]
+                if getattr(config, "kind", "dflash") == "dflash2"
+                else []
+            ),
             "",
             "SGLang:",
             "",
@@ -331,11 +346,12 @@ def model_card(
     if out is not None:
         lines += _serving_lines(out=out, fmt=fmt, config=config, run=run)
     if fmt == "speculators":
+        kind = "DFlash2" if getattr(config, "kind", "dflash") == "dflash2" else "DFlash"
         lines += [
             "",
             "## Loading",
             "",
-            "vllm-project/speculators' `DFlashSpeculatorConfig` / `DFlashDraftModel` read this folder (the "
+            f"vllm-project/speculators' `{kind}SpeculatorConfig` / `{kind}DraftModel` read this folder (the "
             "embedding and lm_head come from the verifier named in config.json). Parameter names are "
             "z-lab's `DFlashDraftModel`'s.",
             "",

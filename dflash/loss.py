@@ -10,7 +10,8 @@ One training step of a drafter on a batch of sequences (``drafter_loss``):
    target state does not exist yet at inference) and its own block, never another block; in
    ``sliding_attention`` layers the block part is causal and the context is cut to the window;
 4. loss: slot ``k`` (k >= 1) is scored against ``input_ids[p + k]`` (same position, NOT shifted by one)
-   with weight ``exp(-(k-1)/gamma) * loss_mask[p+k] * in_bounds * block_valid``; slot 0 is the given
+   with weight ``exp(-(k-1)/gamma) * loss_mask[p+k] * in_bounds * block_valid`` (``position_weight="dpace"``:
+   ``dpace_weights`` of the forward's own confidences in place of the decay); slot 0 is the given
    token and is never scored; the loss is the weighted mean. lm_head and cross-entropy run over chunks
    of blocks under activation checkpointing, so ``blocks x B x vocab`` logits never exist at once.
 
@@ -30,7 +31,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 if t.TYPE_CHECKING:
-    from dflash.drafter import DFlashDraftModel
+    from dflash.drafter import CandidateSelector, DFlashDraftModel
     from dflash.target import TargetHead
 
 try:
@@ -46,6 +47,7 @@ __all__ = [
     "block_targets",
     "candidate_counts",
     "default_gamma",
+    "dpace_weights",
     "dflash_loss",
     "drafter_loss",
     "mask_mod",
@@ -148,6 +150,23 @@ def slot_weights(block_size: int, gamma: float | None, *, device: torch.device |
     w = torch.exp(-(k - 1).clamp(min=0) / gamma) if gamma is not None and gamma > 0 else torch.ones_like(k)
     w[0] = 0.0
     return w
+
+
+def dpace_weights(confidence: torch.Tensor, scored: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights ``[n, B]`` from the drafter's confidence in each label ``[n, B]`` (no grad).
+
+    A block's expected accepted length is ``sum_j prod_{i<=j} c_i`` over its scored slots, with ``c`` the
+    confidences smoothed to ``(1 - alpha) * c + alpha`` (alpha keeps one bad slot from zeroing the rest).
+    Slot k's weight is what that sum gains per unit of log-confidence at k: ``sum_{j>=k} prod_{i<=j} c_i``,
+    so an early slot, which every later acceptance depends on, weighs more while the block is going well.
+    Unscored slots count as confidence 1 and weigh 0.
+    """
+    with torch.no_grad():
+        mask = scored.to(torch.float32)
+        smooth = torch.where(scored, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(mask))
+        reach = torch.cumprod(smooth, dim=-1) * mask  # prod_{i<=j} c_i for each scored slot j
+        tail = reach.flip(-1).cumsum(-1).flip(-1)  # sum over j >= k
+        return tail * mask
 
 
 def block_targets(
@@ -350,26 +369,75 @@ class LossTerms:
     scored_per_slot: torch.Tensor  # [B]
     accepted_sum: torch.Tensor  # scalar: sum over blocks of the matched prefix length (slots 1..)
     blocks: torch.Tensor  # scalar: blocks with at least one scored slot
+    selector_correct: torch.Tensor | None = None  # DFlash2: the selector's right picks among in_top_k slots
+    in_top_k: torch.Tensor | None = None  # DFlash2: scored slots whose label is among the unary top-k
 
 
 def _chunk_terms(
-    hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, lm_head: nn.Module
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    lm_head: nn.Module,
+    dpace_alpha: float | None = None,
+    selector: CandidateSelector | None = None,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
-    """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks)."""
+    """hidden [n, B, H], labels/weights [n, B] -> (weighted CE sum, correct [B], scored [B], accepted, blocks,
+    with ``dpace_alpha`` the chunk's D-PACE weight sum (``weights`` then only say which slots count), with a
+    ``selector`` its correct picks and the slots whose label was among the top-k)."""
     weight = getattr(lm_head, "weight", None)
     if weight is not None and hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # a drafter may train in another dtype than the frozen head
     logits = lm_head(hidden).float()  # [n, B, V]: CE in fp32 whatever the model dtype
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    scored = weights > 0
+    dpace = None
+    if dpace_alpha is not None:
+        weights = dpace = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
     loss_sum = (ce * weights).sum()
+    extra: tuple[torch.Tensor, ...] = () if dpace is None else (dpace.sum(),)
+    if selector is not None:
+        sel_sum, sel_correct, in_top = _selector_terms(selector, hidden, logits, labels, scored, weights, dpace_alpha)
+        loss_sum = loss_sum + selector_weight * sel_sum
+        extra = (*extra, sel_correct, in_top)
     with torch.no_grad():
-        scored = weights > 0
         correct = (logits.argmax(dim=-1) == labels) & scored
         # Teacher-forced acceptance: the run of correct, scored slots from slot 1 on.
         accepted = correct[:, 1:].long().cumprod(dim=1).sum(dim=1)
         has_scored = scored.any(dim=1)
         terms = (correct.sum(dim=0), scored.sum(dim=0), (accepted * has_scored).sum(), has_scored.sum())
-    return (loss_sum, *terms)
+    return (loss_sum, *terms, *extra)
+
+
+def _selector_terms(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scored: torch.Tensor,
+    weights: torch.Tensor,
+    dpace_alpha: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DFlash2's selector objective on one chunk: cross-entropy over each slot's top-k candidates, the
+    previous slot's label as the predecessor (teacher forcing). A label outside the top-k replaces the k-th
+    candidate, so every scored slot has a target among K; the picks count only where serving could make them
+    (the label in the unary top-k). Returns (weighted CE sum, correct picks, labels in the top-k)."""
+    k = selector.top_k
+    candidates = logits.detach().topk(k, dim=-1).indices  # [n, B, K]
+    match = candidates == labels[..., None]
+    in_top = match.any(dim=-1)
+    target = torch.where(in_top, match.long().argmax(dim=-1), torch.full_like(labels, k - 1))
+    candidates = torch.cat([candidates[..., :-1], torch.where(in_top, candidates[..., -1], labels)[..., None]], dim=-1)
+    previous = torch.cat([labels[:, :1], labels[:, :-1]], dim=1)  # slot 0 (never scored) gets its own token
+    scores = logits.gather(-1, candidates) + selector.edge_scores(hidden, previous, candidates).float()
+    ce = F.cross_entropy(scores.flatten(0, 1), target.flatten(), reduction="none").view_as(labels)
+    if dpace_alpha is not None:
+        weights = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
+    loss_sum = (ce * weights).sum()
+    with torch.no_grad():
+        live = in_top & scored
+        picked = scores.argmax(dim=-1) == target
+        return loss_sum, (picked & live).sum(), live.sum()
 
 
 def dflash_loss(
@@ -380,6 +448,9 @@ def dflash_loss(
     *,
     chunk_size: int | None = 128,
     keep: torch.Tensor | None = None,
+    dpace_alpha: float | None = None,
+    selector: CandidateSelector | None = None,
+    selector_weight: float = 1.0,
 ) -> LossTerms:
     """Weighted cross-entropy of the block slots through the frozen lm_head.
 
@@ -388,6 +459,9 @@ def dflash_loss(
     time (in forward and in backward); None or 0 computes everything at once (no recomputation).
     ``keep``: indices into the ``Bt*N`` blocks of those with a positive weight, when the caller knows
     them from host data; without it they are found on the device (``nonzero``: a host sync on a GPU).
+    ``dpace_alpha``: weigh the slots by ``dpace_weights`` of this forward's confidences (``weights`` > 0
+    say which slots are scored); None: ``weights`` as given. ``selector``: add DFlash2's selector objective
+    (``selector_weight`` times its weighted cross-entropy, in the same sum over the same weight sum).
     """
     block = labels.shape[-1]
     hidden = hidden.reshape(-1, block, hidden.shape[-1])
@@ -406,13 +480,16 @@ def dflash_loss(
     for start in range(0, total, step):
         parts = (hidden[start : start + step], labels[start : start + step], weights[start : start + step])
         if use_checkpoint:
-            terms = checkpoint(_chunk_terms, *parts, lm_head, use_reentrant=False)
+            terms = checkpoint(
+                _chunk_terms, *parts, lm_head, dpace_alpha, selector, selector_weight, use_reentrant=False
+            )
         else:
-            terms = _chunk_terms(*parts, lm_head)
+            terms = _chunk_terms(*parts, lm_head, dpace_alpha, selector, selector_weight)
         sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
     assert sums is not None
-    loss_sum, correct, scored, accepted, blocks = sums
-    weight_sum = weights.sum()
+    loss_sum, correct, scored, accepted, blocks = sums[:5]
+    weight_sum = weights.sum() if dpace_alpha is None else sums[5]
+    sel = sums[6:] if dpace_alpha is not None else sums[5:]
     return LossTerms(
         loss=loss_sum / weight_sum,
         weight_sum=weight_sum,
@@ -421,6 +498,8 @@ def dflash_loss(
         scored_per_slot=scored,
         accepted_sum=accepted,
         blocks=blocks,
+        selector_correct=sel[0] if sel else None,
+        in_top_k=sel[1] if sel else None,
     )
 
 
@@ -437,6 +516,8 @@ class StepOutput:
     n_tokens: int  # supervised tokens in the batch (loss_mask), for Ktok/s
     n_blocks: int  # valid anchors (blocks) trained on
     anchors: Anchors
+    sel_acc: torch.Tensor | None = None  # DFlash2, 0-dim float64: selector picks right where the label is in top-k
+    top_k_rate: torch.Tensor | None = None  # DFlash2, 0-dim float64: scored slots whose label is in the top-k
 
 
 def drafter_loss(
@@ -451,6 +532,9 @@ def drafter_loss(
     generator: torch.Generator,
     chunk_size: int | None = 128,
     attention: str = "auto",
+    position_weight: str = "decay",
+    dpace_alpha: float = 0.5,
+    selector_weight: float = 1.0,
 ) -> StepOutput:
     """The whole DFlash objective for one batch: the entry point a drafter replica calls per step.
 
@@ -458,6 +542,7 @@ def drafter_loss(
     and ``loss_mask`` [Bt, S] on the host (pinned for an asynchronous copy), moved there.
     ``gamma`` None: ``default_gamma(block_size)``.
     ``attention``: "auto" (flex BlockMask on GPU, dense mask elsewhere), "dense" or "flex".
+    ``position_weight``: "decay" (``slot_weights`` of ``gamma``) or "dpace" (``dpace_weights``, ``dpace_alpha``).
     No host sync: every shape and count comes from the host copy of ``loss_mask``.
     """
     device = features.device
@@ -488,7 +573,10 @@ def drafter_loss(
         noise_embedding=head.embed(block_ids),
         target_hidden=features,
     )
-    labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=gamma)
+    if position_weight not in ("decay", "dpace"):
+        raise ValueError(f"position_weight: expected 'decay' or 'dpace', got {position_weight!r}")
+    dpace = position_weight == "dpace"
+    labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=None if dpace else gamma)
     terms = dflash_loss(
         hidden.view(batch, anchors.num_blocks, block, -1),
         head.lm_head,
@@ -496,6 +584,9 @@ def drafter_loss(
         weights,
         chunk_size=chunk_size,
         keep=keep.to(device, non_blocking=True),
+        dpace_alpha=dpace_alpha if dpace else None,
+        selector=drafter.candidate_selector,
+        selector_weight=selector_weight,
     )
 
     correct = terms.correct_per_slot[1:].double()
@@ -503,6 +594,11 @@ def drafter_loss(
     acc_per_slot = torch.where(scored > 0, correct / scored.clamp(min=1), torch.zeros_like(correct))
     n_scored = scored.sum()
     blocks = terms.blocks.double()
+    sel_acc = top_k_rate = None
+    if terms.selector_correct is not None and terms.in_top_k is not None:
+        live = terms.in_top_k.double()
+        sel_acc = torch.where(live > 0, terms.selector_correct.double() / live.clamp(min=1), torch.zeros_like(live))
+        top_k_rate = torch.where(n_scored > 0, live / n_scored.clamp(min=1), torch.zeros_like(live))
     return StepOutput(
         loss=terms.loss,
         loss_sum=terms.loss_sum,
@@ -515,4 +611,6 @@ def drafter_loss(
         n_tokens=n_tokens,
         n_blocks=sum(per_row),
         anchors=anchors,
+        sel_acc=sel_acc,
+        top_k_rate=top_k_rate,
     )

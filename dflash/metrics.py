@@ -71,6 +71,7 @@ def format_step_line(
     drafters_total: int,
     workers: t.Sequence[t.Mapping[str, t.Any]] = (),
     held_out: t.Mapping[str, t.Any] | None = None,
+    selector: tuple[float, float] | None = None,
 ) -> str:
     line = (
         f"step {step} | loss {loss:.3f} | acc {acc:.2f} | tau_tf {tau_tf:.1f} | {ktok_s:.1f} Ktok/s | "
@@ -80,6 +81,8 @@ def format_step_line(
         line += " | " + busy_field(workers)
     if held_out is not None:  # after the busy field: the fields before it stay where they were
         line += " | " + tau_field(held_out)
+    if selector is not None:  # DFlash2, last of all for the same reason
+        line += f" | sel {selector[0]:.2f} | top-k {selector[1]:.2f}"
     return line
 
 
@@ -110,7 +113,18 @@ def scalars(rec: t.Mapping[str, t.Any]) -> dict[str, float]:
         if rec.get("best_tau") is not None:
             out["eval/best_tau"] = rec["best_tau"]
         return out
-    for key in ("loss", "acc", "tau_tf", "ktok_s", "lr", "queue_depth", "drafters_live", "targets_live"):
+    for key in (
+        "loss",
+        "acc",
+        "tau_tf",
+        "ktok_s",
+        "lr",
+        "queue_depth",
+        "drafters_live",
+        "targets_live",
+        "sel_acc",
+        "top_k_rate",
+    ):
         if rec.get(key) is not None:
             out[f"train/{key}"] = rec[key]
     for k, a in enumerate(rec.get("acc_per_slot") or []):
@@ -387,7 +401,7 @@ class Metrics:
 
     @staticmethod
     def _read_pending(pending: t.Sequence[StepStats]) -> list[list[float]]:
-        """The interval's figures as rows of numbers ``loss, acc, tau_tf, nonfinite, *acc_per_slot``, in the
+        """The interval's figures as rows of numbers ``loss, acc, tau_tf, nonfinite, *selector, *acc_per_slot``, in the
         order of ``pending``: one read per device, on a reader stream of its own
         after the steps' ``ready`` events (only those steps' work is waited for, not the device's queue).
 
@@ -398,11 +412,11 @@ class Metrics:
         events: dict[torch.device, t.Any] = {}
         rows: list[list[float]] = [[] for _ in pending]
         for k, s in enumerate(pending):
-            parts = (s.loss, s.acc, s.tau_tf, s.nonfinite, s.acc_per_slot)
+            parts = (s.loss, s.acc, s.tau_tf, s.nonfinite, s.selector, s.acc_per_slot)
             dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
             if dev is None:
                 rows[k] = [float(s.loss), float(s.acc), float(s.tau_tf), float(s.nonfinite)]
-                rows[k] += [float(a) for a in s.acc_per_slot]
+                rows[k] += [*(float(a) for a in s.selector), *(float(a) for a in s.acc_per_slot)]
                 continue
             by_device.setdefault(dev, []).append(parts)
             where.setdefault(dev, []).append(k)
@@ -451,12 +465,18 @@ class Metrics:
         rows = self._checked(iv, self._read_pending(iv.pending))
         if not rows:  # every update of the interval was skipped: their records say so, no step line
             return
+        # DFlash2 steps carry two selector figures between nonfinite and the slots (every step of a run alike)
+        has_sel = any(len(s.selector) for s in iv.pending)
         loss_sum = acc_sum = tau_sum = 0.0
+        sel_sum = [0.0, 0.0]
         slots_sum: list[float] = []
         for loss, acc, tau, _bad, *slots in rows:
             loss_sum += loss
             acc_sum += acc
             tau_sum += tau
+            if has_sel:
+                sel_sum = [sel_sum[0] + slots[0], sel_sum[1] + slots[1]]
+                slots = slots[2:]
             if slots:
                 if len(slots_sum) != len(slots):
                     slots_sum = [0.0] * len(slots)
@@ -485,6 +505,9 @@ class Metrics:
             "workers": workers,
             "at": utc_now(),
         }
+        if has_sel:
+            rec["sel_acc"] = round(sel_sum[0] / n, 6)
+            rec["top_k_rate"] = round(sel_sum[1] / n, 6)
         line = format_step_line(
             step=iv.step,
             loss=rec["loss"],
@@ -497,6 +520,7 @@ class Metrics:
             drafters_total=rec["drafters_total"] or 0,
             workers=workers,
             held_out=self._held_out,
+            selector=(rec["sel_acc"], rec["top_k_rate"]) if has_sel else None,
         )
         print(line, file=self.stream, flush=True)
         self._write(rec)

@@ -27,7 +27,7 @@ import torch
 from dflash import checkpoint as ckpt
 from dflash.chat import load_tokenizer
 from dflash.config import ConfigError, RunConfig
-from dflash.drafter import DFlashDraftConfig, DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.drafter import DFLASH2_KEYS, DFlashDraftConfig, DFlashDraftModel, draft_config_for, published_mask_token_id
 from dflash.errors import DataError
 from dflash.replicas import torch_dtype
 from dflash.target import TargetModel, default_mask_token_id, tiny_target_config_of
@@ -81,13 +81,20 @@ def drafter_spec(cfg: RunConfig, target: TargetModel) -> DrafterSpec:
     if init is not None:
         config = init.config
     else:
-        config = draft_config_for(
-            target.model.config,
-            num_layers=cfg.drafter.layers,
-            block_size=cfg.drafter.block_size,
-            mask_token_id=mask_id,
-            target_layer_ids=target.layer_ids,
-        )
+        d = cfg.drafter
+        dflash2 = {k: int(getattr(d, k)) for k in DFLASH2_KEYS} if d.kind == "dflash2" else None
+        try:
+            config = draft_config_for(
+                target.model.config,
+                num_layers=d.layers,
+                block_size=d.block_size,
+                mask_token_id=mask_id,
+                target_layer_ids=target.layer_ids,
+                dflash2=dflash2,
+            )
+        except ValueError as e:  # a DFlash2 size that does not fit this target (a group that does not divide H)
+            message = str(e).removeprefix("dflash_config.")
+            raise ConfigError(f"drafter.{message.split(':')[0]}", message.split(": ", 1)[-1]) from None
     return DrafterSpec(config, mask_id, init, tokenizer)
 
 
@@ -164,6 +171,7 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
         ("target_layer_ids", list(model.target_layer_ids), list(target.layer_ids), "the target layers this run reads"),
         ("num_hidden_layers", c.num_hidden_layers, d.layers, "drafter.layers"),
         ("block_size", model.block_size, d.block_size, "drafter.block_size"),
+        ("kind", model.kind, d.kind, "drafter.kind"),
     ]
     for name, theirs, ours, what in checks:
         if theirs != ours:

@@ -101,6 +101,8 @@ class StepStats:
     acc_per_slot: tuple[float, ...] | torch.Tensor = ()
     # what went bad in the update (dflash.divergence: 0 finite, 1 the loss, 2 the gradient norm); skipped if not 0
     nonfinite: float | torch.Tensor = 0.0
+    # DFlash2: (selector accuracy where the label is in the top-k, how often it is); () for DFlash
+    selector: tuple[float, ...] | torch.Tensor = ()
     ready: t.Any = (
         None  # CUDA: an event after the step's figures on its stream (the metrics wait on it, not the device)
     )

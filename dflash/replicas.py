@@ -17,7 +17,7 @@ import typing as t
 
 import torch
 
-from dflash.config import DataConfig, DrafterConfig, OptimConfig, RunConfig
+from dflash.config import DataConfig, DrafterConfig, LossConfig, OptimConfig, RunConfig
 from dflash.divergence import nonfinite_code
 from dflash.drafter import DFlashDraftModel
 from dflash.dtypes import torch_dtype
@@ -246,10 +246,11 @@ class ReplicaConfig:
     optim: OptimConfig
     drafter: DrafterConfig
     data: DataConfig
+    loss: LossConfig = LossConfig()  # slot weights and the selector's share
 
     @classmethod
     def of(cls, cfg: RunConfig) -> ReplicaConfig:
-        return cls(cfg.optim, cfg.drafter, cfg.data)
+        return cls(cfg.optim, cfg.drafter, cfg.data, cfg.loss)
 
 
 class DrafterReplica:
@@ -371,6 +372,7 @@ class DrafterReplica:
         acc_sum: torch.Tensor | None = None
         tau_sum: torch.Tensor | None = None
         slots: torch.Tensor | None = None
+        selector: torch.Tensor | None = None  # DFlash2: (selector accuracy, label-in-top-k rate)
         blocks = 0
         scale: torch.Tensor | None = None
         grad_sum: _GradSum | None = None  # separate masters: the fp32 sum of the micro-batches' gradients
@@ -402,6 +404,9 @@ class DrafterReplica:
                     gamma=d.loss_gamma,
                     generator=self.generator,
                     chunk_size=d.loss_chunk,
+                    position_weight=self.cfg.loss.position_weight,
+                    dpace_alpha=self.cfg.loss.dpace_alpha,
+                    selector_weight=self.cfg.loss.selector_weight,
                 )
                 if scale is None:
                     scale = out.weight_sum.detach()
@@ -419,13 +424,22 @@ class DrafterReplica:
                     tau_sum = _add(tau_sum, out.tau_tf * out.n_blocks)
                     blocks += out.n_blocks
                 slots = _add(slots, out.acc_per_slot * share)
+                if out.sel_acc is not None and out.top_k_rate is not None:
+                    selector = _add(selector, torch.stack([out.sel_acc, out.top_k_rate]) * share)
         assert loss_sum is not None and weight_sum is not None and acc_sum is not None and scale is not None
         if self.separate_masters:
             self._grads_to_masters(grad_sum)
         grads = [m.grad for m in self.masters if m.grad is not None]
         if grads:  # in fp32 on the masters: the one normalisation
             torch._foreach_mul_(grads, (scale.double() / weight_sum).to(grads[0].dtype))
-        return {"loss": loss_sum / weight_sum, "acc": acc_sum, "tau_sum": tau_sum, "blocks": blocks, "slots": slots}
+        return {
+            "loss": loss_sum / weight_sum,
+            "acc": acc_sum,
+            "tau_sum": tau_sum,
+            "blocks": blocks,
+            "slots": slots,
+            "selector": selector,
+        }
 
     def _grad_norm(self) -> torch.Tensor | None:
         """The masters' global gradient norm, clipped to ``optim.grad_clip`` when set (a device tensor)."""
@@ -483,6 +497,7 @@ class DrafterReplica:
             blocks=blocks,
             lr=lr,
             acc_per_slot=slots if slots is not None else (),
+            selector=fig["selector"] if fig["selector"] is not None else (),
             ready=ready,
         )
 

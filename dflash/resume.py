@@ -28,7 +28,7 @@ from dflash import checkpoint as ckpt
 from dflash.config import ConfigError
 from dflash.data import DataPosition
 from dflash.distributed import NodeGroup
-from dflash.drafter import DFlashDraftConfig
+from dflash.drafter import DFLASH2_KEYS, DFlashDraftConfig
 from dflash.replicas import DrafterReplica
 
 # The run's log lines keep the name they had in train.py: README and dflashctl show "dflash.train: resuming from".
@@ -155,11 +155,13 @@ def restore(
         ("block_size", "drafter.block_size"),
         ("hidden_size", "target"),
         ("vocab_size", "target"),
+        ("kind", "drafter.kind"),
+        *(((k, f"drafter.{k}") for k in DFLASH2_KEYS) if mine.kind == theirs.kind == "dflash2" else ()),
     ):
-        if getattr(mine, key) != getattr(theirs, key):
+        if _value(mine, key) != _value(theirs, key):
             raise ConfigError(
                 name,
-                f"the checkpoint {path} has {key}={getattr(theirs, key)}, this run {getattr(mine, key)}; "
+                f"the checkpoint {path} has {key}={_value(theirs, key)}, this run {_value(mine, key)}; "
                 'resume it with the same model, or set checkpoint.resume = "never"',
             )
     if mine.target_layer_ids != theirs.target_layer_ids or mine.mask_token_id != theirs.mask_token_id:
@@ -195,6 +197,10 @@ def restore(
             )
     logger.info("resuming from %s at step %d (run %s)", path, c.step, run_id)
     return position
+
+
+def _value(config: DFlashDraftConfig, key: str) -> t.Any:
+    return config.dflash2_value(key) if key in DFLASH2_KEYS else getattr(config, key)
 
 
 __all__ = ["find_resume", "group_resume", "lineage", "restore"]

@@ -21,6 +21,12 @@ This follows z-lab's ``dflash_generate``, written for batch 1. Two options repro
   it); a stop token ends the loop after the step that committed it (the prefill's token included); the
   output is then cut to the budget and the first stop token. Its steps are the ones z-lab counts.
 
+A DFlash2 drafter (``drafter.candidate_selector``) drafts as vLLM's and SGLang's DFlash2 walk does at T = 0:
+each slot's top-k unary candidates, reranked left to right by the token picked before (``draft_tokens``,
+``dflash.drafter.selector_walk``). At T > 0 the engines sample that walk and verify with a rejection
+sampler; here drafts stay greedy and are verified by match, as for DFlash, so the output stays token for
+token ``target_sample``'s (exact either way; the engines' acceptance at T > 0 can be higher).
+
 ``step_credits`` is how many tokens each step is credited with under the two counting rules (module doc
 of ``dflash.evaluate``): ``"dflash"`` (tokens committed inside the output) and ``"zlab"`` (accepted + 1
 for every step z-lab's loop ran).
@@ -41,6 +47,7 @@ if t.TYPE_CHECKING:
 __all__ = [
     "COUNT_RULES",
     "Sampler",
+    "draft_tokens",
     "SpecResult",
     "speculative_generate",
     "step_credits",
@@ -171,6 +178,19 @@ def target_sample(
     return tokens
 
 
+def draft_tokens(
+    drafter: DFlashDraftModel, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor
+) -> torch.Tensor:
+    """The greedy drafts ``[1, L]`` of one block from its predicting slots' ``hidden`` [1, L, H] and
+    ``logits`` [1, L, V]: the argmax (DFlash), or the selector's walk from the ``anchor`` token [1] (DFlash2)."""
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is None:
+        return logits.argmax(dim=-1)
+    from dflash.drafter import selector_walk  # the drafter module is heavy to import: only DFlash2 gets here
+
+    return selector_walk(selector, logits, hidden, anchor)[0]
+
+
 def _crop(cache: t.Any, length: int) -> None:
     # A negative argument removes that many tokens in every transformers version we support
     # (5.x refuses a positive length).
@@ -258,7 +278,7 @@ def speculative_generate(
             draft_cache.crop(start)  # keep the context, drop the block
             pending = pending[:, :0]
             draft_logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))
-            block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            block_ids[0, 1:] = draft_tokens(drafter, hidden[:, 1:], draft_logits, block_ids[:, 0])[0]
             if keep_draft_logits:
                 kept.append(draft_logits[0].float().cpu())
         block_starts.append(start)

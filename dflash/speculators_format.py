@@ -29,6 +29,12 @@ Where this differs from what the converter writes for the same z-lab folder, on 
 - A drafter that reads the target's LAST layer is refused: speculators drops that aux id (it treats
   the last layer as the verifier's own output), which leaves ``fc`` one layer too wide.
 
+A DFlash2 drafter (``dflash_config`` with the convolution and selector keys) is written as speculators'
+``DFlash2SpeculatorConfig`` (src/speculators/models/dflash2/config.py): ``speculators_model_type`` and the
+algorithm ``dflash2``, ``architectures`` ``DFlash2DraftModel``, and ``conv_kernel_size``,
+``conv_group_size``, ``selector_rank``, ``selector_top_k`` at the top level, where vLLM's ``update_dflash2``
+(algos.py) copies them into ``dflash_config`` for its DFlash2 model.
+
 Weights: the z-lab names as they are (speculators' DFlashDraftModel has the same body; its embedding,
 lm_head and verifier norm are rebuilt from the verifier at load and not saved).
 """
@@ -41,7 +47,7 @@ import typing as t
 import transformers
 from transformers import Qwen3Config
 
-from dflash.contract import ContractError
+from dflash.contract import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, ContractError, is_dflash2
 
 __all__ = ["LAYOUT_VERSION", "NON_TRANSFORMER_KEYS", "speculators_config"]
 
@@ -81,8 +87,9 @@ def speculators_config(
     layer = {k: copy.deepcopy(v) for k, v in zlab.items() if k not in NON_TRANSFORMER_KEYS}
     layer_config = Qwen3Config(**layer).to_diff_dict()
     layer_config.pop("transformers_version", None)
-    return {
-        "architectures": ["DFlashDraftModel"],
+    kind = "dflash2" if is_dflash2(zlab) else "dflash"
+    out = {
+        "architectures": [DFLASH2_ARCHITECTURE if kind == "dflash2" else "DFlashDraftModel"],
         "aux_hidden_state_layer_ids": [i + 1 for i in ids],
         "block_size": block,
         "draft_vocab_size": int(zlab["vocab_size"]),
@@ -91,7 +98,7 @@ def speculators_config(
         "sample_from_anchor": False,
         "sliding_window_non_causal": not any(sliding),
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {
@@ -103,10 +110,13 @@ def speculators_config(
             ],
             "verifier": {"architectures": list(verifier_architectures), "name_or_path": verifier},
         },
-        "speculators_model_type": "dflash",
+        "speculators_model_type": kind,
         "speculators_version": LAYOUT_VERSION,
         "target_hidden_size": int(zlab["hidden_size"]),
         "tie_word_embeddings": False,
         "transformer_layer_config": layer_config,
         "transformers_version": transformers.__version__,
     }
+    if kind == "dflash2":
+        out.update({k: int(dflash[k]) for k in DFLASH2_KEYS})
+    return out

@@ -115,6 +115,8 @@ SCALARS = (
     "drafters_total",
     "targets_live",
     "lr",
+    "sel_acc",  # DFlash2 runs only: the selector's accuracy, and how often the label was in its top-k
+    "top_k_rate",
 )
 
 

@@ -458,7 +458,12 @@ class Panel:
 
 PANELS: tuple[Panel, ...] = (
     Panel("loss", lambda s: s == "loss"),
-    Panel("accuracy (mean, per slot)", lambda s: s == "acc" or s.startswith("acc_slot_"), "fraction"),
+    # DFlash2 runs add the selector's accuracy and the label-in-top-k rate (sel_acc, top_k_rate) here
+    Panel(
+        "accuracy (mean, per slot)",
+        lambda s: s in ("acc", "sel_acc", "top_k_rate") or s.startswith("acc_slot_"),
+        "fraction",
+    ),
     # the held-out tau of [eval] every beside the teacher-forced one: the same unit, the gap is the news
     Panel("tau: teacher-forced, held-out eval", lambda s: s in ("tau_tf", "eval_tau", "eval_best_tau")),
     Panel("Ktok/s", lambda s: s == "ktok_s", "count"),

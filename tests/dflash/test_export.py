@@ -16,7 +16,7 @@ from transformers import Qwen3Config
 
 from dflash import hf_remote
 from dflash.checkpoint import latest_complete, load_drafter, save_checkpoint
-from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id, selector_walk
 from dflash.target import TargetModel, build_target_layer_ids, tiny_target_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,8 +48,14 @@ LOAD = textwrap.dedent("""
         hidden = model(position_ids=x["position_ids"], noise_embedding=x["noise_embedding"],
                        target_hidden=x["target_hidden"])
     import transformers
+    drafts = None
+    if getattr(model, "candidate_selector", None) is not None:  # DFlash2: the selector's walk, as remote code
+        walk = sys.modules[type(model).__module__].selector_walk
+        with torch.no_grad():
+            logits = hidden[:, 1:] @ x["lm_head"].T
+            drafts = walk(model.candidate_selector, logits, hidden[:, 1:], x["anchor"])[0]
     torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype),
-                "transformers": transformers.__version__}, out)
+                "transformers": transformers.__version__, "drafts": drafts}, out)
 """)
 
 
@@ -98,21 +104,38 @@ def load_in_fresh_interpreter(
     "transformers_4",
     [pytest.param(False, id="this-transformers", marks=pytest.mark.floor), pytest.param(True, id="transformers-4.57")],
 )
-@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("variant", ["full", "sliding", "dflash2"])
 def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
-    tmp_path: Path, target: TargetModel, sliding: bool, transformers_4: bool, request: pytest.FixtureRequest
+    tmp_path: Path, target: TargetModel, variant: str, transformers_4: bool, request: pytest.FixtureRequest
 ) -> None:
     # transformers 4.57 (z-lab's pin, .venv-tf457): the remote code must load there too, bit for bit
     python = request.getfixturevalue("tf457_python") if transformers_4 else sys.executable
-    kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if sliding else {}
+    kw: dict[str, object] = {}
+    if variant == "sliding":
+        kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    if variant == "dflash2":
+        kw = {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}}
     drafter = new_drafter(**kw).eval()
+    if variant == "dflash2":
+        with torch.no_grad():  # convolutions and selector away from their init, so that they show
+            for p in drafter.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
     path = save_checkpoint(tmp_path / "ckpt", step=3, drafter=drafter, trainer_state={})
     assert latest_complete(tmp_path / "ckpt") == path, "dflash.py is part of a complete checkpoint"
     config = json.loads((path / "config.json").read_text())
     assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert (path / "dflash.py").read_text() == hf_remote.source()
     x = inputs(target)
+    if variant == "dflash2":
+        x = {**x, "lm_head": target.head().lm_head.weight.detach().clone(), "anchor": torch.tensor([3])}
     got = load_in_fresh_interpreter(path, x, tmp_path, python)
+    if variant == "dflash2":
+        with torch.no_grad():
+            hidden = drafter(**{k: v for k, v in x.items() if k not in ("lm_head", "anchor")})
+            assert drafter.candidate_selector is not None
+            want = selector_walk(drafter.candidate_selector, hidden[:, 1:] @ x["lm_head"].T, hidden[:, 1:], x["anchor"])
+        assert torch.equal(got["drafts"], want[0])  # type: ignore[arg-type]
+        x = {k: v for k, v in x.items() if k not in ("lm_head", "anchor")}
     assert str(got["transformers"]).startswith("4.57.") == transformers_4
     assert str(got["module"]).startswith("transformers_modules.") and str(got["module"]).endswith(".dflash")
     with torch.no_grad():

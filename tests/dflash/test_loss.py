@@ -16,6 +16,7 @@ from dflash.loss import (
     block_targets,
     default_gamma,
     dflash_loss,
+    dpace_weights,
     drafter_loss,
     mask_mod,
     sample_anchors,
@@ -207,6 +208,38 @@ def test_chunked_loss_equals_unchunked_in_value_and_gradient() -> None:
     assert torch.allclose(grad_full, grad_chunked, atol=1e-6)
     assert torch.equal(full.correct_per_slot, chunked.correct_per_slot)
     assert (grad_full[1, 4] == 0).all()
+
+
+def test_dpace_weights_of_a_hand_computed_block() -> None:
+    # One block of 5 slots: slot 0 (the given token) and slot 3 (loss_mask 0) are not scored.
+    # alpha 0.5 smooths confidences 0.8, 0.4, 0.6 (slots 1, 2, 4) to 0.9, 0.7, 0.8; slot 3 counts as 1.
+    # Prefix products at the scored slots: 0.9, 0.63, 0.504; each weight sums them from its slot on:
+    # slot 4: 0.504, slot 2: 0.63 + 0.504 = 1.134, slot 1: 0.9 + 1.134 = 2.034.
+    confidence = torch.tensor([[0.99, 0.8, 0.4, 0.01, 0.6]])
+    scored = torch.tensor([[False, True, True, False, True]])
+    w = dpace_weights(confidence, scored, 0.5)
+    assert torch.allclose(w, torch.tensor([[0.0, 2.034, 1.134, 0.0, 0.504]]), atol=1e-6)
+    # alpha 1: every confidence is 1, the weights count the scored slots from k to the end
+    assert dpace_weights(confidence, scored, 1.0).tolist() == [[0.0, 3.0, 2.0, 0.0, 1.0]]
+
+
+def test_dpace_loss_weighs_by_the_forwards_own_confidence_without_grad_through_it() -> None:
+    torch.manual_seed(2)
+    vocab, block = 13, 4
+    hidden = torch.randn(2, 3, block, 8, requires_grad=True)
+    head = nn.Linear(8, vocab, bias=False).requires_grad_(False)
+    labels = torch.randint(0, vocab, (2, 3, block))
+    mask = torch.ones(2, 3, block)
+    mask[..., 0] = 0
+    mask[1, 2] = 0  # a padding block
+    terms = dflash_loss(hidden, head, labels, mask, chunk_size=2, dpace_alpha=0.5)
+    ce = nn.functional.cross_entropy(head(hidden).view(-1, vocab), labels.view(-1), reduction="none").view_as(labels)
+    w = dpace_weights(torch.exp(-ce.detach()).view(-1, block), mask.view(-1, block) > 0, 0.5).view_as(labels)
+    assert torch.allclose(terms.weight_sum, w.sum()) and torch.allclose(terms.loss, (ce * w).sum() / w.sum())
+    (got,) = torch.autograd.grad(terms.loss, hidden)
+    (want,) = torch.autograd.grad((ce * w).sum() / w.sum(), hidden)  # w is a constant: no grad through it
+    assert torch.allclose(got, want, atol=1e-6)
+    assert not torch.allclose(terms.loss, dflash_loss(hidden, head, labels, mask, chunk_size=None).loss)
 
 
 # ---- the mask ---------------------------------------------------------------------------

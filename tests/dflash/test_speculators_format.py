@@ -111,3 +111,31 @@ def test_speculators_converter_on_our_zlab_export_writes_our_speculators_export(
     mine, conv = load_file(str(spec / "model.safetensors")), load_file(str(converted / "model.safetensors"))
     assert mine.keys() == conv.keys()
     assert all(torch.equal(mine[k], conv[k]) and mine[k].dtype == conv[k].dtype for k in mine)
+
+
+def test_speculators_dflash2_config_class_and_model_read_our_dflash2_export(tmp_path: Path, target_dir: Path) -> None:
+    from speculators.models.dflash2 import DFlash2DraftModel as SpecDraftModel
+    from speculators.models.dflash2 import DFlash2SpeculatorConfig
+
+    keys = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+    cfg = draft_config_for(tiny_target_config(), num_layers=2, block_size=4, mask_token_id=511, dflash2=keys)
+    torch.manual_seed(1)
+    drafter = DFlashDraftModel(cfg)
+    with torch.no_grad():  # trained-looking convolutions: not the identity init speculators would also build
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    ck = save_checkpoint(
+        tmp_path / "ck", step=3, drafter=drafter, trainer_state={"config": {"target": {"path": str(target_dir)}}}
+    )
+    spec = tmp_path / "spec"
+    assert main(["export", str(ck), str(spec), "--format", "speculators"]) == 0
+    logging.getLogger().handlers[:] = []
+    theirs_cfg = DFlash2SpeculatorConfig.from_pretrained(spec)
+    assert theirs_cfg.speculators_model_type == "dflash2" and theirs_cfg.architectures == ["DFlash2DraftModel"]
+    assert (theirs_cfg.conv_kernel_size, theirs_cfg.conv_group_size) == (2, 16)
+    assert (theirs_cfg.selector_rank, theirs_cfg.selector_top_k) == (8, 4)
+    model = SpecDraftModel.from_pretrained(spec)
+    ours = load_file(str(spec / "model.safetensors"))
+    theirs = model.state_dict()
+    assert {k for k in ours if "conv" in k or "selector" in k} <= set(theirs)
+    assert all(torch.equal(theirs[k], v) for k, v in ours.items())  # every weight we wrote, as written

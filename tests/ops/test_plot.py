@@ -488,3 +488,15 @@ def test_a_flat_series_keeps_its_scale_counts_from_0_fractions_0_to_1(tmp_path: 
     assert limits["workers: busy (solid), waiting (dashed)"] == (0.0, 1.0)
     assert 0.99 < limits["loss"][0] < limits["loss"][1] < 1.01  # no rule for loss: matplotlib's autoscale
     plt.close(fig)
+
+
+def test_dflash2_selector_figures_are_read_when_present_and_drawn_in_the_accuracy_panel() -> None:
+    from ops import metrics_table, plot
+
+    base = {"step": 3, "loss": 2.0, "acc": 0.5, "tau_tf": 1.5, "acc_per_slot": [0.5]}
+    dflash2 = metrics_table.read_record(json.dumps({**base, "sel_acc": 0.7, "top_k_rate": 0.9}).encode())
+    assert ("sel_acc", 0.7) in dflash2.values and ("top_k_rate", 0.9) in dflash2.values
+    plain = metrics_table.read_record(json.dumps(base).encode())
+    assert not {"sel_acc", "top_k_rate"} & {name for name, _ in plain.values}  # optional: DFlash runs lack them
+    panel = next(p for p in plot.PANELS if p.title.startswith("accuracy"))
+    assert panel.wanted("sel_acc") and panel.wanted("top_k_rate") and not panel.wanted("loss")
