@@ -57,15 +57,44 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 break
 
 
+_CPU_MARK = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU and its reaped children's (a test's `dflash`/`dflashctl` subprocesses, sshd, tmux)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    item.stash[_CPU_MARK] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item) -> t.Iterator[None]:
+    """Each phase's CPU seconds ride on its report (to the controller under xdist): unlike wall time, a
+    test's CPU does not grow with the machine's load, so it says what a test costs on any machine."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    now = _cpu_seconds()
+    report.user_properties.append(("cpu", round(now - item.stash.get(_CPU_MARK, now), 2)))
+    item.stash[_CPU_MARK] = now
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """DFLASH_TEST_TIMES=FILE: each test phase's seconds appended as it ends, in --durations' form (the
-    input of ``python -m testkit.slowlist``), a failure as a comment line: a run cut short still tells.
+    input of ``python -m testkit.slowlist``), then its CPU seconds as a comment line (`# cpu 1.23 call
+    NODEID`), a failure as a comment line: a run cut short still tells.
     Under xdist the controller writes them all (the workers' reports reach it)."""
     path = os.environ.get("DFLASH_TEST_TIMES")
     if not path or os.environ.get("PYTEST_XDIST_WORKER"):
         return
+    cpu = dict(report.user_properties).get("cpu")
     with open(path, "a", encoding="utf-8") as f:
         f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
+        if cpu is not None:
+            f.write(f"# cpu {cpu} {report.when} {report.nodeid}\n")
         if report.failed:
             f.write(f"# {report.outcome} {report.when} {report.nodeid}\n")
 

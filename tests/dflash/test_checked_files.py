@@ -4,7 +4,7 @@ or out-of-range number, a huge or deeply nested value is one line naming the fil
 never a traceback nor a figure read wrong.
 
 Real parts: a real tiny Qwen3 target folder (save_pretrained), a real tiny drafter checkpoint, the real
-`python -m dflash` CLI in a child process.
+`python -m dflash` CLI in a child process (testkit.forkserver).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 from dflash.checkpoint import save_checkpoint
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.target import tiny_target_config
+from testkit import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
 MASK = 511
@@ -30,11 +31,9 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def dflash(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The real CLI, in a child process: what a user runs."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "dflash", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    """The real CLI, in a child process: what a user runs (forked from a server that imported dflash once:
+    these tests run it some fifty times)."""
+    return forkserver.shared().run(args, cwd=cwd or REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
 
 
 def one_line(proc: subprocess.CompletedProcess[str]) -> str:
