@@ -221,7 +221,7 @@ def _reader_stream(dev: torch.device) -> t.Any:
 
 
 def _stacked(group: t.Sequence[tuple[t.Any, ...]], dev: torch.device) -> torch.Tensor:
-    """Steps' figures ``(loss, acc, tau_tf, acc_per_slot)`` as one float64 matrix on ``dev``, a row per step
+    """Steps' figures ``(loss, acc, tau_tf, nonfinite, selector, acc_per_slot)`` as one float64 matrix on ``dev``, a row per step
     (zero-padded to the widest), built on the caller's current stream."""
     vectors = [
         torch.cat(
@@ -232,6 +232,7 @@ def _stacked(group: t.Sequence[tuple[t.Any, ...]], dev: torch.device) -> torch.T
                     [float(x) for x in (p if isinstance(p, tuple) else (p,))], dtype=torch.float64, device=dev
                 )
                 for p in parts
+                if not (isinstance(p, tuple) and not p)  # DFlash's empty selector figures: nothing to build
             ]
         )
         for parts in group

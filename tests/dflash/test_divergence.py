@@ -205,7 +205,9 @@ def test_nan_at_step_stops_with_exit_3_one_line_and_no_checkpoint_after_it(tmp_p
     )
     assert m, last
     bad, path, good = int(m.group(1)), Path(m.group(2)), int(m.group(3))
-    assert bad >= 8 and good < bad and path == tmp_path / "ckpt" / f"step-{good}"
+    # step lines number updates as they complete; two drafters race, so the one poisoned as the 8th claimed
+    # can complete 7th (the fault counts claims, the line counts completions)
+    assert bad >= 7 and good < bad and path == tmp_path / "ckpt" / f"step-{good}"
     assert "Traceback" not in res.stderr, "a diverged run ends with its line, not a traceback"
     steps = on_disk(tmp_path / "ckpt")
     assert good in steps and max(steps) == good, f"no checkpoint after the bad update: {sorted(steps)}"
