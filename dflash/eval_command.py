@@ -10,12 +10,12 @@ import typing as t
 import torch
 
 from dflash import eval_plot, outputs, suites
-from dflash.errors import Failed
+from dflash.errors import Failed, InputError
 from dflash.evaluate import DEFAULT_BUDGET, check_max_new, evaluate, load_setup
 from dflash.suite_report import run_suites
 
 
-class BadOption(ValueError):
+class BadOption(InputError, ValueError):
     """An option the others contradict; the command line shows it as click shows its own (exit 2)."""
 
     def __init__(self, option: str, message: str) -> None:

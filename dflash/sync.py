@@ -26,6 +26,8 @@ import time
 import typing as t
 from pathlib import Path
 
+from dflash.errors import InputError
+
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "sync.log"  # in the run dir: the sync command's stdout and stderr
@@ -34,8 +36,8 @@ _FIELD = re.compile(r"\{(\w*)\}")
 FIELDS = ("dir", "step")
 
 
-class SyncError(ValueError):
-    """A sync template that cannot be run (the message is one line)."""
+class SyncError(InputError, ValueError):
+    """A sync template that cannot be run (the message is one line; config.py names the key)."""
 
 
 def parse_template(text: str) -> tuple[str, ...]:
