@@ -34,6 +34,7 @@ PLAN: list[tuple[str, tuple[str, ...], int, str]] = [
     ("attach", (), 0, "tmux"),
     ("history", (), 0, "1 attempt(s)"),
     ("plot", ("--out", "dash.png"), 1, "pip install 'dflash[plot]'"),
+    ("pull", ("pulled",), 1, "no checkpoint"),  # the fake trainer writes none: the one line that says so
     ("restart-on-crash", ("--once",), 0, "watching (once): running"),
     # the supervisor on "the Proxmox host" (this machine, over sshd): deployed from the base install's own files
     ("supervise install", ("--interval", "1"), 0, "installed the supervisor of pve/dflash"),
