@@ -108,21 +108,21 @@ def laptop(base_python: str) -> t.Iterator[Laptop]:
         tmux.reap()
 
 
-@pytest.mark.parametrize(("command", "args", "code", "text"), PLAN, ids=[c for c, *_ in PLAN])
-def test_every_dflashctl_command_runs_from_the_base_install(
-    laptop: Laptop, command: str, args: tuple[str, ...], code: int, text: str
-) -> None:
-    argv = [*command.split(), *args]
-    if command == "restart-on-crash":
-        argv += ["--state-dir", str(laptop.hosts.root / "state")]
-    if command == "tail":  # the first step lines, once the run has printed them
-        p = retry_until(lambda: (r := laptop.run(*argv)).returncode == 0 and "step" in r.stdout and r, 60)
-    else:
+def test_every_dflashctl_command_runs_from_the_base_install(laptop: Laptop) -> None:
+    """The plan in its order, in one test: each command builds on the one before (deploy, then start...),
+    so under xdist they cannot be tests of their own that a worker might run apart."""
+    for command, args, code, text in PLAN:
+        argv = [*command.split(), *args]
+        if command == "restart-on-crash":
+            argv += ["--state-dir", str(laptop.hosts.root / "state")]
         p = laptop.run(*argv)
-    out = p.stdout + p.stderr
-    assert "Traceback" not in out and "torch" not in p.stderr, out
-    assert p.returncode == code, out
-    assert text in out, out
+        if command == "tail":  # the first step lines, once the run has printed them
+            retry_until(lambda a=argv: "step" in laptop.run(*a).stdout, 60)
+            p = laptop.run(*argv)
+        out = p.stdout + p.stderr
+        assert "Traceback" not in out and "torch" not in p.stderr, (command, out)
+        assert p.returncode == code, (command, out)
+        assert text in out, (command, out)
 
 
 def test_the_base_install_has_no_torch_and_dflash_names_the_extra(base_python: str, tmp_path: Path) -> None:
