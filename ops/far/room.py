@@ -8,18 +8,16 @@ Never raises: a folder that cannot be read is an ``error`` in the facts, not a f
 from __future__ import annotations
 
 import os
-import re
 import typing as t
 
 from ops.far import records
+from ops.far.checkpoints import BEST, MANIFEST, STEP_DIR  # the layout pull reads: named once
 from ops.far.runner import disk_free
 
 FACTS_FILE = "checkpointing.json"  # dflash.checkpoint.FACTS_FILE
-MANIFEST = "checkpoint.json"
 MAX_LISTED = 10000  # entries of the checkpoints folder looked at
 MAX_CHECKPOINTS = 200  # the newest steps reported
 MANIFEST_LIMIT = 64 << 10
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def _int(value: t.Any) -> int | None:
@@ -77,7 +75,7 @@ def checkpoint_facts(attempt_dir: str | None, default_dir: str) -> dict[str, t.A
                 if n >= MAX_LISTED:
                     facts["truncated"] = True
                     break
-                m = _STEP.match(entry.name)
+                m = STEP_DIR.fullmatch(entry.name)
                 if m and entry.is_dir(follow_symlinks=False):
                     names.append((int(m.group(1)), entry.name))
     except FileNotFoundError:
@@ -95,8 +93,8 @@ def checkpoint_facts(attempt_dir: str | None, default_dir: str) -> dict[str, t.A
             found.append({"step": step, "bytes": size, "run_id": run_id})
     facts["checkpoints"] = found
     try:
-        target = os.readlink(os.path.join(root, "best"))
-        m = _STEP.match(target)
+        target = os.readlink(os.path.join(root, BEST))
+        m = STEP_DIR.fullmatch(target)
         facts["best_step"] = int(m.group(1)) if m else None
     except OSError:
         pass
