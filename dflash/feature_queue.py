@@ -174,6 +174,15 @@ class FeatureQueue:
                 self.bytes = max(0, self.bytes - nbytes)
                 self._cond.notify_all()
 
+    def discard(self) -> int:
+        """Drop what is still queued (the run is over: no drafter will take it) and free its bytes."""
+        with self._cond:
+            n = len(self.queue)
+            self.bytes = max(0, self.bytes - sum(it.nbytes for it in self.queue))
+            self.queue.clear()
+            self._cond.notify_all()
+            return n
+
     def put(self, item: Item, timeout: float | None = None, *, reserved: bool = False) -> None:
         with self._cond:
             if reserved:

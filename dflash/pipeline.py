@@ -624,6 +624,11 @@ class Pipeline:
             self._draining.set()
             self.coord.drain()
             hung = self._join()
+            # what the targets made ahead was never trained on (the data position counts taken items only):
+            # freed now, not when the Pipeline is collected
+            left = sum(q.discard() for q in self.queues)
+            if left:
+                logger.debug("queue: %d item%s made ahead and not trained on, freed", left, "" if left == 1 else "s")
             pinned = pinned_host_bytes(peak=True)
             logger.info(
                 "queue: peak %s of features held (queued or in a drafter step)%s",

@@ -14,8 +14,9 @@ import pytest
 
 from testkit import slowlist
 
-# Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py).
-pytest_plugins = ["testkit.plugin"]
+# Real-process fixtures: sshd, fake_pve, tmux_socket, pve_hosts, ssh_home (testkit/plugin.py); which
+# xdist worker a test runs on (testkit/xdist_groups.py).
+pytest_plugins = ["testkit.plugin", "testkit.xdist_groups"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,29 +33,13 @@ def pytest_configure(config: pytest.Config) -> None:
         pass
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)  # before testkit.xdist_groups renames the grouped tests
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that uses a module- or class-scoped fixture (a tiny model built once, a served folder) runs on
-    the same xdist worker as the rest of its module (``--dist loadgroup``): the fixture is built once per run,
-    not once per worker. The ``serial`` tests share one worker, one after another. Every other test goes to
-    whichever worker is free. The tests listed in tests/slow.txt are marked ``slow``."""
+    """The tests listed in tests/slow.txt are marked ``slow``."""
     slow = slowlist.listed(REPO / "tests" / "slow.txt")
     for item in items:
         if item.nodeid in slow or item.nodeid.split("[")[0] in slow or item.nodeid.split("::")[0] in slow:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        if item.get_closest_marker("serial") is not None:
-            item.add_marker(pytest.mark.xdist_group("serial"))
-            continue
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        for name in info.names_closure:
-            defs = info.name2fixturedefs.get(name)
-            if defs and defs[-1].scope in ("module", "class", "package"):
-                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-                break
 
 
 _CPU_MARK = pytest.StashKey[float]()
@@ -92,11 +77,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     cpu = dict(report.user_properties).get("cpu")
     with open(path, "a", encoding="utf-8") as f:
-        f.write(f"{report.duration:.2f}s {report.when} {report.nodeid}\n")
+        from testkit.xdist_groups import plain  # here: imported at the top, pytest could not rewrite it as a plugin
+
+        nodeid = plain(report.nodeid)
+        f.write(f"{report.duration:.2f}s {report.when} {nodeid}\n")
         if cpu is not None:
-            f.write(f"# cpu {cpu} {report.when} {report.nodeid}\n")
+            f.write(f"# cpu {cpu} {report.when} {nodeid}\n")
         if report.failed:
-            f.write(f"# {report.outcome} {report.when} {report.nodeid}\n")
+            f.write(f"# {report.outcome} {report.when} {nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

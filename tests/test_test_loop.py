@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
+import subprocess
+import sys
 import typing as t
 from pathlib import Path
 
@@ -11,6 +15,9 @@ import pytest
 from testkit import free_port
 from testkit.machine import _ephemeral_low, _port_slice
 from testkit.slowlist import durations, listed
+from testkit.xdist_groups import plain
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +51,51 @@ def test_a_test_on_a_module_fixture_stays_with_its_module(
     assert mark is not None and mark.args == ("tests/test_test_loop.py",)
 
 
+CHILD = """
+import os, pytest
+
+@pytest.fixture(scope="module")
+def built():
+    return os.environ["PYTEST_XDIST_WORKER"]
+
+@pytest.mark.parametrize("i", range(6))
+def test_on_the_module_fixture(built, i):
+    assert built == os.environ["PYTEST_XDIST_WORKER"]
+
+@pytest.mark.serial
+@pytest.mark.parametrize("i", range(4))
+def test_serial(i):
+    pass
+
+@pytest.mark.parametrize("i", range(4))
+def test_free(i):
+    pass
+"""
+
+
+def test_under_xdist_a_module_fixtures_tests_and_the_serial_tests_each_run_on_one_worker(tmp_path: Path) -> None:
+    """pytest 9.2 ignores the id xdist 3.8 writes to say a test's group, so every group was lost: a module's
+    fixture was built on each worker, serial tests ran side by side. A real xdist run of 3 workers."""
+    (tmp_path / "test_child.py").write_text(CHILD, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    args = "-p testkit.xdist_groups -p no:cacheprovider -n 3 --dist loadgroup -v -W ignore::pytest.PytestUnknownMarkWarning"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *args.split(), "test_child.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    ran = re.findall(r"^\[(gw\d+)\] \[\s*\d+%\] PASSED test_child.py::(\w+)\[(\d+)\](\S*)", run.stdout, re.M)
+    assert len(ran) == 14, run.stdout
+    workers = {name: {w for w, n, _, _ in ran if n == name} for name in ("test_on_the_module_fixture", "test_serial")}
+    assert all(len(w) == 1 for w in workers.values()), workers
+    assert {plain(n + "[" + i + "]" + suffix) for _, n, i, suffix in ran} == {n + "[" + i + "]" for _, n, i, _ in ran}
+
+
 def test_a_test_on_function_fixtures_goes_to_any_worker(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     assert request.node.get_closest_marker("xdist_group") is None
 
@@ -51,10 +103,10 @@ def test_a_test_on_function_fixtures_goes_to_any_worker(tmp_path: Path, request:
 def test_the_tests_listed_in_slow_txt_are_marked_slow(request: pytest.FixtureRequest) -> None:
     slow = listed(Path(__file__).with_name("slow.txt"))
     assert slow, "tests/slow.txt lists the slowest tests"
-    marked = {i.nodeid for i in request.session.items if i.get_closest_marker("slow") is not None}
-    collected = {i.nodeid for i in request.session.items}
+    marked = {plain(i.nodeid) for i in request.session.items if i.get_closest_marker("slow") is not None}
+    collected = {plain(i.nodeid) for i in request.session.items}
     assert {n for n in slow if n in collected} <= marked
-    assert request.node.nodeid not in marked
+    assert plain(request.node.nodeid) not in marked
 
 
 def test_the_slow_list_adds_up_a_tests_setup_call_and_teardown() -> None:

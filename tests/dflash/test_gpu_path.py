@@ -641,7 +641,7 @@ class CountedPipeline:
     """The real Pipeline and FeatureQueue with a real TargetReplica (tiny target, CPU) whose features are
     counted while alive, and drafters whose step holds its items a while (the target could run ahead)."""
 
-    def __init__(self, *, drafters: int, accumulate: int, max_items: int, steps: int) -> None:
+    def __init__(self, *, drafters: int, accumulate: int, max_items: int, steps: int, until_made: bool = False) -> None:
         import types
         import weakref
 
@@ -669,11 +669,13 @@ class CountedPipeline:
                 weakref.finalize(fb.features, gone, n)
                 return fb
 
+        made = threading.Event()  # the source is exhausted: every item it gave is in the queue or taken
+
         class Holding:
             device = "cpu"
 
             def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> StepStats:
-                threading.Event().wait(0.05)
+                (made if until_made else threading.Event()).wait(30 if until_made else 0.05)
                 return StepStats(loss=1.0, acc=0.5, tau_tf=2.0)
 
             def recover(self) -> None:
@@ -686,6 +688,7 @@ class CountedPipeline:
             def __next__(self) -> t.Any:
                 self.i += 1
                 if self.i > steps * accumulate * 3:
+                    made.set()
                     raise StopIteration
                 att = torch.ones_like(ids)
                 return types.SimpleNamespace(
@@ -714,6 +717,16 @@ def test_features_taken_by_a_drafter_still_count_against_max_bytes() -> None:
     peak = c.alive["peak"]
     assert peak <= 3 * c.feature_bytes, f"{peak / c.feature_bytes:.0f} items alive against a bound of 3"
     assert c.alive["now"] == 0 and c.pipe.queues[0].bytes == 0
+
+
+def test_the_items_left_in_the_queue_at_the_end_are_freed_with_their_bytes() -> None:
+    """The run ends at max_steps with items the target made ahead still queued: they were kept (and counted)
+    until the Pipeline itself was collected, a run's worth of pinned host memory on a GPU box."""
+    c = CountedPipeline(drafters=1, accumulate=1, max_items=50, steps=2, until_made=True)
+    assert c.pipe.run().steps == 2
+    gc.collect()
+    assert c.alive["now"] == 0, f"{c.alive['now'] / c.feature_bytes:.0f} items still alive"  # before: 4
+    assert c.pipe.queues[0].bytes == 0 and c.pipe.queues[0].qsize() == 0
 
 
 def test_drafters_holding_more_than_max_bytes_still_get_their_next_item() -> None:
