@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
 import subprocess
 import sys
 import typing as t
@@ -85,6 +86,52 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             f.write(f"# cpu {cpu} {report.when} {nodeid}\n")
         if report.failed:
             f.write(f"# {report.outcome} {report.when} {nodeid}\n")
+
+
+# A signal a test (or a library it calls, from C) leaves ignored or blocked stays so for the rest of that xdist
+# worker, and every child started after it inherits it: an ignored SIGINT made each later Ctrl-C test of the
+# worker time out. The kernel's word (/proc/self/status), not Python's cache of the handlers, is compared.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGTSTP, signal.SIGCHLD, signal.SIGALRM)
+
+
+def _ignored_and_blocked() -> tuple[int, int]:
+    masks = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("SigIgn", "SigBlk"):
+                masks[key] = int(value, 16)
+    wanted = sum(1 << (sig - 1) for sig in _SIGNALS)
+    return masks.get("SigIgn", 0) & wanted, masks.get("SigBlk", 0) & wanted
+
+
+_BASELINE = (_ignored_and_blocked(), {sig: signal.getsignal(sig) for sig in _SIGNALS})
+
+
+def _put_back() -> str:
+    """The signals' state as the session found it; the names of those that were not, or ""."""
+    (ign0, blk0), handlers = _BASELINE
+    ign, blk = _ignored_and_blocked()
+    if (ign, blk) == (ign0, blk0):
+        return ""
+    changed = [sig for sig in _SIGNALS if ((ign ^ ign0) | (blk ^ blk0)) >> (sig - 1) & 1]
+    for sig in changed:
+        if (ign ^ ign0) >> (sig - 1) & 1 and handlers[sig] is not None:
+            signal.signal(sig, handlers[sig])
+    if blk != blk0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig for sig in _SIGNALS if (blk & ~blk0) >> (sig - 1) & 1])
+    return ", ".join(signal.Signals(sig).name for sig in changed)
+
+
+@pytest.fixture(autouse=True)
+def _signals_as_found(request: pytest.FixtureRequest) -> t.Iterator[None]:
+    before = _put_back()  # a module fixture set up for this test, or something before it
+    if before:
+        request.node.warn(pytest.PytestWarning(f"found {before} ignored or blocked before the test (put back)"))
+    yield
+    after = _put_back()
+    if after:
+        request.node.warn(pytest.PytestWarning(f"the test left {after} ignored or blocked (put back)"))
 
 
 @pytest.fixture(autouse=True)
