@@ -49,6 +49,9 @@ def parse_args(argv: t.Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "tiny-cpu.toml")
     ap.add_argument("--out", type=Path, default=REPO / ".dflash" / "drafter-kinds", help="the runs' parent folder")
     ap.add_argument("--reuse", action="store_true", help="keep a run that already has its eval.json")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS of each command (1: no oversubscribed spinning)"
+    )
     a = ap.parse_args(argv)
     if a.steps < 1:
         ap.error("--steps must be at least 1")
@@ -56,6 +59,7 @@ def parse_args(argv: t.Sequence[str] | None = None) -> argparse.Namespace:
         a.data = a.tiny / "store" if (a.tiny / "store" / "meta.json").is_file() else a.tiny / "train.jsonl"
     a.target = a.target or a.tiny / "target"
     a.prompts = a.prompts or a.tiny / "eval.jsonl"
+    a.out = a.out.resolve()
     return a
 
 
@@ -91,8 +95,9 @@ def eval_args(a: argparse.Namespace, run: Path) -> list[str]:
     ]
 
 
-def dflash(args: list[str], log: Path) -> float:
+def dflash(args: list[str], log: Path, threads: int) -> float:
     env = {k: v for k, v in os.environ.items() if k != "DFLASH_RUN_DIR"}  # metrics.jsonl in output_dir
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
     with open(log, "w") as f:
         p = subprocess.run(
@@ -151,7 +156,11 @@ def main() -> None:
         if not need.exists():
             raise SystemExit(f"drafter_kinds: {need} does not exist (dflash make-tiny --out {a.tiny}; scripts/demo)")
     a.out.mkdir(parents=True, exist_ok=True)
-    print(f"data {a.data}, prompts {a.prompts}, {a.steps} steps, seed {a.seed}, max-new {a.max_new}", flush=True)
+    print(
+        f"data {a.data}, prompts {a.prompts}, {a.steps} steps, seed {a.seed}, max-new {a.max_new}, "
+        f"{a.threads} thread(s) per process",
+        flush=True,
+    )
     rows = []
     for kind, weighting in COMBOS:
         run = a.out / f"{kind}-{weighting}"
@@ -165,8 +174,8 @@ def main() -> None:
 
             shutil.rmtree(run)  # a fresh run (resume is off; old checkpoints would be evaluated)
         run.mkdir(parents=True)
-        train_s = dflash(train_args(a, kind, weighting, run), run / "train.log")
-        eval_s = dflash(eval_args(a, run), run / "eval.log")
+        train_s = dflash(train_args(a, kind, weighting, run), run / "train.log", a.threads)
+        eval_s = dflash(eval_args(a, run), run / "eval.log", a.threads)
         row = figures(kind, weighting, a.steps, run, train_s)
         done.write_text(json.dumps(row))
         rows.append(row)

@@ -31,7 +31,7 @@ def test_the_table_has_a_row_per_run_and_a_column_per_position() -> None:
 def test_the_options_and_their_defaults_from_the_make_tiny_folder(tmp_path: Path) -> None:
     tiny = tmp_path / "tiny"
     a = parse_args(["--tiny", str(tiny), "--steps", "600", "--out", str(tmp_path / "out")])
-    assert (a.steps, a.seed, a.max_new) == (600, 0, 128)
+    assert (a.steps, a.seed, a.max_new, a.threads) == (600, 0, 128, 1)
     assert (a.data, a.target, a.prompts) == (tiny / "train.jsonl", tiny / "target", tiny / "eval.jsonl")
     (tiny / "store").mkdir(parents=True)
     (tiny / "store" / "meta.json").write_text("{}")
