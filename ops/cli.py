@@ -14,7 +14,7 @@ import typing as t
 
 import click
 
-from ops import errors, group_commands, wire
+from ops import errors, group_commands
 from ops.exit_codes import ExitCode, exit_code_for_error, exit_code_for_state
 from ops.hosts import Host, Inventory, load_inventory
 from ops.states import State
@@ -391,7 +391,6 @@ def status_cmd(
     import json
     import time
 
-    from ops import probe
     from ops import session as run
 
     if every_host or app.group_name is not None:
@@ -415,10 +414,20 @@ def status_cmd(
         finally:
             group_commands.close_all(kept)
     host = app.host
+    loading: list[t.Any] = []
+
+    def connect() -> t.Any:
+        remote = app.remote()
+        if not loading and "ops.probe" not in sys.modules:
+            loading.append(run.import_beside("ops.probe"))  # classify's modules load while the agent runs
+        return remote
+
     code = ExitCode.OK
     try:
         while True:
-            facts = run.gather(host, session, app.remote)
+            facts = run.gather(host, session, connect)
+            from ops import probe  # the import lock waits for import_beside's thread
+
             st = probe.classify(facts)
             if show_facts:
                 click.echo(json.dumps(facts, indent=1, sort_keys=True))
@@ -808,7 +817,7 @@ def supervise_group() -> None:
 def supervise_install_cmd(app: App, /, session: str | None, notify: tuple[str, ...], **policy: t.Any) -> ExitCode:
     """Install (or update) the supervisor of the run on the host and start it: a systemd unit where
     systemd is PID 1, else a tmux session there. Installing again replaces it with the new options."""
-    from ops import supervise
+    from ops import supervise, wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -832,6 +841,7 @@ def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents
     Exit 0 when it runs, 8 when it is installed but not running, 7 when none is installed."""
     import json
 
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -855,6 +865,7 @@ def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents
 def supervise_stop_cmd(app: App, session: str | None) -> ExitCode:
     """Stop the supervisor on the host (the run goes on, unwatched). systemd starts it again at the next
     boot; `supervise install` starts it now, `supervise uninstall` removes it."""
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -889,6 +900,7 @@ def supervise_logs_cmd(app: App, session: str | None, lines: int) -> ExitCode:
 def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
     """Stop the supervisor and remove it from the host (its unit, its entry, its secrets); its incidents
     and log stay. The run is left as it is."""
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 

@@ -1,0 +1,72 @@
+"""What `dflashctl status` imports, and when: classify's modules load while the agent call waits.
+
+Each run is a fresh interpreter (sys.modules is the point), against the real sshd + fake Proxmox host.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from testkit.hostsfile import PveHosts
+from testkit.runkit import fake_release
+
+# Runs `dflashctl --hosts PATH status --json` in this process, noting what was imported when the
+# connection was asked for and which thread imported ops.probe.
+PROGRAM = r"""
+import json, sys, threading
+import ops.cli
+after_cli = sorted(m for m in ("ops.wire", "ops.probe") if m in sys.modules)
+seen = {}
+remote = ops.cli.App.remote
+def noting(self):
+    seen.setdefault("at connect", sorted(m for m in ("ops.wire", "ops.probe") if m in sys.modules))
+    return remote(self)
+ops.cli.App.remote = noting
+import importlib.abc
+class Note(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "ops.probe":
+            seen.setdefault("ops.probe imported by", threading.current_thread().name)
+        return None
+sys.meta_path.insert(0, Note())
+try:
+    ops.cli.main(["--hosts", sys.argv[1], "status", "--json"])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"after ops.cli": after_cli, **seen, "exit": code}))
+"""
+
+
+def noted(pve_hosts: PveHosts) -> tuple[dict[str, object], dict[str, object]]:
+    p = subprocess.run(
+        [sys.executable, "-c", PROGRAM, str(pve_hosts.path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=pve_hosts.env(),
+    )
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 2, (p.stdout, p.stderr[-2000:])
+    return json.loads(lines[0]), json.loads(lines[1])
+
+
+def test_status_connects_before_it_imports_classify_which_loads_beside_the_agent_call(pve_hosts: PveHosts) -> None:
+    """ops.probe (with ops.wire: some 30 frozen dataclasses) is start-up CPU that the agent call's wait can hide:
+    ops.cli loads neither, the connection is asked for before them, and a thread of its own imports them."""
+    fake_release(pve_hosts.workdir)
+    status, notes = noted(pve_hosts)
+    assert notes["after ops.cli"] == [], notes
+    assert notes["at connect"] == [], notes
+    assert notes["ops.probe imported by"] == "import ops.probe", notes
+    assert status["host"] == "pve" and status["state"] == "not-started", status
+    assert notes["exit"] == 7, notes  # the state's code, as the console script's
+
+
+def test_status_of_a_host_that_is_down_imports_classify_in_this_thread(pve_hosts: PveHosts) -> None:
+    """No connection, no wait to hide the imports in: status still classifies (unreachable), and no thread ran."""
+    pve_hosts.write(port=1)  # nothing listens on port 1 of 127.0.0.1
+    status, notes = noted(pve_hosts)
+    assert notes["ops.probe imported by"] == "MainThread", notes
+    assert status["state"] == "unreachable", status
