@@ -25,10 +25,12 @@ if not __package__:  # `python bench/status_vs_raw.py`: bench and testkit import
 import argparse
 import json
 import os
+import resource
 import shlex
 import statistics
 import sys
 import time
+import typing as t
 from pathlib import Path
 
 from testkit import retry_until
@@ -97,21 +99,24 @@ def main() -> int:
             if other:
                 timed(other, env)
         t_raw, t_status, t_other = [], [], []
+        c_raw, c_status, c_other = [], [], []  # CPU seconds of the command's own process (the load aside)
         phases: dict[str, list[float]] = {}
         agent: dict[str, list[float]] = {}
         beside: dict[str, list[float]] = {}
         load_before = os.getloadavg()
         for n in range(args.rounds):
-            dt, p = timed(raw)
+            dt, p, cpu = timed_cpu(raw)
             assert p.returncode == 0 and "step" in p.stdout, p.stderr
             t_raw.append(dt)
+            c_raw.append(cpu)
             # with --compare, the two dflashctls take turns going first
-            for argv, times in [(status, t_status), (other, t_other)][:: -1 if n % 2 else 1]:
+            for argv, times, cpus in [(status, t_status, c_status), (other, t_other, c_other)][:: -1 if n % 2 else 1]:
                 if argv is None:
                     continue
-                dt, p = timed(argv, env)
+                dt, p, cpu = timed_cpu(argv, env)
                 assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
                 times.append(dt)
+                cpus.append(cpu)
             p = timed([python, "-I", str(PHASES), str(hosts.path), repr(time.time())], env)[1]
             assert p.returncode == 0, p.stderr[-2000:]
             split = json.loads(p.stdout.strip().splitlines()[-1])
@@ -133,6 +138,11 @@ def main() -> int:
         f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})"
     )
     print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.25x)")
+    print(
+        f"CPU of the command's own process (user+sys, median ms): raw {statistics.median(c_raw) * 1000:.0f}, "
+        f"status {statistics.median(c_status) * 1000:.0f}"
+        + (f", --compare {statistics.median(c_other) * 1000:.0f}" if c_other else "")
+    )
     print(f"dflashctl: {' '.join(ctl)}")
     if t_other:
         m_other = statistics.median(t_other)
@@ -156,6 +166,15 @@ def main() -> int:
         if isinstance(v[0], (int, float)):
             print(f"  {statistics.median(v) * 1000:7.1f}  {k}")
     return 0
+
+
+def timed_cpu(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, t.Any, float]:
+    """timed(), and the CPU seconds (user + sys) the finished command used: its own process and what it
+    reaped, not the far side's (sshd's children are sshd's)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    dt, p = timed(argv, env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return dt, p, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def _python_of(argv: list[str]) -> str:

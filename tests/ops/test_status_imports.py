@@ -70,3 +70,17 @@ def test_status_of_a_host_that_is_down_imports_classify_in_this_thread(pve_hosts
     status, notes = noted(pve_hosts)
     assert notes["ops.probe imported by"] == "MainThread", notes
     assert status["state"] == "unreachable", status
+
+
+def test_the_agent_compiles_its_modules_once_and_then_reads_their_bytecode(pve_hosts: PveHosts) -> None:
+    """The release folder is the agent's to write (-I -S leave bytecode writing on): the first call writes
+    __pycache__ for the container's python, later calls read it (compiling them costs ~70 ms each time)."""
+    rel = fake_release(pve_hosts.workdir)
+    assert not list(rel.rglob("*.pyc"))
+    assert pve_hosts.cli("status", "--json").exit_code == 7
+    tag = sys.implementation.cache_tag  # the container's python is this one (hosts.toml's `python`)
+    pyc = rel / "ops" / "far" / "__pycache__" / f"agent.{tag}.pyc"
+    first = pyc.stat()
+    assert pve_hosts.cli("status", "--json").exit_code == 7
+    again = pyc.stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)  # read, not written again
