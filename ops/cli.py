@@ -15,7 +15,7 @@ import typing as t
 import click
 
 from ops import errors, group_commands
-from ops.exit_codes import ExitCode, exit_code_for_error, exit_code_for_state
+from ops.exit_codes import ExitCode, end_process, exit_code_for_error, exit_code_for_state
 from ops.hosts import Host, Inventory, load_inventory
 from ops.states import State
 
@@ -393,6 +393,8 @@ def status_cmd(
 
     from ops import session as run
 
+    global _exit_at_once
+    _exit_at_once = True
     if every_host or app.group_name is not None:
         if every_host and (app.group_name is not None or app.host_name is not None):
             raise click.UsageError("--all looks at every host: no --host or --group with it")
@@ -982,7 +984,15 @@ def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    sys.exit(int(rv) if isinstance(rv, int) else 0)
+    code = int(rv) if isinstance(rv, int) else 0
+    if _exit_at_once and argv is None:  # the console script; a caller in this process gets SystemExit
+        end_process(code)
+    sys.exit(code)
+
+
+# Set by a command that leaves nothing to finalize but stdout and stderr (status: its connection is
+# closed with the click context, and it writes no file): main() then ends the process at once.
+_exit_at_once = False
 
 
 if __name__ == "__main__":
