@@ -1,7 +1,7 @@
 """`dflashctl status --json` vs the raw one-liner a user would type, against the same sshd + fake
 Proxmox container + live tmux session (all on 127.0.0.1).
 
-    .venv/bin/python -m bench.status_vs_raw [--rounds 15] [--dflashctl PATH]
+    .venv/bin/python -m bench.status_vs_raw [--rounds 15] [--dflashctl PATH] [--compare PATH]
 
 raw:    ssh ... 'pct exec 200 -- tmux -L <sock> capture-pane -t =dflash: -p -S -30'   (30 lines, no state;
         `-t =dflash` without the colon fails: "can't find pane: =dflash")
@@ -9,6 +9,7 @@ status: dflashctl status --json   (a fresh CLI process: one ssh connection, one 
 
 The dflashctl measured is the operator's install, .venv-base's (scripts/floor-venv base), when it is there,
 else this interpreter's (an editable install's finder adds its own start-up); --dflashctl picks one.
+--compare times a second one in the same rounds (before/after a change: another commit's install).
 
 Prints the median wall time of each (rounds interleaved, so both see the same machine load), the ratio of
 medians (goal: <= 1.25), then where status's time goes: each round also runs bench/status_phases.py (one
@@ -23,10 +24,13 @@ if not __package__:  # `python bench/status_vs_raw.py`: bench and testkit import
 
 import argparse
 import json
+import os
+import resource
 import shlex
 import statistics
 import sys
 import time
+import typing as t
 from pathlib import Path
 
 from testkit import retry_until
@@ -40,6 +44,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--dflashctl", default=None, help="the dflashctl to measure (default: .venv-base's, else ours)")
+    ap.add_argument(
+        "--compare",
+        metavar="PATH",
+        default=None,
+        help="a second dflashctl (e.g. another commit's install) timed in the same rounds, interleaved",
+    )
     args = ap.parse_args()
     base = REPO / ".venv-base" / "bin" / "dflashctl"
     dflashctl = args.dflashctl or (str(base) if base.exists() else None)
@@ -81,20 +91,32 @@ def main() -> int:
         python = _python_of(ctl)
         status = [*ctl, "--hosts", str(hosts.path), "status", "--json"]
         env = hosts.env()
+        other = [args.compare, "--hosts", str(hosts.path), "status", "--json"] if args.compare else None
         # warm-up: page cache, sshd's first fork
         for _ in range(2):
             timed(raw)
             timed(status, env)
-        t_raw, t_status = [], []
+            if other:
+                timed(other, env)
+        t_raw, t_status, t_other = [], [], []
+        c_raw, c_status, c_other = [], [], []  # CPU seconds of the command's own process (the load aside)
         phases: dict[str, list[float]] = {}
         agent: dict[str, list[float]] = {}
-        for _ in range(args.rounds):
-            dt, p = timed(raw)
+        beside: dict[str, list[float]] = {}
+        load_before = os.getloadavg()
+        for n in range(args.rounds):
+            dt, p, cpu = timed_cpu(raw)
             assert p.returncode == 0 and "step" in p.stdout, p.stderr
             t_raw.append(dt)
-            dt, p = timed(status, env)
-            assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
-            t_status.append(dt)
+            c_raw.append(cpu)
+            # with --compare, the two dflashctls take turns going first
+            for argv, times, cpus in [(status, t_status, c_status), (other, t_other, c_other)][:: -1 if n % 2 else 1]:
+                if argv is None:
+                    continue
+                dt, p, cpu = timed_cpu(argv, env)
+                assert p.returncode == 0 and json.loads(p.stdout)["state"] == "running", p.stderr
+                times.append(dt)
+                cpus.append(cpu)
             p = timed([python, "-I", str(PHASES), str(hosts.path), repr(time.time())], env)[1]
             assert p.returncode == 0, p.stderr[-2000:]
             split = json.loads(p.stdout.strip().splitlines()[-1])
@@ -103,6 +125,8 @@ def main() -> int:
                 phases.setdefault(k, []).append(v)
             for k, v in split["agent"].items():
                 agent.setdefault(k, []).append(v)
+            for k, v in split.get("beside", {}).items():
+                beside.setdefault(k, []).append(v)
         finish.touch()
 
     m_raw, m_status = statistics.median(t_raw), statistics.median(t_status)
@@ -114,17 +138,43 @@ def main() -> int:
         f"dflashctl status --json  : median {m_status * 1000:7.1f} ms  (min {min(t_status) * 1000:.1f}, max {max(t_status) * 1000:.1f})"
     )
     print(f"ratio of medians          : {m_status / m_raw:.2f}x  (goal <= 1.25x)")
+    print(
+        f"CPU of the command's own process (user+sys, median ms): raw {statistics.median(c_raw) * 1000:.0f}, "
+        f"status {statistics.median(c_status) * 1000:.0f}"
+        + (f", --compare {statistics.median(c_other) * 1000:.0f}" if c_other else "")
+    )
     print(f"dflashctl: {' '.join(ctl)}")
+    if t_other:
+        m_other = statistics.median(t_other)
+        print(
+            f"--compare status --json   : median {m_other * 1000:7.1f} ms  (min {min(t_other) * 1000:.1f}, max {max(t_other) * 1000:.1f})"
+            f"  {m_other / m_raw:.2f}x  ({args.compare})"
+        )
+    print(
+        f"load average (1, 5, 15 min): {' '.join(f'{x:.2f}' for x in load_before)} before the rounds, "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after"
+    )
     print(f"\nstatus --json by phase (bench/status_phases.py, {python}; median ms of {args.rounds} rounds):")
     for k, v in phases.items():
         if len(v) == args.rounds and statistics.median(v) >= 0.0005:
             print(f"  {statistics.median(v) * 1000:7.1f}  {k}")
     print(f"  {sum(statistics.median(v) for v in phases.values()) * 1000:7.1f}  sum of the medians")
+    for k, v in beside.items():
+        print(f"  ({statistics.median(v) * 1000:5.1f}  {k}: not in the sum)")
     print("the agent inside the container (a second connection, after the status; median ms):")
     for k, v in agent.items():
         if isinstance(v[0], (int, float)):
             print(f"  {statistics.median(v) * 1000:7.1f}  {k}")
     return 0
+
+
+def timed_cpu(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, t.Any, float]:
+    """timed(), and the CPU seconds (user + sys) the finished command used: its own process and what it
+    reaped, not the far side's (sshd's children are sshd's)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    dt, p = timed(argv, env)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return dt, p, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def _python_of(argv: list[str]) -> str:

@@ -14,8 +14,8 @@ import typing as t
 
 import click
 
-from ops import errors, group_commands, wire
-from ops.exit_codes import ExitCode, exit_code_for_error, exit_code_for_state
+from ops import errors, group_commands
+from ops.exit_codes import ExitCode, end_process, exit_code_for_error, exit_code_for_state
 from ops.hosts import Host, Inventory, load_inventory
 from ops.states import State
 
@@ -391,9 +391,10 @@ def status_cmd(
     import json
     import time
 
-    from ops import probe
     from ops import session as run
 
+    global _exit_at_once
+    _exit_at_once = True
     if every_host or app.group_name is not None:
         if every_host and (app.group_name is not None or app.host_name is not None):
             raise click.UsageError("--all looks at every host: no --host or --group with it")
@@ -415,10 +416,20 @@ def status_cmd(
         finally:
             group_commands.close_all(kept)
     host = app.host
+    loading: list[t.Any] = []
+
+    def connect() -> t.Any:
+        remote = app.remote()
+        if not loading and "ops.probe" not in sys.modules:
+            loading.append(run.import_beside("ops.probe"))  # classify's modules load while the agent runs
+        return remote
+
     code = ExitCode.OK
     try:
         while True:
-            facts = run.gather(host, session, app.remote)
+            facts = run.gather(host, session, connect)
+            from ops import probe  # the import lock waits for import_beside's thread
+
             st = probe.classify(facts)
             if show_facts:
                 click.echo(json.dumps(facts, indent=1, sort_keys=True))
@@ -808,7 +819,7 @@ def supervise_group() -> None:
 def supervise_install_cmd(app: App, /, session: str | None, notify: tuple[str, ...], **policy: t.Any) -> ExitCode:
     """Install (or update) the supervisor of the run on the host and start it: a systemd unit where
     systemd is PID 1, else a tmux session there. Installing again replaces it with the new options."""
-    from ops import supervise
+    from ops import supervise, wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -832,6 +843,7 @@ def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents
     Exit 0 when it runs, 8 when it is installed but not running, 7 when none is installed."""
     import json
 
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -855,6 +867,7 @@ def supervise_status_cmd(app: App, session: str | None, as_json: bool, incidents
 def supervise_stop_cmd(app: App, session: str | None) -> ExitCode:
     """Stop the supervisor on the host (the run goes on, unwatched). systemd starts it again at the next
     boot; `supervise install` starts it now, `supervise uninstall` removes it."""
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -889,6 +902,7 @@ def supervise_logs_cmd(app: App, session: str | None, lines: int) -> ExitCode:
 def supervise_uninstall_cmd(app: App, session: str | None) -> ExitCode:
     """Stop the supervisor and remove it from the host (its unit, its entry, its secrets); its incidents
     and log stay. The run is left as it is."""
+    from ops import wire
     from ops.session import session_name
     from ops.supervise import install
 
@@ -970,7 +984,15 @@ def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    sys.exit(int(rv) if isinstance(rv, int) else 0)
+    code = int(rv) if isinstance(rv, int) else 0
+    if _exit_at_once and argv is None:  # the console script; a caller in this process gets SystemExit
+        end_process(code)
+    sys.exit(code)
+
+
+# Set by a command that leaves nothing to finalize but stdout and stderr (status: its connection is
+# closed with the click context, and it writes no file): main() then ends the process at once.
+_exit_at_once = False
 
 
 if __name__ == "__main__":

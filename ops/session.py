@@ -7,11 +7,13 @@ so a common `status` costs one connection and one remote command. When the agent
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
 import re
 import socket
+import threading
 import time
 import typing as t
 
@@ -20,9 +22,9 @@ from ops.far import kernel_log, refusal, tmux
 from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
-from ops.probe import Status, classify
 
 if t.TYPE_CHECKING:
+    from ops.probe import Status
     from ops.remote import Remote
 
 PROBE_TIMEOUT = 30.0
@@ -119,7 +121,28 @@ def _raw_or_down(
 
 
 def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> Status:
+    from ops.probe import classify  # here: gather needs none of classify's modules (ops/cli.py loads them meanwhile)
+
     return classify(gather(host, session, connect))
+
+
+def import_beside(name: str) -> threading.Thread:
+    """Import module ``name`` in a thread of its own while this one waits on the far end.
+
+    status's one agent call is mostly waiting (sshd, ``pct exec``, the container's python); classify's
+    modules (ops.probe, ops.wire: some 30 frozen dataclasses) are start-up CPU, so they load inside
+    that wait instead of before it. Started once connected: during the handshake the thread would only take
+    the GIL from paramiko's packets. A failed import here fails again, with its own error, where the module
+    is used; the thread is a daemon, so an error that ends the command never waits for it."""
+    import importlib
+
+    def load() -> None:
+        with contextlib.suppress(BaseException):
+            importlib.import_module(name)
+
+    th = threading.Thread(target=load, name=f"import {name}", daemon=True)
+    th.start()
+    return th
 
 
 def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[str, t.Any]:
