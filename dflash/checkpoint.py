@@ -26,13 +26,11 @@ new one is renamed in; a ``step-<n>`` of ANOTHER run that is in the way is moved
 first (newest step first), then older runs'. Checkpoints written before run ids (and sha256 sums)
 existed still load; they count as one run older than any other.
 
-The best checkpoint (``[eval] every``, ``dflash.validation``): ``<root>/best`` is a symlink ``best -> step-<n>``
-to the checkpoint with the highest held-out tau, and ``<root>/best.json`` says its step, tau, run id and how
-the tau was measured. ``set_best`` writes best.json and then switches the link by renaming a new one over
-it, so ``best`` always names a complete checkpoint; pruning never removes the checkpoint ``best`` points to
-(nor a step whose eval is still running: ``protect``), and ``move_aside`` takes both along with their run.
-``choose`` is what ``dflash export`` and ``dflash eval --drafter`` read a folder with: a checkpoint dir
-itself, else ``best`` when there is one, else the latest complete checkpoint, and a line that says which.
+The best checkpoint (``<root>/best`` and ``best.json``) is ``dflash.best``'s: pruning never removes the
+checkpoint ``best`` points to (nor a step whose eval is still running: ``protect``), and ``move_aside`` takes
+both along with their run. ``choose`` is what ``dflash export`` and ``dflash eval --drafter`` read a folder
+with: a checkpoint dir itself, else ``best`` when there is one, else the latest complete checkpoint, and a
+line that says which. What makes a directory a complete checkpoint (its manifest, read) is ``dflash.manifest``'s.
 
 Writing in the background: ``snapshot`` copies what a checkpoint holds to CPU (the only part that must
 happen while the drafters wait), ``CheckpointWriter`` writes snapshots in one background thread, one at
@@ -61,19 +59,29 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash import contract, hf_remote, inputs, model_config
+from dflash.best import BEST_FILE, BEST_LINK, BEST_LOCK, best_of, move_best, read_best
 from dflash.drafter import ARCHITECTURES, DFlashDraftConfig, DFlashDraftModel
-from dflash.errors import DflashError, InputError
+from dflash.errors import DflashError
+from dflash.manifest import (
+    CONFIG_FILE,
+    FORMAT,
+    MANIFEST_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    WEIGHTS_FILE,
+    CheckpointError,
+    manifest_problem,
+    read_manifest,
+    step_of,
+)
+from dflash.outputs import fsync_dir, fsync_file
 
 __all__ = [
-    "BEST_FILE",
-    "BEST_LINK",
     "Checkpoint",
-    "CheckpointError",
     "CheckpointWriteError",
     "CheckpointWriter",
     "Snapshot",
     "latest_complete",
-    "best_of",
     "choose",
     "list_complete",
     "load_checkpoint",
@@ -82,36 +90,19 @@ __all__ = [
     "new_run_id",
     "prune",
     "nonfinite_weights",
-    "read_best",
     "restore_rng_state",
     "resume_order",
     "rng_state",
     "run_of",
     "save_checkpoint",
-    "set_best",
     "snapshot",
     "write_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-STATE_FILE = "trainer_state.pt"
-MANIFEST_FILE = "checkpoint.json"
-BEST_LINK = "best"  # <root>/best -> step-<n>: the highest held-out tau (set_best)
-BEST_FILE = "best.json"  # its step, tau, run id and eval protocol
-FORMAT = "dflash-checkpoint/1"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^\.(?:tmp|old)-step-(\d+)-(\d+)$")
 _HASH_CHUNK = 1 << 20
-# Switching ``best`` and pruning happen in different threads (an eval's, the writer's): never at once, so
-# that a prune never removes the checkpoint that best is being switched to.
-BEST_LOCK = threading.Lock()
-
-
-class CheckpointError(InputError, ValueError):
-    """A checkpoint directory is missing, incomplete, corrupted or not ours; the message names the path."""
 
 
 class CheckpointWriteError(DflashError, RuntimeError):
@@ -137,22 +128,6 @@ def new_run_id() -> str:
 
 
 # ---- writing --------------------------------------------------------------------------------
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def config_json(config: DFlashDraftConfig, *, dtype: torch.dtype | None = None) -> str:
@@ -385,8 +360,8 @@ def write_checkpoint(
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         for name in (*names, MANIFEST_FILE):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         if final.exists():  # another run's (a fork's parent, a corrupted one): never deleted, moved aside
             aside = _archive_dir(root, _manifest_run(final))
             final.rename(aside / final.name)
@@ -398,7 +373,7 @@ def write_checkpoint(
                 aside / final.name,
             )
         tmp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -460,7 +435,7 @@ def move_aside(root: str | os.PathLike[str]) -> list[Path]:
         return []
     by_run: dict[str | None, list[Path]] = {}
     for entry in sorted(root.iterdir()):
-        if _STEP_DIR.match(entry.name) and entry.is_dir():
+        if STEP_DIR.match(entry.name) and entry.is_dir():
             by_run.setdefault(_manifest_run(entry), []).append(entry)
     link = root / BEST_LINK
     best_name = os.readlink(link) if link.is_symlink() else None
@@ -477,17 +452,10 @@ def move_aside(root: str | os.PathLike[str]) -> list[Path]:
         if best_aside is None:  # its checkpoint is gone already: in an archive of their own
             best_aside = _archive_dir(root, "best")
             made.append(best_aside)
-        _move_best(root, best_aside)
+        move_best(root, best_aside)
     if made:
-        _fsync_dir(root)
+        fsync_dir(root)
     return made
-
-
-def _move_best(root: Path, aside: Path) -> None:
-    for name in (BEST_LINK, BEST_FILE):
-        src = root / name
-        if src.is_symlink() or src.exists():
-            src.rename(aside / name)
 
 
 class CheckpointWriter:
@@ -602,74 +570,6 @@ class CheckpointWriter:
         return self.written
 
 
-# ---- the best checkpoint --------------------------------------------------------------------
-
-
-def best_of(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint ``<root>/best`` points to (sizes checked, not sums), or None."""
-    link = Path(root) / BEST_LINK
-    if not link.is_symlink():
-        return None
-    try:
-        name = os.readlink(link)
-    except OSError:
-        return None
-    target = Path(root) / name
-    if "/" in name or not _STEP_DIR.match(name) or not target.is_dir() or _manifest_problem(target) is not None:
-        return None
-    return target
-
-
-def read_best(root: str | os.PathLike[str]) -> dict[str, t.Any] | None:
-    """best.json when ``best`` points to the checkpoint it names (None: no best, or the two disagree).
-
-    best.json is read bounded and field by field (``inputs.read_record``): a record whose step is no step,
-    whose tau is no finite figure (NaN would be a best no eval beats: every comparison with it is false) or
-    whose protocol key is no string is no best, with a warning naming the file and the key: the next eval
-    sets one."""
-    path = Path(root) / BEST_FILE
-    target = best_of(root)
-    if not path.exists() and not path.is_symlink():
-        return None
-    try:
-        rec = inputs.read_record(path, BEST_FILE)
-        step = rec.integer("step", lo=0)
-        rec.number("tau", lo=0)
-        rec.text("protocol_key", default=None)
-        rec.text("run_id", default=None)
-    except (inputs.InputFileError, inputs.RecordError) as exc:
-        logger.warning("%s; taken as no best (the next eval sets one)", exc)
-        return None
-    if target is None or step != step_of(target):
-        return None
-    return dict(rec.data)
-
-
-def set_best(root: str | os.PathLike[str], record: t.Mapping[str, t.Any]) -> Path:
-    """Make ``<root>/best`` point to ``step-<record["step"]>`` and ``best.json`` hold ``record``.
-
-    best.json is written first (temp file, fsync, rename), then a new link is renamed over ``best``: a
-    reader sees the old best or the new one, never a missing or half-written one. ``CheckpointError`` when
-    the checkpoint is not there (complete)."""
-    root = Path(root)
-    step = int(record["step"])
-    name = f"step-{step}"
-    with BEST_LOCK:
-        if _manifest_problem(root / name) is not None if (root / name).is_dir() else True:
-            raise CheckpointError(f"{root / name}: not a complete checkpoint, so it cannot be the best")
-        tmp = root / f".{BEST_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps(dict(record), indent=2, sort_keys=True) + "\n")
-        _fsync_file(tmp)
-        os.replace(tmp, root / BEST_FILE)
-        link = root / f".{BEST_LINK}.{os.getpid()}"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        os.symlink(name, link)  # relative: the folder may be moved or copied whole
-        os.replace(link, root / BEST_LINK)
-        _fsync_dir(root)
-    return root / BEST_LINK
-
-
 def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
     """The checkpoint a folder means to ``dflash export`` and ``dflash eval --drafter``: a checkpoint dir
     (config.json) itself; under a checkpoints root or a run dir that holds ``checkpoints/``, the ``best``
@@ -702,49 +602,8 @@ def choose(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
 # ---- finding and reading ------------------------------------------------------------------
 
 
-def step_of(path: Path) -> int:
-    match = _STEP_DIR.match(path.name)
-    if match is None:
-        raise CheckpointError(f"{path}: not a checkpoint directory (expected a name like step-<n>)")
-    return int(match.group(1))
-
-
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _manifest(path: Path) -> tuple[dict[str, t.Any] | None, str | None]:
-    """checkpoint.json, read bounded and field by field: (the manifest, None), or (None, why it is none: a
-    half-written checkpoint, another format, a key missing or of the wrong type). Sizes are not compared
-    here (``_manifest_problem``), nor sums (``_hash_problem``)."""
-    file = path / MANIFEST_FILE
-    if not file.exists():
-        return None, f"no {MANIFEST_FILE} (not finished)"
-    try:
-        rec = inputs.read_record(file, MANIFEST_FILE)
-        if rec.data.get("format") != FORMAT:
-            return None, f"{MANIFEST_FILE}: unknown format"
-        rec.integer("step", lo=0)
-        files = rec.record("files")
-        required = {CONFIG_FILE, WEIGHTS_FILE, STATE_FILE}  # dflash.py: in newer checkpoints only
-        if not required <= set(files.data) <= required | {hf_remote.FILE_NAME}:
-            return None, f"{MANIFEST_FILE}: file list is wrong"
-        for name in files.data:
-            files.integer(name, lo=0)
-        sums = rec.record("sha256", default=None)  # None: an old manifest, sizes only
-        if sums is not None:
-            for name in sums.data:
-                if name not in files.data or not _SHA256.match(str(sums.data[name])):
-                    sums.bad(name, f"the sha256 (64 hex digits) of a file in files ({', '.join(sorted(files.data))})")
-        rec.text("run_id", default=None)
-    except inputs.InputFileError as exc:
-        return None, f"{MANIFEST_FILE} unreadable: {str(exc).removeprefix(MANIFEST_FILE + ': ')}"
-    except inputs.RecordError as exc:
-        return None, f"{MANIFEST_FILE} unreadable: {str(exc).removeprefix(str(file) + ': ')}"
-    return dict(rec.data), None
-
-
 def _read_manifest(path: Path) -> dict[str, t.Any] | None:
-    return _manifest(path)[0]
+    return read_manifest(path)[0]
 
 
 def _manifest_run(path: Path) -> str | None:
@@ -755,23 +614,6 @@ def _manifest_run(path: Path) -> str | None:
 def run_of(path: str | os.PathLike[str]) -> str | None:
     """The id of the run that wrote the checkpoint at ``path`` (None: written before run ids existed)."""
     return _manifest_run(Path(path))
-
-
-def _manifest_problem(path: Path) -> str | None:
-    """Why ``path`` is not a complete checkpoint, or None if it is (sizes only: ``_hash_problem`` reads the bytes)."""
-    manifest, problem = _manifest(path)
-    if manifest is None:
-        return problem
-    if manifest["step"] != step_of(path):
-        return f"{MANIFEST_FILE}: step {manifest['step']!r} does not match the directory name"
-    for name, size in manifest["files"].items():
-        try:
-            actual = (path / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if actual != size:
-            return f"{name} has {actual} bytes, the manifest says {size}"
-    return None
 
 
 def _hash_problem(path: Path, manifest: dict[str, t.Any]) -> str | None:
@@ -796,8 +638,8 @@ def list_complete(root: str | os.PathLike[str]) -> list[Path]:
         return []
     found = []
     for entry in root.iterdir():
-        if _STEP_DIR.match(entry.name) and entry.is_dir():
-            problem = _manifest_problem(entry)
+        if STEP_DIR.match(entry.name) and entry.is_dir():
+            problem = manifest_problem(entry)
             if problem is None:
                 found.append(entry)
             else:
@@ -872,7 +714,7 @@ def load_checkpoint(
     """Read a complete checkpoint for resuming: config, drafter weights, trainer and optimizer state.
     ``verify`` checks every file against the manifest's sha256 first (manifests without sums: sizes only)."""
     path = Path(path)
-    problem = _manifest_problem(path) if path.is_dir() else "no such directory"
+    problem = manifest_problem(path) if path.is_dir() else "no such directory"
     if problem is not None:
         raise CheckpointError(f"{path}: not a complete checkpoint: {problem}")
     problem = _hash_problem(path, _read_manifest(path) or {}) if verify else None
@@ -902,7 +744,7 @@ def load_drafter(
     (``config.json`` + ``model.safetensors``, no trainer state, no manifest). Weights must match exactly;
     where there is a manifest, its sha256 sums are checked first."""
     path = Path(path)
-    manifest, problem = _manifest(path)
+    manifest, problem = read_manifest(path)
     if manifest is None and (path / MANIFEST_FILE).exists():  # a manifest we cannot check is no checkpoint
         raise CheckpointError(f"{path}: {problem}")
     problem = _hash_problem(path, manifest) if manifest is not None else None

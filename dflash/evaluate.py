@@ -67,6 +67,7 @@ from dflash.chat import BadRecord, Renderer, load_tokenizer, messages_of, templa
 from dflash.config import ConfigError, RunConfig, load_config, parse_config
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.errors import DataError, InputError
+from dflash.manifest import STATE_FILE, CheckpointError
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
 from dflash.replicas import torch_dtype
 from dflash.spec_decode import (
@@ -687,11 +688,11 @@ def load_setup(
     step = None
     if ckpt_dir is not None:
         try:
-            state = torch.load(ckpt_dir / ckpt.STATE_FILE, map_location="cpu", weights_only=True)
+            state = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             state = None  # a published drafter folder: weights and config only
         except Exception as e:  # torch raises several unpickling errors
-            raise EvalError(f"--drafter: cannot read {ckpt_dir / ckpt.STATE_FILE}: {e}") from e
+            raise EvalError(f"--drafter: cannot read {ckpt_dir / STATE_FILE}: {e}") from e
         if state is not None:
             step = int(state.get("step", 0))
             saved = (state.get("trainer_state") or {}).get("config")
@@ -699,13 +700,13 @@ def load_setup(
                 try:
                     run = parse_config(saved)
                 except ConfigError as e:
-                    raise EvalError(f"--drafter: the run config saved in {ckpt_dir / ckpt.STATE_FILE}: {e}") from None
+                    raise EvalError(f"--drafter: the run config saved in {ckpt_dir / STATE_FILE}: {e}") from None
 
     draft_cfg: DFlashDraftConfig | None = None
     if ckpt_dir is not None:
         try:  # a published folder's config.json is a user's file: bounded JSON, every field checked
             draft_cfg = ckpt.read_config(ckpt_dir)
-        except ckpt.CheckpointError as e:
+        except CheckpointError as e:
             raise EvalError(f"--drafter: {e}") from None
 
     # the target: the run's (dflash.models, as training builds it), reading the layers the drafter reads
@@ -750,7 +751,7 @@ def load_setup(
         assert ckpt_dir is not None
         try:
             model = ckpt.load_drafter(ckpt_dir, device=device)
-        except ckpt.CheckpointError as e:
+        except CheckpointError as e:
             raise EvalError(f"--drafter: {e}") from e
         drafter_name = str(ckpt_dir)
     if list(model.target_layer_ids) != list(tm.layer_ids) or model.config.vocab_size != tm.vocab_size:

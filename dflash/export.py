@@ -37,6 +37,7 @@ from dflash import checkpoint as ckpt
 from dflash import contract, hf_remote, inputs, model_config, outputs, speculators_format
 from dflash.dtypes import ALIASES, NAMES, canonical, torch_dtype
 from dflash.errors import InputError
+from dflash.manifest import CONFIG_FILE, STATE_FILE, WEIGHTS_FILE, CheckpointError
 
 __all__ = ["FORMATS", "ExportError", "export"]
 
@@ -51,7 +52,7 @@ def _resolve(path: Path, log: t.Callable[[str], None] | None) -> Path:
     """A checkpoint dir (config.json), or under a root or a run dir the ``best`` checkpoint when training
     chose one by held-out tau, else the latest complete ``step-*`` (``checkpoint.choose``; ``log`` says which)."""
     chosen, note = ckpt.choose(path)
-    if (chosen / ckpt.CONFIG_FILE).is_file():
+    if (chosen / CONFIG_FILE).is_file():
         if note is not None and log is not None:
             log(note)
         return chosen
@@ -62,7 +63,7 @@ def _resolve(path: Path, log: t.Callable[[str], None] | None) -> Path:
 
 def _run_config(path: Path) -> dict[str, t.Any]:
     """The training run's config saved with the checkpoint ({} for a folder without trainer state)."""
-    state_file = path / ckpt.STATE_FILE
+    state_file = path / STATE_FILE
     if not state_file.is_file():
         return {}
     try:
@@ -402,7 +403,7 @@ def export(
     report = _read_report(Path(eval_report)) if eval_report is not None else None
     try:
         model = ckpt.load_drafter(path)
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     run = _run_config(path)
     weights = {k: v.detach().to(torch_dtype(dtype)).contiguous() for k, v in model.state_dict().items()}
@@ -426,7 +427,7 @@ def export(
     return out
 
 
-EXPORT_FILES = frozenset({ckpt.WEIGHTS_FILE, ckpt.CONFIG_FILE, "dflash.py", "README.md"})
+EXPORT_FILES = frozenset({WEIGHTS_FILE, CONFIG_FILE, "dflash.py", "README.md"})
 
 
 def check_out(out: Path, *, sources: t.Sequence[str | os.PathLike[str]]) -> None:
@@ -449,8 +450,8 @@ def _write(out: Path, tmp_name: str, *, weights: dict[str, torch.Tensor], config
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(weights, str(tmp / ckpt.WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / ckpt.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if fmt == "zlab":  # a speculators config.json has no model_type: AutoModel cannot read it anyway
             hf_remote.write(tmp)
         (tmp / "README.md").write_text(card)

@@ -29,6 +29,7 @@ from dflash.chat import load_tokenizer
 from dflash.config import ConfigError, RunConfig
 from dflash.drafter import DFLASH2_KEYS, DFlashDraftConfig, DFlashDraftModel, draft_config_for, published_mask_token_id
 from dflash.errors import DataError
+from dflash.manifest import CheckpointError
 from dflash.replicas import torch_dtype
 from dflash.target import TargetModel, default_mask_token_id, tiny_target_config_of
 
@@ -159,7 +160,7 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
     key = "drafter.init_from"
     try:
         model = ckpt.load_drafter(Path(t.cast(str, d.init_from)).expanduser())
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         raise ConfigError(key, str(e)) from None
     c = model.config
     tc = target.model.config

@@ -8,7 +8,8 @@ that fails (a full disk, a read-only folder) said in one line.
 - ``OutputLock``: ``OUT.lock`` next to the output, flocked for the whole run, so a second run into the same
   output refuses at once (``another prepare-data (pid N) is writing OUT``, exit 2) instead of mixing its
   parts into the first one's; the kernel drops the lock of a killed run;
-- ``WriteFailed``: an OSError met while writing, as one line that names the file and says what is kept.
+- ``WriteFailed``: an OSError met while writing, as one line that names the file and says what is kept;
+- ``fsync_file``, ``fsync_dir``: a file's bytes, and the folder entry naming it, on disk (checkpoints, best).
 """
 
 from __future__ import annotations
@@ -176,12 +177,30 @@ def write_json(path: str, data: t.Any, *, command: str) -> None:
         f.write(json.dumps(data, indent=1) + "\n")
 
 
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 __all__ = [
     "OutputBusy",
     "OutputError",
     "OutputLock",
     "WriteFailed",
     "check_out",
+    "fsync_dir",
+    "fsync_file",
     "write_failed",
     "write_json",
     "writing",

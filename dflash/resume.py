@@ -29,6 +29,7 @@ from dflash.config import ConfigError
 from dflash.data import DataPosition
 from dflash.distributed import NodeGroup
 from dflash.drafter import DFLASH2_KEYS, DFlashDraftConfig
+from dflash.manifest import CheckpointError
 from dflash.replicas import DrafterReplica
 
 # The run's log lines keep the name they had in train.py: README and dflashctl show "dflash.train: resuming from".
@@ -52,7 +53,7 @@ def find_resume(mode: str, ckpt_dir: Path) -> tuple[ckpt.Checkpoint | None, str]
         for path in ckpt.resume_order(ckpt_dir):
             try:
                 c = ckpt.load_checkpoint(path, map_location="cpu")
-            except ckpt.CheckpointError as e:
+            except CheckpointError as e:
                 logger.warning(
                     "resume: skipping %s: %s; trying the previous complete checkpoint",
                     path,
@@ -75,7 +76,7 @@ def find_resume(mode: str, ckpt_dir: Path) -> tuple[ckpt.Checkpoint | None, str]
         )
     try:
         c = ckpt.load_checkpoint(path, map_location="cpu")
-    except ckpt.CheckpointError as e:
+    except CheckpointError as e:
         raise ConfigError("checkpoint.resume", str(e)) from e
     return c, lineage(c, ckpt_dir)
 

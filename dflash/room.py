@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 from dflash import checkpoint as ckpt
+from dflash.best import BEST_LOCK, best_of
+from dflash.manifest import step_of
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +67,10 @@ def prunable(root: Path, run_id: str | None, *, keep: int | None, protect: t.Col
     None/0 ``keep`` (keep all): none."""
     if not keep:
         return []
-    kept = {ckpt.step_of(b)} if (b := ckpt.best_of(root)) is not None else set()
+    kept = {step_of(b)} if (b := best_of(root)) is not None else set()
     kept |= set(protect)
     mine = [p for p in ckpt.list_complete(root) if ckpt.run_of(p) == run_id]
-    return [p for p in mine[: max(0, len(mine) + 1 - keep)] if ckpt.step_of(p) not in kept]
+    return [p for p in mine[: max(0, len(mine) + 1 - keep)] if step_of(p) not in kept]
 
 
 def make_room(
@@ -88,9 +90,9 @@ def make_room(
     pruned: list[Path] = []
     if free >= need:
         return Room(free, need)
-    with ckpt.BEST_LOCK:
+    with BEST_LOCK:
         for old_path in prunable(root, snap.run_id, keep=keep, protect=protect() if protect is not None else ()):
-            doomed = root / f".old-step-{ckpt.step_of(old_path)}-{os.getpid()}"
+            doomed = root / f".old-step-{step_of(old_path)}-{os.getpid()}"
             old_path.rename(doomed)
             shutil.rmtree(doomed, ignore_errors=True)
             pruned.append(old_path)

@@ -19,7 +19,7 @@ rendered with the run's tokenizer and chat template and ``data.chat_template_kwa
 default: ``eval.jsonl`` next to ``data.path`` (make-tiny writes it). ``eval.limit``: the first N.
 
 The best: an eval whose tau is higher than every earlier one of the same protocol switches
-``checkpoints/best -> step-N`` (``checkpoint.set_best``) and best.json; pruning never removes it. A resumed
+``checkpoints/best -> step-N`` (``best.set_best``) and best.json; pruning never removes it. A resumed
 run reads best.json and goes on comparing against it; when the eval protocol changed (other prompts, another
 ``max_new``), the old best is not compared with (a warning says so) and the first eval of this run replaces it.
 """
@@ -37,13 +37,14 @@ from pathlib import Path
 
 import torch
 
-from dflash import checkpoint as ckpt
 from dflash import suites
+from dflash.best import BEST_LINK, read_best, set_best
 from dflash.chat import BadRecord, Renderer
 from dflash.config import ConfigError, RunConfig, is_suite
 from dflash.drafter import DFlashDraftConfig
 from dflash.errors import DflashError
 from dflash.evaluate import DeferredPrompt, EvalError, eos_ids, load_prompts, read_records
+from dflash.manifest import CheckpointError
 from dflash.models import initial_drafter, load_target
 from dflash.replicas import torch_dtype
 from dflash.spec_decode import speculative_generate, step_credits
@@ -265,7 +266,7 @@ class Validator:
 
     def _read_best(self) -> None:
         """The best so far, from best.json (a resumed run), when it was measured the same way."""
-        rec = ckpt.read_best(self.ckpt_dir)
+        rec = read_best(self.ckpt_dir)
         if rec is None:
             return
         tau, step = rec.get("tau"), rec.get("step")
@@ -273,7 +274,7 @@ class Validator:
             logger.warning(
                 "eval: the best so far (%s -> step-%s, held-out tau %s) was measured otherwise (other prompts or "
                 "settings); not compared with it: the first eval of this run replaces it",
-                self.ckpt_dir / ckpt.BEST_LINK,
+                self.ckpt_dir / BEST_LINK,
                 step,
                 tau,
             )
@@ -400,8 +401,8 @@ class Validator:
                 "protocol": self.protocol,
             }
             try:
-                ckpt.set_best(self.ckpt_dir, record)
-            except (ckpt.CheckpointError, OSError) as e:
+                set_best(self.ckpt_dir, record)
+            except (CheckpointError, OSError) as e:
                 logger.warning("eval: step %d has the best tau, but checkpoints/best stays: %s", r.step, e)
                 is_best = False
             else:

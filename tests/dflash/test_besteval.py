@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 
 from dflash import checkpoint as ckpt
+from dflash.best import best_of, read_best, set_best
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.evaluate import resolve_checkpoint
 from dflash.export import export
+from dflash.manifest import CheckpointError
 from dflash.train import Run
 from testkit import retry_until
 
@@ -127,7 +129,7 @@ def test_eval_every_writes_held_out_tau_and_points_best_at_the_best_checkpoint(t
 
 def test_export_and_eval_take_best_and_say_so(trained: tuple[Path, str], tmp_path: Path) -> None:
     root, _ = trained
-    best = ckpt.best_of(root / "ckpt")
+    best = best_of(root / "ckpt")
     assert best is not None
     said: list[str] = []
     assert resolve_checkpoint(root / "ckpt", log=said.append) == best
@@ -234,7 +236,7 @@ def test_a_killed_run_resumes_knowing_its_best_and_keeps_it_through_pruning(tmp_
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
     root = tmp_path / "ckpt"
-    best = ckpt.read_best(root)
+    best = read_best(root)
     seen_before = evals(tmp_path)
     top = max(seen_before, key=lambda r: (r["tau"], -r["step"]))  # the first of the highest: ties do not switch
     assert best is not None and (best["step"] == top["step"] or best["step"] > seen_before[-1]["step"]), best
@@ -271,15 +273,15 @@ def test_set_best_switches_by_rename_and_choose_falls_back_to_the_latest(
     for p in (src / "ckpt").glob("step-*"):
         shutil.copytree(p, root / p.name)
     steps = steps_on_disk(tmp_path)
-    with pytest.raises(ckpt.CheckpointError, match=r"step-12345: not a complete checkpoint"):
-        ckpt.set_best(root, {"step": 12345, "tau": 2.0})
+    with pytest.raises(CheckpointError, match=r"step-12345: not a complete checkpoint"):
+        set_best(root, {"step": 12345, "tau": 2.0})
     assert not (root / "best").exists() and not (root / "best.json").exists()
     for s in steps:
-        ckpt.set_best(root, {"step": s, "tau": 1.5})
-        assert os.readlink(root / "best") == f"step-{s}" and ckpt.read_best(root)["step"] == s
+        set_best(root, {"step": s, "tau": 1.5})
+        assert os.readlink(root / "best") == f"step-{s}" and read_best(root)["step"] == s
     assert sorted(p.name for p in root.iterdir()) == sorted(["best", "best.json", *(f"step-{s}" for s in steps)])
     # a best whose checkpoint went missing: the latest, with a warning, not an error
-    ckpt.set_best(root, {"step": steps[0], "tau": 1.5})
+    set_best(root, {"step": steps[0], "tau": 1.5})
     shutil.rmtree(root / f"step-{steps[0]}")
     chosen, note = ckpt.choose(root)
     assert chosen == root / f"step-{steps[-1]}" and note is None  # the latest, as without best (a warning logs it)

@@ -16,7 +16,6 @@ from test_drafter import ZLAB_NAMES
 from transformers import Qwen3Config
 
 from dflash.checkpoint import (
-    CheckpointError,
     latest_complete,
     load_checkpoint,
     load_drafter,
@@ -26,6 +25,7 @@ from dflash.checkpoint import (
 )
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.loss import drafter_loss
+from dflash.manifest import CheckpointError
 from dflash.target import TargetModel, tiny_target_config
 
 # floor (scripts/test runs it again in .venv-floor): save_pretrained / config.json and z-lab's class loading our

@@ -19,6 +19,7 @@ from dflash.__main__ import main as dflash_main
 from dflash.config import ConfigError, RunConfig, load_config
 from dflash.data import DataError
 from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.manifest import CheckpointError
 from dflash.target import tiny_target_config
 from dflash.train import Run
 
@@ -189,9 +190,9 @@ def test_a_flipped_weight_byte_is_caught_by_load_checkpoint_load_drafter_and_eva
     assert set(manifest["sha256"]) == {"config.json", "dflash.py", "model.safetensors", "trainer_state.pt"}
     assert manifest["run_id"] == run.run_id
     flip_a_byte(path / "model.safetensors", (path / "model.safetensors").stat().st_size - 3)  # a weight, not the header
-    with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupted"):
         ckpt.load_checkpoint(path)
-    with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupted"):
         ckpt.load_drafter(path)
     assert ckpt.latest_complete(tmp_path / "ckpt") is None
     code, err = cli("eval", "--drafter", str(path), "--limit", "1")
@@ -357,7 +358,7 @@ def test_eval_with_a_drafter_for_another_target_says_so_before_decoding(tmp_path
     conf = json.loads((path / "config.json").read_text())
     conf["intermediate_size"] += 1
     (path / "config.json").write_text(json.dumps(conf))
-    with pytest.raises(ckpt.CheckpointError, match=r"model.safetensors does not match .*config.json: size mismatch"):
+    with pytest.raises(CheckpointError, match=r"model.safetensors does not match .*config.json: size mismatch"):
         _load_without_sums(path)
 
 

@@ -18,11 +18,13 @@ import torch
 from safetensors.torch import load_file
 
 from dflash import checkpoint as ckpt
+from dflash.best import best_of, read_best
 from dflash.config import ConfigError, load_config
 from dflash.data import collate
 from dflash.divergence import Diverged, LossSpike, NonfiniteGuard, nonfinite_code
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.errors import EXIT_DIVERGED
+from dflash.manifest import CheckpointError
 from dflash.metrics import Metrics
 from dflash.pipeline import StepStats
 from dflash.replicas import FeatureBatch
@@ -133,7 +135,7 @@ def test_the_checkpoint_writer_refuses_non_finite_weights(tmp_path: Path) -> Non
     ckpt.save_checkpoint(tmp_path, step=1, drafter=drafter, trainer_state={})
     with torch.no_grad():
         next(drafter.parameters())[0] = NAN
-    with pytest.raises(ckpt.CheckpointError, match="step 2: .* is not finite"):
+    with pytest.raises(CheckpointError, match="step 2: .* is not finite"):
         ckpt.save_checkpoint(tmp_path, step=2, drafter=drafter, trainer_state={})
     assert sorted(os.listdir(tmp_path)) == ["step-1"]
 
@@ -212,9 +214,9 @@ def test_nan_at_step_stops_with_exit_3_one_line_and_no_checkpoint_after_it(tmp_p
     steps = on_disk(tmp_path / "ckpt")
     assert good in steps and max(steps) == good, f"no checkpoint after the bad update: {sorted(steps)}"
     assert all(finite(p) for p in steps.values())
-    best = ckpt.best_of(tmp_path / "ckpt")
+    best = best_of(tmp_path / "ckpt")
     assert best is not None and int(best.name.split("-")[1]) <= good and finite(best), "best never moves to it"
-    assert (ckpt.read_best(tmp_path / "ckpt") or {}).get("step", 99) <= good
+    assert (read_best(tmp_path / "ckpt") or {}).get("step", 99) <= good
     diverged = [r for r in records(tmp_path) if r.get("event") == "diverged"]
     assert [(r["step"], r["figure"]) for r in diverged] == [(bad, "loss")]
     # what dflashctl makes of this real log and exit code: crashed/diverged, and restart-on-crash gives up

@@ -207,7 +207,8 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
     remote code (the same config class) read it alike."""
     import importlib.util
 
-    from dflash.checkpoint import CheckpointError, config_json
+    from dflash.checkpoint import config_json
+    from dflash.manifest import CheckpointError
 
     drafter = new_drafter(layer_types=layer_types, sliding_window=5)
     ours = save_checkpoint(tmp_path / "ck", step=1, drafter=drafter, trainer_state={})

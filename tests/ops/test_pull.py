@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash import checkpoint as ckpt
+from dflash.best import set_best
 from dflash.drafter import DFlashDraftModel, draft_config_for
 from dflash.target import tiny_target_config
 from ops import pull
@@ -36,7 +37,7 @@ def write_checkpoints(root: Path) -> None:
         ckpt.save_checkpoint(
             root, step=step, drafter=drafter, trainer_state={"data_position": step}, keep=None, run_id=RUN_ID
         )
-    ckpt.set_best(root, {"step": 4, "tau": 2.5, "run_id": RUN_ID})
+    set_best(root, {"step": 4, "tau": 2.5, "run_id": RUN_ID})
 
 
 @pytest.fixture(scope="module")
