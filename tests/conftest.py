@@ -105,6 +105,12 @@ def _ignored_and_blocked() -> tuple[int, int]:
     return masks.get("SigIgn", 0) & wanted, masks.get("SigBlk", 0) & wanted
 
 
+# A run started in the background by a shell without job control (`scripts/test &` in a script) inherits
+# SIGINT and SIGQUIT ignored (POSIX), and so would every child: the tests run as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 _BASELINE = (_ignored_and_blocked(), {sig: signal.getsignal(sig) for sig in _SIGNALS})
 
 
