@@ -52,7 +52,17 @@ def free_port() -> int:
 
 def _port_slice(low: int, high: int) -> tuple[int, int]:
     """This pytest-xdist worker's own share of [low, high): a port one worker's sshd gives up while it is
-    "down for a while" is never the next port another worker's server takes."""
+    "down for a while" is never the next port another worker's server takes. DFLASH_TEST_PORT_SHARE=I/N
+    first gives this pytest run the I-th of N shares (scripts/test runs the floor run beside the main run)."""
+    share = os.environ.get("DFLASH_TEST_PORT_SHARE", "")
+    if share:
+        try:
+            i, n = (int(x) for x in share.split("/"))
+        except ValueError:
+            i, n = 0, 1
+        if n > 1 and 0 <= i < n:
+            size = (high - low) // n
+            low, high = low + i * size, low + (i + 1) * size
     try:
         index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
         count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

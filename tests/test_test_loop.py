@@ -42,6 +42,15 @@ def test_each_worker_draws_ports_from_its_own_slice(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("PYTEST_XDIST_WORKER")
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
     assert _port_slice(low, high) == (low, high), "no xdist: the whole range"
+    # two pytest runs side by side (scripts/test: the floor run beside the main run): halves of their own
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    halves = []
+    for share in ("0/2", "1/2"):
+        monkeypatch.setenv("DFLASH_TEST_PORT_SHARE", share)
+        halves.append(range(*_port_slice(low, high)))
+    assert not set(halves[0]) & set(halves[1]) and halves[0].start == low
+    assert halves[1].stop <= high and len(halves[0]) == len(halves[1]) >= (high - low) // 8 - 1
 
 
 def test_a_test_on_a_module_fixture_stays_with_its_module(
