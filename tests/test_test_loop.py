@@ -26,6 +26,7 @@ def built_once() -> t.Iterator[list[str]]:
 
 
 def test_each_worker_draws_ports_from_its_own_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DFLASH_TEST_PORT_SHARE", raising=False)  # scripts/test sets it for its two runs
     low, high = max(1024, _ephemeral_low() - 12000), _ephemeral_low()
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
     slices = []

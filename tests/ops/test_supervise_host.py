@@ -230,7 +230,7 @@ def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(nig
     assert first is not None
     # SIGKILL: no farewell. The tmux loop (Restart=always) starts it again after 10 s: meanwhile, stale.
     os.kill(first, signal.SIGKILL)
-    sv = retry_until(lambda: (s := night.status()).get("supervisor", {}).get("state") == "stale" and s, 12)
+    sv = retry_until(lambda: (s := night.status()).get("supervisor", {}).get("state") == "stale" and s, 40)
     assert sv["state"] == "running"  # the run's state is not the supervisor's fault
     assert any(e.startswith("supervisor: STALE: the supervisor pve (tmux, pid ") for e in sv["evidence"]), sv
     human = night.cli("status")
@@ -243,7 +243,7 @@ def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(nig
     loop = _parent(second)  # the sh loop of the launcher
     os.kill(loop, signal.SIGKILL)
     os.kill(second, signal.SIGKILL)
-    retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 12)
+    retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 40)
     st = night.cli("supervise", "status")
     assert st.exit_code == 8 and "supervisor of pve/dflash on pve: NOT running (tmux)" in st.stdout, st.output
 
