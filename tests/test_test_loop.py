@@ -15,6 +15,7 @@ import pytest
 from testkit import free_port
 from testkit.machine import _ephemeral_low, _port_slice
 from testkit.slowlist import durations, listed
+from testkit.slowlist import main as slowlist_main
 from testkit.xdist_groups import plain
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,3 +134,23 @@ def test_the_slow_list_adds_up_a_tests_setup_call_and_teardown() -> None:
         "tests/dflash/test_train.py::test_cli_exit_codes[a b]": 41.0,
         "tests/ops/test_x.py::test_y": 2.0,
     }
+
+
+def test_a_test_is_slow_by_its_cpu_or_its_wait_in_any_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A full run's times and a quick run's: the module fixture's cost lands on whichever test of the module
+    came first in each, so the list takes the most of any report."""
+    full = tmp_path / "full.times"
+    full.write_text(
+        "0.10s setup tests/a.py::test_fixture_first\n# cpu 0.05 setup tests/a.py::test_fixture_first\n"
+        "0.20s call tests/a.py::test_fixture_first\n# cpu 0.50 call tests/a.py::test_fixture_first\n"
+        "0.10s call tests/a.py::test_after\n# cpu 0.10 call tests/a.py::test_after\n"
+        "3.00s call tests/b.py::test_waits\n# cpu 0.01 call tests/b.py::test_waits\n"
+        "0.10s call tests/b.py::test_cheap\n# cpu 0.01 call tests/b.py::test_cheap\n"
+    )
+    quick = tmp_path / "quick.times"  # test_fixture_first left out: test_after builds the fixture now
+    quick.write_text("0.90s setup tests/a.py::test_after\n# cpu 0.70 setup tests/a.py::test_after\n")
+    assert slowlist_main([str(full), str(quick)]) == 0
+    listed_now = {line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
+    assert listed_now == {"tests/a.py::test_fixture_first", "tests/a.py::test_after", "tests/b.py::test_waits"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,12 @@ from dflash.__main__ import main
 
 
 def test_no_command_exits_by_itself() -> None:
-    """Commands raise BadInput/Failed or return; only main turns that into a code (no SystemExit,
-    sys.exit or os._exit elsewhere in the module)."""
+    """Commands raise BadInput/Failed or return; only main turns that into a code, and only entry ends the
+    process with it (no SystemExit, sys.exit or os._exit elsewhere in the module)."""
     tree = ast.parse(inspect.getsource(entry))
-    main_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
-    allowed = {id(n) for n in ast.walk(main_fn)}
+    ends = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("main", "entry")]
+    assert len(ends) == 2
+    allowed = {id(n) for fn in ends for n in ast.walk(fn)}
     allowed |= {id(n) for n in tree.body if isinstance(n, ast.If) for n in ast.walk(n)}  # if __name__ == "__main__"
     exits = []
     for node in ast.walk(tree):
@@ -42,3 +45,32 @@ def test_usage_errors_and_help_keep_clicks_codes(capsys: pytest.CaptureFixture[s
     assert "Missing option '--config'" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "Train DFlash drafters" in capsys.readouterr().out
+
+
+def test_entry_waits_for_threads_runs_atexit_and_flushes_then_skips_the_teardown() -> None:
+    """The console script's end: what a command can see of Python's exit happens (a worker thread's last
+    line, an atexit callback, stdout still in its buffer), the freeing of every module does not (a global's
+    __del__ never runs), and the code is main's."""
+    child = """
+import atexit, sys, threading, time
+import dflash.__main__ as m
+
+class Torn:
+    def __del__(self):
+        print("torn down", flush=True)
+
+torn = Torn()
+
+def command():
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread's last line"))).start()
+    atexit.register(lambda: print("atexit ran"))
+    sys.stdout.write("buffered ")
+    return 3
+
+m.main = command
+m.entry()
+"""
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (3, ""), p.stderr
+    assert p.stdout.split("\n")[:3] == ["buffered thread's last line", "atexit ran", ""], p.stdout
+    assert "torn down" not in p.stdout
