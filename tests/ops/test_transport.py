@@ -399,3 +399,34 @@ def test_paramiko_is_imported_without_importlib_metadata_and_knows_its_version()
     p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [importlib.metadata.version("paramiko"), "False"], p.stdout
+
+
+def test_the_tcp_socket_sends_at_once_and_acks_at_once_before_each_channel(
+    ssh: SSHTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nagle's algorithm held paramiko's second small write for the server's delayed ACK (public-key auth
+    51 ms), and our own delayed ACK held sshd's channel-open confirmation (49 ms a remote exec):
+    bench/status_vs_raw.py measured both. The socket has TCP_NODELAY; quick-ACK mode is set on it before
+    every channel opens."""
+    from ops.transport import ssh as ssh_mod
+
+    tr = ssh._transport()
+    sock = tr.sock
+    assert isinstance(sock, socket.socket)
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    order: list[str] = []
+    real_ack, real_open = ssh_mod._ack_at_once, type(tr).open_session
+
+    def ack(s: t.Any) -> None:
+        order.append("ack" if s is sock else f"ack on {s!r}")
+        real_ack(s)
+
+    def open_session(self: t.Any, *args: t.Any, **kwargs: t.Any) -> t.Any:
+        order.append("open")
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(ssh_mod, "_ack_at_once", ack)
+    monkeypatch.setattr(type(tr), "open_session", open_session)
+    for _ in range(2):
+        assert ssh.run(["true"]).exit_code == 0
+    assert order == ["ack", "open", "ack", "open"]
