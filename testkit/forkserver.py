@@ -1,17 +1,20 @@
-"""`python -m dflash ARGS` as a real child process, without paying its interpreter start and imports each time.
+"""`python -m dflash ARGS` or `dflashctl ARGS` as a real child process, without paying its interpreter start
+and imports each time.
 
 Most of what a `dflash` command costs in a test is importing torch and transformers (~7 s of CPU on the
 2-core CI machine), not the work: tests that run the CLI dozens of times to check one-line errors spent most
-of the suite's CPU there. A ForkServer is a child interpreter that imported `dflash.__main__` once and
-never ran a torch op (so no OpenMP pool exists to break in a fork); each `run` forks it, and the fork is
-the command: its own pid, cwd, environment, argv and the caller's stdin/stdout/stderr (passed as file
-descriptors), leaving through the interpreter's normal exit (atexit, thread joins, flushed streams) with
-the exit status the caller gets back.
+of the suite's CPU there; a `dflashctl` command's click, paramiko and ops imports are ~0.3 s of CPU, paid
+by hundreds of calls in tests/ops. A ForkServer is a child interpreter that imported the program's package
+once and never ran a torch op (so no OpenMP pool exists to break in a fork) nor opened a connection; each
+`run` forks it, and the fork is the command: its own pid, cwd, environment, argv and the caller's
+stdin/stdout/stderr (passed as file descriptors), leaving through the interpreter's normal exit (atexit,
+thread joins, flushed streams) with the exit status the caller gets back.
 
 What differs from a fresh interpreter: modules are imported before the command's environment is set, so
-`run` takes the fork only when the command's environment is the server's own (but for what pytest sets per
-test) and falls back to a real `python -m dflash` otherwise: anything read at import time, HF_HOME or
-DFLASH_* alike, stays right.
+`run` forks a `dflash` command only when its environment is the server's own (but for what pytest sets per
+test): HF_HOME or DFLASH_* read at import time stay right. ops reads the environment only when a command
+runs, so a `dflashctl` command forks with any environment whose PYTHON* variables are the server's. A
+command given stdin, or whose environment differs, runs as a real subprocess.
 """
 
 from __future__ import annotations
@@ -32,6 +35,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 _LEN = struct.Struct("!I")
+
+
+def dflashctl_argv() -> list[str]:
+    """The installed console script next to this interpreter, else ``python -m ops.cli``."""
+    script = Path(sys.executable).parent / "dflashctl"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ops.cli"]
+
+
+# what each server runs, and what a command that cannot fork runs instead
+PROGRAMS: dict[str, list[str]] = {"dflash": [sys.executable, "-m", "dflash"], "dflashctl": dflashctl_argv()}
 
 
 def _send(sock: socket.socket, obj: t.Any, fds: t.Sequence[int] = ()) -> None:
@@ -59,17 +72,25 @@ def _recv(sock: socket.socket, nfds: int = 0) -> tuple[t.Any, list[int]]:
 class ForkServer:
     """One per test process (`testkit.forkserver.shared()`); `close()` ends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, program: str = "dflash") -> None:
+        if program not in PROGRAMS:
+            raise ValueError(f"no fork server for {program!r} (one of {', '.join(PROGRAMS)})")
+        self.program = program
         self._dir = tempfile.mkdtemp(prefix="dflash-forkserver-")
         self.socket_path = os.path.join(self._dir, "sock")
-        self.env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # dflash's checked-file tests run the checkout by PYTHONPATH; dflashctl's callers run the installed
+        # console script, whose environment has none (`-m` from REPO finds testkit either way)
+        self.env = {**os.environ, "PYTHONPATH": str(REPO)} if program == "dflash" else dict(os.environ)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "testkit.forkserver", self.socket_path],
+            [sys.executable, "-m", "testkit.forkserver", program, self.socket_path],
             cwd=REPO,
             env=self.env,
             stdin=subprocess.DEVNULL,
         )
         self._sock: socket.socket | None = None
+        # one command at a time through the one connection; a second caller (a test's thread) meanwhile gets
+        # a real subprocess, so commands that a test runs side by side still run side by side
+        self._busy = threading.Lock()
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -89,17 +110,34 @@ class ForkServer:
         timeout: float = 300,
         input: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """What `subprocess.run([python, -m, dflash, *args], capture_output=True, text=True)` returns."""
+        """What `subprocess.run([python, -m, PROGRAM, *args], capture_output=True, text=True)` returns."""
         env = dict(env) if env is not None else dict(os.environ)
-        if not _same(env, self.env) or input is not None or self._proc.poll() is not None:
+        same = _same(env, self.env) if self.program == "dflash" else _same_imports(env, self.env)
+        off = os.environ.get("DFLASH_TEST_FORK") == "0"  # every command a fresh interpreter (a suspect fork)
+        if (
+            off
+            or not same
+            or input is not None
+            or self._proc.poll() is not None
+            or not self._busy.acquire(blocking=False)
+        ):
             return subprocess.run(
-                [sys.executable, "-m", "dflash", *args],
+                [*PROGRAMS[self.program], *args],
+                input=input,
                 cwd=cwd or REPO,
                 env=env,
                 capture_output=True,
                 text=True,
                 timeout=timeout,
             )
+        try:
+            return self._forked(args, cwd, env, timeout)
+        finally:
+            self._busy.release()
+
+    def _forked(
+        self, args: t.Sequence[str], cwd: str | os.PathLike[str] | None, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as nul:
             sock = self._connect()
             _send(
@@ -115,14 +153,14 @@ class ForkServer:
                 os.kill(pid, 9)
                 sock.settimeout(None)
                 _recv(sock)
-                raise subprocess.TimeoutExpired(["dflash", *args], timeout) from None
+                raise subprocess.TimeoutExpired([self.program, *args], timeout) from None
             finally:
                 sock.settimeout(None)
             out.seek(0)
             err.seek(0)
             code = os.waitstatus_to_exitcode(status)
             return subprocess.CompletedProcess(
-                ["dflash", *args], code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+                [self.program, *args], code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
             )
 
     def close(self) -> None:
@@ -150,6 +188,14 @@ def _same(env: t.Mapping[str, str], server: t.Mapping[str, str]) -> bool:
     }
 
 
+def _same_imports(env: t.Mapping[str, str], server: t.Mapping[str, str]) -> bool:
+    """ops reads the environment only when a command runs (HOME, XDG_*, a token's variable), never at
+    import: a dflashctl command may fork with any environment but one that changes what Python imports."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON")} == {
+        k: v for k, v in server.items() if k.startswith("PYTHON")
+    }
+
+
 def _ready(proc: subprocess.Popen[bytes], path: str) -> bool:
     """The server listens (it says so once its imports are done), or it died."""
     deadline = time.monotonic() + 120
@@ -162,31 +208,40 @@ def _ready(proc: subprocess.Popen[bytes], path: str) -> bool:
     return False
 
 
-_SHARED: ForkServer | None = None
+_SHARED: dict[str, ForkServer] = {}
 
 
-def shared() -> ForkServer:
-    """This process's fork server, started on first use and ended when the process exits."""
-    global _SHARED
-    if _SHARED is None:
-        _SHARED = ForkServer()
-        atexit.register(_SHARED.close)
-    return _SHARED
+def shared(program: str = "dflash") -> ForkServer:
+    """This process's fork server of ``program``, started on first use and ended when the process exits."""
+    server = _SHARED.get(program)
+    if server is None:
+        server = _SHARED[program] = ForkServer(program)
+        atexit.register(server.close)
+    return server
 
 
-def serve(path: str) -> None:
+def serve(program: str, path: str) -> None:
     """The server's loop; a forked child leaves through ``_exit`` with the command's code. The server ends
     on SIGTERM (``ForkServer.close``)."""
     import importlib
     import pkgutil
     import runpy
 
-    import dflash
-
     # the imports the commands pay (each command imports its modules when it runs): paid once
-    for mod in pkgutil.walk_packages(dflash.__path__, "dflash."):
-        if mod.name != "dflash.__main__":
-            importlib.import_module(mod.name)
+    if program == "dflash":
+        import dflash
+
+        for mod in pkgutil.walk_packages(dflash.__path__, "dflash."):
+            if mod.name != "dflash.__main__":
+                importlib.import_module(mod.name)
+    else:
+        import ops
+
+        for mod in pkgutil.walk_packages(ops.__path__, "ops."):
+            try:
+                importlib.import_module(mod.name)
+            except ImportError:  # an optional extra this venv lacks: the command imports it (and fails) itself
+                pass
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -210,10 +265,16 @@ def serve(path: str) -> None:
                 os.chdir(req["cwd"])
                 os.environ.clear()
                 os.environ.update(req["env"])
-                sys.argv = ["python -m dflash", *req["args"]]  # runpy puts __main__.py's path first
                 code = 0
                 try:
-                    runpy.run_module("dflash", run_name="__main__", alter_sys=True)
+                    if program == "dflash":
+                        sys.argv = ["python -m dflash", *req["args"]]  # runpy puts __main__.py's path first
+                        runpy.run_module("dflash", run_name="__main__", alter_sys=True)
+                    else:
+                        from ops.cli import main
+
+                        sys.argv = ["dflashctl", *req["args"]]
+                        main()  # the console script's entry: it ends with sys.exit (status: os._exit)
                 except SystemExit as e:
                     code = _code(e.code)
                 except BaseException:
@@ -250,4 +311,4 @@ def _code(code: object) -> int:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2])

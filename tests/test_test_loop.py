@@ -154,3 +154,43 @@ def test_a_test_is_slow_by_its_cpu_or_its_wait_in_any_report(
     assert slowlist_main([str(full), str(quick)]) == 0
     listed_now = {line.split()[0] for line in capsys.readouterr().out.splitlines() if not line.startswith("#")}
     assert listed_now == {"tests/a.py::test_fixture_first", "tests/a.py::test_after", "tests/b.py::test_waits"}
+
+
+def test_a_forked_dflashctl_is_the_real_command_with_the_callers_home(tmp_path: Path) -> None:
+    """testkit.forkserver's dflashctl: the same exit code, stdout and stderr as a fresh `dflashctl`, with the
+    HOME and cwd the caller gives (tests/ops run each command with a HOME of its own)."""
+    from testkit import forkserver
+
+    home = tmp_path / "home"
+    (home / ".config" / "dflashctl").mkdir(parents=True)
+    (home / ".config" / "dflashctl" / "hosts.toml").write_text('default = "x"\n[hosts.x]\ntransport = "nope"\n')
+    env = {**os.environ, "HOME": str(home)}
+    env.pop("DFLASHCTL_HOSTS", None)
+    forked = forkserver.shared("dflashctl").run(["status"], env=env, cwd=tmp_path, timeout=120)
+    fresh = subprocess.run(
+        [*forkserver.dflashctl_argv(), "status"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert forked.args[0] == "dflashctl", "it forked (a fallback runs the whole command line)"
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert 'got "nope"' in forked.stderr, forked.stderr  # the hosts.toml of the HOME given was read
+    shadowed = {**env, "PYTHONPATH": str(tmp_path)}  # what Python imports changes: a real interpreter
+    assert forkserver.shared("dflashctl").run(["status"], env=shadowed, cwd=tmp_path).args[0] != "dflashctl"
+
+
+def test_no_ops_module_reads_the_environment_when_it_is_imported() -> None:
+    """What lets a dflashctl command fork from a server that imported ops under another environment."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "ops").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        todo: list[ast.AST] = list(tree.body)
+        while todo:  # module level and class bodies run at import; function bodies do not
+            node = todo.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            text = ast.unparse(node) if isinstance(node, (ast.Attribute, ast.Call, ast.Name)) else ""
+            if re.search(r"\b(environ|getenv)\b", text) and not isinstance(node, ast.Name):
+                found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', '?')}: {text}")
+            todo.extend(ast.iter_child_nodes(node))
+    assert found == []
