@@ -513,11 +513,16 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         if run is None:
             spane = _pane(tmux_facts(staged))
             if spane is None or spane.get("pane_dead") == "1":
-                break  # the runner is gone without a record
+                break  # the runner is gone: without a record, unless it wrote one after our look (below)
             time.sleep(0.02)
     warning = None
     if run is None:
         spane = _pane(tmux_facts(staged))
+        if spane is None or spane.get("pane_dead") == "1":
+            # it wrote its record, ran and ended between the two looks (a command that fails at once, on a
+            # loaded box): it started, and its records stay
+            run, _ = _read_json(os.path.join(adir, RUN_JSON))
+    if run is None:
         if spane is None or spane.get("pane_dead") == "1":
             # tmux's own "Pane is dead" line is not the runner's; tmux can lose a fast exit's last output
             lines = [ln.strip() for ln in capture(staged, 100)["lines"] if ln.strip()]

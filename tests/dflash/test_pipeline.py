@@ -291,8 +291,13 @@ def test_a_dead_drafter_does_not_block_the_barrier() -> None:
     pipe, _ = build(T=2, D=3, max_steps=60, injector=inj, on_sync=events.append, average_every=4, barrier_timeout=600)
     result = pipe.run()
     assert result.steps == 60
-    late = [e for e in events if not e.final and e.step > 20]
-    assert late and all(e.replicas == (0, 1) for e in late), "the barrier's parties follow the live drafters"
+    # the fault fires at drafter 2's first step >= 9, whenever its thread gets there (on a loaded machine,
+    # some barriers later): from the first barrier without it on, the parties are the two live drafters
+    periodic = [e for e in events if not e.final]
+    first = next((k for k, e in enumerate(periodic) if e.replicas == (0, 1)), None)
+    assert first is not None, "a barrier after the death went on without it"
+    assert all(e.replicas == (0, 1) for e in periodic[first:]), "the barrier's parties follow the live drafters"
+    assert all(e.replicas == (0, 1, 2) for e in periodic[:first])
     assert events[-1].final and events[-1].replicas == (0, 1)
 
 

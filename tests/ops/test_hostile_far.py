@@ -364,6 +364,35 @@ def test_a_full_disk_keeps_the_real_end_and_refuses_a_start(tmp_path: Path, tmux
     (tmp_path / "facts.json").write_text(json.dumps(out["facts"]))
 
 
+def test_a_run_that_ends_between_start_s_two_looks_is_started_and_keeps_its_records(
+    tmp_path: Path, tmux_socket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """start reads run.json, then looks at the pane. A command that fails at once can end between the two
+    (on a loaded box the agent is descheduled there: played here by holding the first read until the pane is
+    dead): that run started, and its attempt with run.json and exit.json stays; it was 'the runner died at
+    once, nothing was started', and the attempt dir with its exit record was removed."""
+    remote = local_host(tmp_path, tmux_socket, ["sh", "-c", "echo step 1; exit 3"])
+    real = agent._read_json
+    held: list[str] = []
+
+    def descheduled(path: str, *a: t.Any, **kw: t.Any) -> tuple[dict[str, t.Any] | None, str | None]:
+        if path.endswith("run.json") and not held:
+            held.append(path)
+            panes = ["tmux", "-L", tmux_socket, "list-panes", "-a", "-F", "#{pane_dead}"]
+            retry_until(lambda: subprocess.run(panes, capture_output=True, text=True).stdout.split() == ["1"], 30)
+            return None, None
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(agent, "_read_json", descheduled)
+    req = session.request(remote.host)
+    req.update(command=list(remote.host.command), env={}, started_by=session.operator_start(True))
+    agent.start(req)
+    assert held, "the first look at run.json was the held one"
+    adir = Path(held[0]).parent
+    assert (adir / "run.json").exists() and (adir / "exit.json").exists()
+    assert json.loads((adir / "exit.json").read_text())["exit_code"] == 3
+
+
 def test_replace_starts_nothing_beside_a_run_its_stop_did_not_end(
     tmp_path: Path, tmux_socket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
