@@ -288,24 +288,27 @@ def test_the_state_tables_are_the_cli_s(page: str) -> None:
         assert said == {str(c) for c in CAUSES.get(State(state), ())}, f"{page}: the causes of {state}"
 
 
+def _give_up_codes() -> set[int]:
+    """The exit codes that are no state's, nor an error or usage: restart-on-crash giving up."""
+    from ops.exit_codes import STATE_EXIT, ExitCode
+
+    return {int(c) for c in ExitCode if c not in STATE_EXIT.values() and c > ExitCode.USAGE}
+
+
 @pytest.mark.parametrize("page", ["README.md", "docs/status.md", "docs/design.md"])
 def test_the_pages_name_every_give_up_exit_code(page: str) -> None:
     """The codes that are no state's (restart-on-crash giving up) are said beside the state table."""
-    from ops.exit_codes import STATE_EXIT, ExitCode
-
     text = " ".join(_read(REPO / page).split())
     said = re.search(r"[^.]*\b11 when it gave up[^.]*", text)
     assert said, f"{page}: no sentence gives restart-on-crash's exit codes"
-    give_ups = {int(c) for c in ExitCode if c not in STATE_EXIT.values() and c > ExitCode.USAGE}
+    give_ups = _give_up_codes()
     assert give_ups == {11, 12, 13}
     assert {n for n in give_ups if re.search(rf"\b{n}\b", said.group(0))} == give_ups, said.group(0)
 
 
 def test_restart_on_crash_s_reference_names_every_give_up_exit_code() -> None:
-    from ops.exit_codes import STATE_EXIT, ExitCode
-
     text = " ".join(_read(REPO / "docs" / "commands.md").split())
-    give_ups = {int(c) for c in ExitCode if c not in STATE_EXIT.values() and c > ExitCode.USAGE}
+    give_ups = _give_up_codes()
     assert {n for n in give_ups if re.search(rf"\bexit {n}\b", text)} == give_ups
 
 

@@ -518,12 +518,13 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     warning = None
     if run is None:
         spane = _pane(tmux_facts(staged))
-        if spane is None or spane.get("pane_dead") == "1":
+        dead = spane is None or spane.get("pane_dead") == "1"
+        if dead:
             # it wrote its record, ran and ended between the two looks (a command that fails at once, on a
             # loaded box): it started, and its records stay
             run, _ = _read_json(os.path.join(adir, RUN_JSON))
     if run is None:
-        if spane is None or spane.get("pane_dead") == "1":
+        if dead:
             # tmux's own "Pane is dead" line is not the runner's; tmux can lose a fast exit's last output
             lines = [ln.strip() for ln in capture(staged, 100)["lines"] if ln.strip()]
             said = " | ".join([ln for ln in lines if not ln.startswith("Pane is dead")][-5:])
