@@ -19,6 +19,7 @@ import dataclasses
 import math
 import os
 import re
+import shlex
 import tomllib
 import types
 import typing as t
@@ -27,8 +28,6 @@ from pathlib import Path
 from dflash import inputs
 from dflash.dtypes import NAMES
 from dflash.errors import InputError
-from dflash.suites import SUITES  # names only: dflash.suites imports datasets when a suite is read
-from dflash.sync import SyncError, parse_template
 
 RUN_DIR_ENV = "DFLASH_RUN_DIR"
 
@@ -327,10 +326,53 @@ def parse_config(raw: t.Mapping[str, t.Any], *, base: Path | None = None) -> Run
     return cfg
 
 
+# The published tables' suites by name (dflash/eval/suites.py defines them; a test holds the two equal): the
+# config reads names only, and importing the suites' module would put the eval stage under the config.
+SUITES = (
+    "gsm8k",
+    "math500",
+    "aime24",
+    "aime25",
+    "humaneval",
+    "mbpp",
+    "livecodebench",
+    "swe-bench",
+    "mt-bench",
+    "alpaca",
+    "lbpp",
+)
+
+
 def is_suite(prompts: str) -> bool:
     """``eval.prompts`` names a suite (``gsm8k``, or ``gsm8k=PATH`` for a local copy), not a prompt file."""
     name, _, _ = prompts.partition("=")
     return name.strip() in SUITES
+
+
+# [checkpoint] sync's template, read here (a config value's language); dflash/checkpoint/sync.py runs it.
+SYNC_FIELD = re.compile(r"\{(\w*)\}")
+SYNC_FIELDS = ("dir", "step")
+
+
+class SyncError(InputError, ValueError):
+    """A sync template that cannot be run (the message is one line; the caller names the key)."""
+
+
+def parse_template(text: str) -> tuple[str, ...]:
+    """The template's words; SyncError when it cannot be split, is empty, names no ``{dir}`` or an unknown field."""
+    try:
+        words = shlex.split(text)
+    except ValueError as e:
+        raise SyncError(f"cannot split {text!r} like a shell would: {e}") from None
+    if not words:
+        raise SyncError("empty command")
+    for word in words:
+        for name in SYNC_FIELD.findall(word):
+            if name not in SYNC_FIELDS:
+                raise SyncError(f"unknown field {{{name}}} in {word!r} (known: {{dir}}, {{step}})")
+    if not any("{dir}" in w for w in words):
+        raise SyncError('names no {dir} (the checkpoints folder to copy), e.g. "rclone copy {dir} remote:bucket/run"')
+    return tuple(words)
 
 
 def _resolve(base: Path, value: str) -> str:

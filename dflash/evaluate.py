@@ -66,10 +66,10 @@ from dflash import inputs
 from dflash.chat import BadRecord, Renderer, load_tokenizer, messages_of, template_hash, tokenizer_hash
 from dflash.config import ConfigError, RunConfig, load_config, parse_config
 from dflash.drafter import DFlashDraftConfig, DFlashDraftModel
+from dflash.dtypes import torch_dtype
 from dflash.errors import DataError, InputError
 from dflash.manifest import STATE_FILE, CheckpointError
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
-from dflash.replicas import torch_dtype
 from dflash.spec_decode import (
     COUNT_RULES,
     Sampler,

@@ -215,7 +215,7 @@ def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerato
     import torch  # the hf backend only (as HFGenerator._batch): seconds to import, openai needs none of these
     from transformers import AutoModelForCausalLM
 
-    from dflash.replicas import torch_dtype
+    from dflash.dtypes import torch_dtype
     from dflash.target import TargetModel, tiny_target_config_of
 
     dtype = torch_dtype(cfg.target.dtype)

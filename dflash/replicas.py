@@ -20,7 +20,6 @@ import torch
 from dflash.config import DataConfig, DrafterConfig, LossConfig, OptimConfig, RunConfig
 from dflash.divergence import nonfinite_code
 from dflash.drafter import DFlashDraftModel
-from dflash.dtypes import torch_dtype
 from dflash.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
 from dflash.loss import drafter_loss
 from dflash.pipeline import StepStats
@@ -527,5 +526,4 @@ __all__ = [
     "held_bytes",
     "pinned_block",
     "pinned_host_bytes",
-    "torch_dtype",
 ]

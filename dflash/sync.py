@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
-import shlex
 import signal
 import subprocess
 import threading
@@ -26,41 +24,18 @@ import time
 import typing as t
 from pathlib import Path
 
-from dflash.errors import InputError
+from dflash.config import SYNC_FIELD
 
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "sync.log"  # in the run dir: the sync command's stdout and stderr
 KILL_GRACE = 10.0  # seconds between the TERM and the KILL of a sync past its timeout
-_FIELD = re.compile(r"\{(\w*)\}")
-FIELDS = ("dir", "step")
-
-
-class SyncError(InputError, ValueError):
-    """A sync template that cannot be run (the message is one line; config.py names the key)."""
-
-
-def parse_template(text: str) -> tuple[str, ...]:
-    """The template's words; SyncError when it cannot be split, is empty, names no ``{dir}`` or an unknown field."""
-    try:
-        words = shlex.split(text)
-    except ValueError as e:
-        raise SyncError(f"cannot split {text!r} like a shell would: {e}") from None
-    if not words:
-        raise SyncError("empty command")
-    for word in words:
-        for name in _FIELD.findall(word):
-            if name not in FIELDS:
-                raise SyncError(f"unknown field {{{name}}} in {word!r} (known: {{dir}}, {{step}})")
-    if not any("{dir}" in w for w in words):
-        raise SyncError('names no {dir} (the checkpoints folder to copy), e.g. "rclone copy {dir} remote:bucket/run"')
-    return tuple(words)
 
 
 def command(words: t.Sequence[str], *, folder: Path, step: int) -> list[str]:
     """The argv of one sync: the fields replaced in one pass (a path holding "{step}" stays as it is)."""
     values = {"dir": str(folder), "step": str(step)}
-    return [_FIELD.sub(lambda m: values.get(m.group(1), m.group(0)), w) for w in words]
+    return [SYNC_FIELD.sub(lambda m: values.get(m.group(1), m.group(0)), w) for w in words]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,4 +216,4 @@ def last_line(path: Path | None, offset: int) -> str | None:
     return lines[-1][:200] if lines else None
 
 
-__all__ = ["FIELDS", "LOG_FILE", "CheckpointSync", "SyncError", "SyncResult", "command", "parse_template"]
+__all__ = ["LOG_FILE", "CheckpointSync", "SyncResult", "command"]

@@ -87,10 +87,11 @@ from dflash import room
 from dflash.averaging import Averager
 from dflash.batching import BatchPlan
 from dflash.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
-from dflash.config import ConfigError, RunConfig, check_devices, to_dict
+from dflash.config import ConfigError, RunConfig, check_devices, parse_template, to_dict
 from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.distributed import GroupBarrier, NodeGroup
 from dflash.divergence import AVERAGED, FIGURES, WEIGHTS, Diverged, LossSpike, NonfiniteGuard, all_finite
+from dflash.dtypes import torch_dtype
 from dflash.errors import EXIT_OK
 from dflash.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
 from dflash.feature_queue import MIN_DEFAULT_BYTES, default_max_bytes, format_bytes, short_bound_warning
@@ -106,10 +107,10 @@ from dflash.metrics import (
 )
 from dflash.models import drafter_spec, initial_drafter, load_target
 from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
-from dflash.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica, torch_dtype
+from dflash.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica
 from dflash.resume import find_resume, group_resume, restore
 from dflash.sync import LOG_FILE as SYNC_LOG
-from dflash.sync import CheckpointSync, SyncResult, parse_template
+from dflash.sync import CheckpointSync, SyncResult
 from dflash.target import TargetHead
 from dflash.validation import EvalResult, Validator
 

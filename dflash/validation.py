@@ -42,11 +42,11 @@ from dflash.best import BEST_LINK, read_best, set_best
 from dflash.chat import BadRecord, Renderer
 from dflash.config import ConfigError, RunConfig, is_suite
 from dflash.drafter import DFlashDraftConfig
+from dflash.dtypes import torch_dtype
 from dflash.errors import DflashError
 from dflash.evaluate import DeferredPrompt, EvalError, eos_ids, load_prompts, read_records
 from dflash.manifest import CheckpointError
 from dflash.models import initial_drafter, load_target
-from dflash.replicas import torch_dtype
 from dflash.spec_decode import speculative_generate, step_credits
 from dflash.suite_report import suite_prompts
 

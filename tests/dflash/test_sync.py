@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import ConfigError, load_config
-from dflash.sync import CheckpointSync, SyncError, SyncResult, command, parse_template
+from dflash.config import ConfigError, SyncError, load_config, parse_template
+from dflash.sync import CheckpointSync, SyncResult, command
 from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]
