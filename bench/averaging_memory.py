@@ -7,9 +7,9 @@ Builds ``--replicas`` replicas of a model of ``--layers`` square fp32 linears (2
 100 MB per replica: 300 MB for 3) -- on the CPU, or with ``--device cuda`` one replica per visible GPU
 (round-robin) -- then measures in separate child processes (so peaks do not mix):
 
-- ``averager``: ``dflash.averaging.Averager`` (bounded slice buffers, pipelined, host threads);
-- ``engine``: with ``--engine FILE``, the ``Averager`` of another version of dflash/averaging.py, e.g. the
-  one before a change (``git show REV:dflash/averaging.py > /tmp/old.py``), for a before/after table;
+- ``averager``: ``dflash.train.averaging.Averager`` (bounded slice buffers, pipelined, host threads);
+- ``engine``: with ``--engine FILE``, the ``Averager`` of another version of dflash/train/averaging.py, e.g. the
+  one before a change (``git show REV:dflash/train/averaging.py > /tmp/old.py``), for a before/after table;
 - ``naive``: what averaging usually looks like, ``{k: mean(sd[k] for sd in state_dicts)}`` and
   ``load_state_dict`` into every replica (a model-sized temporary, and more).
 
@@ -61,7 +61,7 @@ def load_engine(path: str) -> type:
 def child(method: str, a: argparse.Namespace) -> dict[str, t.Any]:
     import torch
 
-    from dflash.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
+    from dflash.train.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
 
     torch.set_num_threads(a.threads)
     devices = [torch.device("cpu")] * a.replicas
@@ -139,7 +139,7 @@ def main() -> int:
     )
     ap.add_argument("--rounds", type=int, default=3, help="rounds per method; the best after the first is reported")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the replicas live")
-    ap.add_argument("--engine", default=None, help="another dflash/averaging.py to compare (e.g. the one before)")
+    ap.add_argument("--engine", default=None, help="another dflash/train/averaging.py to compare (e.g. the one before)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON lines instead of the table")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()

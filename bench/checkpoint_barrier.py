@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.checkpoint import checkpoints as ckpt
 from dflash.dtypes import NAMES, torch_dtype
-from dflash.target import tiny_target_config
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
 
 
 def nbytes(obj: object) -> int:

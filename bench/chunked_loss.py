@@ -39,9 +39,9 @@ def _rss_bytes() -> int:
 def run_variant(args: argparse.Namespace, chunk: int | None) -> dict[str, float]:
     import torch
 
-    from dflash.drafter import DFlashDraftModel, draft_config_for
-    from dflash.loss import drafter_loss
-    from dflash.target import TargetModel, tiny_target_config
+    from dflash.model.drafter import DFlashDraftModel, draft_config_for
+    from dflash.model.loss import drafter_loss
+    from dflash.model.target import TargetModel, tiny_target_config
 
     torch.set_num_threads(1)
     heads = max(1, args.hidden // 16)

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from dflash.config import load_config
-from dflash.pipeline import SyncEvent
-from dflash.train import Run
+from dflash.train.pipeline import SyncEvent
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[1]
 

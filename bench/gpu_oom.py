@@ -45,12 +45,12 @@ def end_leftovers(record: Path) -> None:
 def oom_child(argv: t.Sequence[str]) -> int:
     """``GPU MARGIN_BYTES SHAPES_JSON dflash-args...``: ``dflash train`` whose GPU is capped after its warm-up.
 
-    The run's warm-up (``dflash.train.warm_up_replicas``, wrapped here: the smoke's shapes only) compiles
+    The run's warm-up (``dflash.train.run.warm_up_replicas``, wrapped here: the smoke's shapes only) compiles
     and builds everything a step needs but the step's activations; then the allocator's cache is emptied and
     the GPU capped at what it holds plus the margin, so the first drafter step's logits cannot fit."""
     import torch
 
-    import dflash.train as train
+    import dflash.train.run as train
 
     gpu, margin, shapes = int(argv[0]), float(argv[1]), [tuple(s) for s in json.loads(argv[2])]
     warm = train.warm_up_replicas

@@ -11,13 +11,13 @@ On a CUDA machine (``--quick``: at most ~6 minutes on one GPU, compile included)
    saves it to a temp dir, so the real ``Run`` loads it as it would a user's checkpoint; writes random
    pre-tokenized data over Qwen3's vocabulary (151936 rows), never holding the MASK id the run's rule picks
    (the published 151669: ``dflash.models.default_rule_mask_id``); prints the vocabulary and MASK id;
-2. trains it through the real pipeline (``dflash.train.Run`` from a ``RunConfig``): the visible GPUs split
+2. trains it through the real pipeline (``dflash.train.run.Run`` from a ``RunConfig``): the visible GPUs split
    into targets (first half) and drafters (the rest, at least one each; one GPU is shared: the target then
    runs on its own CUDA stream, so its kernels are not inside the drafter's step events), with
    ``compile = true`` (inductor), activation checkpointing and the compiled flex_attention BlockMask;
-   ``--quick`` warms up only the shape classes the smoke's data makes (``dflash.compile.shape_class``);
+   ``--quick`` warms up only the shape classes the smoke's data makes (``dflash.train.compile.shape_class``);
 3. ``--quick``: the class check: a one-layer drafter of the same width is compiled for every shape class
-   (``dflash.compile.warm_up_shapes``), then one batch of each class, in other sizes than its warm-up's, is
+   (``dflash.train.compile.warm_up_shapes``), then one batch of each class, in other sizes than its warm-up's, is
    trained under ``fail_on_recompile``: each must hit compiled code;
 4. prints: the vocabulary and MASK id, Ktok/s, drafter step time, the drafter step's MFU, peak memory per
    GPU, compile time (train() start to the pipeline start: the warm-up), compiled cache entries per drafter
@@ -209,7 +209,7 @@ def build_target(path: Path, shape: dict[str, int], *, cuda: bool) -> int:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from dflash.target import tiny_target_config
+    from dflash.model.target import tiny_target_config
 
     config = tiny_target_config(max_position_embeddings=32768, **shape)
     torch.manual_seed(0)
@@ -470,7 +470,7 @@ def averaging_round(run: t.Any) -> dict[str, t.Any]:
     The result is checked: replicas bit-identical, and equal to the mean computed on the CPU."""
     import torch
 
-    from dflash.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
+    from dflash.train.averaging import Averager, copy_bound_seconds, measure_copy_bandwidth
 
     reps = [r.trainable() for r in run.drafters]
     made = False
@@ -528,8 +528,8 @@ def gpu_memory() -> list[dict[str, t.Any]]:
 
 def data_shapes(run: t.Any, args: argparse.Namespace) -> list[tuple[int, int, int]]:
     """The warm-up shapes of the classes the run's own batches fall in (one epoch of its batch plan)."""
-    from dflash.compile import batch_shape, shape_class, shapes_for, uses_flex
-    from dflash.data import collate
+    from dflash.data.samples import collate
+    from dflash.train.compile import batch_shape, shape_class, shapes_for, uses_flex
 
     flex = uses_flex(run.drafters[0].device)
     met = set()
@@ -542,7 +542,7 @@ def data_shapes(run: t.Any, args: argparse.Namespace) -> list[tuple[int, int, in
 
 def other_size(shape: tuple[int, int, int], *, block_size: int, flex: bool, max_length: int) -> tuple[int, int, int]:
     """A batch of the same class as ``shape`` in other sizes (so the check meets a size warm-up never ran)."""
-    from dflash.compile import shape_class
+    from dflash.train.compile import shape_class
 
     rows, seq, blocks = shape
     want = shape_class(*shape, block_size=block_size, flex=flex)
@@ -561,12 +561,13 @@ def other_size(shape: tuple[int, int, int], *, block_size: int, flex: bool, max_
 
 def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
     """A one-layer drafter of the run's width on its drafter device, compiled for every shape class
-    (``dflash.compile.warm_up_shapes``) within ``--class-budget`` seconds, then one batch of each warmed
+    (``dflash.train.compile.warm_up_shapes``) within ``--class-budget`` seconds, then one batch of each warmed
     class in other sizes under ``fail_on_recompile``: each must run compiled code, and no cache entry may
     be added by the batches."""
     import torch
 
-    from dflash.compile import (
+    from dflash.model.drafter import CompileMissError, DFlashDraftModel, draft_config_for
+    from dflash.train.compile import (
         compiled_entries,
         prepare_drafter,
         set_recompile_limits,
@@ -575,8 +576,7 @@ def class_check(args: argparse.Namespace, run: t.Any) -> dict[str, t.Any]:
         uses_flex,
         warm_up,
     )
-    from dflash.drafter import CompileMissError, DFlashDraftModel, draft_config_for
-    from dflash.replicas import DrafterReplica, ReplicaConfig
+    from dflash.train.replicas import DrafterReplica, ReplicaConfig
 
     base = run.drafters[0]
     target = run.targets[0].model
@@ -733,7 +733,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         print(f"[gpu_smoke {time.perf_counter() - t_start:6.1f}s] {msg}", file=out, flush=True)
 
     from dflash.config import parse_config
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     tmp = Path(tempfile.mkdtemp(prefix="dflash-smoke-"))
     try:

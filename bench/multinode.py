@@ -6,7 +6,7 @@ Each "node" is a process joined by ``torch.distributed`` (gloo on 127.0.0.1, as 
 running dflash's own code:
 
 - ``averaging``: one drafter replica of ``--mb`` MB (fp32, a few tensors) per node, averaged by
-  ``dflash.averaging.Averager`` with ``NodeGroup.cross_reduce`` (slice by slice: local mean, all_reduce of
+  ``dflash.train.averaging.Averager`` with ``NodeGroup.cross_reduce`` (slice by slice: local mean, all_reduce of
   mean * replicas, divide). Seconds per round (best of ``--rounds``), seconds per MB of one replica, the
   gloo all_reduce's bandwidth alone on the same bytes, and a check that every node ends bit-identical.
   With 1 node there is no group: the figure is a local round of 2 replicas (what a single box pays).
@@ -41,7 +41,7 @@ def free_port() -> int:
 def _join(rank: int, world: int, port: int) -> t.Any:
     import torch.distributed as dist
 
-    from dflash.distributed import NodeGroup
+    from dflash.train.distributed import NodeGroup
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=dt.timedelta(seconds=120)
@@ -64,7 +64,7 @@ def averaging_worker(rank: int, world: int, port: int, mb: float, rounds: int, o
     import torch
     import torch.distributed as dist
 
-    from dflash.averaging import Averager
+    from dflash.train.averaging import Averager
 
     torch.set_num_threads(1)
     if world == 1:  # no group: one box's local round of 2 replicas
@@ -106,10 +106,10 @@ def averaging_worker(rank: int, world: int, port: int, mb: float, rounds: int, o
 def pipeline_worker(rank: int, world: int, port: int, steps: int, out: t.Any) -> None:
     import torch
 
-    from dflash.averaging import Averager
-    from dflash.distributed import Header
-    from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
-    from dflash.simulate import SimDrafter, SimSource, SimTarget
+    from dflash.train.averaging import Averager
+    from dflash.train.distributed import Header
+    from dflash.train.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
+    from dflash.train.simulate import SimDrafter, SimSource, SimTarget
 
     torch.set_num_threads(1)
     group = _join(rank, world, port) if world > 1 else None

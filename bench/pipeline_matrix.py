@@ -23,7 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
-from dflash.simulate import BenchResult, BenchSpec, format_result, run_bench
+from dflash.train.simulate import BenchResult, BenchSpec, format_result, run_bench
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.plot [--mb 130] [--workers 8] [--slots 16]
 
-Writes a metrics.jsonl of about ``--mb`` MB as `dflash train` writes it (every field of dflash/metrics.py,
+Writes a metrics.jsonl of about ``--mb`` MB as `dflash train` writes it (every field of dflash/train/metrics.py,
 ``--workers`` workers, ``--slots`` acceptance slots; two attempts: the first crashed at 40 %, the second
 running), on a local host with a fake release (the agent's real `read` verb). Then runs the real
 `dflashctl plot` three times with one state dir: the first run (everything fetched and parsed), the
@@ -33,7 +33,7 @@ from testkit.runkit import fake_release
 
 
 def record(step: int, at: float, workers: int, slots: int, rnd: random.Random) -> dict[str, t.Any]:
-    """One record as dflash/metrics.py writes it (the values drift and wobble like a run's)."""
+    """One record as dflash/train/metrics.py writes it (the values drift and wobble like a run's)."""
     progress = min(1.0, step / 50_000)
     ws = []
     for i in range(workers):

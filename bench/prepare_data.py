@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 STARTUP = r"""
 import json, resource, sys, time
-from dflash.batching import BatchPlan
-from dflash.data import JsonlDataset, Shard
+from dflash.data.batching import BatchPlan
+from dflash.data.samples import JsonlDataset, Shard
 rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 ds = JsonlDataset(sys.argv[1], max_length=4096)
@@ -179,7 +179,7 @@ def main() -> None:
 
 
 def startup(work: Path, a: argparse.Namespace) -> None:
-    from dflash.store import TokenStore
+    from dflash.data.store import TokenStore
 
     small = work / f"store-{a.small}"
     for n in (a.small, a.large):

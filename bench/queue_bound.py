@@ -20,8 +20,8 @@ import time
 import types
 import typing as t
 
-from dflash.feature_queue import default_max_bytes, format_bytes
-from dflash.pipeline import Pipeline, PipelineOptions, StepStats
+from dflash.train.feature_queue import default_max_bytes, format_bytes
+from dflash.train.pipeline import Pipeline, PipelineOptions, StepStats
 
 ITEM = 256 << 10
 TARGETS, DRAFTERS, ACCUMULATE = 5, 3, 11

@@ -32,7 +32,7 @@ from testkit.chat_templates import random_conversations
 
 
 def run(spec_kw: dict[str, object], gen: object, renderer: object, out: Path) -> tuple[float, dict[str, object]]:
-    from dflash.regen import RegenSpec, regen
+    from dflash.data.regen import RegenSpec, regen
 
     spec = RegenSpec(out=str(out), **spec_kw)  # type: ignore[arg-type]
     t0 = time.perf_counter()
@@ -58,8 +58,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from dflash.chat import Renderer, load_tokenizer
-    from dflash.regen import HFGenerator, OpenAIGenerator
+    from dflash.data.chat import Renderer, load_tokenizer
+    from dflash.data.regen import HFGenerator, OpenAIGenerator
 
     hf_logging.disable_progress_bar()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-regen-"))

@@ -95,10 +95,10 @@ class OpCounter(TorchDispatchMode):
 
 def build(args: argparse.Namespace) -> tuple[t.Any, t.Any, t.Any, t.Any]:
     from dflash.config import load_config
-    from dflash.drafter import DFlashDraftModel, draft_config_for
-    from dflash.metrics import Metrics
-    from dflash.replicas import DrafterReplica, LRSchedule, TargetReplica
-    from dflash.target import TargetModel, tiny_target_config
+    from dflash.model.drafter import DFlashDraftModel, draft_config_for
+    from dflash.model.target import TargetModel, tiny_target_config
+    from dflash.train.metrics import Metrics
+    from dflash.train.replicas import DrafterReplica, LRSchedule, TargetReplica
 
     heads = max(1, args.hidden // 32)
     tcfg = tiny_target_config(
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    from dflash.loss import sample_anchors, training_block_mask
-    from dflash.replicas import FeatureBatch
+    from dflash.model.loss import sample_anchors, training_block_mask
+    from dflash.train.replicas import FeatureBatch
 
     producer, replica, batch, metrics = build(args)
     payload: FeatureBatch = producer.produce(batch)

@@ -17,7 +17,7 @@ Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
 written); 2 bad config or arguments (one line naming the key); 3 diverged (a non-finite loss, gradient norm
 or weights: one line naming the step, the figure and the last finite checkpoint; no checkpoint written
-after it: ``dflash.divergence``); 143 stopped by SIGTERM after writing a
+after it: ``dflash.train.divergence``); 143 stopped by SIGTERM after writing a
 checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second SIGTERM/SIGINT exits at once.
 """
 
@@ -34,9 +34,9 @@ import typing as t
 
 import click
 
-from dflash.bench_commands import bench
 from dflash.dtypes import ALIASES, NAMES, canonical
 from dflash.errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, DflashError, Failed
+from dflash.serve.bench_commands import bench
 
 # The modules above import neither torch nor transformers (nor anything the base install lacks: `pip install
 # dflash` alone is the operator's dflashctl; main() names the [train] extra before any command runs). A command imports the rest inside its function:
@@ -72,11 +72,11 @@ def cli(verbose: int, quiet: int) -> None:
 )
 def train(config_path: str, overrides: tuple[str, ...]) -> int:
     """Train a drafter: target threads -> one shared queue -> drafter threads."""
-    from dflash.lifeline import die_with_agent
+    from dflash.train.lifeline import die_with_agent
 
     die_with_agent()  # first, before torch loads: a torchrun worker must not outlive its agent
     from dflash.config import load_config
-    from dflash.train import run_training
+    from dflash.train.run import run_training
 
     cfg = load_config(config_path, overrides)
     return run_training(cfg)  # the run's own exit status: 0, 1, or 128 + the signal that stopped it
@@ -99,7 +99,7 @@ def make_tiny_cmd(
     out: str, seed: int, force: bool, target_steps: int | None, samples: int | None, eval_prompts: int | None
 ) -> None:
     """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
-    from dflash.tiny import TinySpec, load_manifest, make_tiny
+    from dflash.data.tiny import TinySpec, load_manifest, make_tiny
 
     spec = TinySpec(seed=seed)
     changes = {
@@ -157,7 +157,7 @@ def make_tiny_cmd(
 )
 def prepare_data_cmd(**options: t.Any) -> None:
     """Render a chat corpus with the target's chat template into a memory-mapped token store."""
-    from dflash.store import PrepareRequest, run_prepare
+    from dflash.data.store import PrepareRequest, run_prepare
 
     run_prepare(PrepareRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
 
@@ -228,7 +228,7 @@ def prepare_data_cmd(**options: t.Any) -> None:
 )
 def regen_cmd(**options: t.Any) -> None:
     """The target rewrites every assistant turn (temperature 0, the serving chat template and kwargs)."""
-    from dflash.regen_command import RegenRequest, run_regen
+    from dflash.data.regen_command import RegenRequest, run_regen
 
     run_regen(RegenRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
 
@@ -332,7 +332,7 @@ def regen_cmd(**options: t.Any) -> None:
 def eval_cmd(**options: t.Any) -> None:
     """Exact speculative decoding on held-out prompts or the published suites: tau, acceptance,
     target-equivalence."""
-    from dflash.eval_command import BadOption, EvalRequest, run_eval
+    from dflash.eval.command import BadOption, EvalRequest, run_eval
 
     try:
         run_eval(EvalRequest(**options), say=click.echo, note=lambda line: click.echo(line, err=True))
@@ -377,7 +377,7 @@ def export_cmd(
     source: str, out: str, dtype: str, eval_path: str | None, force: bool, fmt: str, verifier: str | None
 ) -> None:
     """A serving folder from a checkpoint: config.json, model.safetensors, dflash.py (AutoModel remote code), README.md."""
-    from dflash.export import export
+    from dflash.serve.export import export
 
     dtype = canonical(dtype) or dtype
     path = export(

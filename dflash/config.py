@@ -105,7 +105,7 @@ class DrafterConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LossConfig:
-    """How block slots are weighted (``dflash.loss``), and the DFlash2 selector's share of the loss."""
+    """How block slots are weighted (``dflash.model.loss``), and the DFlash2 selector's share of the loss."""
 
     # "decay": exp(-(k-1)/gamma) per slot (the paper's); "dpace": per block, from the drafter's own
     # confidence in each slot (what each slot adds to the expected accepted length; D-PACE)
@@ -175,7 +175,7 @@ class CheckpointConfig:
     optimizer: bool = True  # save one replica's AdamW moments + fp32 masters (resume gives them to every replica)
     # `dflashctl status` says `low disk` under this many GB free where checkpoints go; None: one checkpoint's size
     disk_warn_gb: float | None = None
-    # a command run in the background after each checkpoint and each switch of `best` (dflash.sync):
+    # a command run in the background after each checkpoint and each switch of `best` (dflash.checkpoint.sync):
     # "rclone copy {dir} remote:bucket/run"; {dir} is the checkpoints folder, {step} the step; no shell
     sync: str | None = None
     sync_timeout: float = 3600.0  # seconds a sync may run before it is killed (its process group)
@@ -200,7 +200,7 @@ class MetricsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class EvalConfig:
-    """Held-out tau of the averaged drafter during training (``dflash.validation``); every eval is a checkpoint,
+    """Held-out tau of the averaged drafter during training (``dflash.train.validation``); every eval is a checkpoint,
     and ``checkpoints/best`` points to the one with the highest tau."""
 
     every: int = 0  # global steps between evals; 0: no eval during training
@@ -214,7 +214,7 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DistributedConfig:
-    """A run over several nodes (torchrun, one ``dflash train`` per node; see dflash.distributed)."""
+    """A run over several nodes (torchrun, one ``dflash train`` per node; see dflash.train.distributed)."""
 
     # seconds any collective (a barrier's averaging or checkpoint) waits for the other nodes before the
     # run exits: a dead or hung node ends the others after at most this long
@@ -223,7 +223,7 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    """What the trainer does with a diverging run (``dflash.divergence``)."""
+    """What the trainer does with a diverging run (``dflash.train.divergence``)."""
 
     # "stop": the first update with a non-finite loss or gradient norm ends the run (exit 3, no checkpoint);
     # "skip": that update is skipped (counted in metrics.jsonl) and the run stops after nonfinite_limit in a row
@@ -349,7 +349,7 @@ def is_suite(prompts: str) -> bool:
     return name.strip() in SUITES
 
 
-# [checkpoint] sync's template, read here (a config value's language); dflash/checkpoint/sync.py runs it.
+# [checkpoint] sync's template, read here (a config value's language); dflash/checkpoint/checkpoints/sync.py runs it.
 SYNC_FIELD = re.compile(r"\{(\w*)\}")
 SYNC_FIELDS = ("dir", "step")
 
@@ -410,7 +410,7 @@ def apply_override(raw: dict[str, t.Any], item: str) -> None:
 _NONE = object()
 _INT64 = 1 << 63
 SEED_MAX = (1 << 32) - 1
-EVAL_MAX_NEW = 2048  # dflash.evaluate.MAX_NEW_TOKENS (not imported: that module pulls in torch)
+EVAL_MAX_NEW = 2048  # dflash.eval.evaluate.MAX_NEW_TOKENS (not imported: that module pulls in torch)
 
 
 def _field_type(parts: list[str]) -> t.Any:

@@ -4,12 +4,12 @@ Every exception dflash raises on purpose derives from ``DflashError``; a subclas
 raises it (``config.ConfigError``, ``store.StoreError``, ``distributed.PeerLost``, ...) and says two things:
 
 - ``exit_code``: 2 for a user's mistake (bad config, arguments or input), 1 for a failure, 3 for a run
-  that diverged (a non-finite loss, gradient norm or weights: ``dflash.divergence.Diverged``);
+  that diverged (a non-finite loss, gradient norm or weights: ``dflash.train.divergence.Diverged``);
 - ``traceback``: False for a message that names its cause (``dflash.__main__.main`` prints ``line()`` and
   returns the code: never a traceback for a user's mistake); True for a run's failure mid-training (a
   worker error, a lost peer, a checkpoint that could not be written), which leaves the process with its
   traceback: train.log keeps it, and dflashctl's crash report reads its last line (the class's full name,
-  e.g. ``dflash.pipeline.InjectedFault``, so those classes keep their modules).
+  e.g. ``dflash.train.pipeline.InjectedFault``, so those classes keep their modules).
 
 ``dflash.__main__.main`` is the one place that turns these into a process's exit status.
 """
@@ -21,7 +21,7 @@ import typing as t
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
-EXIT_DIVERGED = 3  # training stopped at a non-finite update, without a checkpoint (dflash.divergence)
+EXIT_DIVERGED = 3  # training stopped at a non-finite update, without a checkpoint (dflash.train.divergence)
 
 
 class DflashError(Exception):
@@ -45,7 +45,7 @@ class InputError(DflashError):
 class DataError(InputError, ValueError):
     """A sample or the data file is unusable; the message names the file, line and key.
 
-    Raised by dflash.data, dflash.batching and chat.load_tokenizer (so it lives below them all: chat cannot
+    Raised by dflash.data.samples, dflash.data.batching and chat.load_tokenizer (so it lives below them all: chat cannot
     import data, which opens token stores, which render chats)."""
 
 

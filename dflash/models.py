@@ -24,14 +24,20 @@ from pathlib import Path
 
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.chat import load_tokenizer
+from dflash.checkpoint import checkpoints as ckpt
+from dflash.checkpoint.manifest import CheckpointError
 from dflash.config import ConfigError, RunConfig
-from dflash.drafter import DFLASH2_KEYS, DFlashDraftConfig, DFlashDraftModel, draft_config_for, published_mask_token_id
+from dflash.data.chat import load_tokenizer
 from dflash.dtypes import torch_dtype
 from dflash.errors import DataError
-from dflash.manifest import CheckpointError
-from dflash.target import TargetModel, default_mask_token_id, tiny_target_config_of
+from dflash.model.drafter import (
+    DFLASH2_KEYS,
+    DFlashDraftConfig,
+    DFlashDraftModel,
+    draft_config_for,
+    published_mask_token_id,
+)
+from dflash.model.target import TargetModel, default_mask_token_id, tiny_target_config_of
 
 # The run's log lines keep the name they had in train.py (dflash.train: what train.log has always shown).
 logger = logging.getLogger("dflash.train")

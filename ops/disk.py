@@ -2,7 +2,7 @@
 and `sync failed` flags (docs/design.md section 6), from the agent's checkpoint facts
 (``ops/far/room.py``). Pure: no I/O.
 
-The rule, the trainer's own (``dflash.room.make_room``): before a checkpoint is written, the run's
+The rule, the trainer's own (``dflash.checkpoint.room.make_room``): before a checkpoint is written, the run's
 checkpoints that ``keep`` lets go after it may be pruned first (all of the run's but its ``keep - 1``
 newest, never ``best``). So the next checkpoint needs ``next_needs_bytes`` = its size (the run's last
 checkpoint's) less what that pruning frees, and the disk is low when fewer bytes than that are free, or

@@ -1,10 +1,10 @@
 """What dflash train says in its log when training diverges, read by the probe and the supervisor. stdlib only.
 
-- the one line a non-finite update ends the run with (``dflash.divergence.Diverged.line``, exit 3)::
+- the one line a non-finite update ends the run with (``dflash.train.divergence.Diverged.line``, exit 3)::
 
       dflash: diverged at step 7: loss not finite; last finite checkpoint: /r/checkpoints/step-5 (step 5)
 
-- the warning of a loss far above its running median (``dflash.divergence.Spike.line``), never a stop::
+- the warning of a loss far above its running median (``dflash.train.divergence.Spike.line``), never a stop::
 
       loss spike at step 40: loss 9.500 above 3 x the running median 2.000 for 20 steps
 """

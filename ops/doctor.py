@@ -49,7 +49,7 @@ print(json.dumps(facts))
 """
 
 # The run's target and the kernels its linear-attention (Gated DeltaNet) layers need: the same rule as
-# dflash/kernels.py, stdlib only (the far side has no dflash to import). argv: the run config as the command
+# dflash/model/kernels.py, stdlib only (the far side has no dflash to import). argv: the run config as the command
 # names it, the host's workdir (the command runs in <workdir>/current). One JSON line.
 KERNEL_PROBE = r"""
 import importlib.util, json, os, sys

@@ -81,7 +81,7 @@ class Group:
 # torchrun keeps the store its workers meet in (the "shared rendezvous TCP store") across rendezvous rounds:
 # after a restart (--max-restarts) the new round's workers can read the previous round's addresses from it
 # and time out connecting to dead ones ("Gloo connectFullMesh failed ... Connection refused"). With this,
-# rank 0 of each round serves a fresh store. dflash train refuses restarts without it (dflash.distributed).
+# rank 0 of each round serves a fresh store. dflash train refuses restarts without it (dflash.train.distributed).
 NODE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 

@@ -163,7 +163,7 @@ def read_record(line: bytes) -> Row:
         raise WrongType("at is text that is not a time like 2026-01-01T00:00:00Z")
     if typed(rec.get("event"), "text", "event") is not None:  # a loss-spike, nonfinite-skip... record: no figures
         return Row(step, at, 0.0, [])
-    if typed(rec.get("kind"), "text", "kind") == "eval":  # a held-out eval of [eval] every (dflash/validation.py)
+    if typed(rec.get("kind"), "text", "kind") == "eval":  # a held-out eval of [eval] every (dflash/train/validation.py)
         evals = [(f"eval_{k}", v) for k in ("tau", "best_tau") if (v := typed(rec.get(k), "number", k)) is not None]
         # interval 0: it takes no time of the steps around it (record_times sums the intervals after a record)
         return Row(step, at, 0.0, evals)

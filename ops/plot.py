@@ -73,9 +73,9 @@ class CacheError(PlotError):
 
 
 def require_matplotlib() -> t.Any:
-    """``matplotlib.pyplot`` on the Agg backend, or one line naming the extra (dflash.eval_plot's check:
+    """``matplotlib.pyplot`` on the Agg backend, or one line naming the extra (dflash.eval.plot's check:
     stdlib-only, no torch on the operator side)."""
-    from dflash import eval_plot
+    from dflash.eval import plot as eval_plot
 
     try:
         return eval_plot.require_matplotlib()

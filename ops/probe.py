@@ -374,9 +374,9 @@ _NCCL_ERROR = re.compile(
     r"NCCL error|DistBackendError|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError"
     r"|ncclInvalidUsage|Some NCCL operations have failed"
 )
-# dflash.distributed wraps every collective's failure in PeerLost; the bare gloo texts are for other programs
+# dflash.train.distributed wraps every collective's failure in PeerLost; the bare gloo texts are for other programs
 _PEER_LOST = re.compile(
-    r"dflash\.distributed\.PeerLost: (?P<detail>.*)"
+    r"dflash\.(?:train\.)?distributed\.PeerLost: (?P<detail>.*)"
     r"|gloo/transport/tcp/\S+\] (?:.*Connection (?:reset|closed) by peer|Timed out waiting \d+ms for (?:recv|send) operation)"
 )
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")

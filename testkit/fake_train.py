@@ -69,7 +69,9 @@ def main() -> int:
     done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
         fault = control(a.control, done_here)
-        if fault == "spike":  # dflash train's warning (dflash.divergence.Spike.line, the log format): the run goes on
+        if (
+            fault == "spike"
+        ):  # dflash train's warning (dflash.train.divergence.Spike.line, the log format): the run goes on
             stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
             log(
                 f"{stamp} WARNING dflash.metrics: loss spike at step {step}: loss 9.500 above 3 x the running "
@@ -172,7 +174,7 @@ def end(how: str, step: int) -> int:
         log("For debugging consider passing CUDA_LAUNCH_BLOCKING=1")
         log("Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.")
         return 1
-    if kind == "diverged":  # dflash train's one line for a non-finite update (dflash.divergence.Diverged), exit 3
+    if kind == "diverged":  # dflash train's one line for a non-finite update (dflash.train.divergence.Diverged), exit 3
         path, every = CHECKPOINT
         saved = step - step % every if path else 0
         last = f"{path} (step {saved})" if path and saved else "none"

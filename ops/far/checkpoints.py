@@ -1,12 +1,12 @@
 """A session's checkpoints as the box holds them, for `dflashctl pull` (the agent's `checkpoint` and `fetch`).
 
-stdlib only: it reads what ``dflash.checkpoint`` writes without importing it (torch is not the agent's).
+stdlib only: it reads what ``dflash.checkpoint.checkpoints`` writes without importing it (torch is not the agent's).
 A checkpoint is ``<run_dir>/<session>/checkpoints/step-<n>/`` with ``checkpoint.json`` written last (its
 format, step, run id, the size and sha256 of every other file); it is complete when that manifest is
-well formed and every file has its size, as ``dflash.manifest.manifest_problem`` says. Which one:
+well formed and every file has its size, as ``dflash.checkpoint.manifest.manifest_problem`` says. Which one:
 
 - ``latest``: the newest step of the newest run (run ids sort by start time; no run id = oldest), as
-  ``dflash.checkpoint.resume_order`` orders them;
+  ``dflash.checkpoint.checkpoints.resume_order`` orders them;
 - ``best``: what the ``best`` symlink points to (set by held-out eval), when complete;
 - ``step``: ``step-<n>``, when complete.
 

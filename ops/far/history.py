@@ -1,7 +1,7 @@
 """What an attempt's log says about where it started: the checkpoint it resumed from. stdlib only.
 
 The training core prints it once, early, when ``checkpoint.resume`` finds a checkpoint
-(dflash/train.py, ``Run._restore``; the log format of dflash/__main__.py)::
+(dflash/train/run.py, ``Run._restore``; the log format of dflash/__main__.py)::
 
     2026-11-29T21:02:40 INFO dflash.train: resuming from /workspace/runs/dflash/checkpoints/step-1200 at step 1200 (run 20261129-ab12)
 

@@ -1,7 +1,7 @@
 """Processes and the machine as /proc tells them: stat, boot time, and THE liveness verdict. stdlib only.
 
 Used by the runner, the agent and the release program (which reaches the far side by value, so this
-module keeps to Python 3.7 at run time). dflash/checkpoint.py keeps its own small copy: the
+module keeps to Python 3.7 at run time). dflash/checkpoint/checkpoints.py keeps its own small copy: the
 training core does not import ``ops``.
 """
 

@@ -1,7 +1,7 @@
 """What the agent reads of a run's checkpoints for `dflashctl status`: the sizes in each ``step-<n>/
 checkpoint.json`` manifest, the ``best`` link, free space where they go, and the trainer's own
 ``<attempt dir>/checkpointing.json`` (its checkpoint dir, ``keep``, low-disk threshold, the last skipped
-checkpoint and the last sync: ``dflash.checkpoint.write_facts``). Stdlib only, Python 3.8 syntax.
+checkpoint and the last sync: ``dflash.checkpoint.checkpoints.write_facts``). Stdlib only, Python 3.8 syntax.
 
 Never raises: a folder that cannot be read is an ``error`` in the facts, not a failed probe."""
 
@@ -14,7 +14,7 @@ from ops.far import records
 from ops.far.checkpoints import BEST, MANIFEST, STEP_DIR  # the layout pull reads: named once
 from ops.far.runner import disk_free
 
-FACTS_FILE = "checkpointing.json"  # dflash.checkpoint.FACTS_FILE
+FACTS_FILE = "checkpointing.json"  # dflash.checkpoint.checkpoints.FACTS_FILE
 MAX_LISTED = 10000  # entries of the checkpoints folder looked at
 MAX_CHECKPOINTS = 200  # the newest steps reported
 MANIFEST_LIMIT = 64 << 10

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from dflash.target import tiny_target_config
+from dflash.model.target import tiny_target_config
 
 
 @pytest.fixture(scope="module")

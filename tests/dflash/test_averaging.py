@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.averaging import MIN_SPLIT, Averager, average_modules
+from dflash.train.averaging import MIN_SPLIT, Averager, average_modules
 
 
 class Replica(nn.Module):

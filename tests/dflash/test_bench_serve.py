@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash import engine_metrics
 from dflash.__main__ import main
-from dflash.serve_bench import Cliff, find_cliff, percentile, sha256_file
+from dflash.serve import engine_metrics
+from dflash.serve.serve_bench import Cliff, find_cliff, percentile, sha256_file
 from testkit import free_port
 from testkit.engine_double import EngineDouble
 
@@ -264,7 +264,7 @@ def test_a_server_that_fails_during_the_run_ends_it_in_one_line(
 
 def test_the_offline_tau_computed_here_is_dflash_evals_on_the_same_prompts(tmp_path: Path) -> None:
     from dflash.config import load_config
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     cfg = load_config(
         REPO / "configs" / "tiny-random.toml",

@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash import checkpoint as ckpt
-from dflash.best import best_of, read_best, set_best
+from dflash.checkpoint import checkpoints as ckpt
+from dflash.checkpoint.best import best_of, read_best, set_best
+from dflash.checkpoint.manifest import CheckpointError
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.evaluate import resolve_checkpoint
-from dflash.export import export
-from dflash.manifest import CheckpointError
-from dflash.train import Run
+from dflash.eval.evaluate import resolve_checkpoint
+from dflash.serve.export import export
+from dflash.train.run import Run
 from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.checkpoint import save_checkpoint
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.target import tiny_target_config
+from dflash.checkpoint.checkpoints import save_checkpoint
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
 from testkit import forkserver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -421,7 +421,7 @@ def test_a_tiny_json_not_ours_is_no_manifest(tmp_path: Path) -> None:
     hashed whatever its files named, a file outside the output included."""
     import hashlib
 
-    from dflash.tiny import FORMAT, MANIFEST, load_manifest
+    from dflash.data.tiny import FORMAT, MANIFEST, load_manifest
 
     out = tmp_path / "tiny"
     out.mkdir()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_drafter import ZLAB_NAMES
 from transformers import Qwen3Config
 
-from dflash.checkpoint import (
+from dflash.checkpoint.checkpoints import (
     latest_complete,
     load_checkpoint,
     load_drafter,
@@ -23,10 +23,10 @@ from dflash.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.loss import drafter_loss
-from dflash.manifest import CheckpointError
-from dflash.target import TargetModel, tiny_target_config
+from dflash.checkpoint.manifest import CheckpointError
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.loss import drafter_loss
+from dflash.model.target import TargetModel, tiny_target_config
 
 # floor (scripts/test runs it again in .venv-floor): save_pretrained / config.json and z-lab's class loading our
 # weights: transformers' own serialisation

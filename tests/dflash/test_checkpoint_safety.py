@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
 from dflash.__main__ import main as dflash_main
+from dflash.checkpoint import checkpoints as ckpt
+from dflash.checkpoint.manifest import CheckpointError
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.data import DataError
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.manifest import CheckpointError
-from dflash.target import tiny_target_config
-from dflash.train import Run
+from dflash.data.samples import DataError
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

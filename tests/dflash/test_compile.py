@@ -21,12 +21,12 @@ import pytest
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from dflash.compile import prepare_drafter
 from dflash.config import load_config
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.loss import drafter_loss
-from dflash.target import TargetModel, tiny_target_config
-from dflash.train import Run
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.loss import drafter_loss
+from dflash.model.target import TargetModel, tiny_target_config
+from dflash.train.compile import prepare_drafter
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

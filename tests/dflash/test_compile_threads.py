@@ -8,7 +8,7 @@ must not move. Dynamo traces, guards and recompiles with ``eager`` and ``aot_eag
 inductor (which needs minutes here); only the code it hands back is not fused. The dense test uses
 ``aot_eager`` and three rounds of batches (~60 s): concurrent calls of AOTAutograd-compiled layers made
 dynamo's cache lookup miss now and then ("Unexpected recompilation"; timing-dependent: a stress run of
-48 steps per thread missed in 2 runs of 2 without ``dflash.drafter._compiled_calls``, 0 of 7 with it;
+48 steps per thread missed in 2 runs of 2 without ``dflash.model.drafter._compiled_calls``, 0 of 7 with it;
 at this test's 24 steps it is caught only sometimes). CPU flex attention has no backward in torch
 2.13, so the flex test runs the drafter forward only (frozen parameters), with ``eager``.
 """
@@ -25,11 +25,11 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
-from dflash.compile import shape_class, warm_up, warm_up_shapes
 from dflash.config import load_config
-from dflash.drafter import CompileMissError
-from dflash.loss import drafter_loss
-from dflash.train import Run
+from dflash.model.drafter import CompileMissError
+from dflash.model.loss import drafter_loss
+from dflash.train.compile import shape_class, warm_up, warm_up_shapes
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

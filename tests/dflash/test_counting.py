@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash.spec_decode import Sampler, step_credits
+from dflash.eval.spec_decode import Sampler, step_credits
 
 
 def test_a_last_block_past_the_budget_counts_whole_only_for_zlab() -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.batching import BatchPlan
-from dflash.chat import load_tokenizer
-from dflash.data import (
+from dflash.data.batching import BatchPlan
+from dflash.data.chat import load_tokenizer
+from dflash.data.samples import (
     ChatRenderer,
     DataError,
     DataPosition,
@@ -240,7 +240,7 @@ def test_global_index_runs_across_epochs() -> None:
 
 
 def test_collate_pads_right_and_masks_padding() -> None:
-    from dflash.data import Sample
+    from dflash.data.samples import Sample
 
     b = collate([Sample([1, 2, 3], [0, 1, 1]), Sample([4, 5], [1, 1])], index=7, pad_id=0)
     assert b.input_ids.tolist() == [[1, 2, 3], [4, 5, 0]]

@@ -13,9 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from dflash import checkpoint as ckpt
+from dflash.checkpoint import checkpoints as ckpt
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.drafter import (
+from dflash.eval.evaluate import evaluate
+from dflash.eval.spec_decode import Sampler, draft_tokens, speculative_generate, target_greedy, target_sample
+from dflash.model.drafter import (
     BlockConv,
     CandidateSelector,
     DFlashDraftModel,
@@ -23,11 +25,9 @@ from dflash.drafter import (
     draft_config_for,
     selector_walk,
 )
-from dflash.evaluate import evaluate
-from dflash.loss import dflash_loss, drafter_loss
-from dflash.spec_decode import Sampler, draft_tokens, speculative_generate, target_greedy, target_sample
-from dflash.target import TargetModel, tiny_target_config
-from dflash.train import Run
+from dflash.model.loss import dflash_loss, drafter_loss
+from dflash.model.target import TargetModel, tiny_target_config
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -320,8 +320,8 @@ def test_dflash2_sampled_decoding_is_the_targets_own_sampling(target: TargetMode
 
 
 def test_zlab_export_of_a_dflash2_drafter_and_the_contracts_refusals(tmp_path: Path, target_dir: Path) -> None:
-    from dflash import contract
     from dflash.__main__ import main
+    from dflash.model import contract
 
     ck = ckpt.save_checkpoint(
         tmp_path / "ck",

@@ -17,19 +17,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import checkpoint as ckpt
-from dflash.best import best_of, read_best
+from dflash.checkpoint import checkpoints as ckpt
+from dflash.checkpoint.best import best_of, read_best
+from dflash.checkpoint.manifest import CheckpointError
 from dflash.config import ConfigError, load_config
-from dflash.data import collate
-from dflash.divergence import Diverged, LossSpike, NonfiniteGuard, nonfinite_code
-from dflash.drafter import DFlashDraftModel, draft_config_for
+from dflash.data.samples import collate
 from dflash.errors import EXIT_DIVERGED
-from dflash.manifest import CheckpointError
-from dflash.metrics import Metrics
-from dflash.pipeline import StepStats
-from dflash.replicas import FeatureBatch
-from dflash.target import tiny_target_config
-from dflash.train import Run
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
+from dflash.train.divergence import Diverged, LossSpike, NonfiniteGuard, nonfinite_code
+from dflash.train.metrics import Metrics
+from dflash.train.pipeline import StepStats
+from dflash.train.replicas import FeatureBatch
+from dflash.train.run import Run
 from ops.divergence import last_finite_checkpoint
 from ops.probe import diagnose
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.drafter import DFlashDraftConfig, DFlashDraftModel, DraftCache, draft_config_for
-from dflash.target import TargetModel, tiny_target_config
+from dflash.model.drafter import DFlashDraftConfig, DFlashDraftModel, DraftCache, draft_config_for
+from dflash.model.target import TargetModel, tiny_target_config
 
 # floor (scripts/test runs it again in .venv-floor): the drafter's config is a transformers config (a dataclass under
 # @strict on 5.x) and its layers are Qwen3's

@@ -30,7 +30,7 @@ def test_every_exception_class_of_dflash_derives_from_the_root_and_carries_its_e
     assert len(classes) >= 21  # the classes counted when the root was made, and the root's own
     # the drafter module is also served remote code that imports nothing of dflash: its error cannot
     strays = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, DflashError)]
-    assert strays == ["dflash.drafter.CompileMissError"]
+    assert strays == ["dflash.model.drafter.CompileMissError"]
     ours = [c for c in classes if issubclass(c, DflashError)]
     # one class has its own code: a run that diverged (dflashctl's restart-on-crash reads it)
     assert {c.__qualname__: c.exit_code for c in ours if c.exit_code not in (EXIT_FAILED, EXIT_CONFIG)} == {
@@ -42,12 +42,12 @@ def test_every_exception_class_of_dflash_derives_from_the_root_and_carries_its_e
     "name, code, traceback",
     [
         ("dflash.config.ConfigError", EXIT_CONFIG, False),
-        ("dflash.store.StoreError", EXIT_CONFIG, False),
-        ("dflash.eval_plot.PlotError", EXIT_FAILED, False),
-        ("dflash.suites.SuiteError", EXIT_CONFIG, False),  # a suite named or laid out wrong: one line
-        ("dflash.pipeline.InjectedFault", EXIT_FAILED, True),  # crash reports read its traceback's last line
-        ("dflash.distributed.PeerLost", EXIT_FAILED, True),
-        ("dflash.checkpoint.CheckpointWriteError", EXIT_FAILED, True),
+        ("dflash.data.store.StoreError", EXIT_CONFIG, False),
+        ("dflash.eval.plot.PlotError", EXIT_FAILED, False),
+        ("dflash.eval.suites.SuiteError", EXIT_CONFIG, False),  # a suite named or laid out wrong: one line
+        ("dflash.train.pipeline.InjectedFault", EXIT_FAILED, True),  # crash reports read its traceback's last line
+        ("dflash.train.distributed.PeerLost", EXIT_FAILED, True),
+        ("dflash.checkpoint.checkpoints.CheckpointWriteError", EXIT_FAILED, True),
     ],
 )
 def test_a_class_says_its_exit_code_and_whether_it_ends_with_a_traceback(name: str, code: int, traceback: bool) -> None:

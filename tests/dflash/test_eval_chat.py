@@ -20,9 +20,9 @@ import torch
 from test_prepare_data import QWEN3, make_tokenizer
 
 from dflash.__main__ import main
-from dflash.eval_plot import protocol_diff, protocol_warning
-from dflash.evaluate import evaluate, load_setup
-from dflash.target import TargetModel, tiny_target_config
+from dflash.eval.evaluate import evaluate, load_setup
+from dflash.eval.plot import protocol_diff, protocol_warning
+from dflash.model.target import TargetModel, tiny_target_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -392,7 +392,7 @@ def test_hostile_prompts_drafters_and_outputs_are_one_line_before_any_decoding(
     traceback; an unwritable --json or --plot failed only after the whole eval."""
     from test_prepare_data import unwritable
 
-    from dflash.drafter import DFlashDraftModel, draft_config_for
+    from dflash.model.drafter import DFlashDraftModel, draft_config_for
 
     cfg = str(tiny.config)
     chat = str(write_jsonl(tmp_path / "chat.jsonl", [USER_ONLY]))

@@ -12,8 +12,8 @@ import pytest
 
 from dflash.__main__ import main
 from dflash.config import load_config
-from dflash.tiny import TinySpec, make_tiny
-from dflash.train import Run
+from dflash.data.tiny import TinySpec, make_tiny
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = TinySpec(target_steps=40, train_samples=32, eval_prompts=3, response_len=20, gen_batch=16, threads=1)
@@ -46,7 +46,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_eval_plot_draws_one_report_and_before_after_side_by_side(
     tmp_path: Path, ckpt: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dflash.eval_plot import series
+    from dflash.eval.plot import series
 
     common = ["eval", "--drafter", str(ckpt), "--max-new-tokens", "12", "--ddtree-budget", "0"]
     before, after = tmp_path / "before.json", tmp_path / "after.json"

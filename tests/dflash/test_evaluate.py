@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflash.config import load_config
-from dflash.evaluate import (
+from dflash.data.tiny import TinySpec, make_tiny
+from dflash.eval.evaluate import (
     EvalError,
     ddtree_accept,
     evaluate,
@@ -22,9 +23,8 @@ from dflash.evaluate import (
     teacher_forced_walk,
     untrained_drafter,
 )
-from dflash.spec_decode import speculative_generate
-from dflash.tiny import TinySpec, make_tiny
-from dflash.train import Run
+from dflash.eval.spec_decode import speculative_generate
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 

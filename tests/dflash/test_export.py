@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash import hf_remote
-from dflash.checkpoint import latest_complete, load_drafter, save_checkpoint
-from dflash.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id, selector_walk
-from dflash.target import TargetModel, build_target_layer_ids, tiny_target_config
+from dflash.checkpoint.checkpoints import latest_complete, load_drafter, save_checkpoint
+from dflash.model import hf_remote
+from dflash.model.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id, selector_walk
+from dflash.model.target import TargetModel, build_target_layer_ids, tiny_target_config
 
 REPO = Path(__file__).resolve().parents[2]
 MASK = 511
@@ -207,8 +207,8 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
     remote code (the same config class) read it alike."""
     import importlib.util
 
-    from dflash.checkpoint import config_json
-    from dflash.manifest import CheckpointError
+    from dflash.checkpoint.checkpoints import config_json
+    from dflash.checkpoint.manifest import CheckpointError
 
     drafter = new_drafter(layer_types=layer_types, sliding_window=5)
     ours = save_checkpoint(tmp_path / "ck", step=1, drafter=drafter, trainer_state={})
@@ -264,7 +264,7 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
     import zlab_reference
 
     from dflash.config import ConfigError
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     first = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
     assert first.train() == 0
@@ -311,7 +311,7 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     from safetensors.torch import load_file
 
     from dflash.__main__ import main
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     run = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
     assert run.train() == 0
@@ -370,7 +370,7 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
 
 
 def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_json(tmp_path: Path) -> None:
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     run = Run(
         run_config(tmp_path, "q", "max_steps=1", "target.tiny.vocab_size=151936", "target.tiny.num_layers=4"),

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dflash.config import load_config
-from dflash.train import run_training
+from dflash.train.run import run_training
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

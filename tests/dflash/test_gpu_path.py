@@ -34,12 +34,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.batching import BatchPlan
-from dflash.compile import batch_shape, guard_keys, shape_class, warm_up_replicas, warm_up_shapes
 from dflash.config import load_config
-from dflash.data import JsonlDataset, collate
-from dflash.store import PrepareSpec, prepare
-from dflash.train import Run
+from dflash.data.batching import BatchPlan
+from dflash.data.samples import JsonlDataset, collate
+from dflash.data.store import PrepareSpec, prepare
+from dflash.train.compile import batch_shape, guard_keys, shape_class, warm_up_replicas, warm_up_shapes
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_the_smokes_gpu_data_never_holds_the_mask_id_the_run_picks(tmp_path: Pat
     drew ids from range(vocab - 1), so its seeded GPU data held 151669 (line 206, position 1256) and
     ``JsonlDataset`` refused it. The GPU defaults' data (480 rows x 2048) now loads."""
     from bench.gpu_smoke import expected_mask_id, parse_args, target_shape, write_data
-    from dflash.target import tiny_target_config
+    from dflash.model.target import tiny_target_config
 
     args = parse_args([])  # the GPU configuration
     shape = target_shape(args)
@@ -230,7 +230,7 @@ class CudaLooking:
 def flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, t.Any]]:
     """The kernel options of ``_flex``'s three paths: traced into a compiled layer, the compiled kernel on
     CUDA, eager on the CPU."""
-    from dflash import drafter
+    from dflash.model import drafter
 
     rec = FlexRecorder()
     q, kv = torch.zeros(1, 4, 32, 16), torch.zeros(1, 2, 48, 16)
@@ -256,7 +256,7 @@ def test_dynamo_traces_the_backend_into_the_flex_op_of_the_graph() -> None:
     lowering reads it from there), and the traced call computes what the eager call does."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash import drafter
+    from dflash.model import drafter
 
     seen: list[t.Any] = []
 
@@ -281,7 +281,7 @@ def test_no_warm_up_shape_lowers_to_a_decode_template_without_a_config(
     """A pure model of the CUDA lowering over every warm-up shape: a shape that takes the decode template
     needs ``next_pow2(q_len * G) <= 128``; the short-query class's q = 112 at G = 2 (Qwen3-0.6B/1.7B) did not
     (torch 2.11: NoValidChoicesError in warm-up, before step 1, for batch_size 1 and 2 alike)."""
-    from dflash.compile import decode_has_config, flex_template
+    from dflash.train.compile import decode_has_config, flex_template
 
     # the model itself: the failing shape of the review, and the one-block shape that passed
     assert flex_template(1, 112, heads=16, kv_heads=8, kernel_options={}) == "decode"
@@ -314,7 +314,7 @@ def test_flex_tiles_fit_the_shared_memory_of_every_capability(capability: tuple[
     capability and version, and some exceed 99 KB by the estimate (2.13's own sm_120 forward at head dim
     256, (32, 64) x 2 stages: 147 KB; where 2.11 lacks sm_120's table, sm_100's (128, 64) x 3 stages at 128:
     131 KB). Small devices get tiles that fit; the large ones keep torch's."""
-    from dflash.compile import flex_block_options, flex_bwd_smem, flex_fwd_smem
+    from dflash.train.compile import flex_block_options, flex_bwd_smem, flex_fwd_smem
 
     assert flex_fwd_smem(32, 64, 2, 256) > SMEM_OPTIN[(12, 0)] and flex_fwd_smem(128, 64, 3, 128) > 101376
     smem = SMEM_OPTIN[capability]
@@ -332,8 +332,8 @@ def test_flex_tiles_fit_the_shared_memory_of_every_capability(capability: tuple[
 def test_every_flex_call_carries_the_tiles_of_the_smallest_drafter_device(monkeypatch: pytest.MonkeyPatch) -> None:
     import types
 
-    from dflash import drafter
-    from dflash.compile import set_flex_block_options
+    from dflash.model import drafter
+    from dflash.train.compile import set_flex_block_options
 
     props = {0: 232448, 1: 101376}
     monkeypatch.setattr(
@@ -374,10 +374,10 @@ def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
     """A class whose compile raises (inductor's NoValidChoicesError, wrapped) is a failed check naming its
     shape and the error's first line; the other classes are still checked. It left main() with a traceback,
     so device_check had no figures at all."""
-    import dflash.compile
+    import dflash.train.compile
     from bench.gpu_smoke import checks, class_check, parse_args
 
-    real = dflash.compile.warm_up
+    real = dflash.train.compile.warm_up
 
     def warm_up(replica: t.Any, *, shapes: list[tuple[int, int, int]], **kw: t.Any) -> t.Any:
         if shapes[0][0] == 1:  # the class of one row, as on CUDA
@@ -386,7 +386,7 @@ def test_the_smokes_class_check_reports_a_class_that_fails_to_compile(
             )
         return real(replica, shapes=shapes, **kw)
 
-    monkeypatch.setattr(dflash.compile, "warm_up", warm_up)
+    monkeypatch.setattr(dflash.train.compile, "warm_up", warm_up)
     run = tiny_run(tmp_path)
     args = parse_args(["--cpu", "--quick"])
     c = class_check(args, run)
@@ -418,7 +418,7 @@ def test_eleven_bf16_micro_batches_sum_their_gradients_in_fp32(tmp_path: Path) -
     state = copy.deepcopy(r.generator.get_state())
 
     # the reference: each micro-batch's bf16 gradient on its own, summed in fp64, scaled as accumulate does
-    from dflash.loss import drafter_loss
+    from dflash.model.loss import drafter_loss
 
     r.generator.set_state(state)
     d = r.cfg.drafter
@@ -483,7 +483,7 @@ def test_a_drafter_waits_for_the_micro_batch_two_back_before_launching_the_next(
     """Without a bound the host ran ahead until CUDA's launch queue was full, then blocked inside launches
     while holding the compiled-forward lock the other drafters wait on. With the fence, forward k starts only
     after the end event of micro-batch k-2 was waited for, and never with more than 2 ends outstanding."""
-    from dflash.replicas import LaunchFence
+    from dflash.train.replicas import LaunchFence
 
     run = tiny_run(tmp_path, 'devices.drafters=["cpu"]', 'devices.targets=["cpu"]')
     r = run.drafters[0]
@@ -523,8 +523,8 @@ def test_a_drafter_records_its_step_while_another_thread_reads_the_figures() -> 
     """``Metrics._emit`` read every device's figures while holding the metrics lock, so every drafter's
     ``record`` waited for the slowest device; now an interval is closed under the lock and read outside it,
     and the lines still come out in step order."""
-    from dflash.metrics import Metrics
-    from dflash.pipeline import StepStats
+    from dflash.train.metrics import Metrics
+    from dflash.train.pipeline import StepStats
     from testkit import retry_until
 
     out = io.StringIO()
@@ -596,11 +596,11 @@ def test_the_step_figures_are_built_and_read_on_the_reader_stream_after_its_wait
     """Flattening a step's figures (``.double()``, ``torch.cat``) ran on the emitting thread's stream, queued
     after the step's ``ready`` event, while the reader stream waited only for ``ready`` and then read those
     outputs: nothing ordered the read after the writes (garbage loss/acc/tau now and then on a GPU)."""
-    import dflash.metrics
-    from dflash.metrics import Metrics
-    from dflash.pipeline import StepStats
+    import dflash.train.metrics
+    from dflash.train.metrics import Metrics
+    from dflash.train.pipeline import StepStats
 
-    monkeypatch.setattr(dflash.metrics, "_reader_stream", lambda dev: ReaderStream())
+    monkeypatch.setattr(dflash.train.metrics, "_reader_stream", lambda dev: ReaderStream())
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     fig = lambda *v: torch.tensor(v if len(v) > 1 else v[0], dtype=torch.float32).as_subclass(CudaFigure)  # noqa: E731
     steps = [
@@ -645,9 +645,9 @@ class CountedPipeline:
         import types
         import weakref
 
-        from dflash.pipeline import Pipeline, PipelineOptions, StepStats
-        from dflash.replicas import TargetReplica
-        from dflash.target import TargetModel, tiny_target_config
+        from dflash.model.target import TargetModel, tiny_target_config
+        from dflash.train.pipeline import Pipeline, PipelineOptions, StepStats
+        from dflash.train.replicas import TargetReplica
 
         target = TargetModel.from_config(tiny_target_config(), seed=0, num_draft_layers=2)
         ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -760,8 +760,8 @@ def test_the_default_byte_bound_admits_every_worker_while_the_drafters_accumulat
     derived default lets every drafter's next item and every target's forward in, and still bounds."""
     import queue as queue_mod
 
-    from dflash.feature_queue import FeatureQueue, default_max_bytes
-    from dflash.replicas import pinned_block
+    from dflash.train.feature_queue import FeatureQueue, default_max_bytes
+    from dflash.train.replicas import pinned_block
 
     item = pinned_block(3072 * 5 * 5120 * 2)
     drafters, targets, k = 3, 5, 11
@@ -777,7 +777,7 @@ def test_the_default_byte_bound_admits_every_worker_while_the_drafters_accumulat
 
 
 def queue_item(i: int, nbytes: int) -> t.Any:
-    from dflash.feature_queue import Item
+    from dflash.train.feature_queue import Item
 
     return Item(payload=None, tokens=1, position=i, shard=0, target=0, nbytes=nbytes)
 
@@ -785,7 +785,7 @@ def queue_item(i: int, nbytes: int) -> t.Any:
 def test_a_run_derives_its_byte_bound_and_warns_when_a_set_one_is_short(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dflash.feature_queue import MIN_DEFAULT_BYTES
+    from dflash.train.feature_queue import MIN_DEFAULT_BYTES
 
     with caplog.at_level("INFO", logger="dflash.train"):
         run = tiny_run(tmp_path / "a")
@@ -801,7 +801,7 @@ def test_a_run_derives_its_byte_bound_and_warns_when_a_set_one_is_short(
 
 
 def test_pinned_items_count_the_host_allocators_power_of_two_blocks() -> None:
-    from dflash.replicas import pinned_block
+    from dflash.train.replicas import pinned_block
 
     assert [pinned_block(n) for n in (0, 1, 4096, 4097, 200 * 2**20)] == [0, 1, 4096, 8192, 256 * 2**20]
 
@@ -821,14 +821,14 @@ def test_a_target_trims_the_pinned_cache_on_its_unused_part_only(
     ``allocated_bytes``: the trim saw 30 GiB > the limit before every item and freed and re-pinned a feature
     block each time (a stream-serialising cudaHostAlloc). Only cached, unused blocks count now (limit:
     ``queue.max_bytes``, 8 GiB here)."""
-    import dflash.replicas
-    from dflash.replicas import TargetReplica
+    import dflash.train.replicas
+    from dflash.train.replicas import TargetReplica
 
     gib = 1 << 30
     stats = {"allocated_bytes.current": int(allocated_gib * gib), "active_bytes.current": int(active_gib * gib)}
     monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: dict(stats))
     emptied: list[int] = []
-    monkeypatch.setattr(dflash.replicas, "empty_host_cache", lambda: emptied.append(1))
+    monkeypatch.setattr(dflash.train.replicas, "empty_host_cache", lambda: emptied.append(1))
     replica = TargetReplica(t.cast(t.Any, None), "cuda:0", "cpu")
     replica.pinned_limit = 8 * gib
     replica._trim_host_cache()
@@ -852,13 +852,13 @@ def test_an_eval_target_that_runs_out_of_memory_names_eval_device(
 ) -> None:
     """``[eval] every`` loads a second full target onto ``devices.targets[0]``: a 27B one OOMs there on an 80
     or 96 GB GPU, and the bare OutOfMemoryError read as cuda-oom on GPU 0, naming neither [eval] nor a fix."""
-    import dflash.validation
+    import dflash.train.validation
     from dflash.config import ConfigError
 
     def oom(*_a: t.Any, **_k: t.Any) -> t.Any:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.1 GiB total)")
 
-    monkeypatch.setattr(dflash.validation, "load_target", oom)
+    monkeypatch.setattr(dflash.train.validation, "load_target", oom)
     with pytest.raises(ConfigError) as e:
         eval_run(tmp_path)
     assert e.value.path == "eval.device" and '"cpu"' in e.value.message and "\n" not in str(e.value)
@@ -868,13 +868,13 @@ def test_an_eval_device_without_room_for_the_target_is_refused_before_loading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The room is checked against the training target's bytes (+ a margin) before anything is loaded."""
-    import dflash.validation
+    import dflash.train.validation
     from dflash.config import ConfigError
 
     loads: list[str] = []
-    real = dflash.validation.load_target
-    monkeypatch.setattr(dflash.validation, "load_target", lambda *a, **k: (loads.append(a[1]), real(*a, **k))[1])
-    monkeypatch.setattr(dflash.validation, "_free_bytes", lambda device: 4096)  # the CPU as a full GPU
+    real = dflash.train.validation.load_target
+    monkeypatch.setattr(dflash.train.validation, "load_target", lambda *a, **k: (loads.append(a[1]), real(*a, **k))[1])
+    monkeypatch.setattr(dflash.train.validation, "_free_bytes", lambda device: 4096)  # the CPU as a full GPU
     with pytest.raises(ConfigError) as e:
         eval_run(tmp_path)
     assert e.value.path == "eval.device" and "needs about" in e.value.message and loads == []
@@ -882,7 +882,7 @@ def test_an_eval_device_without_room_for_the_target_is_refused_before_loading(
 
 def test_the_eval_room_line_names_the_gpus_that_have_room(monkeypatch: pytest.MonkeyPatch) -> None:
     from dflash.config import ConfigError
-    from dflash.validation import check_eval_room
+    from dflash.train.validation import check_eval_room
 
     gib = 1 << 30
     free = {0: 20 * gib, 1: 30 * gib, 2: 70 * gib}  # cuda:0 holds training target 0
@@ -901,7 +901,7 @@ def test_the_cross_node_all_reduce_of_a_slice_runs_while_the_next_slice_is_reduc
     """``NodeGroup.cross_reduce`` starts gloo's all_reduce and returns its finisher; the averager finishes
     slice k (and scatters it) only after it has started slice k+1. Before, the hook ran synchronously
     inside each slice: the all_reduce was on the critical path of every slice."""
-    from dflash.averaging import Averager
+    from dflash.train.averaging import Averager
 
     log: list[tuple[str, int]] = []
 
@@ -944,7 +944,7 @@ def hybrid_target(root: Path, layer_types: list[str] | None) -> Path:
 
 
 def test_dflash_train_warns_in_one_line_when_a_hybrid_targets_kernels_are_missing() -> None:
-    from dflash.kernels import missing_kernels, missing_kernels_warning
+    from dflash.model.kernels import missing_kernels, missing_kernels_warning
 
     hybrid = {"text_config": {"layer_types": ["linear_attention"] * 3 + ["full_attention"]}}
     assert missing_kernels() == ["flash-linear-attention", "causal-conv1d"]  # not installed here

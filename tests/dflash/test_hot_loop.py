@@ -26,9 +26,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash.config import RunConfig, load_config
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.faults import cuda_oom
-from dflash.loss import (
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.loss import (
     Anchors,
     block_targets,
     candidate_counts,
@@ -39,10 +38,11 @@ from dflash.loss import (
     training_block_mask,
     training_mask,
 )
-from dflash.metrics import Metrics
-from dflash.pipeline import FeatureQueue, Item, Pipeline, PipelineOptions, StepStats
-from dflash.replicas import DrafterReplica, FeatureBatch, LRSchedule, TargetReplica
-from dflash.target import TargetModel, tiny_target_config
+from dflash.model.target import TargetModel, tiny_target_config
+from dflash.train.faults import cuda_oom
+from dflash.train.metrics import Metrics
+from dflash.train.pipeline import FeatureQueue, Item, Pipeline, PipelineOptions, StepStats
+from dflash.train.replicas import DrafterReplica, FeatureBatch, LRSchedule, TargetReplica
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -40,8 +40,8 @@ def test_a_fifo_is_refused_by_every_reader_of_a_users_file(tmp_path: Path) -> No
     writer it blocks in open(2) forever."""
     from dflash import inputs
     from dflash.config import ConfigError, load_config
-    from dflash.data import DataError, JsonlDataset
-    from dflash.evaluate import EvalError, load_prompts
+    from dflash.data.samples import DataError, JsonlDataset
+    from dflash.eval.evaluate import EvalError, load_prompts
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -140,7 +140,7 @@ def test_the_other_readers_of_a_users_json_are_bounded_too(tmp_path: Path, capsy
     """Smaller, the class not the case: a store's meta.json (data.path) and bench serve's --template-kwargs
     nested 100000 deep were a RecursionError traceback (json.loads raises it, not a ValueError)."""
     from dflash.__main__ import main
-    from dflash.store import StoreError, TokenStore
+    from dflash.data.store import StoreError, TokenStore
 
     store = tmp_path / "store"
     store.mkdir()

@@ -24,7 +24,7 @@ AGENT = textwrap.dedent(
 WORKER = textwrap.dedent(
     """
     import time
-    from dflash.lifeline import die_with_agent
+    from dflash.train.lifeline import die_with_agent
     print("set" if die_with_agent() else "not set", flush=True)
     time.sleep(600)
     """

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.loss import (
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.loss import (
     Anchors,
     block_inputs,
     block_targets,
@@ -25,7 +25,7 @@ from dflash.loss import (
     training_mask,
     training_masks,
 )
-from dflash.target import TargetModel, tiny_target_config
+from dflash.model.target import TargetModel, tiny_target_config
 
 MASK = 511
 

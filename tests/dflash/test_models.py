@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
+from dflash.checkpoint import checkpoints as ckpt
 from dflash.config import load_config, parse_config, to_dict
-from dflash.evaluate import load_setup
-from dflash.train import Run
+from dflash.eval.evaluate import load_setup
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "configs" / "tiny-data.jsonl"

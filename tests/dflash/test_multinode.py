@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash import checkpoint as ckpt
+from dflash.checkpoint import checkpoints as ckpt
 from dflash.config import ConfigError, load_config
-from dflash.distributed import PEER_LOST, NodeGroup
-from dflash.evaluate import evaluate, load_setup, untrained_drafter
-from dflash.metrics import Metrics
-from dflash.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
-from dflash.tiny import TinySpec, make_tiny
-from dflash.train import Run, weights_digest
+from dflash.data.tiny import TinySpec, make_tiny
+from dflash.eval.evaluate import evaluate, load_setup, untrained_drafter
+from dflash.train.distributed import PEER_LOST, NodeGroup
+from dflash.train.metrics import Metrics
+from dflash.train.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
+from dflash.train.run import Run, weights_digest
 from ops.group import NODE_ENV
 from testkit import free_port, pid_alive, retry_until
 
@@ -307,7 +307,7 @@ def test_a_killed_node_ends_the_other_with_peer_lost(tmp_path: Path) -> None:
     assert code != 0
     print(f"node 0 exited {waited:.1f}s after node 1's worker was killed")  # a figure, not an assertion
     # the exception line dflashctl's status classifies (peer-lost), with gloo's own text
-    line = next(x for x in text.splitlines() if x.startswith("dflash.distributed.PeerLost: "))
+    line = next(x for x in text.splitlines() if x.startswith("dflash.train.distributed.PeerLost: "))
     assert PEER_LOST in line and "node 0 of 2" in line, line
     assert re.search(r"Connection (reset|closed) by peer|Timed out waiting", line), line
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.faults import FaultInjector, cuda_oom, faults_from_env
-from dflash.metrics import Metrics, format_step_line
-from dflash.pipeline import InjectedFault, Pipeline, PipelineError, PipelineOptions, StepStats, SyncEvent
+from dflash.train.faults import FaultInjector, cuda_oom, faults_from_env
+from dflash.train.metrics import Metrics, format_step_line
+from dflash.train.pipeline import InjectedFault, Pipeline, PipelineError, PipelineOptions, StepStats, SyncEvent
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.chat import BadRecord, Renderer, messages_of, record_sequences
 from dflash.config import load_config
-from dflash.data import DataError, JsonlDataset
-from dflash.store import DIE_AFTER_ENV, PrepareSpec, StoreError, TokenStore, prepare
+from dflash.data.chat import BadRecord, Renderer, messages_of, record_sequences
+from dflash.data.samples import DataError, JsonlDataset
+from dflash.data.store import DIE_AFTER_ENV, PrepareSpec, StoreError, TokenStore, prepare
 from testkit.chat_templates import QWEN3, SPLIT, WORDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -328,7 +328,7 @@ def test_a_store_for_another_tokenizer_or_kwargs_is_refused(tmp_path: Path, qwen
 
 
 def test_train_on_a_store_of_the_tiny_data(tmp_path: Path) -> None:
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     cfg_path = REPO / "configs" / "tiny-random.toml"
     p = dflash(
@@ -388,7 +388,7 @@ def test_config_chat_template_kwargs(tmp_path: Path) -> None:
 
 
 def test_the_vectorized_plan_of_a_store_follows_the_list_plans_rules() -> None:
-    from dflash.batching import BatchPlan
+    from dflash.data.batching import BatchPlan
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 300, size=3000)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.data import collate
-from dflash.replicas import FeatureBatch
-from dflash.train import Run
+from dflash.data.samples import collate
+from dflash.train.replicas import FeatureBatch
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -175,7 +175,7 @@ class Accumulating:
         self.steps: list[list[int]] = []
 
     def step(self, payload: t.Any, *, step: int, micro_batches: int = 1) -> t.Any:
-        from dflash.pipeline import StepStats
+        from dflash.train.pipeline import StepStats
 
         items = payload if isinstance(payload, list) else [payload]
         self.steps.append([int(p) for p in items])
@@ -208,7 +208,7 @@ class Echo:
 
 
 def test_the_pipeline_gives_each_step_k_items_and_a_dry_source_ends_with_a_short_update() -> None:
-    from dflash.pipeline import Pipeline, PipelineError, PipelineOptions
+    from dflash.train.pipeline import Pipeline, PipelineError, PipelineOptions
 
     tokens: list[int] = []
     d = Accumulating()

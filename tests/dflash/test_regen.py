@@ -166,8 +166,8 @@ def reference(target: Path, records: list[dict[str, t.Any]]) -> tuple[dict[int, 
     TargetModel.generate_greedy): an implementation independent of regen's batched ``generate``."""
     import torch
 
-    from dflash.chat import load_tokenizer, messages_of
-    from dflash.target import TargetModel
+    from dflash.data.chat import load_tokenizer, messages_of
+    from dflash.model.target import TargetModel
 
     tok = load_tokenizer(str(target))
     tm = TargetModel.from_pretrained(str(target), dtype=torch.float32, layer_ids=[0])
@@ -248,7 +248,7 @@ def test_hf_regen_rewrites_every_assistant_turn_as_greedy_decoding_does(
     assert "\r" not in err
 
     # prepare-data takes the output as it is
-    from dflash.store import PrepareSpec, prepare
+    from dflash.data.store import PrepareSpec, prepare
 
     (tmp_path / "new.jsonl").write_text(text)
     meta = prepare(
@@ -267,7 +267,7 @@ def test_hf_regen_rewrites_every_assistant_turn_as_greedy_decoding_does(
 def test_killed_regen_resumes_without_losing_or_redoing_a_conversation(
     target: Path, hf_run: tuple[str, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dflash.regen import DIE_AFTER_ENV
+    from dflash.data.regen import DIE_AFTER_ENV
 
     raw = write_corpus(tmp_path / "raw.json", array=True)  # a JSON array: record k is line k
     cfg = write_config(tmp_path / "run.toml", target)
@@ -469,7 +469,7 @@ HISTORY = [{"role": "user", "content": "hello there"}]
 
 
 def test_openai_retries_5xx_with_backoff_and_sends_the_serving_parameters() -> None:
-    from dflash.regen import OpenAIGenerator, Turn
+    from dflash.data.regen import OpenAIGenerator, Turn
 
     srv = Scripted([(500, {"error": {"message": "busy"}}), (503, "overloaded"), (200, completion("hi", "R\n"))])
     try:
@@ -494,7 +494,7 @@ def test_openai_retries_5xx_with_backoff_and_sends_the_serving_parameters() -> N
 
 
 def test_openai_errors_are_one_line() -> None:
-    from dflash.regen import OpenAIGenerator, ServerError, Turn
+    from dflash.data.regen import OpenAIGenerator, ServerError, Turn
 
     bad = Scripted([(400, {"error": {"message": "max_tokens is too large"}}), (200, completion("never"))])
     down = Scripted([(502, "bad gateway")])
@@ -546,7 +546,7 @@ def test_openai_errors_are_one_line() -> None:
 def test_progress_bar_on_a_tty_log_lines_on_a_pipe() -> None:
     import io
 
-    from dflash.regen import Progress
+    from dflash.data.regen import Progress
 
     pipe = io.StringIO()
     p = Progress(10, 3, stream=pipe, every=3, tty=False)
@@ -736,7 +736,7 @@ def test_a_record_the_server_refuses_is_dropped_and_the_run_goes_on(
 
 def test_answers_that_are_not_text_are_retried_then_dropped() -> None:
     """Content null (a tool call) was written as an empty answer and list/dict content as its Python repr."""
-    from dflash.regen import Answer, Dropped, OpenAIGenerator, Turn
+    from dflash.data.regen import Answer, Dropped, OpenAIGenerator, Turn
 
     def message(**msg: t.Any) -> dict[str, t.Any]:
         return {"choices": [{"index": 0, "message": {"role": "assistant", **msg}, "finish_reason": "stop"}]}
@@ -816,7 +816,7 @@ class Stalling(threading.Thread):
 
 def test_a_request_is_bounded_as_a_whole_by_its_deadline_and_its_size() -> None:
     """--timeout bounded each socket read: a slow-drip server or an endless body ran forever (+2.4 MB/s)."""
-    from dflash.regen import OpenAIGenerator, ServerError, Turn
+    from dflash.data.regen import OpenAIGenerator, ServerError, Turn
 
     for how, words in (
         ("drip", "no complete answer within 1 s (--timeout)"),
@@ -878,8 +878,8 @@ def test_ctrl_c_ends_regen_without_waiting_for_the_requests_in_flight(target: Pa
 
 TWO_TARGETS = """
 import sys
-from dflash.chat import Renderer, load_tokenizer
-from dflash.regen import HFGenerator, RegenSpec, load_hf, regen
+from dflash.data.chat import Renderer, load_tokenizer
+from dflash.data.regen import HFGenerator, RegenSpec, load_hf, regen
 from dflash.config import load_config
 
 cfg = load_config(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Exports every engine reads the same way (dflash.contract, --format speculators, the card)."""
+"""Exports every engine reads the same way (dflash.model.contract, --format speculators, the card)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import contract
 from dflash.__main__ import main
-from dflash.checkpoint import CheckpointWriteError, CheckpointWriter, check_servable, save_checkpoint, snapshot
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.target import tiny_target_config
+from dflash.checkpoint.checkpoints import (
+    CheckpointWriteError,
+    CheckpointWriter,
+    check_servable,
+    save_checkpoint,
+    snapshot,
+)
+from dflash.model import contract
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
 
 MASK = 511
 SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5}

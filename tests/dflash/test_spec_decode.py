@@ -7,12 +7,12 @@ import pytest
 import torch
 import zlab_reference
 
-from dflash.checkpoint import save_checkpoint
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.evaluate import evaluate
-from dflash.loss import Anchors, block_inputs, drafter_loss, training_masks
-from dflash.spec_decode import Sampler, speculative_generate, target_greedy, target_sample
-from dflash.target import TargetModel, tiny_target_config
+from dflash.checkpoint.checkpoints import save_checkpoint
+from dflash.eval.evaluate import evaluate
+from dflash.eval.spec_decode import Sampler, speculative_generate, target_greedy, target_sample
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.loss import Anchors, block_inputs, drafter_loss, training_masks
+from dflash.model.target import TargetModel, tiny_target_config
 
 # floor (scripts/test runs it again in .venv-floor): the target's KV cache and its forward's cache argument changed
 # between transformers releases

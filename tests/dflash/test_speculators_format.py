@@ -4,7 +4,7 @@ speculators 0.9.0 needs transformers <= 5.19: scripts/test runs the ``speculator
 that has it (.venv-floor); where it is not installed they skip (under CI=true in .venv-floor they fail). Two checks: speculators' own config class
 and model read our export; its own z-lab -> speculators converter, run on our z-lab export, writes the
 config and weights our speculators export has (the differences are ours on purpose, each said below and
-in dflash/speculators_format.py).
+in dflash/serve/speculators_format.py).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.__main__ import main
-from dflash.checkpoint import save_checkpoint
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.target import tiny_target_config
+from dflash.checkpoint.checkpoints import save_checkpoint
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
 
 # Skipped where speculators is not installed, a failure in .venv-floor under CI=true (tests/conftest.py): a
 # module-level importorskip would skip there too.
 pytestmark = [pytest.mark.speculators, pytest.mark.timeout(300)]
 
 SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 5}
-# keys the converter writes differently on purpose (dflash/speculators_format.py says why), or versions
+# keys the converter writes differently on purpose (dflash/serve/speculators_format.py says why), or versions
 VERSIONS = {"speculators_version", "transformers_version"}
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.batching import BatchPlan, Permutation
-from dflash.data import DataPosition, JsonlDataset, Shard, shard_starts
-from dflash.store import PrepareSpec, StoreError, prepare
+from dflash.data.batching import BatchPlan, Permutation
+from dflash.data.samples import DataPosition, JsonlDataset, Shard, shard_starts
+from dflash.data.store import PrepareSpec, StoreError, prepare
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -26,12 +26,12 @@ import torch
 from test_eval_chat import Tiny, run_cli, served, write_config
 from test_prepare_data import QWEN3, make_tokenizer
 
-from dflash import published, suites
 from dflash.__main__ import main
-from dflash.checkpoint import save_checkpoint
-from dflash.evaluate import load_setup
-from dflash.spec_decode import target_greedy
-from dflash.target import TargetModel, tiny_target_config
+from dflash.checkpoint.checkpoints import save_checkpoint
+from dflash.eval import published, suites
+from dflash.eval.evaluate import load_setup
+from dflash.eval.spec_decode import target_greedy
+from dflash.model.target import TargetModel, tiny_target_config
 from testkit.engine_double import EngineDouble
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash.checkpoint.sync import CheckpointSync, SyncResult, command
 from dflash.config import ConfigError, SyncError, load_config, parse_template
-from dflash.sync import CheckpointSync, SyncResult, command
 from testkit import retry_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.target import TargetModel, build_target_layer_ids, default_mask_token_id, tiny_target_config
+from dflash.model.target import TargetModel, build_target_layer_ids, default_mask_token_id, tiny_target_config
 
 # floor (scripts/test runs it again in .venv-floor): target loading (from_pretrained, device_map through accelerate),
 # hooks on Qwen3 layers, generate and its cache
@@ -163,7 +163,7 @@ def test_from_pretrained_off_the_cpu_never_holds_the_weights_in_host_memory(tmp_
     assert fp32 > 200e6
     code = textwrap.dedent(f"""
         import resource, torch
-        from dflash.target import TargetModel
+        from dflash.model.target import TargetModel
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         t = TargetModel.from_pretrained({str(tmp_path)!r}, dtype=torch.float32, device="meta", layer_ids=[0])
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

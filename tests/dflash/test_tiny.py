@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.chat import Renderer, load_tokenizer, messages_of
 from dflash.config import load_config
-from dflash.data import JsonlDataset
-from dflash.target import TargetModel
-from dflash.tiny import CHAT_TEMPLATE, Language, TinyError, TinySpec, load_manifest, make_tiny
-from dflash.train import Run
+from dflash.data.chat import Renderer, load_tokenizer, messages_of
+from dflash.data.samples import JsonlDataset
+from dflash.data.tiny import CHAT_TEMPLATE, Language, TinyError, TinySpec, load_manifest, make_tiny
+from dflash.model.target import TargetModel
+from dflash.train.run import Run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -201,7 +201,10 @@ def test_tiny_cpu_toml_finds_the_workdir_tiny_folder_from_a_release(tmp_path: Pa
     shutil.copytree(REPO / "configs", release / "configs")
     (workdir / "current").symlink_to("releases/0123456789abcdef")
     shutil.copytree(tiny, workdir / "tiny")
-    from dflash.store import PrepareSpec, prepare  # the store scripts/demo writes there (here from train.jsonl)
+    from dflash.data.store import (  # the store scripts/demo writes there (here from train.jsonl)
+        PrepareSpec,
+        prepare,
+    )
 
     prepare(
         PrepareSpec(

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
+from dflash.checkpoint import checkpoints as ckpt
 from dflash.config import ConfigError, RunConfig, load_config
-from dflash.data import collate
-from dflash.loss import drafter_loss
-from dflash.pipeline import PipelineError
-from dflash.replicas import LRSchedule
-from dflash.train import Run
+from dflash.data.samples import collate
+from dflash.model.loss import drafter_loss
+from dflash.train.pipeline import PipelineError
+from dflash.train.replicas import LRSchedule
+from dflash.train.run import Run
 from ops.far.history import resumed_from
 from testkit import retry_until
 
@@ -122,7 +122,7 @@ def test_a_drafter_oom_is_reported_and_the_run_finishes_on_the_other(
 
 
 def test_dflash_fault_raise_fires_once_then_the_rerun_goes_through(tmp_path: Path) -> None:
-    from dflash.pipeline import InjectedFault
+    from dflash.train.pipeline import InjectedFault
 
     env = {"DFLASH_FAULT": "raise-at-step:3"}
     with pytest.raises(InjectedFault, match=r"^DFLASH_FAULT raise-at-step:3: injected failure at step 3$"):
@@ -296,4 +296,6 @@ def test_cli_exit_codes_for_bad_config_and_dead_drafters(tmp_path: Path) -> None
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
-    assert last.startswith("dflash.pipeline.PipelineError: no drafter left at step") and "CUDA out of memory" in last
+    assert (
+        last.startswith("dflash.train.pipeline.PipelineError: no drafter left at step") and "CUDA out of memory" in last
+    )

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.metrics import Metrics
-from dflash.pipeline import Pipeline, PipelineOptions
-from dflash.simulate import BenchSpec, SimDrafter, SimSource, SimTarget, format_result, run_bench
+from dflash.train.metrics import Metrics
+from dflash.train.pipeline import Pipeline, PipelineOptions
+from dflash.train.simulate import BenchSpec, SimDrafter, SimSource, SimTarget, format_result, run_bench
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -156,7 +156,7 @@ def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_tensorboard_events_hold_the_scalars_of_metrics_jsonl(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
-    from dflash.train import Run
+    from dflash.train.run import Run
 
     assert Run(tiny_cfg(tmp_path, "metrics.tensorboard=true"), environ={}).train() == 0
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -209,8 +209,8 @@ def test_tensorboard_without_the_package_is_one_line_and_exit_2_before_loading(
 def test_a_window_never_counts_more_than_all_of_its_time() -> None:
     # CI saw busy + wait + barrier + other = 1.0104 on a loaded machine: the window's end and each worker's
     # open phase were read from different clock readings, and a phase closed just after the end was counted.
-    from dflash.metrics import worker_window
-    from dflash.pipeline import WorkerState
+    from dflash.train.metrics import worker_window
+    from dflash.train.pipeline import WorkerState
 
     w = WorkerState(role="target", index=1, device="cpu", busy_s=0.61, wait_s=0.45)
     fig = worker_window(w, None, 1.0)

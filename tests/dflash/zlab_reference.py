@@ -6,7 +6,7 @@ projects context and block separately with the same k_proj/v_proj and concatenat
 to the last q_len positions for q and to all keys; transformers' own "sdpa" attention function; no mask
 in full layers, a causal + sliding-window mask over key indices in sliding layers; transformers'
 ``DynamicCache`` cropped back after each draft; the greedy ``dflash_generate`` loop). It shares no code
-with ``dflash.drafter`` / ``dflash.spec_decode``: if our model drifts from z-lab's, the checkpoint and
+with ``dflash.model.drafter`` / ``dflash.eval.spec_decode``: if our model drifts from z-lab's, the checkpoint and
 parity tests that load our weights into this class fail.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.tiny import TinySpec, make_tiny
+from dflash.data.tiny import TinySpec, make_tiny
 from testkit import CliResult, retry_until
 from testkit.hostsfile import dflashctl_argv, dump_hosts
 from testkit.runkit import REPO, reap_runs
@@ -201,7 +201,7 @@ def test_deploy_start_status_running_then_succeeded_tail_and_eval_equals_greedy(
     p, report = demo.eval("--strict", "--max-new-tokens", "16")
     assert report["all_equal"] is True and report["num_prompts"] == SMALL.eval_prompts and report["step"] == 40
     # token for token the target's own greedy output up to its end of turn, computed here without the drafter
-    from dflash.target import TargetModel
+    from dflash.model.target import TargetModel
 
     assert report["protocol"]["stop_token_ids"] == [SMALL.chat.eos]  # the tiny target's EOS: <|im_end|>
     target = TargetModel.from_pretrained(str(demo.workdir / "tiny" / "target"), dtype=torch.float32, num_draft_layers=2)

@@ -192,8 +192,8 @@ PEER_LOST_TAIL = """\
 step 8 | loss 6.486 | acc 0.01 | tau_tf 1.0 | 1.1 Ktok/s | queue 8/8 | drafters 1/1 | busy T 71 | D 80
 Traceback (most recent call last):
   File "/w/dflash/distributed.py", line 120, in exchange
-dflash.distributed.PeerLost: node 0 of 2 lost the node group at step 8 (the barrier; [distributed] timeout 20s): [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53385: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.
-[rank0]: dflash.distributed.PeerLost: node 0 of 2 lost the node group at step 8 (the barrier; [distributed] timeout 20s): [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53385: Connection reset by peer.
+dflash.train.distributed.PeerLost: node 0 of 2 lost the node group at step 8 (the barrier; [distributed] timeout 20s): [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53385: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.
+[rank0]: dflash.train.distributed.PeerLost: node 0 of 2 lost the node group at step 8 (the barrier; [distributed] timeout 20s): [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:53385: Connection reset by peer.
 Traceback (most recent call last):
   File "/w/.venv/bin/torchrun", line 8, in <module>
     sys.exit(main())

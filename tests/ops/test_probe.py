@@ -469,7 +469,7 @@ def test_a_gpu_entry_that_is_no_object_is_named_and_the_status_still_prints() ->
 
 
 def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> None:
-    from dflash.divergence import Diverged, Spike
+    from dflash.train.divergence import Diverged, Spike
 
     line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
     d = probe.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.best import set_best
-from dflash.drafter import DFlashDraftModel, draft_config_for
-from dflash.target import tiny_target_config
+from dflash.checkpoint import checkpoints as ckpt
+from dflash.checkpoint.best import set_best
+from dflash.model.drafter import DFlashDraftModel, draft_config_for
+from dflash.model.target import tiny_target_config
 from ops import pull
 from ops.remote import connect
 from testkit import PveHosts
