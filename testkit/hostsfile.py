@@ -10,7 +10,7 @@ import sys
 import typing as t
 from pathlib import Path
 
-from ops.hosts import Host, Inventory, load_inventory
+from ops.hosts import Host, Inventory, load_inventory, parse_inventory
 from testkit import forkserver
 from testkit.forkserver import dflashctl_argv as dflashctl_argv  # where the tests import it from
 
@@ -159,3 +159,42 @@ class PveHosts:
             ["--hosts", str(self.path), *args], input=input, timeout=timeout, env=self.env(env), cwd=self.root
         )
         return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def ssh_host(sshd: Sshd, **changes: t.Any) -> Host:
+    """Host ``pve``: the real sshd on 127.0.0.1, its client key and known_hosts; a change of None drops the key."""
+    table: dict[str, t.Any] = {
+        "address": "127.0.0.1",
+        "port": sshd.port,
+        "user": "root",
+        "identity_file": str(sshd.client_key),
+        "known_hosts": str(sshd.known_hosts),
+        "connect_timeout": 5,
+        "command": "true",
+    }
+    for k, v in changes.items():
+        if v is None:
+            table.pop(k, None)
+        else:
+            table[k] = v
+    return parse_inventory(dump_hosts(None, {"pve": table}), path=None, base=Path("/")).get("pve")
+
+
+def local_host(tmp_path: Path, socket: str, command: list[str], **extra: t.Any) -> Host:
+    """Host ``local`` on its own tmux socket, its workdir and run_dir under ``tmp_path``; also written as
+    ``tmp_path/hosts.toml`` for the real CLI (``dflashctl``)."""
+    table: dict[str, t.Any] = {
+        "transport": "local",
+        "workdir": str(tmp_path / "work"),
+        "run_dir": str(tmp_path / "runs"),
+        "python": sys.executable,
+        "session": "dflash",
+        "command": command,
+        "tmux_socket": socket,
+        "hang_after": 600,
+        "startup_grace": 0,
+        **extra,
+    }
+    text = dump_hosts(None, {"local": table})
+    (tmp_path / "hosts.toml").write_text(text)
+    return parse_inventory(text, path=None, base=tmp_path).get("local")

@@ -14,35 +14,11 @@ import pytest
 
 from ops import errors, session
 from ops.far import tmux
-from ops.hosts import Host, parse_inventory
 from ops.remote import Remote
 from ops.transport import LocalTransport
 from testkit import TmuxServers, pid_alive, retry_until
+from testkit.hostsfile import local_host as make_host
 from testkit.runkit import fake_release, reap_runs, train_command
-
-
-def make_host(tmp_path: Path, socket: str, command: list[str], **extra: object) -> Host:
-    table = {
-        "transport": "local",
-        "workdir": str(tmp_path / "work"),
-        "run_dir": str(tmp_path / "runs"),
-        "python": sys.executable,
-        "session": "dflash",
-        "command": command,
-        "tmux_socket": socket,
-        "hang_after": 600,
-        "startup_grace": 0,
-        **extra,
-    }
-
-    def toml(v: object) -> str:  # JSON is TOML for strings, numbers and lists; tables are inline
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {json.dumps(x)}" for k, x in v.items()) + "}"
-        return json.dumps(v)
-
-    body = "\n".join(f"{k} = {toml(v)}" for k, v in table.items())
-    (tmp_path / "hosts.toml").write_text(f"[hosts.local]\n{body}\n")  # for the real CLI (`dflashctl`)
-    return parse_inventory(f"[hosts.local]\n{body}\n", path=None, base=tmp_path).get("local")
 
 
 def dflashctl(tmp_path: Path, *args: str) -> subprocess.Popen[str]:

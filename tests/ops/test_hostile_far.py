@@ -14,13 +14,14 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from test_agent import attempt_dir, dflashctl, make_host, wait_state
+from test_agent import attempt_dir, dflashctl, wait_state
 
 from ops import errors, session
 from ops.far import agent
 from ops.remote import Remote
 from ops.transport import LocalTransport
 from testkit import pid_alive, retry_until
+from testkit.hostsfile import local_host as make_host
 from testkit.runkit import fake_release, reap_runs, train_command
 
 

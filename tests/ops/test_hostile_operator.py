@@ -19,32 +19,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ops import errors
-from ops.hosts import Host, parse_inventory
+from ops.hosts import parse_inventory
 from ops.transport import SSHTransport, scan_host_key
 from testkit import PveHosts, Sshd
 from testkit.hostsfile import dump_hosts
+from testkit.hostsfile import ssh_host as make_host
 from testkit.plugin import require
 from testkit.runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
-
-
-def make_host(sshd: Sshd, **changes: t.Any) -> Host:
-    table: dict[str, t.Any] = {
-        "address": "127.0.0.1",
-        "port": sshd.port,
-        "user": "root",
-        "identity_file": str(sshd.client_key),
-        "known_hosts": str(sshd.known_hosts),
-        "connect_timeout": 5,
-        "command": "true",
-    }
-    for k, v in changes.items():
-        if v is None:
-            table.pop(k, None)
-        else:
-            table[k] = v
-    return parse_inventory(dump_hosts(None, {"pve": table}), path=None, base=Path("/")).get("pve")
 
 
 def key_blob(sshd: Sshd) -> str:

@@ -17,32 +17,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ops import errors
-from ops.hosts import Host, parse_inventory
+from ops.hosts import parse_inventory
 from ops.transport import LocalTransport, SSHTransport, resolve_target
 from ops.transport.ssh import _unreachable
 from testkit import PveHosts, Sshd, pid_alive, retry_until
-from testkit.hostsfile import dump_hosts
+from testkit.hostsfile import ssh_host as make_host
 from testkit.runkit import RELAY
 
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
-
-
-def make_host(sshd: Sshd, **changes: t.Any) -> Host:
-    table: dict[str, t.Any] = {
-        "address": "127.0.0.1",
-        "port": sshd.port,
-        "user": "root",
-        "identity_file": str(sshd.client_key),
-        "known_hosts": str(sshd.known_hosts),
-        "connect_timeout": 5,
-        "command": "true",
-    }
-    for k, v in changes.items():
-        if v is None:
-            table.pop(k, None)
-        else:
-            table[k] = v
-    return parse_inventory(dump_hosts(None, {"pve": table}), path=None, base=Path("/")).get("pve")
 
 
 @pytest.fixture
