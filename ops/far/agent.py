@@ -57,7 +57,6 @@ from ops.far.records import (
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
 from ops.far.refusal import Refused
-from ops.far.room import checkpoint_facts
 from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read", "history", "checkpoint", "fetch")
@@ -240,7 +239,9 @@ def probe(req: Request) -> ProbeFacts:
     return {
         "disk": disk_facts(req["run_dir"]),
         # optional (an older agent sends none): sizes and free space for status's low-disk flag and sync
-        "checkpoints": checkpoint_facts(af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")),
+        "checkpoints": checkpoints.checkpoint_facts(
+            af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")
+        ),
         "now": now,
         "supervisor": watch.read(session_dir(req)),
         "heartbeat": heartbeat,
