@@ -23,7 +23,7 @@ LISTED = {
     "dflash/serve/bench_commands.py:bench_pipeline": "click options, one per line",
     "dflash/serve/bench_commands.py:bench_serve": "click options, one per line",
     "dflash/serve/serve_bench.py:bench": "the requests' loop and its figures",
-    "ops/cli.py:restart_on_crash_cmd": "click options, one per line",
+    "ops/cli/supervision.py:restart_on_crash_cmd": "click options, one per line",
     "ops/far/agent.py:_stop": "the stop protocol, each step guarded by the last",
     "ops/far/runner.py:main": "the runner's life: fork, wait, record",
     "ops/supervise/loop.py:Supervisor._loop": "the supervisor's round",
