@@ -24,6 +24,8 @@ from ops.hosts import Host, Inventory, load_inventory
 
 logger = logging.getLogger("ops")
 
+_exit_at_once = False  # set by App.end_at_once: main() then ends the process at once
+
 # command name -> "module:attribute" of its click command
 COMMANDS = {
     "hosts": "ops.cli.hosts:hosts_cmd",
@@ -171,6 +173,3 @@ def main(argv: t.Sequence[str] | None = None) -> t.NoReturn:
     if _exit_at_once and argv is None:  # the console script; a caller in this process gets SystemExit
         end_process(code)
     sys.exit(code)
-
-
-_exit_at_once = False  # App.end_at_once sets it
