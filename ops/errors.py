@@ -1,6 +1,7 @@
 """Errors of dflashctl: one root, narrow subclasses that carry their facts.
 
-Exit codes are not decided here: ``ops/cli.py`` maps these classes to codes in one place.
+Exit codes are not decided here: ``ops/exit_codes.py`` maps these classes to codes in one place
+(``ops.cli.main`` applies it).
 """
 
 from __future__ import annotations

@@ -121,7 +121,9 @@ def _raw_or_down(
 
 
 def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> Status:
-    from ops.probe import classify  # here: gather needs none of classify's modules (ops/cli.py loads them meanwhile)
+    from ops.probe import (
+        classify,  # here: gather needs none of classify's modules (ops/cli/run.py loads them meanwhile)
+    )
 
     return classify(gather(host, session, connect))
 

@@ -3,7 +3,7 @@ restart-on-crash's actions.
 
 ``StrEnum``: a member IS its string (``"crashed" == State.CRASHED``, ``json.dumps`` and f-strings
 give the bare value), so JSON output and messages are the same as with plain strings, and facts read
-back from JSON compare equal. Stdlib only. Exit codes are not here: ops/cli.py maps states to them.
+back from JSON compare equal. Stdlib only. Exit codes are not here: ops/exit_codes.py maps states to them.
 """
 
 from __future__ import annotations

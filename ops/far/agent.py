@@ -16,7 +16,6 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 from __future__ import annotations
 
 import base64
-import errno
 import functools
 import json
 import os
@@ -28,8 +27,21 @@ import sys
 import time
 import typing as t
 
-from ops.far import checkpoints, kernel_log, lock, members, nvidia_smi, protocol, records, refusal, request, tmux, watch
+from ops.far import (
+    admission,
+    checkpoints,
+    kernel_log,
+    members,
+    nvidia_smi,
+    protocol,
+    records,
+    refusal,
+    request,
+    tmux,
+    watch,
+)
 from ops.far import history as far_history
+from ops.far.admission import SessionLock, disk_refusal
 from ops.far.atomic import write_json_atomic
 from ops.far.logs import TAIL_WINDOW, log_facts, metrics_facts, tail_bytes
 from ops.far.procfs import ProcessFacts, oom_kill_count, pid1_start, process_facts
@@ -57,7 +69,6 @@ from ops.far.records import (
 from ops.far.records import attempt_number as _attempt_number
 from ops.far.records import read_json as _read_json
 from ops.far.refusal import Refused
-from ops.far.room import checkpoint_facts
 from ops.far.runner import DISK_FULL_BYTES, disk_facts, iso, reserve
 
 VERBS = ("probe", "start", "stop", "tail", "read", "history", "checkpoint", "fetch")
@@ -67,13 +78,6 @@ STEP_LINES = 20  # `history`: log lines of an attempt that did not crash (its la
 FOLLOW_CHUNK = 1 << 20  # at most this many bytes per `tail -f` poll
 READ_CAP = 4 << 20  # `read`: at most this many bytes of metrics.jsonl per call, all attempts together
 MAX_LINES = 10_000  # `tail -n` above this shows this many
-LOCK = ".lock"  # <run_dir>/<session>/.lock: start, stop and replace of one session, one at a time
-LOCK_WAIT = 30.0  # seconds a start or stop waits for another one on the same session
-START_ID = re.compile(r"[0-9a-f]{8,32}")
-CANCELLED = ".cancelled-"  # <run_dir>/<session>/.cancelled-<start id>: a start its dflashctl took back
-CANCELLED_KEEP = 86400.0  # a day: longer than any start request can wait to be run
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-STARTED_BY_MAX = 2048  # run.json's room (RESERVE_BYTES) holds it beside a long command line
 
 Request = t.Mapping[str, t.Any]
 
@@ -240,7 +244,9 @@ def probe(req: Request) -> ProbeFacts:
     return {
         "disk": disk_facts(req["run_dir"]),
         # optional (an older agent sends none): sizes and free space for status's low-disk flag and sync
-        "checkpoints": checkpoint_facts(af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")),
+        "checkpoints": checkpoints.checkpoint_facts(
+            af["dir"] if af else None, os.path.join(session_dir(req), "checkpoints")
+        ),
         "now": now,
         "supervisor": watch.read(session_dir(req)),
         "heartbeat": heartbeat,
@@ -257,102 +263,10 @@ def probe(req: Request) -> ProbeFacts:
     }
 
 
-class SessionLock:
-    """``<run_dir>/<session>/.lock`` (flock, 0600): held across check -> attempt dir -> tmux -> run.json,
-    so two starts (a person and restart-on-crash) cannot both pass the check. A bounded wait: a
-    caller that cannot get it in ``wait`` seconds is refused, never hung."""
-
-    def __init__(self, req: Request, verb: str, *, optional: bool = False) -> None:
-        self.sdir = session_dir(req)
-        self.path = os.path.join(self.sdir, LOCK)
-        self.optional = optional  # stop: no session folder can be made (read-only) = no attempt to guard
-        self.wait = float(req.get("lock_wait", LOCK_WAIT))
-        self.lock = lock.Lock(self.path, wait=self.wait, holder=f"{verb} by pid {os.getpid()}")
-
-    def __enter__(self) -> SessionLock:
-        try:
-            os.makedirs(self.sdir, exist_ok=True)
-            self.lock.__enter__()
-        except lock.Busy as e:
-            raise Refused(
-                refusal.BUSY,
-                f"another start or stop of this session is still running ({e.holder or 'another process'}); "
-                f"waited {self.wait:g}s for {self.path}: try again",
-            ) from None
-        except OSError as e:
-            if self.optional:
-                return self
-            raise _disk_refusal(e, f"cannot create the lock {self.path}") from None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.lock.__exit__()
-
-
-def _disk_refusal(e: OSError, what: str) -> Refused:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return Refused(refusal.DISK_FULL, f"{what}: the disk is full ({e.strerror})")
-    return Refused(refusal.RUN_DIR, f"{what}: {e.strerror or e}")
-
-
 def _describe(af: AttemptFacts, live: ProcessFacts) -> str:
     run = af.get("run") or {}
     started = run.get("started_at")
     return f"attempt {af.get('attempt')}, pid {live['pid']}" + (f", started {started}" if started else "")
-
-
-def _validate_start(req: Request) -> None:
-    """Everything a start could trip over later, checked before anything changes on disk or in tmux."""
-    command = req.get("command")
-    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
-        raise Refused(refusal.BAD_REQUEST, "command: expected a non-empty list of strings")
-    if not command[0]:
-        raise Refused(refusal.BAD_REQUEST, "command: the program name is empty")
-    for i, arg in enumerate(command):
-        if "\0" in arg:
-            raise Refused(refusal.BAD_REQUEST, f"command: argument {i} holds a NUL byte, which no program can be given")
-    env = req.get("env") or {}
-    if not isinstance(env, dict):
-        raise Refused(refusal.BAD_REQUEST, 'env: expected a table of NAME = "value"')
-    for key, value in env.items():
-        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-            raise Refused(
-                refusal.BAD_REQUEST,
-                f"env: {key!r} is not a variable name (letters, digits, '_', not starting with a digit)",
-            )
-        if not isinstance(value, str) or "\0" in value:
-            raise Refused(refusal.BAD_REQUEST, f"env.{key}: expected a string without NUL bytes")
-    by = req.get("started_by")
-    if by is not None and (not isinstance(by, dict) or len(json.dumps(by)) > STARTED_BY_MAX):
-        raise Refused(refusal.BAD_REQUEST, f"started_by: expected an object of at most {STARTED_BY_MAX} bytes as JSON")
-    _start_id(req)
-
-
-def _start_id(req: Request) -> str | None:
-    """The id a dflashctl gives one start (``--group start``: what its Ctrl-C may stop, and only that)."""
-    sid = req.get("start_id")
-    if sid is not None and not (isinstance(sid, str) and START_ID.fullmatch(sid)):
-        raise Refused(refusal.BAD_REQUEST, "start_id: expected 8 to 32 hex digits")
-    return sid
-
-
-def _cancelled(req: Request, sid: str) -> str:
-    """A cancelled start's mark (``<run_dir>/<session>/.cancelled-<id>``): its stop came first."""
-    return os.path.join(session_dir(req), f"{CANCELLED}{sid}")
-
-
-def _prune_cancelled(sdir: str) -> None:
-    try:
-        names = [n for n in os.listdir(sdir) if n.startswith(CANCELLED)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(sdir, name)
-        try:
-            if time.time() - os.path.getmtime(path) > CANCELLED_KEEP:
-                os.unlink(path)
-        except OSError:
-            pass
 
 
 def _prepare_attempt(adir: str, env: t.Mapping[str, str], started_by: t.Mapping[str, t.Any] | None = None) -> str:
@@ -375,11 +289,11 @@ def _prepare_attempt(adir: str, env: t.Mapping[str, str], started_by: t.Mapping[
 
 
 def start(req: Request) -> dict[str, t.Any]:
-    _validate_start(req)
+    admission.validate_start(req)
     current = os.path.join(req["workdir"], "current")
     if not os.path.isdir(current):
         raise Refused(refusal.NOT_DEPLOYED, f"nothing is deployed at {current}: run `dflashctl deploy` first")
-    with SessionLock(req, "start"):
+    with SessionLock(session_dir(req), req, "start"):
         return _start_locked(req, current)
 
 
@@ -388,15 +302,47 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     `current` at it: a start that fails leaves the previous attempt, its pane and `current` as they were."""
     release = os.path.basename(os.path.realpath(current))
     session, socket_name = req["session"], req["socket"]
-    env = _tmux_env(req)
-    tmux_bin = req.get("tmux", "tmux")
-    base = tmux.base(socket_name, tmux_bin)
-    start_id = _start_id(req)
-    _prune_cancelled(session_dir(req))
-    if start_id is not None and os.path.exists(_cancelled(req, start_id)):
+    start_id = admission.start_id(req)
+    sdir = session_dir(req)
+    admission.prune_cancelled(sdir)
+    if start_id is not None and os.path.exists(admission.cancel_mark(sdir, start_id)):
         # the dflashctl that asked for this start was interrupted, and its stop got here first
         raise Refused(refusal.CANCELLED, f"this start of session '{session}' was cancelled (Ctrl-C) before it ran")
+    replaced = _clear_the_way(req, sdir)
+    n, adir, env_file = _new_attempt(req, sdir)
+    runner = _runner_argv(req, adir, n, current=current, release=release, env_file=env_file, start_id=start_id)
+    # The new run starts under a name of its own; the old session (a dead pane to read, or the run
+    # just replaced) keeps the real name until the new one is known to live.
+    staging = f"{session}-starting-{os.getpid()}"
+    res = _run(tmux.start_argv(socket_name, staging, runner, req.get("tmux", "tmux")), env=_tmux_env(req))
+    if res["exit_code"] != 0:
+        raise _undo(adir, "tmux-failed", f"tmux could not create session '{session}': {res['stderr'].strip() or res}")
+    run, warning = _await_record(req, adir, staging)
 
+    # The new run exists: now it takes the session's name and `current`.
+    warning = _take_the_name(req, staging) or warning
+    records.point_current(sdir, os.path.basename(adir))
+    exit_rec, _ = _read_json(os.path.join(adir, EXIT_JSON))
+    out: dict[str, t.Any] = {
+        "attempt": n,
+        "attempt_dir": adir,
+        "log": os.path.join(adir, LOG),
+        "release": release,
+        "pid": run.get("pid") if run else None,
+        "child_pid": run.get("child_pid") if run else None,
+        "started_at": run.get("started_at") if run else None,
+        "exit": exit_rec,
+        "replaced": replaced,
+    }
+    if warning:
+        out["warning"] = warning
+    return out
+
+
+def _clear_the_way(req: Request, sdir: str) -> dict[str, t.Any] | None:
+    """The checks against what runs now: tmux there, the disk not full, no live run (or, with ``replace``,
+    the live one stopped: what that stop answered, else None)."""
+    session = req["session"]
     tf = tmux_facts(req)
     if not tf["installed"]:
         raise Refused(refusal.NO_TMUX, f"tmux is not installed where the run lives ({tf['stderr']})")
@@ -404,7 +350,6 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
     live = _alive(af)
     pane = _pane(tf)
     pane_live = pane is not None and pane.get("pane_dead") == "0"
-    sdir = session_dir(req)
     disk = disk_facts(sdir)
     if disk is not None and disk["full"]:
         raise Refused(
@@ -457,31 +402,42 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
                 attempt=af.get("attempt") if af else None,
                 pid=left[0]["pid"] if left else None,
             )
+    return replaced
 
+
+def _new_attempt(req: Request, sdir: str) -> tuple[int, str, str]:
+    """The next attempt dir, prepared for its runner: (its number, its path, its env file)."""
     try:
         n, adir = records.next_attempt_dir(sdir)
     except OSError as e:
-        raise _disk_refusal(e, f"cannot create an attempt under {sdir}") from None
+        raise disk_refusal(e, f"cannot create an attempt under {sdir}") from None
     try:
         env_file = _prepare_attempt(adir, req.get("env") or {}, req.get("started_by"))
     except OSError as e:
         shutil.rmtree(adir, ignore_errors=True)
-        raise _disk_refusal(e, f"cannot prepare {adir}") from None
+        raise disk_refusal(e, f"cannot prepare {adir}") from None
+    return n, adir, env_file
 
-    def undo(kind: str, message: str) -> Refused:
-        shutil.rmtree(adir, ignore_errors=True)
-        return Refused(kind, message)
 
+def _undo(adir: str, kind: str, message: str) -> Refused:
+    """A start that failed once its attempt dir was made: the dir goes, the refusal says why."""
+    shutil.rmtree(adir, ignore_errors=True)
+    return Refused(kind, message)
+
+
+def _runner_argv(
+    req: Request, adir: str, n: int, *, current: str, release: str, env_file: str, start_id: str | None
+) -> list[str]:
     python = req.get("python") or sys.executable
     # Nothing secret (env) and nothing tmux would expand (the cwd) on this command line.
-    runner = [
+    return [
         python,
         "-m",
         "ops.far.runner",
         "--attempt-dir",
         adir,
         "--session",
-        session,
+        req["session"],
         "--attempt",
         str(n),
         "--cwd",
@@ -497,15 +453,12 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
         "--",
         *req["command"],
     ]
-    # The new run starts under a name of its own; the old session (a dead pane to read, or the run
-    # just replaced) keeps the real name until the new one is known to live.
-    staging = f"{session}-starting-{os.getpid()}"
-    res = _run(tmux.start_argv(socket_name, staging, runner, tmux_bin), env=env)
-    if res["exit_code"] != 0:
-        raise undo("tmux-failed", f"tmux could not create session '{session}': {res['stderr'].strip() or res}")
-    staged = {**req, "session": staging}
 
-    # Wait for the runner's record, so we can say which pid runs (and catch an instant failure).
+
+def _await_record(req: Request, adir: str, staging: str) -> tuple[dict[str, t.Any] | None, str | None]:
+    """Wait for the runner's record, so we can say which pid runs (and catch an instant failure):
+    (run.json, a warning when there is none yet); a runner that died at once is refused, its attempt undone."""
+    staged = {**req, "session": staging}
     run = None
     deadline = time.monotonic() + float(req.get("wait", 10.0))
     while run is None and time.monotonic() < deadline:
@@ -528,31 +481,24 @@ def _start_locked(req: Request, current: str) -> dict[str, t.Any]:
             # tmux's own "Pane is dead" line is not the runner's; tmux can lose a fast exit's last output
             lines = [ln.strip() for ln in capture(staged, 100)["lines"] if ln.strip()]
             said = " | ".join([ln for ln in lines if not ln.startswith("Pane is dead")][-5:])
-            _run(base + ["kill-session", "-t", tmux.exact(staging)], env=env)
-            raise undo("runner-failed", f"the runner died at once, nothing was started: {said or 'it printed nothing'}")
+            base = tmux.base(req["socket"], req.get("tmux", "tmux"))
+            _run(base + ["kill-session", "-t", tmux.exact(staging)], env=_tmux_env(req))
+            raise _undo(
+                adir, "runner-failed", f"the runner died at once, nothing was started: {said or 'it printed nothing'}"
+            )
         warning = "the runner wrote no run.json yet"
+    return run, warning
 
-    # The new run exists: now it takes the session's name and `current`.
+
+def _take_the_name(req: Request, staging: str) -> str | None:
+    """The new run's tmux session takes the session's name (the old one ends); a warning when it cannot."""
+    session, env = req["session"], _tmux_env(req)
+    base = tmux.base(req["socket"], req.get("tmux", "tmux"))
     _run(base + ["kill-session", "-t", tmux.exact(session)], env=env)
     ren = _run(base + ["rename-session", "-t", tmux.exact(staging), session], env=env)
     if ren["exit_code"] != 0:
-        warning = f"the run lives in tmux session '{staging}': renaming it failed ({ren['stderr'].strip()})"
-    records.point_current(sdir, os.path.basename(adir))
-    exit_rec, _ = _read_json(os.path.join(adir, EXIT_JSON))
-    out: dict[str, t.Any] = {
-        "attempt": n,
-        "attempt_dir": adir,
-        "log": os.path.join(adir, LOG),
-        "release": release,
-        "pid": run.get("pid") if run else None,
-        "child_pid": run.get("child_pid") if run else None,
-        "started_at": run.get("started_at") if run else None,
-        "exit": exit_rec,
-        "replaced": replaced,
-    }
-    if warning:
-        out["warning"] = warning
-    return out
+        return f"the run lives in tmux session '{staging}': renaming it failed ({ren['stderr'].strip()})"
+    return None
 
 
 def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float, reason: str) -> dict[str, t.Any]:
@@ -681,22 +627,22 @@ def _stop(req: Request, af: AttemptFacts | None, tf: TmuxFacts, *, grace: float,
 
 
 def stop(req: Request) -> dict[str, t.Any]:
-    with SessionLock(req, "stop", optional=True):
+    with SessionLock(session_dir(req), req, "stop", optional=True):
         return _stop_locked(req)
 
 
 def _stop_locked(req: Request) -> dict[str, t.Any]:
     tf = tmux_facts(req)
     af = attempt_facts(req, 0)
-    start_id = _start_id(req)
+    start_id = admission.start_id(req)
     if start_id is not None and ((af.get("run") if af else None) or {}).get("start_id") != start_id:
         # "stop what start <id> started": it has not run (yet). Under the session lock, so either
         # that start ran before us (and is stopped here) or it will find this mark and refuse.
         try:
-            with open(_cancelled(req, start_id), "w"):
+            with open(admission.cancel_mark(session_dir(req), start_id), "w"):
                 pass
         except OSError as e:
-            raise _disk_refusal(e, f"cannot cancel start {start_id}") from None
+            raise disk_refusal(e, f"cannot cancel start {start_id}") from None
         return {"stopped": False, "cancelled": True, "reason": "that start has not run: it never will"}
     live = _alive(af)
     pane = _pane(tf)

@@ -1,4 +1,5 @@
-"""A session's checkpoints as the box holds them, for `dflashctl pull` (the agent's `checkpoint` and `fetch`).
+"""A session's checkpoints as the box holds them: for `dflashctl pull` (the agent's `checkpoint` and `fetch`) and
+for `dflashctl status` (``probe``'s checkpoint facts).
 
 stdlib only: it reads what ``dflash.checkpoint.checkpoints`` writes without importing it (torch is not the agent's).
 A checkpoint is ``<run_dir>/<session>/checkpoints/step-<n>/`` with ``checkpoint.json`` written last (its
@@ -12,6 +13,11 @@ well formed and every file has its size, as ``dflash.checkpoint.manifest.manifes
 
 An export folder (``dflash export``'s OUT) has no manifest: its regular files are listed and hashed here.
 Sums the manifest does not carry (checkpoint.json itself, an old manifest's files) are computed here too.
+
+For status: the sizes in each manifest, the ``best`` link, free space where
+they go, and the trainer's own ``<attempt dir>/checkpointing.json`` (its checkpoint dir, ``keep``, low-disk
+threshold, the last skipped checkpoint and the last sync: ``dflash.checkpoint.checkpoints.write_facts``); never
+raises: a folder that cannot be read is an ``error`` in the facts, not a failed probe. Stdlib only, Python 3.8 syntax.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import re
 import stat
 import typing as t
 
+from ops.far import records
+from ops.far.runner import disk_free
+
 MANIFEST = "checkpoint.json"
 FORMAT = "dflash-checkpoint/1"
 BEST = "best"
@@ -35,6 +44,10 @@ FETCH_CAP = 16 << 20  # `fetch`: at most this many bytes per call (base64 in the
 HASH_CHUNK = 1 << 20
 REQUIRED = {"config.json", "model.safetensors", "trainer_state.pt"}  # what every dflash checkpoint holds
 OPTIONAL = {"dflash.py"}  # the remote code: newer checkpoints only
+FACTS_FILE = "checkpointing.json"  # dflash.checkpoint.checkpoints.FACTS_FILE
+MAX_LISTED = 10000  # entries of the checkpoints folder looked at
+MAX_CHECKPOINTS = 200  # the newest steps reported
+MANIFEST_LIMIT = 64 << 10  # what the probe reads of one manifest: every status pays it
 
 
 class Missing(Exception):
@@ -201,6 +214,90 @@ def read_range(folder: str, name: str, offset: int, length: int) -> tuple[bytes,
             raise Missing(f"{os.path.join(folder, name)} is not a plain file")
         f.seek(offset)
         return f.read(max(0, min(length, FETCH_CAP))), st.st_size
+
+
+# ---- the probe's facts (verb `probe`: `dflashctl status`'s low-disk flag and the last sync)
+
+
+def _int(value: t.Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def manifest_size(folder: str) -> tuple[int | None, str | None]:
+    """(bytes of a complete checkpoint: its files and manifest, its run id) from its manifest; (None, None)
+    when it has none yet (half-written) or one that does not say."""
+    path = os.path.join(folder, MANIFEST)
+    rec, _ = records.read_json(path, MANIFEST_LIMIT)
+    files = rec.get("files") if rec is not None else None
+    if not isinstance(files, dict):
+        return None, None
+    sizes = [_int(v) for v in files.values()]
+    if not sizes or any(s is None for s in sizes):
+        return None, None
+    try:
+        own = os.stat(path).st_size
+    except OSError:
+        return None, None
+    run_id = rec.get("run_id") if rec is not None else None
+    return sum(t.cast("list[int]", sizes)) + own, run_id if isinstance(run_id, str) else None
+
+
+def checkpoint_facts(attempt_dir: str | None, default_dir: str) -> dict[str, t.Any]:
+    """The checkpoints' facts (``ops.far.protocol.CheckpointFacts``). ``default_dir``: where dflash puts
+    them without ``checkpoint.dir`` (next to the attempts) when the trainer wrote no facts file."""
+    facts: dict[str, t.Any] = {
+        "dir": default_dir,
+        "record": None,
+        "free": None,
+        "checkpoints": [],
+        "truncated": False,
+        "best_step": None,
+        "error": None,
+    }
+    if attempt_dir is not None:
+        rec, problem = records.read_json(os.path.join(attempt_dir, FACTS_FILE))
+        if problem is not None:
+            facts["error"] = problem
+        elif rec is not None:
+            facts["record"] = rec
+            if isinstance(rec.get("dir"), str) and os.path.isabs(rec["dir"]):
+                facts["dir"] = rec["dir"]
+    root = facts["dir"]
+    probe_at = root
+    while not os.path.isdir(probe_at) and os.path.dirname(probe_at) != probe_at:
+        probe_at = os.path.dirname(probe_at)
+    facts["free"] = disk_free(probe_at)
+    try:
+        with os.scandir(root) as it:
+            names = []
+            for n, entry in enumerate(it):
+                if n >= MAX_LISTED:
+                    facts["truncated"] = True
+                    break
+                m = STEP_DIR.fullmatch(entry.name)
+                if m and entry.is_dir(follow_symlinks=False):
+                    names.append((int(m.group(1)), entry.name))
+    except FileNotFoundError:
+        return facts
+    except OSError as e:
+        facts["error"] = f"{root}: {e.strerror or e}"
+        return facts
+    names.sort()
+    if len(names) > MAX_CHECKPOINTS:
+        names, facts["truncated"] = names[-MAX_CHECKPOINTS:], True
+    found = []
+    for step, name in names:
+        size, run_id = manifest_size(os.path.join(root, name))
+        if size is not None:
+            found.append({"step": step, "bytes": size, "run_id": run_id})
+    facts["checkpoints"] = found
+    try:
+        target = os.readlink(os.path.join(root, BEST))
+        m = STEP_DIR.fullmatch(target)
+        facts["best_step"] = int(m.group(1)) if m else None
+    except OSError:
+        pass
+    return facts
 
 
 # ---- the agent's verbs (ops/far/agent.py turns Missing into `no-checkpoint`, ValueError into `bad-request`)

@@ -117,7 +117,7 @@ class ProbeFacts(t.TypedDict):
     """The probe verb's answer (less the envelope)."""
 
     disk: DiskFacts | None
-    # the run's checkpoints (ops/far/room.py): dir, record (the trainer's checkpointing.json), free,
+    # the run's checkpoints (ops/far/checkpoints.py): dir, record (the trainer's checkpointing.json), free,
     # checkpoints [{step, bytes, run_id}], truncated, best_step, error; absent from an older agent's answer
     checkpoints: dict[str, t.Any]
     now: float

@@ -49,7 +49,9 @@ PLAN: list[tuple[str, tuple[str, ...], int, str]] = [
 def commands(group: click.Group, prefix: str = "") -> list[str]:
     """Every command of the click group, a subgroup's as "group sub"."""
     out = []
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # dflashctl's commands are imported on first use
+        cmd = group.get_command(ctx, name)
         if isinstance(cmd, click.Group):
             out.extend(commands(cmd, f"{prefix}{name} "))
         else:

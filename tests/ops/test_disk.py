@@ -1,5 +1,5 @@
 """Low disk and a failing sync in `dflashctl status` and the supervisor: the agent's checkpoint facts read
-from real folders (ops/far/room.py), the rule (ops/disk.py), the watch line and JSON key, and one
+from real folders (ops/far/checkpoints.py), the rule (ops/disk.py), the watch line and JSON key, and one
 notification per episode (ops/supervise/episode.py), delivered to a real local webhook."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ops.disk import next_needs
-from ops.far.room import checkpoint_facts
+from ops.far.checkpoints import checkpoint_facts
 from ops.probe import classify
 from ops.supervise.episode import LOW_DISK, SYNC_FAILED, Episodes
 

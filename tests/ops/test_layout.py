@@ -142,13 +142,18 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert bad == []
 
 
-def test_no_module_is_over_1000_lines() -> None:
+GATE = 1000  # lines: a module past it is two concepts
+NEAR = GATE * 95 // 100  # a module this close to the gate is one split away from being shaped by it
+
+
+def test_no_module_is_near_the_line_gate() -> None:
+    """Files split where their concepts split; a module within 5% of the gate means the gate is shaping it."""
     sizes = {
         str(p.relative_to(REPO)): len(p.read_text().splitlines())
         for top in (*PACKAGES, "bench")
         for p in (REPO / top).rglob("*.py")
     }
-    assert {p: n for p, n in sizes.items() if n > 1000} == {}
+    assert {p: n for p, n in sizes.items() if n > NEAR} == {}
 
 
 def test_every_bench_runs_as_a_module_of_the_bench_package() -> None:
@@ -214,10 +219,15 @@ def test_the_kinds_of_a_refusal_are_the_constants_both_ends_import() -> None:
 
 def test_only_the_command_line_reaches_up_into_restart_on_crash() -> None:
     """ops.supervise builds on the operator's modules (probe, session, remote), never the other way: a helper
-    both need lives below both (ops/state_dir.py, ops/times.py), and only cli.py, the top, imports ops.supervise."""
+    both need lives below both (ops/state_dir.py, ops/times.py), and only ops/cli/, the top, imports ops.supervise."""
     bad = []
     for name, path in MODULES.items():
-        if not name.startswith("ops.") or name.startswith(("ops.supervise", "ops.far")) or name == "ops.cli":
+        if (
+            not name.startswith("ops.")
+            or name.startswith(("ops.supervise", "ops.far"))
+            or name == "ops.cli"
+            or name.startswith("ops.cli.")
+        ):
             continue
         for imp in imports(path):
             if any(m == "ops.supervise" or m.startswith("ops.supervise.") for m in targets(imp)):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ops import divergence, probe, wire
-from ops.cli import ExitCode, exit_code_for_state
+from ops.exit_codes import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
 FACTS = Path(__file__).with_name("facts")

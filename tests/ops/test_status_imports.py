@@ -35,7 +35,8 @@ try:
     ops.cli.main(["--hosts", sys.argv[1], "status", "--json"])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"after ops.cli": after_cli, **seen, "exit": code}))
+commands = sorted(m for m in sys.modules if m.startswith("ops.cli."))
+print(json.dumps({"after ops.cli": after_cli, **seen, "exit": code, "command modules": commands}))
 """
 
 
@@ -62,6 +63,8 @@ def test_status_connects_before_it_imports_classify_which_loads_beside_the_agent
     assert notes["ops.probe imported by"] == "import ops.probe", notes
     assert status["host"] == "pve" and status["state"] == "not-started", status
     assert notes["exit"] == 7, notes  # the state's code, as the console script's
+    # the commands are imported on first use: status loads its own module, not deploy's, plot's or supervise's
+    assert notes["command modules"] == ["ops.cli.groups", "ops.cli.options", "ops.cli.run"], notes
 
 
 def test_status_of_a_host_that_is_down_imports_classify_in_this_thread(pve_hosts: PveHosts) -> None:

@@ -3,7 +3,9 @@ another's), the group's line and exit code (the fan-out and the verdict are in o
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 import typing as t
 
 import click
@@ -69,9 +71,6 @@ def status_of_many(
 ) -> ExitCode:
     """One status line per host and the verdict. ``kept``: connections by host name that outlive the call (the
     rounds of --watch share them, as one host's --watch does); a host that is down gets a new one next round."""
-    import json
-    import time
-
     from ops.group import fan_out, verdict
     from ops.probe import Status
     from ops.remote import Remote, connect
