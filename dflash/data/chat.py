@@ -176,6 +176,19 @@ def tools_of(rec: t.Mapping[str, t.Any]) -> list[dict[str, t.Any]] | None:
     return out
 
 
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, t.Any]]] | None:
+    """A text's ``<tool_call>`` blocks of JSON (Hermes, Qwen: what a ``hermes`` tool parser takes) as tool
+    calls, and the text before the first as content; None when it has none, or one is not a JSON call."""
+    if "<tool_call>" not in text:
+        return None
+    blocks = _CALL_BLOCK.findall(text)
+    try:
+        calls = [tool_calls_of(b, "<tool_call>")[0] for b in blocks]
+    except BadRecord:
+        return None
+    return (text[: text.index("<tool_call>")].strip(), calls) if calls else None
+
+
 def _sharegpt_turn(role: str, text: str, where: str) -> dict[str, t.Any]:
     """A ShareGPT turn as an OpenAI message: ``function_call`` holds the call(s) as JSON; a ``gpt`` turn
     whose calls are ``<tool_call>`` blocks of JSON (Hermes) gets them as tool calls, the text before them
@@ -184,14 +197,8 @@ def _sharegpt_turn(role: str, text: str, where: str) -> dict[str, t.Any]:
     if role == "function_call":
         return {"role": "assistant", "content": "", "tool_calls": tool_calls_of(text, where)}
     out: dict[str, t.Any] = {"role": ROLES[role], "content": text}
-    if out["role"] == "assistant" and "<tool_call>" in text:
-        blocks = _CALL_BLOCK.findall(text)
-        try:
-            calls = [tool_calls_of(b, where)[0] for b in blocks] if blocks else []
-        except BadRecord:
-            calls = []
-        if calls:
-            out = {"role": "assistant", "content": text[: text.index("<tool_call>")].strip(), "tool_calls": calls}
+    if out["role"] == "assistant" and (split := split_tool_calls(text)) is not None:
+        out = {"role": "assistant", "content": split[0], "tool_calls": split[1]}
     elif out["role"] == "tool" and (m := _RESPONSE_BLOCK.match(text)):
         out["content"] = m.group(1)
     return out
@@ -426,6 +433,7 @@ __all__ = [
     "Renderer",
     "Sequence",
     "messages_of",
+    "split_tool_calls",
     "tool_calls_of",
     "tools_of",
     "parse_record",

@@ -381,3 +381,41 @@ def test_public_dataset_rows_through_prepare_data(
             ):
                 assert text in flat, text
             assert not any(RESULT in s for s in flat), "no tool result is supervised"
+
+
+def test_eval_chat_prompts_carry_the_record_s_tools(tmp_path: Path, qwen3_tools: t.Any) -> None:
+    from dflash.eval.evaluate import load_prompts
+
+    src = tmp_path / "prompts.jsonl"
+    src.write_text(json.dumps(HERMES) + "\n")
+    (ids,) = load_prompts(src, renderer=Renderer(qwen3_tools))
+    assert ids == Renderer(qwen3_tools).prompt_ids(messages_of(HERMES)[:2], tools_of(HERMES))
+    assert "<tools>" in qwen3_tools.decode(ids), "served with its tools: the eval prompt holds them too"
+
+
+def test_the_same_rows_as_a_json_array_make_the_same_store(
+    tmp_path: Path, qwen3_tools: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    qwen3_tools.save_pretrained(tmp_path / "tok")
+    bad_tools = {**ULTRACHAT, "tools": "not json"}
+    stores = []
+    for name, text in (
+        ("lines", "".join(json.dumps(r) + "\n" for r in [*ROWS, bad_tools])),
+        ("array", json.dumps([*ROWS, bad_tools], indent=1)),
+    ):
+        src = tmp_path / f"{name}.json"
+        src.write_text(text)
+        rc, out, err = run_main(
+            capsys,
+            "prepare-data",
+            "--tokenizer",
+            str(tmp_path / "tok"),
+            "--in",
+            str(src),
+            "--out",
+            str(tmp_path / name),
+        )
+        assert rc == 0 and "dropped 1 bad-tools" in out and "(line 8)" in out, out + err
+        store = TokenStore(tmp_path / name)
+        stores.append([(a.tolist(), b.tolist()) for a, b in (store.read(i) for i in range(len(store)))])
+    assert stores[0] == stores[1] and len(stores[0]) == 11
