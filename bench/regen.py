@@ -59,7 +59,8 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from dflash.data.chat import Renderer, load_tokenizer
-    from dflash.data.regen import HFGenerator, OpenAIGenerator
+    from dflash.data.regen import OpenAIGenerator
+    from dflash.data.regen_hf import HFGenerator
 
     hf_logging.disable_progress_bar()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-regen-"))

@@ -6,9 +6,17 @@ and thinking setting. ``regen`` reads what ``prepare-data`` reads (OpenAI ``mess
 each assistant turn replaced by the target's greedy answer. Turn k is generated with the regenerated turns
 before it as history (what the target would have seen had it answered every turn itself).
 
+Agentic turns: a record's ``tools`` are in every prompt (the hf backend renders them with the template, the
+openai backend sends ``tools`` and ``tool_choice: auto``), so the target writes its own tool calls (the
+server's parsed ``tool_calls``, or the ``<tool_call>`` blocks of the text, split off as a hermes tool
+parser does). Tool results are the environment's: kept from the record. A regenerated turn whose calls
+(names and arguments) are not the record's, while the record goes on after it, ends the conversation
+there: the regenerated turn is kept (the target's own answer to a context serving showed) and what
+followed is not (those results answer other calls, or no call); counted (``changed_calls``).
+
 Backends (each a ``Generator``):
 
-- ``hf``: the run's target loaded with transformers on its devices (one replica per distinct device of
+- ``hf`` (``dflash.data.regen_hf``): the run's target loaded with transformers on its devices (one replica per distinct device of
   ``devices.targets``), batched greedy ``generate`` with left padding, stopping at EOS (the tokenizer's and
   the model's ``generation_config``'s) or ``max_new_tokens``. Prompts are rendered as ``prepare-data``
   renders them (``Renderer.prompt_ids``).
@@ -49,8 +57,18 @@ import urllib.parse
 from pathlib import Path
 
 from dflash import inputs, outputs
-from dflash.config import ConfigError
-from dflash.data.chat import BadRecord, Renderer, messages_of, parse_record, template_hash, tokenizer_hash
+from dflash.data.chat import (
+    ROLES,
+    BadRecord,
+    Renderer,
+    messages_of,
+    parse_record,
+    split_tool_calls,
+    template_hash,
+    tokenizer_hash,
+    tool_calls_of,
+    tools_of,
+)
 from dflash.data.corpus import (
     LINE_TOO_LONG,
     CorpusError,
@@ -70,6 +88,10 @@ from dflash.data.corpus import (
 from dflash.errors import DflashError, Failed, InputError
 
 FORMAT = "dflash-regen/1"
+# what a shard counts: records read and written, turns regenerated (and of them answers cut at the token
+# limit and turns that call tools), conversations cut before a prompt that fills max_len or after a
+# regenerated turn whose tool calls are not the record's
+COUNTS = ("records", "written", "turns", "cut_answers", "cut_conversations", "tool_call_turns", "changed_calls")
 COMMAND = "regen"  # what its messages start with
 DIE_AFTER_ENV = "DFLASH_REGEN_DIE_AFTER_SHARDS"  # test hook: SIGKILL regen once N shards are done
 
@@ -93,15 +115,17 @@ class Turn:
     """One assistant turn to generate: the history before it, its rendered prompt (when a tokenizer is
     local) and the most tokens its answer may take."""
 
-    history: list[dict[str, str]]
+    history: list[dict[str, t.Any]]
     prompt_ids: list[int] | None
     max_new: int
+    tools: list[dict[str, t.Any]] | None = None  # the record's: in the prompt, so the target may call them
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Answer:
     text: str
     cut: bool  # stopped by the token limit, not by EOS
+    tool_calls: list[dict[str, t.Any]] | None = None  # the server's parsed calls (the hf text holds its own)
 
 
 class Generator(t.Protocol):
@@ -125,122 +149,6 @@ class RegenSpec:
     max_len: int | None  # None: no prompt-length rule (no local tokenizer)
     shard_lines: int = 1000
     log_every: int = 1000
-
-
-# --------------------------------------------------------------------------------------------
-# Backend hf: the target in this process
-
-
-class HFGenerator:
-    """Batched greedy generation with a transformers causal LM (left padding, stop at EOS)."""
-
-    def __init__(self, model: t.Any, tokenizer: t.Any, *, batch_size: int, identity: dict[str, t.Any]) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.identity = identity
-        eos: set[int] = set()
-        for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
-            if isinstance(src, int):
-                eos.add(src)
-            elif isinstance(src, (list, tuple)):
-                eos.update(int(x) for x in src)
-        self.eos = eos
-        pad = getattr(tokenizer, "pad_token_id", None)
-        self.pad = int(pad) if isinstance(pad, int) else min(eos) if eos else 0
-        self._abort = threading.Event()
-
-    def close(self) -> None:
-        """Stop: a ``generate`` in flight ends at its next decoding step (with Aborted)."""
-        self._abort.set()
-
-    def generate(self, turns: list[Turn]) -> list[Answer]:
-        out: list[Answer | None] = [None] * len(turns)
-        order = sorted(range(len(turns)), key=lambda i: len(turns[i].prompt_ids or ()))  # less padding
-        for a in range(0, len(order), self.batch_size):
-            if self._abort.is_set():
-                raise Aborted("regen: stopped")
-            idx = order[a : a + self.batch_size]
-            for i, ans in zip(idx, self._batch([turns[i] for i in idx])):
-                out[i] = ans
-        return [a for a in out if a is not None]
-
-    def _batch(self, turns: list[Turn]) -> list[Answer]:
-        import torch  # the hf backend only: torch and transformers take seconds to import, openai needs neither
-        from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
-
-        abort = self._abort
-
-        class Closed(StoppingCriteria):  # close() ends a generate in flight at its next step
-            def __call__(self, input_ids: t.Any, scores: t.Any, **kwargs: t.Any) -> t.Any:
-                return torch.full((input_ids.shape[0],), abort.is_set(), dtype=torch.bool, device=input_ids.device)
-
-        prompts = [list(tn.prompt_ids or ()) for tn in turns]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for r, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p) :] = 1
-        longest = max(tn.max_new for tn in turns)
-        gc = GenerationConfig(
-            do_sample=False, max_new_tokens=longest, eos_token_id=sorted(self.eos) or None, pad_token_id=self.pad
-        )
-        device = self.model.device
-        with torch.inference_mode():
-            seqs = self.model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                generation_config=gc,
-                stopping_criteria=StoppingCriteriaList([Closed()]),
-            )
-        if abort.is_set():  # stopped midway: these answers are not the target's
-            raise Aborted("regen: stopped")
-        answers = []
-        for r, tn in enumerate(turns):
-            new = seqs[r, width : width + tn.max_new].tolist()  # greedy: a shorter limit is a prefix of a longer one
-            stop = next((k for k, x in enumerate(new) if x in self.eos), None)
-            if stop is not None:
-                new = new[:stop]
-            answers.append(
-                Answer(
-                    self.tokenizer.decode(new, skip_special_tokens=True), cut=stop is None and len(new) >= tn.max_new
-                )
-            )
-        return answers
-
-
-def load_hf(cfg: t.Any, tokenizer: t.Any, *, batch_size: int) -> list[HFGenerator]:
-    """One generator per distinct device of ``devices.targets`` (a device named twice gets one replica)."""
-    import torch  # the hf backend only (as HFGenerator._batch): seconds to import, openai needs none of these
-    from transformers import AutoModelForCausalLM
-
-    from dflash.dtypes import torch_dtype
-    from dflash.model.target import TargetModel, tiny_target_config_of
-
-    dtype = torch_dtype(cfg.target.dtype)
-    gens = []
-    for dev in dict.fromkeys(cfg.devices.targets):
-        if dev != "cpu" and not torch.cuda.is_available():
-            raise RegenError(f"regen: devices.targets names {dev}, but this torch has no CUDA device")
-        if cfg.target.tiny is not None:  # a random-init target from the config (tests)
-            tiny = cfg.target.tiny
-            tc = tiny_target_config_of(tiny)
-            model = TargetModel.from_config(tc, dtype=dtype, device=dev, seed=tiny.seed).model
-            identity: dict[str, t.Any] = {"backend": "hf", "tiny": dataclasses.asdict(tiny), "dtype": cfg.target.dtype}
-        else:
-            placement = {} if dev == "cpu" else {"device_map": {"": dev}}
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    cfg.target.path, dtype=dtype, local_files_only=True, **placement
-                )
-            except OSError as e:
-                raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
-            model.to(dev)
-            identity = {"backend": "hf", "target": str(cfg.target.path), "dtype": cfg.target.dtype}
-        model.eval()
-        gens.append(HFGenerator(model, tokenizer, batch_size=batch_size, identity=identity))
-    return gens
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,11 +397,14 @@ class OpenAIGenerator:
     def _one(self, turn: Turn) -> Answer | Dropped:
         body: dict[str, t.Any] = {
             "model": self.model,
-            "messages": turn.history,
+            "messages": wire_messages(turn.history),
             "temperature": 0,
             "max_tokens": turn.max_new,
             "stream": False,
         }
+        if turn.tools:  # the server's tool parser splits the calls off (vLLM: --enable-auto-tool-choice)
+            body["tools"] = turn.tools
+            body["tool_choice"] = "auto"
         if self.kwargs:
             body["chat_template_kwargs"] = self.kwargs
         problem = ""
@@ -506,7 +417,7 @@ class OpenAIGenerator:
             except BadAnswer as e:
                 problem = str(e).split(": ", 2)[-1]
                 continue
-            answer = answer_of(out)
+            answer = answer_of(out, tools=bool(turn.tools))
             if isinstance(answer, Answer):
                 with self._lock:
                     self.answered += 1
@@ -561,10 +472,26 @@ def _shut(conn: http.client.HTTPConnection, *socks: socket.socket) -> None:
             pass
 
 
-def answer_of(out: dict[str, t.Any]) -> Answer | str:
+def wire_messages(history: list[dict[str, t.Any]]) -> list[dict[str, t.Any]]:
+    """The history as the OpenAI API takes it: tool calls' arguments as JSON text (the records hold them
+    parsed, as templates read them; the server parses them back before rendering)."""
+    out = []
+    for m in history:
+        if m.get("tool_calls"):
+            calls = [
+                {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def answer_of(out: dict[str, t.Any], *, tools: bool = False) -> Answer | str:
     """The answer in a chat completion, or why there is none usable: ``content`` a string, a list of text
-    parts (joined), or null beside a reasoning text; a tool call, another part or shape is no answer. A
-    ``reasoning_content`` the server split off is put back in front, as Qwen3's template renders it."""
+    parts (joined), or null beside a reasoning text or (``tools``: the request offered tools) tool calls;
+    another part or shape, or a tool call nobody offered, is no answer. A ``reasoning_content`` the server
+    split off is put back in front, as Qwen3's template renders it."""
     try:
         choice = out["choices"][0]
         msg = choice["message"]
@@ -573,22 +500,28 @@ def answer_of(out: dict[str, t.Any]) -> Answer | str:
         return f"not a chat completion: {json.dumps(out)[:200]}"
     reasoning = msg.get("reasoning_content") or msg.get("reasoning")
     reasoning = reasoning if isinstance(reasoning, str) else ""
+    calls = None
+    if msg.get("tool_calls") and tools:
+        try:
+            calls = tool_calls_of(msg["tool_calls"], "tool_calls")
+        except BadRecord as e:
+            return f"a tool call that is not one: {e}"
     if isinstance(content, list):
         kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
         if not kinds <= {"text"} or not all(isinstance(p.get("text"), str) for p in content):
             return f"content parts that are not text ({', '.join(sorted(map(str, kinds)))})"
         content = "".join(p["text"] for p in content)
     elif content is None:
-        if msg.get("tool_calls") or not reasoning:
+        if not calls and (msg.get("tool_calls") or not reasoning):
             return "no text content" + (" (a tool call)" if msg.get("tool_calls") else "")
         content = ""
     elif not isinstance(content, str):
         return f"content is a {type(content).__name__}, not text"
-    if msg.get("tool_calls"):
+    if msg.get("tool_calls") and not calls:
         return "a tool call"
     if reasoning:  # a reasoning parser split it off: put it back
         content = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
-    return Answer(content, cut=choice.get("finish_reason") == "length")
+    return Answer(content, cut=choice.get("finish_reason") == "length", tool_calls=calls)
 
 
 # --------------------------------------------------------------------------------------------
@@ -653,14 +586,44 @@ class Progress:
 class _Conv:
     lineno: int
     rec: dict[str, t.Any]
-    msgs: list[dict[str, str]]
+    msgs: list[dict[str, t.Any]]
     turns: list[int]  # indices of the assistant messages
+    tools: list[dict[str, t.Any]] | None = None
     k: int = 0  # turns done
-    keep: int | None = None  # messages kept when cut before a turn that does not fit
+    keep: int | None = None  # messages kept when cut before a turn that does not fit, or after a changed call
+    changed_call: bool = False  # cut after a regenerated turn whose tool calls are not the record's
 
 
-def _read_shard(job: ShardJob, drops: dict[str, list[int]], messages: dict[str, str]) -> tuple[list[_Conv], int]:
-    """The shard's usable conversations, and how many of its lines were not (blank, dropped)."""
+def _calls(m: t.Mapping[str, t.Any]) -> list[tuple[str, t.Any]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or ()]
+
+
+def _regenerated(old: dict[str, t.Any], ans: Answer, tools: list[dict[str, t.Any]] | None) -> dict[str, t.Any]:
+    """The assistant message an answer makes: its tool calls the server's, or (the request offered tools)
+    the ``<tool_call>`` blocks of its text, as a hermes tool parser splits them off; a call that is the
+    record's keeps the record's id (its tool turn names it)."""
+    text, calls = ans.text, ans.tool_calls
+    if calls is None and tools and (split := split_tool_calls(text)) is not None:
+        text, calls = split
+    new: dict[str, t.Any] = {"role": "assistant", "content": text}
+    if calls:
+        ids = {
+            (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True)): c.get("id")
+            for c in old.get("tool_calls") or ()
+        }
+        for c in calls:
+            rid = ids.get((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True)))
+            if rid is not None:
+                c["id"] = rid
+        new["tool_calls"] = calls
+    return new
+
+
+def _read_shard(
+    job: ShardJob, drops: dict[str, list[int]], messages: dict[str, str], renderer: Renderer | None
+) -> tuple[list[_Conv], int]:
+    """The shard's usable conversations, and how many of its lines were not (blank, dropped); a record with
+    tools the local template ignores is ``template-no-tools`` (as prepare-data drops it)."""
     convs = []
     other = 0
     for lineno, raw in read_lines(job):
@@ -677,12 +640,15 @@ def _read_shard(job: ShardJob, drops: dict[str, list[int]], messages: dict[str, 
             if "input_ids" in rec and "messages" not in rec and "conversations" not in rec:
                 raise BadRecord("pre-tokenized", "pre-tokenized input_ids: no chat turns to regenerate")
             msgs = messages_of(rec)
+            tools = tools_of(rec)
+            if renderer is not None:
+                renderer.check_tools(msgs, tools)
         except BadRecord as e:
             drops.setdefault(e.reason, []).append(lineno)
             messages.setdefault(e.reason, str(e))
             other += 1
             continue
-        convs.append(_Conv(lineno, rec, msgs, [i for i, m in enumerate(msgs) if m["role"] == "assistant"]))
+        convs.append(_Conv(lineno, rec, msgs, [i for i, m in enumerate(msgs) if m["role"] == "assistant"], tools))
     return convs, other
 
 
@@ -692,8 +658,8 @@ def run_shard(
     """Regenerate one shard into ``job.part`` (written as ``.tmp``, renamed when complete)."""
     drops: dict[str, list[int]] = {}
     messages: dict[str, str] = {}
-    counts = {"records": 0, "written": 0, "turns": 0, "cut_answers": 0, "cut_conversations": 0}
-    convs, other = _read_shard(job, drops, messages)
+    counts = dict.fromkeys(COUNTS, 0)
+    convs, other = _read_shard(job, drops, messages, renderer)
     counts["records"] = len(convs) + sum(len(v) for v in drops.values())
     if progress and other:
         progress.advance(other)
@@ -707,7 +673,7 @@ def run_shard(
             max_new = spec.max_new_tokens
             if renderer is not None:
                 try:
-                    ids = renderer.prompt_ids(history)
+                    ids = renderer.prompt_ids(history, c.tools)
                 except BadRecord as e:
                     drops.setdefault(e.reason, []).append(c.lineno)
                     messages.setdefault(e.reason, str(e))
@@ -719,7 +685,7 @@ def run_shard(
                         c.keep = c.turns[c.k]
                         continue
                     max_new = min(max_new, room)
-            turns.append(Turn(history, ids, max_new))
+            turns.append(Turn(history, ids, max_new, c.tools))
             asked.append(c)
         answers = gen.generate(turns) if turns else []
         for c, ans in zip(asked, answers):
@@ -728,10 +694,16 @@ def run_shard(
                 messages.setdefault(ans.reason, ans.message)
                 c.keep = -1
                 continue
-            c.msgs[c.turns[c.k]] = {"role": "assistant", "content": ans.text}
+            at = c.turns[c.k]
+            old, new = c.msgs[at], _regenerated(c.msgs[at], ans, c.tools)
+            c.msgs[at] = new
             c.k += 1
             counts["turns"] += 1
             counts["cut_answers"] += int(ans.cut)
+            counts["tool_call_turns"] += int(bool(new.get("tool_calls")))
+            if _calls(new) != _calls(old) and at + 1 < len(c.msgs):
+                # what follows answered the record's calls (or its text), not these: the conversation ends here
+                c.keep, c.changed_call = at + 1, True
         still = []
         for c in pending:
             if c.keep is None and c.k < len(c.turns):
@@ -753,13 +725,25 @@ def run_shard(
                     )
                     continue
                 msgs = msgs[: c.keep]
-                counts["cut_conversations"] += 1
-            rec = {k: v for k, v in c.rec.items() if k not in ("messages", "conversations")}
+                counts["changed_calls" if c.changed_call else "cut_conversations"] += 1
+            rec = {k: v for k, v in c.rec.items() if k not in ("messages", "conversations", *_consumed(c.rec))}
             rec["messages"] = msgs
             f.write(json.dumps(rec) + "\n")  # ASCII (every text was checked: inputs.loads)
             counts["written"] += 1
     finish_part(tmp, job, counts, drops, messages)
     _die_after(Path(job.part).parent)
+
+
+def _consumed(rec: t.Mapping[str, t.Any]) -> tuple[str, ...]:
+    """The fields ``messages_of`` made turns of besides the turns (GSM8K's question and answer, Dolphin-R1's
+    answer and reasoning): the written ``messages`` hold them now, and a cut conversation must not get them
+    back as its last turn."""
+    turns = rec.get("messages", rec.get("conversations"))
+    if not isinstance(turns, list):
+        return ("question", "answer")
+    last = turns[-1] if turns else None
+    ends_answered = isinstance(last, dict) and ROLES.get(str(last.get("role", last.get("from")))) == "assistant"
+    return () if ends_answered else ("answer", "reasoning")
 
 
 def _die_after(parts: Path) -> None:
@@ -893,7 +877,7 @@ def _regen(
 
 
 def _concatenate(jobs: list[ShardJob], out: Path) -> dict[str, t.Any]:
-    counts = {"records": 0, "written": 0, "turns": 0, "cut_answers": 0, "cut_conversations": 0}
+    counts = dict.fromkeys(COUNTS, 0)
     drops: dict[str, dict[str, t.Any]] = {}
     tmp = Path(str(out) + ".tmp")
     try:
@@ -920,14 +904,12 @@ __all__ = [
     "answer_of",
     "check_io",
     "DIE_AFTER_ENV",
-    "HFGenerator",
     "OpenAIGenerator",
     "Progress",
     "RegenError",
     "RegenSpec",
     "ServerError",
     "Turn",
-    "load_hf",
     "regen",
     "run_shard",
 ]

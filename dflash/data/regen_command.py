@@ -7,7 +7,8 @@ import dataclasses
 import typing as t
 
 from dflash.data.chat import Renderer
-from dflash.data.regen import OpenAIGenerator, RegenError, RegenSpec, ServerError, check_io, load_hf, regen
+from dflash.data.regen import OpenAIGenerator, RegenError, RegenSpec, ServerError, check_io, regen
+from dflash.data.regen_hf import load_hf
 from dflash.errors import Failed
 
 
@@ -115,6 +116,13 @@ def run_regen(req: RegenRequest, *, say: t.Callable[[str], None], note: t.Callab
         say(
             f"regen: {c['cut_conversations']} conversations end before a turn whose prompt fills "
             f"max_length ({spec.max_len} tokens)"
+        )
+    if c["tool_call_turns"]:
+        say(f"regen: {c['tool_call_turns']} regenerated turns call tools")
+    if c["changed_calls"]:
+        say(
+            f"regen: {c['changed_calls']} conversations end after a regenerated turn whose tool calls are not the "
+            "record's (the recorded tool results answer other calls)"
         )
     for line in drop_lines("regen", summary["drops"]):
         say(line)

@@ -65,7 +65,7 @@ from dflash import inputs
 from dflash.checkpoint import checkpoints as ckpt
 from dflash.checkpoint.manifest import STATE_FILE, CheckpointError
 from dflash.config import ConfigError, RunConfig, load_config, parse_config
-from dflash.data.chat import BadRecord, Renderer, load_tokenizer, messages_of, template_hash, tokenizer_hash
+from dflash.data.chat import BadRecord, Renderer, load_tokenizer, messages_of, template_hash, tokenizer_hash, tools_of
 from dflash.dtypes import torch_dtype
 from dflash.errors import DataError, InputError
 from dflash.eval.spec_decode import (
@@ -176,7 +176,7 @@ def load_prompts(
             if renderer is None:
                 raise EvalError(f"{where}: a chat record: give --chat to render it with the target's chat template")
             try:
-                ids = renderer.prompt_ids(prompt_messages(rec))
+                ids = renderer.prompt_ids(prompt_messages(rec), tools_of(rec))  # the record's tools, as served
             except BadRecord as e:
                 raise EvalError(f"{where}: {e}") from None
             if not ids:

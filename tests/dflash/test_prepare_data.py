@@ -90,13 +90,17 @@ CHAT = [
 ]
 
 
-def serving_view(tok: t.Any, messages: list[dict[str, str]], kwargs: dict[str, t.Any]) -> list[tuple[list[int], str]]:
+def serving_view(
+    tok: t.Any, messages: list[dict[str, t.Any]], kwargs: dict[str, t.Any], tools: t.Any = None
+) -> list[tuple[list[int], str]]:
     """What serving shows before each assistant turn (token ids) and the text it should then generate."""
     out = []
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kwargs)
-            full = tok.apply_chat_template(messages[: i + 1], tokenize=False, **kwargs)
+            prompt = tok.apply_chat_template(
+                messages[:i], tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+            full = tok.apply_chat_template(messages[: i + 1], tools=tools, tokenize=False, **kwargs)
             if full.startswith(prompt):
                 answer = full[len(prompt) :]
                 answer = answer[: answer.rindex(tok.eos_token) + len(tok.eos_token)]
@@ -115,9 +119,11 @@ def supervised_spans(ids: list[int], mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def check_matches_serving(tok: t.Any, kwargs: dict[str, t.Any], messages: list[dict[str, str]]) -> list[t.Any]:
-    r = Renderer(tok, kwargs).render(messages)
-    views = serving_view(tok, messages, kwargs)
+def check_matches_serving(
+    tok: t.Any, kwargs: dict[str, t.Any], messages: list[dict[str, t.Any]], *, tools: t.Any = None
+) -> list[t.Any]:
+    r = Renderer(tok, kwargs).render(messages, tools=tools)
+    views = serving_view(tok, messages, kwargs, tools)
     spans = [(s, a, b) for s in r.sequences for a, b in supervised_spans(s.input_ids, s.loss_mask)]
     assert len(spans) == len(views), "every assistant turn serving shows is supervised once"
     for (seq, a, b), (prompt_ids, answer) in zip(spans, views):
@@ -548,7 +554,7 @@ def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: 
     whole = r.render(messages)
     calls = []
     text = r._text
-    r._text = lambda m, gen: calls.append(len(m)) or text(m, gen)  # type: ignore[method-assign]
+    r._text = lambda m, gen, tools=None: calls.append(len(m)) or text(m, gen, tools)  # type: ignore[method-assign]
     cut = r.render(messages, max_len=64)
     assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (600 without it)"
     assert max(calls) < 30, "never the whole history"

@@ -879,7 +879,8 @@ def test_ctrl_c_ends_regen_without_waiting_for_the_requests_in_flight(target: Pa
 TWO_TARGETS = """
 import sys
 from dflash.data.chat import Renderer, load_tokenizer
-from dflash.data.regen import HFGenerator, RegenSpec, load_hf, regen
+from dflash.data.regen import RegenSpec, regen
+from dflash.data.regen_hf import HFGenerator, load_hf
 from dflash.config import load_config
 
 cfg = load_config(sys.argv[1])
