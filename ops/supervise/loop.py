@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ops import errors
 from ops import session as run
-from ops.divergence import loss_spikes
+from ops.diagnosis import loss_spikes
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import errors, gpu_health, probe
+from ops import diagnosis, errors, gpu_health, probe
 from ops.exit_codes import ExitCode, exit_code_for_error
 from ops.far import kernel_log
 from ops.hosts import parse_inventory
@@ -50,8 +50,8 @@ XID = {
 }
 
 
-def diag(lines: list[str], exit_code: int = 1) -> probe.Diagnosis:
-    return probe.diagnose(lines, exit_code=exit_code, signal=None)
+def diag(lines: list[str], exit_code: int = 1) -> diagnosis.Diagnosis:
+    return diagnosis.diagnose(lines, exit_code=exit_code, signal=None)
 
 
 @pytest.mark.parametrize("xid", sorted(XID))

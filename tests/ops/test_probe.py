@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import divergence, probe, wire
+from ops import diagnosis, probe, wire
 from ops.cli import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
@@ -347,27 +347,27 @@ OOM_NEW = [
 def test_diagnose(
     lines: list[str], exit_code: int | None, signal: int | None, cause: str, gpu: int | None, detail_start: str
 ) -> None:
-    d = probe.diagnose(lines, exit_code=exit_code, signal=signal)
+    d = diagnosis.diagnose(lines, exit_code=exit_code, signal=signal)
     assert (d.cause, d.gpu) == (cause, gpu)
     assert (d.detail or "").startswith(detail_start), d.detail
 
 
 def test_host_oom_needs_the_cgroup_count_to_rise() -> None:
-    d = probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=2, oom_after=3)
+    d = diagnosis.diagnose(["step 1"], exit_code=None, signal=9, oom_before=2, oom_after=3)
     assert d.cause == "host-oom" and d.signal == 9 and "oom_kill rose from 2 to 3" in d.evidence[0]
-    assert probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=3, oom_after=3).cause == "signal"
-    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=0, oom_after=1).cause == "host-oom"
-    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=None, oom_after=1).cause == "signal"
+    assert diagnosis.diagnose(["step 1"], exit_code=None, signal=9, oom_before=3, oom_after=3).cause == "signal"
+    assert diagnosis.diagnose(["step 1"], exit_code=137, signal=None, oom_before=0, oom_after=1).cause == "host-oom"
+    assert diagnosis.diagnose(["step 1"], exit_code=137, signal=None, oom_before=None, oom_after=1).cause == "signal"
 
 
 def test_fingerprint_is_stable_across_numbers() -> None:
-    a = probe.diagnose(
+    a = diagnosis.diagnose(
         ["Traceback (most recent call last):", "  x", "ValueError: step 120 at 0x7f3a1c"], exit_code=1, signal=None
     )
-    b = probe.diagnose(
+    b = diagnosis.diagnose(
         ["Traceback (most recent call last):", "  x", "ValueError: step 5 at 0x7f0000"], exit_code=1, signal=None
     )
-    c = probe.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
+    c = diagnosis.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
     assert a.fingerprint == b.fingerprint == "python-exception|ValueError: step # at <addr>"
     assert c.fingerprint != a.fingerprint
 
@@ -385,18 +385,18 @@ def test_last_exception_takes_the_last_traceback_only() -> None:
         "    c",
         "RuntimeError: wrapped",
     ]
-    assert probe.last_exception(lines) == "RuntimeError: wrapped"
-    assert probe.last_exception(["no traceback here"]) is None
+    assert diagnosis.last_exception(lines) == "RuntimeError: wrapped"
+    assert diagnosis.last_exception(["no traceback here"]) is None
 
 
 def test_progress_from_metrics_then_log() -> None:
     last = {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}
-    p = probe.progress_of(wire.Metrics(mtime=None, last=last), None)
-    assert p == probe.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
+    p = diagnosis.progress_of(wire.Metrics(mtime=None, last=last), None)
+    assert p == diagnosis.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
     line = "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
-    p = probe.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
-    assert p == probe.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
-    assert probe.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
+    p = diagnosis.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
+    assert p == diagnosis.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
+    assert diagnosis.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
 
 
 def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
@@ -472,14 +472,14 @@ def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> 
     from dflash.train.divergence import Diverged, Spike
 
     line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
-    d = probe.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
+    d = diagnosis.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
     assert (d.cause, d.detail) == ("diverged", line.removeprefix("dflash: "))
-    assert divergence.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
-    assert divergence.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
-    assert probe.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
+    assert diagnosis.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
+    assert diagnosis.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
+    assert diagnosis.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
     spike = Spike(40, 9.5, 2.0, 3.0, 20).line()
     logged = f"2026-12-02T00:27:40 WARNING dflash.metrics: {spike}"
-    assert divergence.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
+    assert diagnosis.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
 
 
 def test_event_records_of_metrics_jsonl_are_no_step_figures(tmp_path: Path) -> None:
