@@ -37,8 +37,8 @@ class Finding:
 
 def explain(
     tail: t.Sequence[str],
-    kernel: t.Mapping[str, t.Any] | None,
-    host_kernel: t.Mapping[str, t.Any] | None,
+    kernel: wire.KernelLog | None,
+    host_kernel: wire.KernelLog | None,
     gpus: t.Sequence[wire.Gpu] | None,
 ) -> Finding:
     """A crashed run's cause is ``gpu-fault`` when its log tail, the container's kernel log (the agent's
@@ -46,15 +46,15 @@ def explain(
     the Xid, the bus id and the GPU index of the fault, each source's line for the evidence."""
     sources = (
         ("log", tail),
-        ("the container's kernel log", _lines(kernel)),
-        ("the host's kernel log", _lines(host_kernel)),
+        ("the container's kernel log", kernel.lines if kernel is not None else ()),
+        ("the host's kernel log", host_kernel.lines if host_kernel is not None else ()),
     )
     found = [(where, f) for where, lines in sources for f in [diagnosis.find(lines)] if f is not None]
     if not found:
         unread = [
-            f"{name} kernel log could not be read ({facts['error']}): no evidence from it"
+            f"{name} kernel log could not be read ({facts.error}): no evidence from it"
             for name, facts in (("the container's", kernel), ("the host's", host_kernel))
-            if isinstance(facts, dict) and facts.get("error")
+            if facts is not None and facts.error
         ]
         return Finding(None, unread=tuple(unread))
     best = next((f for _, f in found if f.xid is not None), found[0][1])
@@ -64,8 +64,3 @@ def explain(
         gpu = gpu_index(bus, gpus)
     fault = diagnosis.Fault(best.line, best.xid, bus, gpu)
     return Finding(fault, tuple(f"{where}: {diagnosis.short(f.line, 200)}" for where, f in found))
-
-
-def _lines(facts: t.Any) -> list[str]:
-    lines = facts.get("lines") if isinstance(facts, dict) else None
-    return [x for x in lines if isinstance(x, str)] if isinstance(lines, list) else []

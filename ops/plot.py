@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ops import errors, wire
+from ops import errors, read_answer, wire
 from ops import session as run
 from ops.diagnosis import diagnose
 from ops.metrics_table import F64, I64, Columns, Table
@@ -251,7 +251,7 @@ def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None 
             n: {"offset": m.get("offset", 0), "run": m.get("run_key"), "tail": "crashed" if "end" not in m else False}
             for n, m in have.items()
         }
-        answer = wire.parse_read(run.read(remote, session, ask, cap=cap))
+        answer = read_answer.parse_read(run.read(remote, session, ask, cap=cap))
         calls += 1
         more = False
         seen = set()

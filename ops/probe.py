@@ -104,38 +104,31 @@ def _ago(seconds: float | None) -> str:
     return _dur(seconds)
 
 
-def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> SupervisorView:
-    if not rec:
+def supervisor_view(rec: wire.Heartbeat | None, now: float | None) -> SupervisorView:
+    if rec is None:
         return SupervisorView("none")
-    bad = watch.unreadable(rec, now) if not rec.get("stopped") else None
-    quiet = watch.silent_for(rec, now) if now is not None else None
+    bad = rec.unreadable(now) if not rec.stopped else None
+    quiet = rec.silent_for(now) if now is not None else None
     if bad is not None:
         state = "unreadable"
-    elif rec.get("stopped"):
+    elif rec.stopped:
         state = "stopped"
-    elif now is not None and watch.live(rec, now):
+    elif now is not None and rec.live(now):
         state = "watching"
     else:
         state = "stale"
-
-    def text(key: str) -> str | None:
-        v = rec.get(key)
-        return v if isinstance(v, str) else None
-
-    interval = watch.number(rec.get("interval"), 0.0, watch.MAX_INTERVAL)
-    action = rec.get("last_action")
     return SupervisorView(
         state=state,
-        by=text("by"),
-        where=text("where"),
-        mode=text("mode"),
-        pid=as_int(rec.get("pid")),
-        interval=interval,
-        started_at=iso(rec.get("started_at")),
-        last_probe=iso(rec.get("at")),
+        by=rec.by,
+        where=rec.where,
+        mode=rec.mode,
+        pid=rec.pid,
+        interval=rec.interval,
+        started_at=iso(rec.started_at),
+        last_probe=iso(rec.at),
         silent_for=None if quiet is None else round(quiet, 1),
-        last_action=dict(action) if isinstance(action, dict) else None,
-        id=text("id"),
+        last_action=dict(rec.last_action) if rec.last_action is not None else None,
+        id=rec.id,
         unreadable=bad,
     )
 
@@ -433,8 +426,8 @@ def _judge(s: Status, f: wire.Facts) -> None:
                 f"the pane runs {agent.foreign_run[:300]}: the run of another host entry (same container, socket "
                 "and session, another run_dir); this entry's run_dir holds no record of it",
             )
-    _gpu_fault(s, agent.raw, f.host_kernel)  # the driver's words, wherever they are
-    s.disk, s.sync, said = checkpoint_context(agent.raw.get("checkpoints"))
+    _gpu_fault(s, agent, f.host_kernel)  # the driver's words, wherever they are
+    s.disk, s.sync, said = checkpoint_context(agent.checkpoints)
     s.evidence.extend(said)
     if agent.has_supervisor:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.supervisor, agent.now)
@@ -444,15 +437,15 @@ def _judge(s: Status, f: wire.Facts) -> None:
             s.evidence.append(f"supervisor.json: unreadable heartbeat ({s.supervisor.unreadable})")
 
 
-def _gpu_fault(s: Status, agent: t.Mapping[str, t.Any], host_kernel: t.Mapping[str, t.Any] | None) -> None:
+def _gpu_fault(s: Status, agent: wire.Probe, host_kernel: wire.KernelLog | None) -> None:
     """A crashed run's gpu-fault (``gpu_fault.explain``): the Xid, the bus id and the GPU index go on the
     Status, each source's line in its evidence. The program's own last error (a CUDA error's traceback)
     stays as evidence: the Xid is the cause."""
     if s.state != State.CRASHED:
         return
-    attempt = agent.get("attempt") or {}
-    tail = ((attempt.get("log") or {}).get("tail")) or s.tail  # s.tail: a pane's, without a run record
-    found = gpu_fault.explain(tail, agent.get("kernel"), host_kernel, s.gpus)
+    log = agent.attempt.log if agent.attempt is not None else None
+    tail = (log.tail if log is not None else ()) or s.tail  # s.tail: a pane's, without a run record
+    found = gpu_fault.explain(tail, agent.kernel, host_kernel, s.gpus)
     s.evidence.extend(found.unread)
     fault = found.fault
     if fault is None:
@@ -546,7 +539,7 @@ def _ended(
     if exit_rec.disk_full and s.cause != Cause.DISK_FULL:
         s.evidence.append(f"the run's disk was full when it ended ({exit_rec.disk_free} bytes free)")
     _tmux_context(s)
-    _disk_context(s, agent.raw)
+    _disk_context(s, agent.disk)
 
 
 def _running(
@@ -593,7 +586,7 @@ def _running(
     if af.stop:
         s.evidence.append(f"stop.json: a stop was requested at {af.stop.requested_at} but the process still runs")
     _tmux_context(s, alive=True)
-    _disk_context(s, agent.raw)
+    _disk_context(s, agent.disk)
     _pace(s, f, agent, af, run)
 
 
@@ -696,11 +689,10 @@ def _orphans(s: Status, found: list[wire.Member], stop: wire.StopRecord | None, 
         )
 
 
-def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:
-    disk = agent.get("disk") or {}
-    if disk.get("full"):
+def _disk_context(s: Status, disk: wire.Disk | None) -> None:
+    if disk is not None and disk.full:
         s.evidence.append(
-            f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
+            f"the disk holding {disk.path} is full ({disk.free} bytes free): "
             "the log, metrics and checkpoints cannot grow"
         )
 

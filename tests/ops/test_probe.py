@@ -496,3 +496,29 @@ def test_event_records_of_metrics_jsonl_are_no_step_figures(tmp_path: Path) -> N
     row = read_record(json.dumps({**spike, "at": step["at"]}).encode())
     assert (row.step, row.values) == (40, []), "a spike's loss is not a point of the loss curve"
     assert read_record(json.dumps(step).encode()).values[0] == ("loss", 2.1)
+
+
+def test_the_side_facts_are_typed_and_a_mistyped_key_is_one_unreadable_record_line() -> None:
+    """The kernel logs, the checkpoint facts and the heartbeat are read as the rest of the wire: a key of the
+    wrong type reads as absent and is named once, never a figure or a traceback."""
+    facts = copy.deepcopy(load("crashed-gpu-fault")["facts"])
+    agent = facts["agent"]
+    agent["kernel"] = {"source": "dmesg", "lines": 5, "error": None}
+    agent["checkpoints"] = {"dir": "/r/ck", "free": "lots", "checkpoints": [{"step": -1, "bytes": 3}], "record": 7}
+    agent["supervisor"] = {"id": "a", "by": 5, "at": 1.0, "interval": 60, "pid": "812", "last_action": []}
+    facts["host_kernel"]["lines"].append(3)
+    st = probe.classify(facts)
+    unreadable = [e for e in st.evidence if e.startswith("unreadable record: ")]
+    assert unreadable == [
+        "unreadable record: facts.host_kernel: lines: expected a list of strings",
+        "unreadable record: probe.supervisor: by: expected a string",
+        "unreadable record: probe.supervisor: pid: expected a whole number",
+        "unreadable record: probe.supervisor: last_action: expected an object",
+        "unreadable record: probe.kernel: lines: expected a list of strings",
+        "unreadable record: probe.checkpoints: record: expected an object",
+        "unreadable record: probe.checkpoints.checkpoints: step: expected a whole number >= 0",
+        "unreadable record: probe.checkpoints: free: expected a whole number",
+    ], unreadable
+    assert st.cause != "gpu-fault"  # no kernel line read: the Xid is not there to see
+    assert st.supervisor is not None and st.supervisor.by is None and st.supervisor.state == "stale"
+    assert st.disk is not None and st.disk.free_bytes is None and st.disk.checkpoint_bytes is None
