@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from ops.disk import next_needs
-from ops.wire import CheckpointEntry
 from ops.far.room import checkpoint_facts
 from ops.probe import classify
 from ops.supervise.episode import LOW_DISK, SYNC_FAILED, Episodes
+from ops.wire import CheckpointEntry
 
 NOW = 1_800_000_000.0
 MB = 1_000_000
