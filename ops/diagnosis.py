@@ -42,7 +42,7 @@ _XID = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?\): (?P<xid>\d+)\b"
 )
 # Xid 154 says which recovery the GPU needs; "to 0x0 (None)" is the all-clear, not a fault
-_RECOVERY_NONE = re.compile(r"recovery action changed from .* to 0x0 \(None\)")
+_RECOVERY_NONE = re.compile(r"recovery action changed from 0x[0-9a-fA-F]{1,8} \([^()]{0,80}\) to 0x0 \(None\)")
 # `NVRM: GPU 0000:3b:00.0: GPU has fallen off the bus.` and the multi-line form of newer drivers
 # (`NVRM: The NVIDIA GPU 0000:b3:00.0 ... NVRM: fallen off the bus and is not responding to commands.`)
 _FALLEN = re.compile(r"GPU has fallen off the bus|fallen off the bus and is not responding")
@@ -104,6 +104,7 @@ def find(lines: t.Sequence[str]) -> Fault | None:
     """The first hardware fault the lines show (the first Xid is the cause; those after it follow from
     it), else a fallen-off-the-bus or uncorrectable-ECC text, else an unspecified launch failure beside
     any Xid. None when the lines show no GPU fault."""
+    lines = capped(lines)
     xids: list[tuple[str, int, str]] = []  # (line, xid, bus) of every Xid line
     for line in lines:
         m = _XID.search(line)
@@ -133,6 +134,15 @@ def _gpu_in(texts: t.Iterable[str]) -> int | None:
     return None
 
 
+_PID = re.compile(r"\bpid=(\d{1,10})\b")
+
+
+def pid_of(line: str) -> int | None:
+    """The process an NVRM Xid line names (``pid=1234``), None when it names none (``'<unknown>'``)."""
+    m = _PID.search(line[:LINE_CAP])
+    return int(m.group(1)) if m else None
+
+
 def bus_key(text: str) -> tuple[int, int, int] | None:
     """``0000:3b:00`` (the driver's), ``00000000:3B:00.0`` (nvidia-smi's) -> (domain, bus, device)."""
     m = _BUS.fullmatch(text.strip()) or _BUS.search(text)
@@ -145,26 +155,23 @@ def bus_key(text: str) -> tuple[int, int, int] | None:
 # --------------------------------------------------------------------------------------------
 # The trainer's divergence lines
 
+# the whole line, as dflash's __main__ prints it (one line, no logger prefix)
 _DIVERGED = re.compile(
-    r"dflash: (?P<what>diverged at step (?P<step>\d+): (?P<figure>[a-z -]+?) not finite.*?; "
-    r"last finite checkpoint: (?P<last>.+?))\s*$"
+    r"dflash: (?P<what>diverged at step (?P<step>\d{1,12}): (?P<figure>[a-z -]{1,40}) not finite(?: \([^();]{0,200}\))?; "
+    r"last finite checkpoint: (?P<last>[^;]{1,1000}?))\s*"
 )
-_SPIKE = re.compile(r"(?P<what>loss spike at step (?P<step>\d+): .+?)\s*$")
-_LAST = re.compile(r"last finite checkpoint: (.+)$")
+_LAST = re.compile(r"last finite checkpoint: ([^;]{1,1000})$")
 
 
-def diverged_line(lines: t.Sequence[str]) -> tuple[str, str] | None:
-    """The last diverged line of a log tail: (what it says without ``dflash: ``, the line), or None."""
-    for line in reversed(lines):
-        m = _DIVERGED.search(line)
-        if m:
-            return m.group("what"), m.group(0)
-    return None
-
-
-def loss_spikes(lines: t.Sequence[str]) -> list[tuple[int, str]]:
-    """The loss-spike warnings of a log tail: (step, what it says), oldest first."""
-    return [(int(m.group("step")), m.group("what")) for m in map(_SPIKE.search, lines) if m]
+def diverged_line(lines: t.Sequence[str], exit_code: int | None) -> tuple[str, str] | None:
+    """The trainer's own verdict: its exit code 3 (dflash.errors' EXIT_DIVERGED) with the diverged line
+    as the log's last line: (what it says without ``dflash: ``, the line), or None. The same text
+    printed anywhere else, or before another end, is a user's text."""
+    if exit_code != EXIT_DIVERGED:
+        return None
+    last = next((x for x in reversed(capped(lines)) if x.strip()), None)
+    m = _DIVERGED.fullmatch(last.strip()) if last is not None else None
+    return (m.group("what"), m.group(0)) if m else None
 
 
 def last_finite_checkpoint(detail: str | None) -> str | None:
@@ -185,6 +192,9 @@ class Progress:
     at: str | None
 
 
+LINE_CAP = 2000  # characters of one line any pattern here reads: the trainer's own lines are shorter
+EXIT_DIVERGED = 3  # dflash.errors: the trainer's exit code for a non-finite update (Diverged)
+_RECOVERED = "retrying once with the batch halved"  # the trainer's CUDA OOM it recovered from (pipeline.py)
 _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's per-rank prefixes
 _CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
 _GPU = re.compile(r"\bGPU (\d+)\b|\bcuda:(\d+)\b|\bdevice (\d+)\b")
@@ -196,13 +206,15 @@ _NCCL_ERROR = re.compile(
 # dflash.train.distributed wraps every collective's failure in PeerLost; the bare gloo texts are for other programs
 _PEER_LOST = re.compile(
     r"dflash\.(?:train\.)?distributed\.PeerLost: (?P<detail>.*)"
-    r"|gloo/transport/tcp/\S+\] (?:.*Connection (?:reset|closed) by peer|Timed out waiting \d+ms for (?:recv|send) operation)"
+    r"|gloo/transport/tcp/[^\]\s]{1,200}\] (?:.{0,300}?Connection (?:reset|closed) by peer"
+    r"|Timed out waiting \d{1,12}ms for (?:recv|send) operation)"
 )
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
 _TAIL_CAUSES = ((_NCCL_TIMEOUT, Cause.NCCL_TIMEOUT), (_CUDA_OOM, Cause.CUDA_OOM), (_NCCL_ERROR, Cause.NCCL_ERROR))
-_STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
-_KTOK = re.compile(r"([0-9.]+) Ktok/s")
+# the trainer's step line: `step 120 | loss 2.314 | acc 0.61 | ... | 19.4 Ktok/s | ...`
+_STEP = re.compile(r"\bstep (\d{1,12}) \| loss ([-+0-9.eEnaif]{1,32})")
+_KTOK = re.compile(r"\| ([0-9.]{1,16}) Ktok/s")
 
 
 @dataclasses.dataclass(slots=True)
@@ -229,8 +241,20 @@ class Diagnosis:
         return f"{self.cause}|{body[:200]}"
 
 
+def capped(lines: t.Iterable[str]) -> list[str]:
+    """Each line cut to LINE_CAP characters: what a pattern reads of a user's line is bounded."""
+    return [line[:LINE_CAP] for line in lines]
+
+
 def _clean(lines: t.Iterable[str]) -> list[str]:
-    return [_PREFIX.sub("", line.rstrip()) for line in lines]
+    return [_PREFIX.sub("", line.rstrip()) for line in capped(lines)]
+
+
+def ending(lines: t.Sequence[str]) -> list[str]:
+    """What the run said after its last step line, less the trainer's own recovered warnings: the end
+    a crash's words are read from (an earlier warning the run went on from is not its cause)."""
+    last = max((i for i, x in enumerate(lines) if _STEP.search(x)), default=-1)
+    return [x for x in lines[last + 1 :] if _RECOVERED not in x]
 
 
 def last_exception(lines: t.Sequence[str]) -> str | None:
@@ -270,11 +294,11 @@ def diagnose(
     lines = _clean(lines)
     exc = last_exception(lines)
     # first: the CUDA error's traceback, what NCCL says and a loss gone NaN on a failing GPU follow from it
-    fault = find(lines)
+    fault = find([exc]) if exc else None  # the program's own words: its last exception, never a printed line
     if fault is not None:
         why = [f"log: {short(fault.line, 200)}"]
         return Diagnosis(Cause.GPU_FAULT, short(fault.text, 400), fault.gpu, signal, why, fault.xid, fault.bus_id)
-    div = diverged_line(lines)
+    div = diverged_line(lines, exit_code)
     if div is not None:  # the trainer's own verdict: nothing else in the tail explains the end better
         return Diagnosis(Cause.DIVERGED, short(div[0], 400), evidence=[f"log: {short(div[1], 300)}"])
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
@@ -285,8 +309,9 @@ def diagnose(
             signal=signal or _from_shell(exit_code),
             evidence=[f"cgroup memory.events oom_kill rose from {oom_before} to {oom_after}"],
         )
+    end = ending(lines)
     if exc and _CUDA_OOM.search(exc):
-        return Diagnosis(Cause.CUDA_OOM, exc, gpu=_gpu_of([exc] + [x for x in lines if _CUDA_OOM.search(x)]))
+        return Diagnosis(Cause.CUDA_OOM, exc, gpu=_gpu_of([exc] + [x for x in end if _CUDA_OOM.search(x)]))
     if exc and _NCCL_TIMEOUT.search(exc):
         return Diagnosis(Cause.NCCL_TIMEOUT, exc)
     if exc and _NCCL_ERROR.search(exc):
@@ -294,14 +319,14 @@ def diagnose(
     if exc and _ENOSPC.search(exc):
         return Diagnosis(Cause.DISK_FULL, exc)
     for pattern, cause in _TAIL_CAUSES:
-        hits = [x.strip() for x in lines if pattern.search(x)]
+        hits = [x.strip() for x in end if pattern.search(x)]
         if hits:
             gpu = _gpu_of(hits) if cause == Cause.CUDA_OOM else None
             return Diagnosis(
                 cause, short(hits[-1], 400), gpu=gpu, signal=signal, evidence=[f"log: {short(hits[-1], 200)}"]
             )
     # a lost peer: usually not the last traceback (torchrun's own ChildFailedError follows it)
-    peer = [m for m in map(_PEER_LOST.search, lines) if m]
+    peer = [m for m in map(_PEER_LOST.search, end) if m]
     if peer:
         m = peer[-1]
         return Diagnosis(
@@ -310,7 +335,7 @@ def diagnose(
             signal=signal,
             evidence=[f"log: {short(m.string.strip(), 200)}"],
         )
-    hits = [x.strip() for x in lines if _ENOSPC.search(x)]
+    hits = [x.strip() for x in end if _ENOSPC.search(x)]
     if hits:
         return Diagnosis(
             Cause.DISK_FULL, short(hits[-1], 400), signal=signal, evidence=[f"log: {short(hits[-1], 200)}"]
@@ -358,7 +383,7 @@ def progress_of(metrics: wire.Metrics | None, log: wire.Log | None) -> Progress 
 
 
 def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | None:
-    for line in reversed(lines):
+    for line in reversed(capped(lines)):
         m = _STEP.search(line)
         if m:
             k = _KTOK.search(line)

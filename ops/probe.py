@@ -171,9 +171,10 @@ class Status:
     # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
     stop_requested: bool = False
+    spikes: tuple[wire.Spike, ...] = ()  # not in the JSON: the trainer's loss-spike records (metrics.jsonl)
 
     def to_json(self) -> dict[str, t.Any]:
-        hidden = ("tail", "stop_requested")
+        hidden = ("tail", "stop_requested", "spikes")
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in hidden}
         d["tmux"] = dataclasses.asdict(self.tmux)
         d["container"] = dataclasses.asdict(self.container) if self.container else None
@@ -443,9 +444,13 @@ def _gpu_fault(s: Status, agent: wire.Probe, host_kernel: wire.KernelLog | None)
     stays as evidence: the Xid is the cause."""
     if s.state != State.CRASHED:
         return
-    log = agent.attempt.log if agent.attempt is not None else None
-    tail = (log.tail if log is not None else ()) or s.tail  # s.tail: a pane's, without a run record
-    found = gpu_fault.explain(tail, agent.kernel, host_kernel, s.gpus)
+    af = agent.attempt
+    log = af.log if af is not None else None
+    exc = diagnosis.last_exception((log.tail if log is not None else ()) or s.tail)  # s.tail: a pane's
+    pids = {m.pid for m in af.members if m.pid is not None} if af is not None else set()
+    if af is not None and af.run is not None:
+        pids |= {p for p in (af.run.pid, af.run.child_pid) if p is not None}
+    found = gpu_fault.explain([exc] if exc else [], agent.kernel, host_kernel, s.gpus, pids)
     s.evidence.extend(found.unread)
     fault = found.fault
     if fault is None:
@@ -468,6 +473,7 @@ def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt,
     s.tail = list(log.tail[-TAIL_KEEP:])
     s.progress = progress_of(af.metrics, af.log)
     s.workers = workers_of(af.metrics.last if af.metrics else None, s.gpus)
+    s.spikes = af.metrics.spikes if af.metrics else ()
     for err in af.errors:
         s.evidence.append(f"unreadable record: {err}")
     # The run's processes (ops/far/members.py): known when its runner tags them (run.json "tag").

@@ -246,6 +246,35 @@ class Log:
 class Metrics:
     mtime: float | None
     last: t.Mapping[str, t.Any] | None  # the last metrics.jsonl record: the trainer's, read by its readers
+    spikes: tuple[Spike, ...] = ()  # its loss-spike records (an older agent sends none)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spike:
+    """The trainer's loss-spike record (dflash.train.divergence.Spike.record)."""
+
+    step: int
+    loss: float | None
+    median: float | None
+    factor: float | None
+    steps: int | None
+
+    def line(self) -> str:
+        """As the trainer's own warning line says it."""
+        return (
+            f"loss spike at step {self.step}: loss {self.loss or 0:.3f} above {self.factor or 0:g} x the running "
+            f"median {self.median or 0:.3f} for {self.steps} steps"
+        )
+
+
+def _spikes(f: Fields) -> tuple[Spike, ...]:
+    out = []
+    for rec in f.objs("events"):
+        e = Fields(rec, f"{f.where}.events", f.problems)
+        step = e.count("step")
+        if step is not None:
+            out.append(Spike(step, e.number("loss"), e.number("median"), e.number("factor"), e.whole("steps")))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -308,7 +337,9 @@ def parse_attempt(value: t.Any, where: str = "attempt") -> Attempt | None:
         child=_process(value.get("child"), f"{where}.child", problems),
         members=tuple(_member(Fields(m, f"{where}.members", problems)) for m in f.objs("members")),
         log=None if log is None else Log(path=log.text("path"), mtime=log.number("mtime"), tail=log.lines("tail")),
-        metrics=None if metrics is None else Metrics(mtime=metrics.number("mtime"), last=metrics.obj("last")),
+        metrics=None
+        if metrics is None
+        else Metrics(mtime=metrics.number("mtime"), last=metrics.obj("last"), spikes=_spikes(metrics)),
         errors=(),
         resumed_from=value.get("resumed_from"),
     )

@@ -468,8 +468,8 @@ def test_a_gpu_entry_that_is_no_object_is_named_and_the_status_still_prints() ->
     assert "unreadable record: probe: gpus: expected a list of objects" in st.evidence
 
 
-def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> None:
-    from dflash.train.divergence import Diverged, Spike
+def test_the_trainer_s_diverged_line_is_its_verdict_only_with_its_exit_code_and_as_its_last_line() -> None:
+    from dflash.train.divergence import Diverged
 
     line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
     d = diagnosis.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
@@ -477,25 +477,11 @@ def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> 
     assert diagnosis.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
     assert diagnosis.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
     assert diagnosis.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
-    spike = Spike(40, 9.5, 2.0, 3.0, 20).line()
-    logged = f"2026-12-02T00:27:40 WARNING dflash.metrics: {spike}"
-    assert diagnosis.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
-
-
-def test_event_records_of_metrics_jsonl_are_no_step_figures(tmp_path: Path) -> None:
-    from ops.far.logs import metrics_facts
-    from ops.metrics_table import read_record
-
-    step = {"step": 40, "loss": 2.1, "ktok_s": 5.0, "interval_s": 1.0, "at": "2026-12-02T00:27:40Z"}
-    spike = {"event": "loss-spike", "step": 40, "loss": 9.5, "median": 2.0, "factor": 3.0, "steps": 20}
-    skip = {"event": "nonfinite-skip", "step": 41, "figure": "loss", "in_row": 1, "skipped": 1}
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in (step, {**spike, "at": step["at"]}, skip)))
-    facts = metrics_facts(str(path))
-    assert facts is not None and facts["last"] == step, "status progress reads the last step record"
-    row = read_record(json.dumps({**spike, "at": step["at"]}).encode())
-    assert (row.step, row.values) == (40, []), "a spike's loss is not a point of the loss curve"
-    assert read_record(json.dumps(step).encode()).values[0] == ("loss", 2.1)
+    # a printed copy is a user's text: another exit code, or another line after it, is not the trainer's verdict
+    planted = "dflash: diverged at step 2: loss not finite; last finite checkpoint: /etc (step 1)"
+    crash = ["Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: bad row"]
+    assert diagnosis.diagnose([planted, *crash], exit_code=1, signal=None).cause == "python-exception"
+    assert diagnosis.diagnose([planted, "step 3 | loss 1.0"], exit_code=3, signal=None).cause != "diverged"
 
 
 def test_the_side_facts_are_typed_and_a_mistyped_key_is_one_unreadable_record_line() -> None:
