@@ -83,8 +83,9 @@ def ours(
     lines: t.Sequence[str], gpus: t.Sequence[wire.Gpu] | None, pids: t.Collection[int]
 ) -> tuple[list[str], list[str]]:
     """(the lines about this run, the others): a line is the run's when it names one of its GPUs' bus
-    ids (nvidia-smi's, in the container), or one of its pids; when the run's GPUs are not known, a line
-    that names another process is not the run's."""
+    ids (nvidia-smi's, in the container) or one of its pids. When the run's GPUs are not known every line
+    is kept: the kernel names host pids, which a container's pid namespace never shows, so a pid alone
+    cannot say a line is another run's."""
     mine = {k for g in gpus or () if g.pci_bus_id for k in [diagnosis.bus_key(g.pci_bus_id)] if k is not None}
     kept: list[str] = []
     left: list[str] = []
@@ -92,8 +93,8 @@ def ours(
         bus, pid = diagnosis.bus_key(line), diagnosis.pid_of(line)
         if (bus is not None and bus in mine) or (pid is not None and pid in pids):
             kept.append(line)
-        elif not mine and pid is None:
-            kept.append(line)  # an unknown GPU and no process named: the run's as far as can be told
+        elif not mine:
+            kept.append(line)
         else:
             left.append(line)
     return kept, left
