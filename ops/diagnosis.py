@@ -174,6 +174,14 @@ def diverged_line(lines: t.Sequence[str], exit_code: int | None) -> tuple[str, s
     return (m.group("what"), m.group(0)) if m else None
 
 
+def spike_line(s: wire.Spike) -> str:
+    """A loss-spike record as the trainer's own warning line says it (dflash.train.divergence.Spike.line)."""
+    return (
+        f"loss spike at step {s.step}: loss {s.loss or 0:.3f} above {s.factor or 0:g} x the running "
+        f"median {s.median or 0:.3f} for {s.steps} steps"
+    )
+
+
 def last_finite_checkpoint(detail: str | None) -> str | None:
     """The checkpoint a diverged line names as the last finite one (None: ``none``, or no such line)."""
     m = _LAST.search(detail or "")

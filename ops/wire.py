@@ -259,13 +259,6 @@ class Spike:
     factor: float | None
     steps: int | None
 
-    def line(self) -> str:
-        """As the trainer's own warning line says it."""
-        return (
-            f"loss spike at step {self.step}: loss {self.loss or 0:.3f} above {self.factor or 0:g} x the running "
-            f"median {self.median or 0:.3f} for {self.steps} steps"
-        )
-
 
 def _spikes(f: Fields) -> tuple[Spike, ...]:
     out = []

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ops import errors
 from ops import session as run
+from ops.diagnosis import spike_line
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
@@ -478,10 +479,10 @@ class Supervisor:
             return
         news = [s for s in st.spikes if self.policy.spike_news(st.attempt, s.step)]
         for spike in news:
-            self.emit(f"attempt {st.attempt}: {spike.line()} (a warning: the run goes on)")
+            self.emit(f"attempt {st.attempt}: {spike_line(spike)} (a warning: the run goes on)")
         if news and self.notifier is not None:
             more = f" ({len(news)} spikes since the last probe)" if len(news) > 1 else ""
-            self.notifier.training("loss-spike", self.host.name, self.session, st.attempt, news[-1].line() + more)
+            self.notifier.training("loss-spike", self.host.name, self.session, st.attempt, spike_line(news[-1]) + more)
 
     def _recover(self, st: Status, d: Decision) -> bool:
         """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""
