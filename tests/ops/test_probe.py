@@ -508,3 +508,15 @@ def test_the_side_facts_are_typed_and_a_mistyped_key_is_one_unreadable_record_li
     assert st.cause != "gpu-fault"  # no kernel line read: the Xid is not there to see
     assert st.supervisor is not None and st.supervisor.by is None and st.supervisor.state == "stale"
     assert st.disk is not None and st.disk.free_bytes is None and st.disk.checkpoint_bytes is None
+
+
+def test_a_recovered_cuda_oom_warning_is_not_the_cause_of_a_later_crash() -> None:
+    warn = (
+        "2026-12-02T00:01:02 WARNING dflash.train.pipeline: drafter-0 (cuda:1): CUDA out of memory. Tried to "
+        "allocate 2.00 GiB at step 4; retrying once with the batch halved"
+    )
+    steps = [f"step {n} | loss 2.0 | acc 0.5 | 12.5 Ktok/s" for n in range(5, 43)]
+    crash = ["Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: bad row"]
+    d = diagnosis.diagnose([warn, *steps, *crash], exit_code=1, signal=None)
+    assert (d.cause, d.detail) == ("python-exception", "ValueError: bad row")
+    assert diagnosis.diagnose([*steps, warn], exit_code=1, signal=None).cause == "nonzero-exit"
