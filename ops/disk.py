@@ -1,6 +1,6 @@
 """Room for the next checkpoint, and the checkpoints' copy off the box: `dflashctl status`'s `low disk`
 and `sync failed` flags (docs/design.md section 6), from the agent's checkpoint facts
-(``ops/far/room.py``). Pure: no I/O.
+(``ops/far/checkpoints.py``, read by ``ops.wire.parse_checkpoints``). Pure: no I/O.
 
 The rule, the trainer's own (``dflash.checkpoint.room.make_room``): before a checkpoint is written, the run's
 checkpoints that ``keep`` lets go after it may be pruned first (all of the run's but its ``keep - 1``
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing as t
+
+from ops import wire
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,83 +74,67 @@ def size(n: int | None) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _int(v: t.Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-
 def next_needs(
-    checkpoints: t.Sequence[t.Mapping[str, t.Any]], run_id: str | None, keep: int | None, best_step: int | None
+    checkpoints: t.Sequence[wire.CheckpointEntry], run_id: str | None, keep: int | None, best_step: int | None
 ) -> tuple[int | None, int | None]:
-    """(the run's last checkpoint's bytes, the bytes its next one needs free): see the module text.
-    ``checkpoints``: [{step, bytes, run_id}], any order."""
-    mine = sorted((c for c in checkpoints if c.get("run_id") == run_id), key=lambda c: c["step"])
+    """(the run's last checkpoint's bytes, the bytes its next one needs free): see the module text."""
+    mine = sorted((c for c in checkpoints if c.run_id == run_id), key=lambda c: c.step)
     if not mine:
         return None, None
-    last = int(mine[-1]["bytes"])
+    last = mine[-1].bytes
     freed = 0
     if keep:
-        freed = sum(int(c["bytes"]) for c in mine[: max(0, len(mine) + 1 - keep)] if c["step"] != best_step)
+        freed = sum(c.bytes for c in mine[: max(0, len(mine) + 1 - keep)] if c.step != best_step)
     return last, max(0, last - freed)
 
 
-def disk_view(facts: t.Any) -> DiskView | None:
+def disk_view(facts: wire.CheckpointFacts | None) -> DiskView | None:
     """The ``disk`` view of the agent's checkpoint facts (None: an agent that sends none)."""
-    if not isinstance(facts, dict):
+    if facts is None:
         return None
-    raw = facts.get("record")
-    rec: dict[str, t.Any] = raw if isinstance(raw, dict) else {}
-    found = [
-        c
-        for c in facts.get("checkpoints") or []
-        if isinstance(c, dict) and _int(c.get("step")) is not None and _int(c.get("bytes")) is not None
-    ]
-    run_id = rec.get("run_id") if isinstance(rec.get("run_id"), str) else None
+    rec = facts.record
+    found = facts.checkpoints
+    run_id = rec.run_id if rec is not None else None
     if run_id is None and found:  # no record: the newest run's (run ids sort by start time)
-        run_id = max((str(c["run_id"]) for c in found if isinstance(c.get("run_id"), str)), default=None)
-    keep = _int(rec.get("keep"))
-    last, needs = next_needs(found, run_id, keep, _int(facts.get("best_step")))
-    warn = _int(rec.get("disk_warn_bytes"))
+        run_id = max((c.run_id for c in found if c.run_id is not None), default=None)
+    keep = rec.keep if rec is not None else None
+    last, needs = next_needs(found, run_id, keep, facts.best_step)
+    warn = rec.disk_warn_bytes if rec is not None else None
     if warn is None:
         warn = last
-    free = _int(facts.get("free"))
+    free = facts.free
     low = free is not None and ((needs is not None and free < needs) or (warn is not None and free < warn))
-    raw_skip = rec.get("skipped")
-    skipped: dict[str, t.Any] = raw_skip if isinstance(raw_skip, dict) else {}
     return DiskView(
-        path=facts.get("dir") if isinstance(facts.get("dir"), str) else None,
+        path=facts.dir,
         free_bytes=free,
         checkpoint_bytes=last,
         next_needs_bytes=needs,
         warn_bytes=warn,
         keep=keep,
         low=low,
-        skipped_step=_int(skipped.get("step")),
+        skipped_step=rec.skipped_step if rec is not None else None,
     )
 
 
-def sync_view(facts: t.Any) -> SyncView | None:
+def sync_view(facts: wire.CheckpointFacts | None) -> SyncView | None:
     """The ``sync`` view (None: no sync configured, or no facts)."""
-    rec = facts.get("record") if isinstance(facts, dict) else None
-    sync = rec.get("sync") if isinstance(rec, dict) else None
-    if not isinstance(sync, dict):
+    sync = facts.record.sync if facts is not None and facts.record is not None else None
+    if sync is None:
         return None
-    raw = sync.get("last")
-    last: dict[str, t.Any] | None = raw if isinstance(raw, dict) else None
-    command = sync.get("command") if isinstance(sync.get("command"), str) else None
+    last = sync.last
     if last is None:
-        return SyncView(command, "none")
-    ok = last.get("ok") is True
+        return SyncView(sync.command, "none")
     return SyncView(
-        command=command,
-        state="ok" if ok else "failed",
-        step=_int(last.get("step")),
-        at=last.get("at") if isinstance(last.get("at"), str) else None,
-        error=None if ok else str(last.get("error"))[:300],
-        failures=_int(sync.get("failures")) or (0 if ok else 1),
+        command=sync.command,
+        state="ok" if last.ok else "failed",
+        step=last.step,
+        at=last.at,
+        error=None if last.ok else str(last.error)[:300],
+        failures=sync.failures or (0 if last.ok else 1),
     )
 
 
-def checkpoint_context(facts: t.Any) -> tuple[DiskView | None, SyncView | None, list[str]]:
+def checkpoint_context(facts: wire.CheckpointFacts | None) -> tuple[DiskView | None, SyncView | None, list[str]]:
     """Room for the next checkpoint, the last sync, and the evidence lines they call for (an agent older
     than them sends no ``checkpoints``)."""
     disk, sync, said = disk_view(facts), sync_view(facts), []
@@ -156,6 +142,6 @@ def checkpoint_context(facts: t.Any) -> tuple[DiskView | None, SyncView | None, 
         said.append(f"{disk.phrase()} ({disk.keep} kept by checkpoint.keep, best beyond them)")
     if sync is not None and sync.state == "failed":
         said.append(f"{sync.phrase()} (at {sync.at}): the next checkpoint syncs again")
-    if isinstance(facts, dict) and facts.get("error"):
-        said.append(f"checkpoints: {facts['error']}")
+    if facts is not None and facts.error:
+        said.append(f"checkpoints: {facts.error}")
     return disk, sync, said

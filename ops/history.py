@@ -331,7 +331,8 @@ def _classify(host: Host, session: str, h: wire.HistoryAnswer, af: wire.Attempt)
         gpu_error=None,
         supervisor=None,
         has_supervisor=False,  # a past attempt's supervisor is not known
-        raw={"now": h.now, "pid1_start": h.pid1_start, "pid1_ticks": h.pid1_ticks, "disk": None, "oom_kill": None},
+        kernel=None,
+        checkpoints=None,
     )
     facts = wire.Facts(
         host=host.name,

@@ -3,7 +3,7 @@
 Fetching is incremental: ONE agent call (``read``, ops/far/agent.py) per round brings each attempt's
 records (run.json, exit.json, stop.json), its metrics.jsonl from the offset this machine already has
 (complete lines, at most ``ops.far.agent.READ_CAP`` bytes per call: rounds go on while an attempt has
-more), the log tail of an attempt that crashed (its cause, by ``ops.probe.diagnose``, once) and the
+more), the log tail of an attempt that crashed (its cause, by ``ops.diagnosis.diagnose``, once) and the
 checkpoints. What came is kept under the state dir (the one restart-on-crash uses)::
 
     <state>/plot-cache/<host>/<session>/meta.json              offsets, run keys, records, causes
@@ -41,10 +41,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ops import errors, wire
+from ops import errors, read_answer, wire
 from ops import session as run
+from ops.diagnosis import diagnose
 from ops.metrics_table import F64, I64, Columns, Table
-from ops.probe import diagnose
 from ops.session import session_name
 
 if t.TYPE_CHECKING:
@@ -251,7 +251,7 @@ def fetch(remote: Remote, session: str | None, cache: Cache, *, cap: int | None 
             n: {"offset": m.get("offset", 0), "run": m.get("run_key"), "tail": "crashed" if "end" not in m else False}
             for n, m in have.items()
         }
-        answer = wire.parse_read(run.read(remote, session, ask, cap=cap))
+        answer = read_answer.parse_read(run.read(remote, session, ask, cap=cap))
         calls += 1
         more = False
         seen = set()

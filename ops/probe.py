@@ -19,27 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import signal as signal_mod
 import time
 import typing as t
 
-from ops import divergence, gpu_fault, wire
+from ops import diagnosis, gpu_fault, wire
+from ops.diagnosis import Progress, diagnose, progress_from_lines, progress_of
+from ops.diagnosis import iso as iso  # the supervisor's modules read it here
+from ops.diagnosis import short as _short
+from ops.diagnosis import signame as _signame
 from ops.disk import DiskView, SyncView, checkpoint_context
 from ops.far import members, watch
 from ops.far import tmux as tmux_mod
 from ops.states import Cause, State
-from ops.workers import Worker, as_float, as_int, worker_table, workers_of
+from ops.workers import Worker, as_int, worker_table, workers_of
 
 # Records without PID 1's ticks compare start times: a container restart moves them by more than this.
 BOOT_SLACK = 1.0
 TAIL_KEEP = 30  # log lines kept on the Status for incident reports (not in the JSON)
-
-
-def iso(ts: t.Any) -> str | None:
-    """Epoch seconds -> ``2026-11-29T15:02:11Z``; None for what is not a time (absent, NaN, out of range)."""
-    x = watch.number(ts, 0.0, watch.MAX_TIME)
-    return None if x is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(x))
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,14 +52,6 @@ class ContainerView:
     id: int
     status: str | None  # "running" | "stopped" | "missing" | None (unknown)
     booted_at: str | None = None
-
-
-@dataclasses.dataclass(slots=True)
-class Progress:
-    step: int | None
-    loss: float | None
-    ktok_s: float | None
-    at: str | None
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,38 +104,31 @@ def _ago(seconds: float | None) -> str:
     return _dur(seconds)
 
 
-def supervisor_view(rec: t.Mapping[str, t.Any] | None, now: float | None) -> SupervisorView:
-    if not rec:
+def supervisor_view(rec: wire.Heartbeat | None, now: float | None) -> SupervisorView:
+    if rec is None:
         return SupervisorView("none")
-    bad = watch.unreadable(rec, now) if not rec.get("stopped") else None
-    quiet = watch.silent_for(rec, now) if now is not None else None
+    bad = rec.unreadable(now) if not rec.stopped else None
+    quiet = rec.silent_for(now) if now is not None else None
     if bad is not None:
         state = "unreadable"
-    elif rec.get("stopped"):
+    elif rec.stopped:
         state = "stopped"
-    elif now is not None and watch.live(rec, now):
+    elif now is not None and rec.live(now):
         state = "watching"
     else:
         state = "stale"
-
-    def text(key: str) -> str | None:
-        v = rec.get(key)
-        return v if isinstance(v, str) else None
-
-    interval = watch.number(rec.get("interval"), 0.0, watch.MAX_INTERVAL)
-    action = rec.get("last_action")
     return SupervisorView(
         state=state,
-        by=text("by"),
-        where=text("where"),
-        mode=text("mode"),
-        pid=as_int(rec.get("pid")),
-        interval=interval,
-        started_at=iso(rec.get("started_at")),
-        last_probe=iso(rec.get("at")),
+        by=rec.by,
+        where=rec.where,
+        mode=rec.mode,
+        pid=rec.pid,
+        interval=rec.interval,
+        started_at=iso(rec.started_at),
+        last_probe=iso(rec.at),
         silent_for=None if quiet is None else round(quiet, 1),
-        last_action=dict(action) if isinstance(action, dict) else None,
-        id=text("id"),
+        last_action=dict(rec.last_action) if rec.last_action is not None else None,
+        id=rec.id,
         unreadable=bad,
     )
 
@@ -190,9 +171,10 @@ class Status:
     # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
     stop_requested: bool = False
+    spikes: tuple[wire.Spike, ...] = ()  # not in the JSON: the trainer's loss-spike records (metrics.jsonl)
 
     def to_json(self) -> dict[str, t.Any]:
-        hidden = ("tail", "stop_requested")
+        hidden = ("tail", "stop_requested", "spikes")
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in hidden}
         d["tmux"] = dataclasses.asdict(self.tmux)
         d["container"] = dataclasses.asdict(self.container) if self.container else None
@@ -300,13 +282,6 @@ def _clock(ts: str | None) -> str | None:
     return ts[11:19] if ts and len(ts) >= 19 else None
 
 
-def _signame(n: int | None) -> str:
-    try:
-        return signal_mod.Signals(n).name if n else "?"
-    except ValueError:
-        return f"signal {n}"
-
-
 def _cause_text(s: Status) -> str:
     c = s.cause
     if c == Cause.CUDA_OOM:
@@ -320,7 +295,7 @@ def _cause_text(s: Status) -> str:
     if c == Cause.PEER_LOST:
         return "lost the other nodes of the run" + (f": {_short(s.detail)}" if s.detail else "")
     if c == Cause.GPU_FAULT:
-        return "GPU fault: " + gpu_fault.Fault(s.detail or "", s.xid, s.gpu_bus_id, s.gpu).phrase()
+        return "GPU fault: " + diagnosis.Fault(s.detail or "", s.xid, s.gpu_bus_id, s.gpu).phrase()
     if c == Cause.PYTHON_EXCEPTION:
         return _short(s.detail or "Python exception")
     if c == Cause.DIVERGED:
@@ -356,197 +331,6 @@ def _plural(n: int, word: str) -> str:
 
 def _run_or_runs(n: int) -> str:
     return "runs" if n == 1 else "run"
-
-
-def _short(text: str, n: int = 120) -> str:
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-# --------------------------------------------------------------------------------------------
-# Reading a log tail: what killed the run
-
-
-_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's per-rank prefixes
-_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
-_GPU = re.compile(r"\bGPU (\d+)\b|\bcuda:(\d+)\b|\bdevice (\d+)\b")
-_NCCL_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out")
-_NCCL_ERROR = re.compile(
-    r"NCCL error|DistBackendError|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclRemoteError"
-    r"|ncclInvalidUsage|Some NCCL operations have failed"
-)
-# dflash.train.distributed wraps every collective's failure in PeerLost; the bare gloo texts are for other programs
-_PEER_LOST = re.compile(
-    r"dflash\.(?:train\.)?distributed\.PeerLost: (?P<detail>.*)"
-    r"|gloo/transport/tcp/\S+\] (?:.*Connection (?:reset|closed) by peer|Timed out waiting \d+ms for (?:recv|send) operation)"
-)
-_ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|\bENOSPC\b|Disk quota exceeded|\[Errno 122\]")
-_EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?::\s.*|:)?$")
-_TAIL_CAUSES = ((_NCCL_TIMEOUT, Cause.NCCL_TIMEOUT), (_CUDA_OOM, Cause.CUDA_OOM), (_NCCL_ERROR, Cause.NCCL_ERROR))
-_STEP = re.compile(r"\bstep (\d+)\b.*?\|\s*loss ([-+0-9.eEnaif]+)")
-_KTOK = re.compile(r"([0-9.]+) Ktok/s")
-
-
-@dataclasses.dataclass(slots=True)
-class Diagnosis:
-    cause: Cause
-    detail: str | None = None
-    gpu: int | None = None
-    signal: int | None = None
-    evidence: list[str] = dataclasses.field(default_factory=list)
-    xid: int | None = None
-    bus_id: str | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        """Stable across runs: numbers, addresses and sizes collapse, so the same bug matches itself."""
-        if self.cause == Cause.SIGNAL:
-            return f"signal|{self.signal}"
-        if self.cause == Cause.CUDA_OOM:
-            return f"cuda-oom|gpu {self.gpu}"
-        if self.cause == Cause.GPU_FAULT:
-            return gpu_fault.Fault(self.detail or "", self.xid, self.bus_id, self.gpu).fingerprint
-        body = re.sub(r"0x[0-9a-fA-F]+", "<addr>", self.detail or "")
-        body = re.sub(r"\d+(?:\.\d+)?", "#", body)
-        return f"{self.cause}|{body[:200]}"
-
-
-def _clean(lines: t.Iterable[str]) -> list[str]:
-    return [_PREFIX.sub("", line.rstrip()) for line in lines]
-
-
-def last_exception(lines: t.Sequence[str]) -> str | None:
-    """The exception line of the LAST traceback in ``lines`` (the first unindented line after its frames)."""
-    lines = _clean(lines)
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if not starts:
-        return None
-    for line in lines[starts[-1] + 1 :]:
-        if not line.strip() or line[0] in " \t":
-            continue
-        if _EXC_LINE.match(line.split(": ", 1)[0]):
-            return line.strip()
-        return None
-    return None
-
-
-def _gpu_of(texts: t.Iterable[str]) -> int | None:
-    for text in texts:
-        m = _GPU.search(text)
-        if m:
-            return int(next(g for g in m.groups() if g is not None))
-    return None
-
-
-def diagnose(
-    lines: t.Sequence[str],
-    *,
-    exit_code: int | None,
-    signal: int | None,
-    oom_before: int | None = None,
-    oom_after: int | None = None,
-    disk_free: int | None = None,
-) -> Diagnosis:
-    """Why a run ended non-zero: the log tail, the exit record (``disk_free``: bytes left where the run
-    wrote, when ``exit.json`` says the disk was full) and the cgroup's oom_kill count."""
-    lines = _clean(lines)
-    exc = last_exception(lines)
-    # first: the CUDA error's traceback, what NCCL says and a loss gone NaN on a failing GPU follow from it
-    fault = gpu_fault.find(lines)
-    if fault is not None:
-        why = [f"log: {_short(fault.line, 200)}"]
-        return Diagnosis(Cause.GPU_FAULT, _short(fault.text, 400), fault.gpu, signal, why, fault.xid, fault.bus_id)
-    div = divergence.diverged_line(lines)
-    if div is not None:  # the trainer's own verdict: nothing else in the tail explains the end better
-        return Diagnosis(Cause.DIVERGED, _short(div[0], 400), evidence=[f"log: {_short(div[1], 300)}"])
-    if oom_before is not None and oom_after is not None and oom_after > oom_before:
-        how = f"signal {signal}" if signal else f"exit {exit_code}"
-        return Diagnosis(
-            Cause.HOST_OOM,
-            f"the container's OOM killer killed {oom_after - oom_before} process(es) during the run ({how})",
-            signal=signal or _from_shell(exit_code),
-            evidence=[f"cgroup memory.events oom_kill rose from {oom_before} to {oom_after}"],
-        )
-    if exc and _CUDA_OOM.search(exc):
-        return Diagnosis(Cause.CUDA_OOM, exc, gpu=_gpu_of([exc] + [x for x in lines if _CUDA_OOM.search(x)]))
-    if exc and _NCCL_TIMEOUT.search(exc):
-        return Diagnosis(Cause.NCCL_TIMEOUT, exc)
-    if exc and _NCCL_ERROR.search(exc):
-        return Diagnosis(Cause.NCCL_ERROR, exc)
-    if exc and _ENOSPC.search(exc):
-        return Diagnosis(Cause.DISK_FULL, exc)
-    for pattern, cause in _TAIL_CAUSES:
-        hits = [x.strip() for x in lines if pattern.search(x)]
-        if hits:
-            gpu = _gpu_of(hits) if cause == Cause.CUDA_OOM else None
-            return Diagnosis(
-                cause, _short(hits[-1], 400), gpu=gpu, signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"]
-            )
-    # a lost peer: usually not the last traceback (torchrun's own ChildFailedError follows it)
-    peer = [m for m in map(_PEER_LOST.search, lines) if m]
-    if peer:
-        m = peer[-1]
-        return Diagnosis(
-            Cause.PEER_LOST,
-            _short(m.group("detail") or m.group(0), 400),
-            signal=signal,
-            evidence=[f"log: {_short(m.string.strip(), 200)}"],
-        )
-    hits = [x.strip() for x in lines if _ENOSPC.search(x)]
-    if hits:
-        return Diagnosis(
-            Cause.DISK_FULL, _short(hits[-1], 400), signal=signal, evidence=[f"log: {_short(hits[-1], 200)}"]
-        )
-    if signal:
-        return Diagnosis(Cause.SIGNAL, f"ended by signal {signal} ({_signame(signal)})", signal=signal)
-    if disk_free is not None:
-        # torch.save says "file write failed", tools say nothing: the record of the disk decides
-        return Diagnosis(
-            Cause.DISK_FULL,
-            exc or f"{disk_free} bytes were free where the run writes when the command ended",
-            evidence=[f"exit.json: {disk_free} bytes free on the run's disk when the command ended"],
-        )
-    if exc:
-        return Diagnosis(Cause.PYTHON_EXCEPTION, exc)
-    sh = _from_shell(exit_code)
-    if sh:
-        return Diagnosis(
-            Cause.SIGNAL,
-            f"exit {exit_code} = 128+{sh}: a process was killed by signal {sh} ({_signame(sh)})",
-            signal=sh,
-        )
-    last = next((x.strip() for x in reversed(lines) if x.strip()), None)
-    return Diagnosis(Cause.NONZERO_EXIT, _short(last, 400) if last else f"exit code {exit_code}")
-
-
-def _from_shell(exit_code: int | None) -> int | None:
-    """A shell reports a signalled child as 128+N."""
-    if exit_code is not None and 128 < exit_code <= 128 + 64:
-        return exit_code - 128
-    return None
-
-
-def progress_of(metrics: wire.Metrics | None, log: wire.Log | None) -> Progress | None:
-    """The last metrics.jsonl record, else the last `step N | loss X ...` line of the log."""
-    rec = metrics.last if metrics else None
-    if rec is not None and rec.get("step") is not None:
-        return Progress(
-            step=as_int(rec.get("step")),
-            loss=as_float(rec.get("loss")),
-            ktok_s=as_float(rec.get("ktok_s")),
-            at=rec.get("at") if isinstance(rec.get("at"), str) else iso(metrics.mtime if metrics else None),
-        )
-    return progress_from_lines(log.tail if log else (), iso(log.mtime if log else None))
-
-
-def progress_from_lines(lines: t.Sequence[str], at: str | None) -> Progress | None:
-    for line in reversed(lines):
-        m = _STEP.search(line)
-        if m:
-            k = _KTOK.search(line)
-            return Progress(
-                step=int(m.group(1)), loss=as_float(m.group(2)), ktok_s=as_float(k.group(1)) if k else None, at=at
-            )
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,8 +427,8 @@ def _judge(s: Status, f: wire.Facts) -> None:
                 f"the pane runs {agent.foreign_run[:300]}: the run of another host entry (same container, socket "
                 "and session, another run_dir); this entry's run_dir holds no record of it",
             )
-    gpu_fault.explain(s, agent.raw, f.host_kernel)  # the driver's words, wherever they are
-    s.disk, s.sync, said = checkpoint_context(agent.raw.get("checkpoints"))
+    _gpu_fault(s, agent, f.host_kernel)  # the driver's words, wherever they are
+    s.disk, s.sync, said = checkpoint_context(agent.checkpoints)
     s.evidence.extend(said)
     if agent.has_supervisor:  # an agent older than the heartbeat does not say (None: unknown)
         s.supervisor = supervisor_view(agent.supervisor, agent.now)
@@ -652,6 +436,30 @@ def _judge(s: Status, f: wire.Facts) -> None:
             s.evidence.append(f"supervisor: {s.supervisor.phrase()} (last probe at {s.supervisor.last_probe})")
         elif s.supervisor.state == "unreadable":
             s.evidence.append(f"supervisor.json: unreadable heartbeat ({s.supervisor.unreadable})")
+
+
+def _gpu_fault(s: Status, agent: wire.Probe, host_kernel: wire.KernelLog | None) -> None:
+    """A crashed run's gpu-fault (``gpu_fault.explain``): the Xid, the bus id and the GPU index go on the
+    Status, each source's line in its evidence. The program's own last error (a CUDA error's traceback)
+    stays as evidence: the Xid is the cause."""
+    if s.state != State.CRASHED:
+        return
+    af = agent.attempt
+    log = af.log if af is not None else None
+    exc = diagnosis.last_exception((log.tail if log is not None else ()) or s.tail)  # s.tail: a pane's
+    pids = {m.pid for m in af.members if m.pid is not None} if af is not None else set()
+    if af is not None and af.run is not None:
+        pids |= {p for p in (af.run.pid, af.run.child_pid) if p is not None}
+    found = gpu_fault.explain([exc] if exc else [], agent.kernel, host_kernel, s.gpus, pids)
+    s.evidence.extend(found.unread)
+    fault = found.fault
+    if fault is None:
+        return
+    if s.cause != Cause.GPU_FAULT and s.detail:
+        s.evidence.append(f"the program's last error ({s.cause}): {_short(s.detail, 200)}")
+    s.cause, s.detail, s.fingerprint = Cause.GPU_FAULT, _short(fault.text, 400), fault.fingerprint
+    s.gpu, s.gpu_bus_id, s.xid = fault.gpu, fault.bus_id, fault.xid
+    s.evidence.extend(line for line in found.lines if line not in s.evidence)  # diagnose() named the log's
 
 
 def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt, run: wire.RunRecord) -> None:
@@ -665,6 +473,7 @@ def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt,
     s.tail = list(log.tail[-TAIL_KEEP:])
     s.progress = progress_of(af.metrics, af.log)
     s.workers = workers_of(af.metrics.last if af.metrics else None, s.gpus)
+    s.spikes = af.metrics.spikes if af.metrics else ()
     for err in af.errors:
         s.evidence.append(f"unreadable record: {err}")
     # The run's processes (ops/far/members.py): known when its runner tags them (run.json "tag").
@@ -736,7 +545,7 @@ def _ended(
     if exit_rec.disk_full and s.cause != Cause.DISK_FULL:
         s.evidence.append(f"the run's disk was full when it ended ({exit_rec.disk_free} bytes free)")
     _tmux_context(s)
-    _disk_context(s, agent.raw)
+    _disk_context(s, agent.disk)
 
 
 def _running(
@@ -783,7 +592,7 @@ def _running(
     if af.stop:
         s.evidence.append(f"stop.json: a stop was requested at {af.stop.requested_at} but the process still runs")
     _tmux_context(s, alive=True)
-    _disk_context(s, agent.raw)
+    _disk_context(s, agent.disk)
     _pace(s, f, agent, af, run)
 
 
@@ -886,11 +695,10 @@ def _orphans(s: Status, found: list[wire.Member], stop: wire.StopRecord | None, 
         )
 
 
-def _disk_context(s: Status, agent: dict[str, t.Any]) -> None:
-    disk = agent.get("disk") or {}
-    if disk.get("full"):
+def _disk_context(s: Status, disk: wire.Disk | None) -> None:
+    if disk is not None and disk.full:
         s.evidence.append(
-            f"the disk holding {disk.get('path')} is full ({disk.get('free')} bytes free): "
+            f"the disk holding {disk.path} is full ({disk.free} bytes free): "
             "the log, metrics and checkpoints cannot grow"
         )
 

@@ -10,12 +10,10 @@ own reader. An empty record is no record (an exit.json whose every key failed te
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import typing as t
 
-from ops.far import records
+from ops.far import records, watch
 
 Problems = list[str]
 
@@ -42,6 +40,14 @@ class Fields:
 
     def whole(self, key: str) -> int | None:
         return t.cast("int | None", self._kind(key, records.INT))
+
+    def count(self, key: str) -> int | None:
+        """A whole number >= 0 (a size, a step)."""
+        value = self.whole(key)
+        if value is not None and value < 0:
+            self._bad(key, "a whole number >= 0")
+            return None
+        return value
 
     def number(self, key: str) -> float | None:
         return t.cast("float | None", self._kind(key, records.NUM))
@@ -240,6 +246,28 @@ class Log:
 class Metrics:
     mtime: float | None
     last: t.Mapping[str, t.Any] | None  # the last metrics.jsonl record: the trainer's, read by its readers
+    spikes: tuple[Spike, ...] = ()  # its loss-spike records (an older agent sends none)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spike:
+    """The trainer's loss-spike record (dflash.train.divergence.Spike.record)."""
+
+    step: int
+    loss: float | None
+    median: float | None
+    factor: float | None
+    steps: int | None
+
+
+def _spikes(f: Fields) -> tuple[Spike, ...]:
+    out = []
+    for rec in f.objs("events"):
+        e = Fields(rec, f"{f.where}.events", f.problems)
+        step = e.count("step")
+        if step is not None:
+            out.append(Spike(step, e.number("loss"), e.number("median"), e.number("factor"), e.whole("steps")))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,7 +330,9 @@ def parse_attempt(value: t.Any, where: str = "attempt") -> Attempt | None:
         child=_process(value.get("child"), f"{where}.child", problems),
         members=tuple(_member(Fields(m, f"{where}.members", problems)) for m in f.objs("members")),
         log=None if log is None else Log(path=log.text("path"), mtime=log.number("mtime"), tail=log.lines("tail")),
-        metrics=None if metrics is None else Metrics(mtime=metrics.number("mtime"), last=metrics.obj("last")),
+        metrics=None
+        if metrics is None
+        else Metrics(mtime=metrics.number("mtime"), last=metrics.obj("last"), spikes=_spikes(metrics)),
         errors=(),
         resumed_from=value.get("resumed_from"),
     )
@@ -366,6 +396,174 @@ class Gpu:
         return d
 
 
+# --------------------------------------------------------------------------------------------
+# The probe's side facts: the kernel log, the checkpoints, the supervisor's heartbeat
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelLog:
+    """ops/far/kernel_log.py's answer: the NVRM lines of a kernel log, or why it could not be read."""
+
+    source: str | None
+    lines: tuple[str, ...]
+    error: str | None
+
+
+def parse_kernel(value: t.Any, where: str, problems: Problems) -> KernelLog | None:
+    f = fields(value, where, problems)
+    return None if f is None else KernelLog(f.text("source"), f.lines("lines"), f.text("error"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointEntry:
+    """One checkpoint of the run's folder (its manifest read): step, size, the run that wrote it."""
+
+    step: int
+    bytes: int
+    run_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncLast:
+    ok: bool
+    step: int | None
+    at: str | None
+    error: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncRecord:
+    """``[checkpoint] sync`` as the trainer recorded it: its program, failures in a row, its last run."""
+
+    command: str | None
+    failures: int | None
+    last: SyncLast | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """The trainer's checkpointing.json: the run, checkpoint.keep, the warning threshold, the last
+    checkpoint skipped for want of room, the sync (None: none configured)."""
+
+    run_id: str | None
+    keep: int | None
+    disk_warn_bytes: int | None
+    skipped_step: int | None
+    sync: SyncRecord | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointFacts:
+    """ops/far/room.py's answer (protocol.ProbeFacts ``checkpoints``)."""
+
+    dir: str | None
+    record: CheckpointRecord | None
+    free: int | None
+    checkpoints: tuple[CheckpointEntry, ...]
+    best_step: int | None
+    error: str | None
+
+
+def _sync(f: Fields | None) -> SyncRecord | None:
+    if f is None:
+        return None
+    last = f.sub("last")
+    return SyncRecord(
+        command=f.text("command"),
+        failures=f.count("failures"),
+        last=None
+        if last is None
+        else SyncLast(last.rec.get("ok") is True, last.count("step"), last.text("at"), last.text("error")),
+    )
+
+
+def parse_checkpoints(value: t.Any, where: str, problems: Problems) -> CheckpointFacts | None:
+    f = fields(value, where, problems)
+    if f is None:
+        return None
+    rec = f.sub("record")
+    found = []
+    for c in f.objs("checkpoints"):
+        cf = Fields(c, f"{where}.checkpoints", problems)
+        step, size = cf.count("step"), cf.count("bytes")
+        if step is not None and size is not None:
+            found.append(CheckpointEntry(step, size, cf.text("run_id")))
+    skipped = rec.sub("skipped") if rec is not None else None
+    return CheckpointFacts(
+        dir=f.text("dir"),
+        record=None
+        if rec is None
+        else CheckpointRecord(
+            run_id=rec.text("run_id"),
+            keep=rec.count("keep"),
+            disk_warn_bytes=rec.count("disk_warn_bytes"),
+            skipped_step=skipped.count("step") if skipped is not None else None,
+            sync=_sync(rec.sub("sync")),
+        ),
+        free=f.count("free"),
+        checkpoints=tuple(found),
+        best_step=f.count("best_step"),
+        error=f.text("error"),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """supervisor.json (ops/far/watch.py): who watches the run. ``problem``: why its lease cannot be read
+    (the agent could not read the file, ``at`` or ``interval`` is not a usable number); such a record
+    holds no lease."""
+
+    id: str | None
+    by: str | None
+    where: str | None
+    mode: str | None
+    pid: int | None
+    interval: float | None
+    started_at: float | None
+    at: float | None
+    stopped: bool
+    last_action: t.Mapping[str, t.Any] | None
+    problem: str | None
+
+    def unreadable(self, now: float | None) -> str | None:
+        """``problem``, or ``at`` ahead of the container's clock (watch.unreadable's rule)."""
+        if self.problem is not None or now is None or self.at is None:
+            return self.problem
+        return watch.unreadable({"at": self.at, "interval": self.interval}, now)
+
+    def silent_for(self, now: float) -> float | None:
+        return watch.silent_for({"at": self.at}, now)
+
+    def live(self, now: float) -> bool:
+        return not self.stopped and watch.live(
+            {"at": self.at, "interval": self.interval, "unreadable": self.problem}, now
+        )
+
+    def named(self) -> dict[str, t.Any]:
+        """How a message names its holder (``ops.supervise.heartbeat.holder_text``)."""
+        said = {"by": self.by, "mode": self.mode, "pid": self.pid, "where": self.where, "at": self.at}
+        return {k: v for k, v in said.items() if v is not None}
+
+
+def parse_heartbeat(value: t.Any, where: str, problems: Problems) -> Heartbeat | None:
+    if not isinstance(value, dict) or not value:
+        return None
+    f = Fields(value, where, problems)
+    return Heartbeat(
+        id=f.text("id"),
+        by=f.text("by"),
+        where=f.text("where"),
+        mode=f.text("mode"),
+        pid=f.whole("pid"),
+        interval=watch.number(value.get("interval"), 0.0, watch.MAX_INTERVAL),
+        started_at=watch.number(value.get("started_at"), 0.0, watch.MAX_TIME),
+        at=watch.number(value.get("at"), 0.0, watch.MAX_TIME),
+        stopped=bool(value.get("stopped")),
+        last_action=f.obj("last_action"),
+        problem=watch.unreadable(value, None),
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Probe:
     now: float | None
@@ -379,9 +577,10 @@ class Probe:
     foreign_run: str | None
     gpus: tuple[Gpu, ...] | None  # None: not sampled (no nvidia-smi), or it failed
     gpu_error: str | None  # nvidia-smi failed: what it said
-    supervisor: t.Mapping[str, t.Any] | None
+    supervisor: Heartbeat | None
     has_supervisor: bool  # an agent older than the heartbeat does not say (then: unknown)
-    raw: dict[str, t.Any]  # the answer as it came (what --facts prints)
+    kernel: KernelLog | None  # a crashed attempt's container kernel log (ops/far/kernel_log.py)
+    checkpoints: CheckpointFacts | None  # None: an agent older than the checkpoint facts
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -416,7 +615,7 @@ class Facts:
     fallback: Fallback | None
     problems: tuple[str, ...]  # what did not read, beside the attempt's own errors
     # the Proxmox host's kernel log (ops/far/kernel_log.py's answer), read where dflashctl runs on the host
-    host_kernel: dict[str, t.Any] | None = None
+    host_kernel: KernelLog | None = None
 
 
 def parse_tmux(value: t.Any, where: str, problems: Problems) -> Tmux | None:
@@ -470,7 +669,6 @@ def parse_probe(answer: dict[str, t.Any], problems: Problems) -> Probe:
     elif gpus is not None:
         gpu_list = tuple(_gpu(Fields(g, "probe.gpus", problems)) for g in f.objs("gpus"))
     disk = f.sub("disk")
-    sup = answer.get("supervisor")
     return Probe(
         now=f.number("now"),
         pid1_start=f.number("pid1_start"),
@@ -483,9 +681,10 @@ def parse_probe(answer: dict[str, t.Any], problems: Problems) -> Probe:
         foreign_run=answer.get("foreign_run") if isinstance(answer.get("foreign_run"), str) else None,
         gpus=gpu_list,
         gpu_error=gpu_error,
-        supervisor=sup if isinstance(sup, dict) else None,
+        supervisor=parse_heartbeat(answer.get("supervisor"), "probe.supervisor", problems),
         has_supervisor="supervisor" in answer,
-        raw=answer,
+        kernel=parse_kernel(answer.get("kernel"), "probe.kernel", problems),
+        checkpoints=parse_checkpoints(answer.get("checkpoints"), "probe.checkpoints", problems),
     )
 
 
@@ -516,6 +715,8 @@ def parse_facts(facts: t.Mapping[str, t.Any]) -> Facts:
         problems.append("facts: agent: expected an object")
         agent = {}
     hang, grace = f.number("hang_after"), f.number("startup_grace")
+    host_kernel = parse_kernel(facts.get("host_kernel"), "facts.host_kernel", problems)
+    probe = None if agent is None else parse_probe(agent, problems)
     return Facts(
         host=_or(f.text("host"), "?"),
         session=_or(f.text("session"), "?"),
@@ -528,10 +729,10 @@ def parse_facts(facts: t.Mapping[str, t.Any]) -> Facts:
         unreachable=_fault(facts.get("unreachable"), "facts.unreachable", problems),
         container_down=_fault(facts.get("container_down"), "facts.container_down", problems),
         agent_timeout=f.text("agent_timeout") or None,
-        agent=None if agent is None else parse_probe(agent, problems),
+        agent=probe,
         fallback=fallback,
         problems=tuple(problems),
-        host_kernel=facts["host_kernel"] if isinstance(facts.get("host_kernel"), dict) else None,
+        host_kernel=host_kernel,
     )
 
 
@@ -562,90 +763,6 @@ def parse_history(answer: t.Mapping[str, t.Any]) -> HistoryAnswer:
         now=f.number("now"),
         pid1_start=f.number("pid1_start"),
         pid1_ticks=f.whole("pid1_ticks"),
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The read verb's answer (`dflashctl plot`)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Chunk:
-    """One attempt of the read verb's answer: its records and the next bytes of its metrics.jsonl."""
-
-    attempt: int
-    run: dict[str, t.Any] | None  # the records checked as the agent checks them, kept as they are (the
-    exit: dict[str, t.Any] | None  # plot's cache stores them; ``parse_run`` and the others read them)
-    stop: dict[str, t.Any] | None
-    run_key: str | None  # which run wrote the attempt dir
-    size: int | None
-    offset: int  # where ``data`` starts in the file
-    next: int  # where the next call starts
-    reset: bool  # another run made the dir, or the file was cut: everything before ``offset`` is gone
-    more: bool
-    data: bytes
-    log_tail: tuple[str, ...] | None  # None: not asked for
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadAnswer:
-    attempts: tuple[Chunk, ...]
-    checkpoints: list[dict[str, t.Any]]  # {step, time} under <run_dir>/<session>/checkpoints
-    current: int | None
-    session_dir: str | None
-    problems: tuple[str, ...]
-
-
-def _checked(value: t.Any, name: str, problems: Problems) -> dict[str, t.Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        problems.append(f"{name}: not a JSON object")
-        return None
-    rec, found = records.check(name, value)
-    problems += found
-    return rec
-
-
-def parse_read(answer: t.Mapping[str, t.Any]) -> ReadAnswer:
-    """The read verb's answer; an attempt without its number is left out (named in ``problems``)."""
-    problems: Problems = []
-    f = Fields(answer, "read", problems)
-    chunks = []
-    for k, rec in enumerate(f.objs("attempts")):
-        c = Fields(rec, f"read.attempts[{k}]", problems)
-        n = c.whole("attempt")
-        if n is None:
-            if "attempt" not in rec:
-                problems.append(f"{c.where}: attempt: missing")
-            continue
-        try:
-            data = base64.b64decode(c.text("data") or "")
-        except binascii.Error as e:
-            problems.append(f"{c.where}: data: not base64 ({e})")
-            data = b""
-        chunks.append(
-            Chunk(
-                attempt=n,
-                run=_checked(rec.get("run"), records.RUN_JSON, problems),
-                exit=_checked(rec.get("exit"), records.EXIT_JSON, problems),
-                stop=_checked(rec.get("stop"), records.STOP_JSON, problems),
-                run_key=c.text("run_key"),
-                size=c.whole("size"),
-                offset=c.whole("offset") or 0,
-                next=c.whole("next") or 0,
-                reset=bool(rec.get("reset")),
-                more=bool(rec.get("more")),
-                data=data,
-                log_tail=c.lines("log_tail") if "log_tail" in rec else None,
-            )
-        )
-    return ReadAnswer(
-        attempts=tuple(chunks),
-        checkpoints=[dict(x) for x in f.objs("checkpoints")],
-        current=f.whole("current"),
-        session_dir=f.text("session_dir"),
-        problems=tuple(problems),
     )
 
 

@@ -77,6 +77,9 @@ def main() -> int:
                 f"{stamp} WARNING dflash.metrics: loss spike at step {step}: loss 9.500 above 3 x the running "
                 "median 2.000 for 20 steps"
             )
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:  # and its record (Spike.record)
+                spike = {"event": "loss-spike", "step": step, "loss": 9.5, "median": 2.0, "factor": 3.0, "steps": 20}
+                f.write(json.dumps(spike) + "\n")
         elif fault:
             return end(fault, step)
         step += 1

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import typing as t
 
 from ops.far import records, tmux
 from ops.far.protocol import LogFacts, MetricsFacts
 
+EVENT_LINES = 200  # metrics.jsonl lines read for the trainer's loss-spike records (one per step at most)
+MAX_EVENTS = 8
 TAIL_WINDOW = 1 << 20  # `tail` and `status` read at most this many bytes from the log's end
 
 
@@ -46,22 +49,25 @@ def log_facts(path: str, lines: int) -> LogFacts | None:
 
 
 def metrics_facts(path: str) -> MetricsFacts | None:
-    """The last complete step record of metrics.jsonl (event records skipped) and the file's mtime."""
+    """The last complete step record of metrics.jsonl (event records skipped), the loss-spike records of
+    its last ``EVENT_LINES`` lines (the trainer's own, for the supervisor's warnings) and the file's mtime."""
     try:
-        data, size, mtime = tail_bytes(path, 20)  # event records may come after the last step record
+        data, size, mtime = tail_bytes(path, EVENT_LINES)  # event records may come after the last step record
     except FileNotFoundError:
         return None
     except OSError as e:
         return {"path": path, "error": str(e)}
     last = None
+    events: list[dict[str, t.Any]] = []
     for line in reversed(data.decode("utf-8", "replace").splitlines()):
         try:
             rec = records.parse_line(line)
         except ValueError:
             continue  # a line being written right now (or one no record of ours is: skipped)
+        if isinstance(rec, dict) and rec.get("event") == "loss-spike" and len(events) < MAX_EVENTS:
+            events.insert(0, rec)
         if (
-            isinstance(rec, dict) and "event" not in rec
+            last is None and isinstance(rec, dict) and "event" not in rec
         ):  # an event (a loss spike, a skipped checkpoint, a sync): no step's figures
             last = rec
-            break
-    return {"path": path, "size": size, "mtime": mtime, "last": last}
+    return {"path": path, "size": size, "mtime": mtime, "last": last, "events": events}

@@ -65,6 +65,7 @@ class MetricsFacts(t.TypedDict, total=False):
     size: int
     mtime: float
     last: dict[str, t.Any] | None
+    events: list[dict[str, t.Any]]  # the trainer's loss-spike records among the file's last lines
     error: str
 
 

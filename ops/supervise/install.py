@@ -202,10 +202,10 @@ def _refuse_foreign(side: HostSide, session: str) -> None:
         mine = {}
     agent = wire.parse_facts(run.gather(side.host, session, side.container)).agent
     rec, now = (agent.supervisor, agent.now) if agent is not None else (None, None)
-    if rec is not None and now is not None and rec.get("id") != mine.get("id"):
-        if watch.live(rec, now):
+    if rec is not None and now is not None and rec.id != mine.get("id"):
+        if rec.live(now):
             raise errors.SupervisorLocked(
-                f"another supervisor watches {side.host.name}/{session}: {holder_text(rec, now)}; stop it first "
+                f"another supervisor watches {side.host.name}/{session}: {holder_text(rec.named(), now)}; stop it first "
                 f"(Ctrl-C or kill <pid>), or wait until it is stale ({watch.STALE_AFTER} of its intervals)"
             )
 

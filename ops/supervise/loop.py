@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ops import errors
 from ops import session as run
-from ops.divergence import loss_spikes
+from ops.diagnosis import spike_line
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
@@ -472,14 +472,17 @@ class Supervisor:
             self._save_memory()
 
     def _training_warnings(self, st: Status) -> None:
-        """The trainer's loss-spike warnings in the log tail: one line (and --notify message) each, once;
-        a warning only, nothing is done about it."""
-        for step, what in loss_spikes(st.tail):
-            if not self.policy.spike_news(st.attempt, step):
-                continue
-            self.emit(f"attempt {st.attempt}: {what} (a warning: the run goes on)")
-            if self.notifier is not None:
-                self.notifier.training("loss-spike", self.host.name, self.session, st.attempt, what)
+        """The trainer's loss-spike records (metrics.jsonl, never a printed line): one line each, once, and
+        at most one --notify message a probe (the newest, with how many came with it); a warning only, while
+        the run goes on (a crash's message is never preceded by one)."""
+        if st.state not in (State.RUNNING, State.STALLED):
+            return
+        news = [s for s in st.spikes if self.policy.spike_news(st.attempt, s.step)]
+        for spike in news:
+            self.emit(f"attempt {st.attempt}: {spike_line(spike)} (a warning: the run goes on)")
+        if news and self.notifier is not None:
+            more = f" ({len(news)} spikes since the last probe)" if len(news) > 1 else ""
+            self.notifier.training("loss-spike", self.host.name, self.session, st.attempt, spike_line(news[-1]) + more)
 
     def _recover(self, st: Status, d: Decision) -> bool:
         """Carry out a due recovery; update its incident and announce it. True when a new attempt started."""

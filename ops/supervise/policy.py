@@ -8,7 +8,7 @@ import random
 import typing as t
 
 from ops import errors
-from ops.divergence import last_finite_checkpoint
+from ops.diagnosis import last_finite_checkpoint
 from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
 from ops.times import duration, parse_iso

@@ -30,8 +30,7 @@ from dflash.train.metrics import Metrics
 from dflash.train.pipeline import StepStats
 from dflash.train.replicas import FeatureBatch
 from dflash.train.run import Run
-from ops.divergence import last_finite_checkpoint
-from ops.probe import diagnose
+from ops.diagnosis import diagnose, last_finite_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"

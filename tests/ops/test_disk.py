@@ -15,6 +15,7 @@ from ops.disk import next_needs
 from ops.far.checkpoints import checkpoint_facts
 from ops.probe import classify
 from ops.supervise.episode import LOW_DISK, SYNC_FAILED, Episodes
+from ops.wire import CheckpointEntry
 
 NOW = 1_800_000_000.0
 MB = 1_000_000
@@ -69,7 +70,7 @@ def test_the_agent_reads_sizes_best_and_the_trainers_record_and_never_raises(tmp
     ],
 )
 def test_what_the_next_checkpoint_needs(steps: list[int], keep: int, best: int | None, needs: int | None) -> None:
-    cps = [{"step": s, "bytes": 2, "run_id": "r"} for s in steps] + [{"step": 9, "bytes": 5, "run_id": "older"}]
+    cps = [CheckpointEntry(s, 2, "r") for s in steps] + [CheckpointEntry(9, 5, "older")]
     last, got = next_needs(cps, "r", keep, best)
     assert got == needs and last == (2 if steps else None)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import errors, gpu_health, probe
+from ops import diagnosis, errors, gpu_health, probe
 from ops.exit_codes import ExitCode, exit_code_for_error
 from ops.far import kernel_log
 from ops.hosts import parse_inventory
@@ -50,23 +50,21 @@ XID = {
 }
 
 
-def diag(lines: list[str], exit_code: int = 1) -> probe.Diagnosis:
-    return probe.diagnose(lines, exit_code=exit_code, signal=None)
+def diag(lines: list[str], exit_code: int = 1) -> diagnosis.Diagnosis:
+    return diagnosis.diagnose(lines, exit_code=exit_code, signal=None)
 
 
 @pytest.mark.parametrize("xid", sorted(XID))
 def test_each_hardware_xid_is_a_gpu_fault_that_outranks_the_exception(xid: int) -> None:
-    d = diag([*TRACEBACK, XID[xid], CUDA_LAUNCH, ASYNC])
-    assert (d.cause, d.xid) == (Cause.GPU_FAULT, xid)
+    d = diagnosis.find([XID[xid], CUDA_LAUNCH, ASYNC])  # a kernel log's lines
+    assert d is not None and d.xid == xid
     assert d.bus_id == XID[xid].split("PCI:")[1].split(")")[0]
-    assert (
-        d.detail is not None and d.detail.startswith("NVRM: Xid") and d.fingerprint == f"gpu-fault|xid {xid}|{d.bus_id}"
-    )
+    assert d.text.startswith("NVRM: Xid") and d.fingerprint == f"gpu-fault|xid {xid}|{d.bus_id}"
 
 
 def test_the_first_xid_is_the_cause_of_those_after_it() -> None:
-    d = diag([XID[48], XID[63], XID[94]])
-    assert d.xid == 48
+    d = diagnosis.find([XID[48], XID[63], XID[94]])
+    assert d is not None and d.xid == 48
 
 
 @pytest.mark.parametrize(
@@ -80,18 +78,21 @@ def test_the_first_xid_is_the_cause_of_those_after_it() -> None:
     ],
 )
 def test_the_cuda_texts_of_a_dead_gpu_are_a_gpu_fault_without_an_xid(line: str) -> None:
-    d = diag([*TRACEBACK, line, ASYNC])
-    assert d.cause == Cause.GPU_FAULT and d.xid is None
+    f = diagnosis.find([line])
+    assert f is not None and f.xid is None
     if "NVRM" in line:
-        assert d.bus_id == "0000:3b:00"
+        assert f.bus_id == "0000:3b:00"
+    else:  # the program's own words: its last exception
+        d = diag([*TRACEBACK, line, ASYNC])
+        assert d.cause == (Cause.NONZERO_EXIT if line.startswith("NCCL") else Cause.GPU_FAULT) and d.xid is None
 
 
 def test_an_unspecified_launch_failure_is_a_gpu_fault_only_beside_an_xid() -> None:
     assert diag([*TRACEBACK, CUDA_LAUNCH, ASYNC]).cause == Cause.PYTHON_EXCEPTION
     app_xid = "NVRM: Xid (PCI:0000:3b:00): 13, pid=1234, name=python, Graphics SM Warp Exception on (GPC 0, TPC 0)"
     assert diag([*TRACEBACK, "RuntimeError: CUDA error: an illegal memory access", app_xid]).cause != Cause.GPU_FAULT
-    d = diag([*TRACEBACK, app_xid, CUDA_LAUNCH])
-    assert (d.cause, d.xid, d.detail) == (Cause.GPU_FAULT, 13, CUDA_LAUNCH)
+    f = diagnosis.find([app_xid, CUDA_LAUNCH])
+    assert f is not None and (f.xid, f.line) == (13, CUDA_LAUNCH)
 
 
 def test_a_recovery_that_needs_nothing_is_no_fault() -> None:
@@ -318,9 +319,31 @@ def test_a_session_started_by_hand_names_the_xid_its_pane_shows() -> None:
         "agent": {
             "now": 2000.0,
             "tmux": {"exit_code": 0, "panes": [pane]},
-            "pane_capture": {"lines": [*TRACEBACK, XID[95], CUDA_LAUNCH]},
+            "pane_capture": {"lines": [*TRACEBACK, CUDA_LAUNCH]},
+            "kernel": {"source": "dmesg", "lines": [XID[95]], "error": None},
             "attempt": None,
         },
     }
     st = probe.classify(facts)
     assert (st.state, st.cause, st.xid, st.gpu_bus_id) == (State.CRASHED, Cause.GPU_FAULT, 95, "0000:b3:00")
+
+
+def test_a_printed_driver_text_is_a_user_s_text_not_a_gpu_fault() -> None:
+    """A data sample that holds the driver's words, then an unrelated crash: the crash is the exception's."""
+    sample = "sample 12: 'uncorrectable ECC error encountered' / NVRM: Xid (PCI:0000:3b:00): 79, pid=1, GPU has fallen off the bus."
+    lines = [*TRACEBACK[:1], sample, *TRACEBACK[1:], "ValueError: bad row"]
+    assert diag(lines).cause == Cause.PYTHON_EXCEPTION
+    st = probe.classify(_facts(lines, None, None))
+    assert (st.state, st.cause) == (State.CRASHED, Cause.PYTHON_EXCEPTION), st.lines()
+
+
+def test_an_xid_of_another_container_s_gpu_is_not_this_run_s() -> None:
+    """The host's kernel log holds every container's Xids: only this run's GPUs (bus id) or pids count."""
+    gpus = [{"index": 0, "pci_bus_id": "00000000:18:00.0"}]
+    other = "2026-11-29T16:26:02+0000 pve kernel: " + XID[79].split("] ", 1)[1]  # 0000:3b:00, pid 1234
+    kernel = {"source": "journalctl", "lines": [other], "error": None}
+    st = probe.classify(_facts([*TRACEBACK, CUDA_LAUNCH, ASYNC], kernel, gpus))
+    assert (st.state, st.cause, st.xid) == (State.CRASHED, Cause.PYTHON_EXCEPTION, None), st.lines()
+    assert any("not this run's" in e for e in st.evidence), st.evidence
+    facts = _facts([*TRACEBACK, CUDA_LAUNCH, ASYNC], kernel, [{"index": 1, "pci_bus_id": "00000000:3B:00.0"}])
+    assert probe.classify(facts).xid == 79  # the run's own GPU: its fault

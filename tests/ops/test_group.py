@@ -204,7 +204,7 @@ dflash.train FAILED
 
 
 def test_a_node_that_lost_its_peers_is_crashed_peer_lost_not_torchruns_exception() -> None:
-    from ops.probe import diagnose
+    from ops.diagnosis import diagnose
 
     d = diagnose(PEER_LOST_TAIL, exit_code=1, signal=None)
     assert d.cause == "peer-lost" and d.detail is not None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ops import divergence, probe, wire
+from ops import diagnosis, probe, wire
 from ops.exit_codes import ExitCode, exit_code_for_state
 from ops.states import CAUSES, Action, Cause, State
 
@@ -347,27 +347,27 @@ OOM_NEW = [
 def test_diagnose(
     lines: list[str], exit_code: int | None, signal: int | None, cause: str, gpu: int | None, detail_start: str
 ) -> None:
-    d = probe.diagnose(lines, exit_code=exit_code, signal=signal)
+    d = diagnosis.diagnose(lines, exit_code=exit_code, signal=signal)
     assert (d.cause, d.gpu) == (cause, gpu)
     assert (d.detail or "").startswith(detail_start), d.detail
 
 
 def test_host_oom_needs_the_cgroup_count_to_rise() -> None:
-    d = probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=2, oom_after=3)
+    d = diagnosis.diagnose(["step 1"], exit_code=None, signal=9, oom_before=2, oom_after=3)
     assert d.cause == "host-oom" and d.signal == 9 and "oom_kill rose from 2 to 3" in d.evidence[0]
-    assert probe.diagnose(["step 1"], exit_code=None, signal=9, oom_before=3, oom_after=3).cause == "signal"
-    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=0, oom_after=1).cause == "host-oom"
-    assert probe.diagnose(["step 1"], exit_code=137, signal=None, oom_before=None, oom_after=1).cause == "signal"
+    assert diagnosis.diagnose(["step 1"], exit_code=None, signal=9, oom_before=3, oom_after=3).cause == "signal"
+    assert diagnosis.diagnose(["step 1"], exit_code=137, signal=None, oom_before=0, oom_after=1).cause == "host-oom"
+    assert diagnosis.diagnose(["step 1"], exit_code=137, signal=None, oom_before=None, oom_after=1).cause == "signal"
 
 
 def test_fingerprint_is_stable_across_numbers() -> None:
-    a = probe.diagnose(
+    a = diagnosis.diagnose(
         ["Traceback (most recent call last):", "  x", "ValueError: step 120 at 0x7f3a1c"], exit_code=1, signal=None
     )
-    b = probe.diagnose(
+    b = diagnosis.diagnose(
         ["Traceback (most recent call last):", "  x", "ValueError: step 5 at 0x7f0000"], exit_code=1, signal=None
     )
-    c = probe.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
+    c = diagnosis.diagnose(["Traceback (most recent call last):", "  x", "KeyError: 'x'"], exit_code=1, signal=None)
     assert a.fingerprint == b.fingerprint == "python-exception|ValueError: step # at <addr>"
     assert c.fingerprint != a.fingerprint
 
@@ -385,18 +385,18 @@ def test_last_exception_takes_the_last_traceback_only() -> None:
         "    c",
         "RuntimeError: wrapped",
     ]
-    assert probe.last_exception(lines) == "RuntimeError: wrapped"
-    assert probe.last_exception(["no traceback here"]) is None
+    assert diagnosis.last_exception(lines) == "RuntimeError: wrapped"
+    assert diagnosis.last_exception(["no traceback here"]) is None
 
 
 def test_progress_from_metrics_then_log() -> None:
     last = {"step": 1200, "loss": 2.31, "ktok_s": 19.4, "at": "2026-11-29T15:39:58Z"}
-    p = probe.progress_of(wire.Metrics(mtime=None, last=last), None)
-    assert p == probe.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
+    p = diagnosis.progress_of(wire.Metrics(mtime=None, last=last), None)
+    assert p == diagnosis.Progress(1200, 2.31, 19.4, "2026-11-29T15:39:58Z")
     line = "step 120 | loss 2.314 | acc 0.61 | tau_tf 3.2 | 19.4 Ktok/s | queue 37/64 | drafters 3/3"
-    p = probe.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
-    assert p == probe.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
-    assert probe.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
+    p = diagnosis.progress_of(None, wire.Log(path=None, mtime=0, tail=("noise", line, "more noise")))
+    assert p == diagnosis.Progress(120, 2.314, 19.4, "1970-01-01T00:00:00Z")
+    assert diagnosis.progress_of(None, wire.Log(path=None, mtime=None, tail=("nothing",))) is None
 
 
 def test_gpus_and_nvidia_smi_failures_are_reported() -> None:
@@ -468,31 +468,55 @@ def test_a_gpu_entry_that_is_no_object_is_named_and_the_status_still_prints() ->
     assert "unreadable record: probe: gpus: expected a list of objects" in st.evidence
 
 
-def test_the_trainer_s_diverged_and_spike_lines_are_read_as_it_writes_them() -> None:
-    from dflash.train.divergence import Diverged, Spike
+def test_the_trainer_s_diverged_line_is_its_verdict_only_with_its_exit_code_and_as_its_last_line() -> None:
+    from dflash.train.divergence import Diverged
 
     line = Diverged(12, "grad-norm", "/r/checkpoints/step-10 (step 10)", "10 updates in a row skipped").line()
-    d = probe.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
+    d = diagnosis.diagnose(["step 11 | loss nan", line], exit_code=3, signal=None)
     assert (d.cause, d.detail) == ("diverged", line.removeprefix("dflash: "))
-    assert divergence.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
-    assert divergence.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
-    assert probe.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
-    spike = Spike(40, 9.5, 2.0, 3.0, 20).line()
-    logged = f"2026-12-02T00:27:40 WARNING dflash.metrics: {spike}"
-    assert divergence.loss_spikes(["step 39 | loss 9.1", logged]) == [(40, spike)]
+    assert diagnosis.last_finite_checkpoint(d.detail) == "/r/checkpoints/step-10 (step 10)"
+    assert diagnosis.last_finite_checkpoint(Diverged(3, "loss", "none").line()) is None
+    assert diagnosis.diagnose(["dflash: diverged at step 3: loss"], exit_code=1, signal=None).cause != "diverged"
+    # a printed copy is a user's text: another exit code, or another line after it, is not the trainer's verdict
+    planted = "dflash: diverged at step 2: loss not finite; last finite checkpoint: /etc (step 1)"
+    crash = ["Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: bad row"]
+    assert diagnosis.diagnose([planted, *crash], exit_code=1, signal=None).cause == "python-exception"
+    assert diagnosis.diagnose([planted, "step 3 | loss 1.0"], exit_code=3, signal=None).cause != "diverged"
 
 
-def test_event_records_of_metrics_jsonl_are_no_step_figures(tmp_path: Path) -> None:
-    from ops.far.logs import metrics_facts
-    from ops.metrics_table import read_record
+def test_the_side_facts_are_typed_and_a_mistyped_key_is_one_unreadable_record_line() -> None:
+    """The kernel logs, the checkpoint facts and the heartbeat are read as the rest of the wire: a key of the
+    wrong type reads as absent and is named once, never a figure or a traceback."""
+    facts = copy.deepcopy(load("crashed-gpu-fault")["facts"])
+    agent = facts["agent"]
+    agent["kernel"] = {"source": "dmesg", "lines": 5, "error": None}
+    agent["checkpoints"] = {"dir": "/r/ck", "free": "lots", "checkpoints": [{"step": -1, "bytes": 3}], "record": 7}
+    agent["supervisor"] = {"id": "a", "by": 5, "at": 1.0, "interval": 60, "pid": "812", "last_action": []}
+    facts["host_kernel"]["lines"].append(3)
+    st = probe.classify(facts)
+    unreadable = [e for e in st.evidence if e.startswith("unreadable record: ")]
+    assert unreadable == [
+        "unreadable record: facts.host_kernel: lines: expected a list of strings",
+        "unreadable record: probe.supervisor: by: expected a string",
+        "unreadable record: probe.supervisor: pid: expected a whole number",
+        "unreadable record: probe.supervisor: last_action: expected an object",
+        "unreadable record: probe.kernel: lines: expected a list of strings",
+        "unreadable record: probe.checkpoints: record: expected an object",
+        "unreadable record: probe.checkpoints.checkpoints: step: expected a whole number >= 0",
+        "unreadable record: probe.checkpoints: free: expected a whole number",
+    ], unreadable
+    assert st.cause != "gpu-fault"  # no kernel line read: the Xid is not there to see
+    assert st.supervisor is not None and st.supervisor.by is None and st.supervisor.state == "stale"
+    assert st.disk is not None and st.disk.free_bytes is None and st.disk.checkpoint_bytes is None
 
-    step = {"step": 40, "loss": 2.1, "ktok_s": 5.0, "interval_s": 1.0, "at": "2026-12-02T00:27:40Z"}
-    spike = {"event": "loss-spike", "step": 40, "loss": 9.5, "median": 2.0, "factor": 3.0, "steps": 20}
-    skip = {"event": "nonfinite-skip", "step": 41, "figure": "loss", "in_row": 1, "skipped": 1}
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in (step, {**spike, "at": step["at"]}, skip)))
-    facts = metrics_facts(str(path))
-    assert facts is not None and facts["last"] == step, "status progress reads the last step record"
-    row = read_record(json.dumps({**spike, "at": step["at"]}).encode())
-    assert (row.step, row.values) == (40, []), "a spike's loss is not a point of the loss curve"
-    assert read_record(json.dumps(step).encode()).values[0] == ("loss", 2.1)
+
+def test_a_recovered_cuda_oom_warning_is_not_the_cause_of_a_later_crash() -> None:
+    warn = (
+        "2026-12-02T00:01:02 WARNING dflash.train.pipeline: drafter-0 (cuda:1): CUDA out of memory. Tried to "
+        "allocate 2.00 GiB at step 4; retrying once with the batch halved"
+    )
+    steps = [f"step {n} | loss 2.0 | acc 0.5 | 12.5 Ktok/s" for n in range(5, 43)]
+    crash = ["Traceback (most recent call last):", '  File "x.py", line 1', "ValueError: bad row"]
+    d = diagnosis.diagnose([warn, *steps, *crash], exit_code=1, signal=None)
+    assert (d.cause, d.detail) == ("python-exception", "ValueError: bad row")
+    assert diagnosis.diagnose([*steps, warn], exit_code=1, signal=None).cause == "nonzero-exit"
