@@ -454,7 +454,7 @@ class CheckpointRecord:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointFacts:
-    """ops/far/room.py's answer (protocol.ProbeFacts ``checkpoints``)."""
+    """ops/far/checkpoints.py's answer (protocol.ProbeFacts ``checkpoints``)."""
 
     dir: str | None
     record: CheckpointRecord | None
