@@ -4,8 +4,12 @@ a stand-in journalctl/dmesg on PATH; the policy gives up; doctor's gpu-health re
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -176,7 +180,16 @@ def test_journalctl_gives_the_nvrm_lines_since_the_attempt_started(
     assert (
         got["source"] == "journalctl" and got["error"] is None and len(got["lines"]) == 1 and "Xid" in got["lines"][0]
     )
-    assert args.read_text().split() == ["-k", "--since", "@1795999999", "-o", "short-iso", "--no-pager"]
+    assert args.read_text().split() == [
+        "-k",
+        "--since",
+        "@1795999999",
+        "-o",
+        "short-iso",
+        "--no-pager",
+        "--grep",
+        "NVRM",
+    ]
 
 
 def test_no_readable_kernel_log_is_no_evidence_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,6 +217,86 @@ def test_dmesg_lines_before_the_attempt_are_not_its_evidence(tmp_path: Path, mon
     )
     got = kernel_log.read(now - 60)
     assert got["source"] == "dmesg" and [x.split(": ")[2][:2] for x in got["lines"]] == ["79"]
+
+
+STORM = "2026-12-02T00:31:02+0000 pve kernel: NVRM: Xid (PCI:0000:41:00): 13, pid=4242, name=python, Graphics "
+STORM += "Exception: ESR 0x504648=0x80000000 0x504650=0x0 0x504644=0xd3eff2 0x50464c=0x17f"
+PROBE = (
+    "import time, json; from ops.far import kernel_log; t0 = time.monotonic(); got = kernel_log.read(0.0); "
+    "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM:')][0].split()[1]; "  # peak RSS, KiB
+    "print(json.dumps({'got': got, 's': time.monotonic() - t0, 'rss': int(hwm)}))"
+)
+ROOT = Path(kernel_log.__file__).resolve().parents[2]
+PROBE_MEMORY = 400 << 20  # the probe's address space (prlimit --as): the whole 534 MB log cannot fit in it
+
+
+def test_an_xid_storm_of_hundreds_of_mb_is_streamed_in_bounded_memory_and_time_its_writer_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 534 MB kernel log of one application Xid repeated (as a storm writes it): read at every probe of a
+    crashed run, it cost 1.2-1.7 GB and 8-13 s when held whole. Streamed: the first lines kept, the reading
+    stopped at the cap and the writer killed before it finished."""
+    done = tmp_path / "finished"
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl=f'echo "$@" > {tmp_path / "args"}\nyes {shlex.quote(STORM)} | head -c 534000000\necho > {done}',
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    argv = ["prlimit", f"--as={PROBE_MEMORY}", "--", sys.executable, "-c", PROBE]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    got = res["got"]
+    assert got["source"] == "journalctl" and got["error"] is None
+    assert len(got["lines"]) == kernel_log.MAX_LINES and all(": 13, pid=4242" in x for x in got["lines"])
+    assert res["rss"] < 100 << 10, res  # KiB: the whole log is 534 MB
+    assert res["s"] < 5.0, res
+    time.sleep(0.5)
+    assert not done.exists()  # killed at the cap, not read to its end
+    assert "--grep NVRM" in (tmp_path / "args").read_text()  # the journal asked for the driver's lines only
+
+
+def test_a_storm_on_one_gpu_does_not_hide_another_gpus_xid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's log is every container's: another container's storm fills the first lines, this run's Xid
+    (another GPU) comes after them and is kept; so is a line with no newline, cut."""
+    ours = f"2026-12-02T00:31:09+0000 pve kernel: {XID[79].split('] ', 1)[1]}"
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl=f"yes {shlex.quote(STORM)} | head -n 3000\necho {shlex.quote(ours)}\n"
+        "head -c 10000000 /dev/zero | tr '\\0' N",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")  # the stand-in's yes and head
+    got = kernel_log.read(0.0)
+    assert got["lines"][-1] == ours and len(got["lines"]) == kernel_log.MAX_LINES + 1
+    assert all(len(x) <= kernel_log.MAX_CHARS for x in got["lines"])
+
+
+def test_journalctl_without_pattern_matching_is_asked_again_and_no_match_is_an_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    xid = f"2026-12-02T00:31:02+0000 pve kernel: {XID[79].split('] ', 1)[1]}"
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl='case "$*" in *--grep*) echo "Compiled without pattern matching support" >&2; exit 1;; esac\n'
+        f"echo {shlex.quote(xid)}",
+    )
+    assert kernel_log.read(0.0) == {"source": "journalctl", "lines": [xid], "error": None}
+    # journalctl --grep exits 1 when nothing matched, as grep does: no Xid, not an unreadable log
+    _bin(tmp_path, monkeypatch, journalctl="echo '-- No entries --'; exit 1", dmesg="exit 1")
+    assert kernel_log.read(0.0) == {"source": "journalctl", "lines": [], "error": None}
+
+
+def test_a_kernel_log_reader_that_hangs_is_killed_at_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bin(tmp_path, monkeypatch, journalctl="exec /bin/sleep 30", dmesg="exit 1")
+    monkeypatch.setattr(kernel_log, "TIMEOUT", 0.5)
+    t0 = time.monotonic()
+    got = kernel_log.read(0.0)
+    assert time.monotonic() - t0 < 5 and got["lines"] == [] and "did not answer within 0.5s" in got["error"]
 
 
 def test_the_kernel_log_is_read_for_an_attempt_that_failed_only() -> None:
