@@ -11,6 +11,9 @@ every K steps, as the training core does with `resume = "auto"`.
 --control FILE is read before each step: `once:KIND[@N]` (the file is taken, so a restarted run does
 not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
 without output; `spike` prints the trainer's loss-spike warning and goes on), @N: after N steps of this run.
+The control file's next lines are printed as they are just before the fault (what a program prints: a
+data sample, a warning it recovered from); KIND `say` prints them and goes on. More KINDs: `value-error[:TEXT]` raises ValueError, `die:N`
+exits N without a word.
 --ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
 """
 
@@ -68,7 +71,9 @@ def main() -> int:
         log(f"{stamp} INFO dflash.train: resuming from {a.checkpoint} at step {step} (run fake-{os.getpid()})")
     done_here = 0
     while step < a.steps or (a.until and not os.path.exists(a.until)):
-        fault = control(a.control, done_here)
+        fault, said = control(a.control, done_here)
+        for line in said:
+            log(line)
         if (
             fault == "spike"
         ):  # dflash train's warning (dflash.train.divergence.Spike.line, the log format): the run goes on
@@ -80,7 +85,7 @@ def main() -> int:
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:  # and its record (Spike.record)
                 spike = {"event": "loss-spike", "step": step, "loss": 9.5, "median": 2.0, "factor": 3.0, "steps": 20}
                 f.write(json.dumps(spike) + "\n")
-        elif fault:
+        elif fault and fault != "say":
             return end(fault, step)
         step += 1
         done_here += 1
@@ -121,23 +126,24 @@ def save(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-def control(path: str | None, done_here: int) -> str | None:
-    """The fault the control file asks for now, if any (a `once:` file is taken when it fires)."""
+def control(path: str | None, done_here: int) -> tuple[str | None, list[str]]:
+    """The fault the control file asks for now, if any (a `once:` file is taken when it fires), and the
+    lines to print before it."""
     try:
         with open(path or "") as f:
-            text = f.read().strip()
+            first, *said = f.read().strip("\n").split("\n")
     except OSError:
-        return None
-    mode, _, rest = text.partition(":")
+        return None, []
+    mode, _, rest = first.strip().partition(":")
     kind, _, after = rest.partition("@")
     if done_here < int(after or 0):
-        return None
+        return None, []
     if mode == "once":
         try:
             os.unlink(path)  # type: ignore[arg-type]
         except FileNotFoundError:
-            return None  # taken by another run
-    return kind
+            return None, []  # taken by another run
+    return kind, said
 
 
 def end(how: str, step: int) -> int:
@@ -164,6 +170,10 @@ def end(how: str, step: int) -> int:
         return 1
     if kind == "exception":
         raise KeyError(arg or "missing_key")
+    if kind == "value-error":
+        raise ValueError(arg or "bad row in shard 3")
+    if kind == "die":
+        return int(arg or 1)
     if kind in ("cuda-ecc", "cuda-launch"):
         # torch's words when the GPU failed under it (the Xid is in the kernel log, not here)
         what = "uncorrectable ECC error encountered" if kind == "cuda-ecc" else "unspecified launch failure"

@@ -524,3 +524,76 @@ def test_on_diverged_resume_from_last_finite_resumes_once_then_gives_up(rig: Rig
         (1, "diverged", "restart"),
         (2, "diverged", "give-up"),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# words a program prints are not the machine's: a data sample, a line like the trainer's, a warning it
+# recovered from (the verdict comes from the exit record, the last exception, the kernel's lines)
+
+
+def _crashed_then_supervised(rig: Rig, said: str, *args: str) -> tuple[dict[str, t.Any], t.Any]:
+    """Attempt 1 prints ``said`` (the control file's text) and crashes; its status, then a supervisor's."""
+    rig.configure()
+    rig.start()
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault(said)
+    retry_until(lambda: (rig.attempt(1) / "exit.json").exists(), 30)
+    return rig.status(), rig.supervise(*FAST, *args)
+
+
+def test_a_printed_ecc_text_and_xid_line_are_no_gpu_fault_the_value_error_is_restarted(rig: Rig) -> None:
+    sample = [
+        "sample 1207: {'text': 'RuntimeError: CUDA error: uncorrectable ECC error encountered'}",
+        "sample 1208: [ 8123.456789] NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
+    ]
+    st, sup = _crashed_then_supervised(rig, "\n".join(["once:value-error", *sample]))
+    assert "uncorrectable ECC error encountered" in rig.log(1) and "NVRM: Xid" in rig.log(1)
+    assert (st["state"], st["cause"], st["detail"]) == ("crashed", "python-exception", "ValueError: bad row in shard 3")
+    line = sup.event(r"crashed: ValueError: bad row in shard 3")
+    assert "GPU" not in line
+    sup.event(r"restarted: attempt 2 started")
+    assert not sup.events(r"give-up|GPU fault")
+    rig.finish.touch()
+    assert sup.wait(60) == 0, sup.text  # not 13: no GPU failed
+    [crash, _] = rig.incidents()
+    assert (crash["cause"], crash["action"], crash["xid"]) == ("python-exception", "restart", None)
+
+
+def test_a_printed_diverged_line_then_exit_1_is_no_divergence_and_etc_is_never_offered(rig: Rig) -> None:
+    said = "once:die:1\ndflash: diverged at step 2: loss not finite; last finite checkpoint: /etc (step 1)"
+    st, sup = _crashed_then_supervised(rig, said, "--on-diverged", "resume-from-last-finite")
+    assert (st["state"], st["cause"], st["exit_code"]) == ("crashed", "nonzero-exit", 1), st
+    sup.event(r"restarted: attempt 2 started")
+    rig.assert_resumed(1, 2)  # from the run's own checkpoint
+    [inc] = rig.incidents()
+    assert (inc["cause"], inc["action"]) == ("nonzero-exit", "restart")
+    # the program's last line is quoted as its words, never acted on
+    assert st["detail"].startswith("dflash: diverged at step 2")
+    offered = [sup.text, inc["reason"], json.dumps(rig.run_json(2))]
+    assert not any("last finite checkpoint (" in x or "training diverged" in x for x in offered), offered
+    assert "/etc" not in json.dumps(rig.run_json(2)["command"]) and "/etc" not in inc["reason"]
+
+
+def test_a_recovered_oom_warning_then_an_unrelated_crash_steps_later_is_no_cuda_oom(rig: Rig) -> None:
+    warn = (
+        "2026-12-02T00:01:02 WARNING dflash.train.pipeline: drafter-0 (cuda:1): CUDA out of memory. Tried to "
+        "allocate 2.00 GiB at step 4; retrying once with the batch halved"
+    )
+    rig.configure()
+    rig.start()
+    rig.fault(f"once:say\n{warn}")
+    retry_until(lambda: warn in rig.log(1), 30)
+    after = len(rig.steps(1))
+    retry_until(lambda: len(rig.steps(1)) >= after + 2 * K, 30)  # the run went on: the warning was recovered
+    rig.fault("once:value-error:shard 9 has no rows")
+    retry_until(lambda: (rig.attempt(1) / "exit.json").exists(), 30)
+    st = rig.status()
+    assert (st["state"], st["cause"], st["detail"]) == (
+        "crashed",
+        "python-exception",
+        "ValueError: shard 9 has no rows",
+    )
+    sup = rig.supervise(*FAST)  # a cuda-oom is not restarted by default; this crash is
+    sup.event(r"restarted: attempt 2 started")
+    [inc] = rig.incidents()
+    assert (inc["cause"], inc["action"], inc["gpu"]) == ("python-exception", "restart", None)
