@@ -11,6 +11,7 @@ lines kept, and the reading stops at a cap (lines read, bytes read, time), the r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import shutil
 import subprocess
@@ -24,21 +25,46 @@ MAX_OTHERS = 8  # past those, the first line of each other device: one GPU's sto
 MAX_CHARS = 400
 MAX_READ_BYTES = 16 << 20  # of the reader's output: bounds the time a storm costs (memory is one line)
 MAX_READ_LINES = 50_000  # the same for a storm of short lines
+# dmesg prints the whole ring buffer, oldest first, the attempt's lines last: it is read to its end (the
+# kernel caps the ring at 32 MiB), these caps only guard against a reader that never stops
+DMESG_READ_BYTES = 64 << 20
+DMESG_READ_LINES = 1_000_000
 _LINE_BYTES = 4096  # one read; a longer line is cut, its rest skipped
 
 
-def _run(argv: list[str], keep: t.Callable[[str], bool] = lambda _: True) -> tuple[int, list[str], str]:
-    """(exit code, the NVRM lines ``keep`` accepts, the end of stderr). Reads at most the caps; a reader
-    stopped early by them is killed (by its pid) and counts as exit 0: what it said so far is its answer."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Read:
+    """One reader's answer: its exit code (0 when the caps stopped it), the NVRM lines kept, the end of
+    its stderr, and whether a cap stopped the reading before the end."""
+
+    code: int
+    lines: list[str]
+    err: str
+    capped: bool = False
+
+    def problem(self, name: str) -> str:
+        if self.capped and not self.lines:  # a later Xid would be unseen: not "no Xid"
+            return f"{name}: stopped at the cap of what is read, no NVRM line before it"
+        return f"{name}: {(self.err.strip() or f'exit {self.code}').splitlines()[-1][:200]}"
+
+
+def _run(
+    argv: list[str],
+    keep: t.Callable[[str], bool] = lambda _: True,
+    max_lines: int = MAX_READ_LINES,
+    max_bytes: int = MAX_READ_BYTES,
+) -> _Read:
+    """The NVRM lines ``keep`` accepts of what ``argv`` prints. Reads at most the caps; a reader stopped
+    early by them is killed (by its pid) and counts as exit 0: what it said so far is its answer."""
     try:
         err_file = tempfile.TemporaryFile()
     except OSError as e:
-        return -1, [], f"{argv[0]}: {e.strerror}"
+        return _Read(-1, [], f"{argv[0]}: {e.strerror}")
     with err_file:
         try:
             p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err_file)
         except OSError as e:
-            return -1, [], f"{argv[0]}: {e.strerror}"
+            return _Read(-1, [], f"{argv[0]}: {e.strerror}")
         late = threading.Event()
 
         def _late() -> None:
@@ -49,7 +75,7 @@ def _run(argv: list[str], keep: t.Callable[[str], bool] = lambda _: True) -> tup
         timer.start()
         out = t.cast(t.IO[bytes], p.stdout)
         try:
-            lines, stopped = _scan(out, keep)
+            lines, stopped = _scan(out, keep, max_lines, max_bytes)
             if stopped:  # a cap stopped the reading: the rest is not wanted, nor its writer
                 p.kill()
         finally:
@@ -60,18 +86,18 @@ def _run(argv: list[str], keep: t.Callable[[str], bool] = lambda _: True) -> tup
         err_file.seek(max(0, err_file.tell() - 4096))
         err = err_file.read().decode("utf-8", "replace")
     if late.is_set() and not lines:
-        return -1, [], f"{argv[0]} did not answer within {TIMEOUT:g}s"
-    return (0 if stopped or late.is_set() else code), lines, err
+        return _Read(-1, [], f"{argv[0]} did not answer within {TIMEOUT:g}s")
+    return _Read(0 if stopped or late.is_set() else code, lines, err, stopped)
 
 
-def _scan(out: t.IO[bytes], keep: t.Callable[[str], bool]) -> tuple[list[str], bool]:
+def _scan(out: t.IO[bytes], keep: t.Callable[[str], bool], max_lines: int, max_bytes: int) -> tuple[list[str], bool]:
     """(the NVRM lines ``keep`` accepts, whether a cap stopped the reading before the end): the first
     ``MAX_LINES``, then the first of each device not seen yet."""
     lines: list[str] = []
     seen: set[bytes] = set()
     others = read_bytes = read_lines = 0
     whole = True  # the last piece read ended its line
-    while read_bytes < MAX_READ_BYTES and read_lines < MAX_READ_LINES and others < MAX_OTHERS:
+    while read_bytes < max_bytes and read_lines < max_lines and others < MAX_OTHERS:
         piece = out.readline(_LINE_BYTES)
         if not piece:
             return lines, False
@@ -82,15 +108,15 @@ def _scan(out: t.IO[bytes], keep: t.Callable[[str], bool]) -> tuple[list[str], b
         read_lines += 1
         if b"NVRM" not in piece:
             continue
+        dev = _device(piece)
+        full = len(lines) >= MAX_LINES
+        if full and (dev is None or dev in seen):  # a repeat, before the dearer work below
+            continue
         text = piece.decode("utf-8", "replace").rstrip()[:MAX_CHARS]
         if not keep(text):
             continue
-        dev = _device(piece)
-        if len(lines) < MAX_LINES:
-            lines.append(text)
-        elif dev is not None and dev not in seen:
-            lines.append(text)
-            others += 1
+        lines.append(text)
+        others += 1 if full else 0
         if dev is not None:
             seen.add(dev)
     return lines, True
@@ -121,29 +147,34 @@ def read(since: float) -> dict[str, t.Any]:
     if exe is not None:
         argv = [exe, "-k", "--since", f"@{int(since)}", "-o", "short-iso", "--no-pager"]
         # the journal filters for us where it can; one built without pattern matching refuses --grep
-        code, lines, err = _run([*argv, "--grep", "NVRM"])
-        if code != 0 and not lines and ("pattern" in err.lower() or "option" in err.lower()):
-            code, lines, err = _run(argv)
-        if code == 0 and lines:
-            return {"source": "journalctl", "lines": lines, "error": None}
+        r = _run([*argv, "--grep", "NVRM"])
+        if r.code != 0 and not r.lines and ("pattern" in r.err.lower() or "option" in r.err.lower()):
+            r = _run(argv)
+        if r.code == 0 and r.lines:
+            return {"source": "journalctl", "lines": r.lines, "error": None}
         # exit 0 and nothing: no journal here (a container's journald keeps no kernel lines), or no Xid
         # (journalctl --grep exits 1 when nothing matched: that is an answer too)
-        if _no_match(code, err):
+        if _no_match(r.code, r.err):
             return {"source": "journalctl", "lines": [], "error": None}
-        if code != 0 or "No journal files" in err or "insufficient permissions" in err:
-            problems.append(f"journalctl: {(err.strip() or f'exit {code}').splitlines()[-1][:200]}")
-        elif code == 0:
+        if r.code != 0 or r.capped or "No journal files" in r.err or "insufficient permissions" in r.err:
+            problems.append(r.problem("journalctl"))
+        else:
             return {"source": "journalctl", "lines": [], "error": None}
     exe = shutil.which("dmesg")
     if exe is None:
         problems.append("no journalctl or dmesg")
         return {"source": None, "lines": [], "error": "; ".join(problems)}
     # dmesg cannot be asked for a time span: its own stamps decide, before the caps count a line
-    code, lines, err = _run([exe, "--time-format", "iso"], lambda x: (_dmesg_time(x) or 0.0) >= since)
-    if code != 0:
-        problems.append(f"dmesg: {(err.strip() or f'exit {code}').splitlines()[-1][:200]}")
+    r = _run(
+        [exe, "--time-format", "iso"],
+        lambda x: (_dmesg_time(x) or 0.0) >= since,
+        DMESG_READ_LINES,
+        DMESG_READ_BYTES,
+    )
+    if r.code != 0 or (r.capped and not r.lines):
+        problems.append(r.problem("dmesg"))
         return {"source": None, "lines": [], "error": "; ".join(problems)}
-    return {"source": "dmesg", "lines": lines, "error": None}
+    return {"source": "dmesg", "lines": r.lines, "error": None}
 
 
 def _no_match(code: int, err: str) -> bool:

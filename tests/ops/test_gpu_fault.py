@@ -289,6 +289,44 @@ def test_journalctl_without_pattern_matching_is_asked_again_and_no_match_is_an_a
     assert kernel_log.read(0.0) == {"source": "journalctl", "lines": [], "error": None}
 
 
+def test_dmesg_is_read_to_its_end_where_the_attempts_lines_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dmesg prints the ring oldest first: the attempt's Xid comes after more lines than journalctl's cap."""
+    now = time.time()
+    old, new = (time.strftime("%Y-%m-%dT%H:%M:%S,000000+00:00", time.gmtime(x)) for x in (now - 7200, now))
+    many = kernel_log.MAX_READ_LINES + 10
+    _bin(
+        tmp_path,
+        monkeypatch,
+        dmesg=f"yes {shlex.quote(old + ' usb 1-1: new device')} | head -n {many}\necho '{new} {XID[79].split('] ', 1)[1]}'",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")  # the stand-in's yes and head
+    monkeypatch.setattr(
+        kernel_log.shutil, "which", lambda name: str(tmp_path / "bin" / name) if name == "dmesg" else None
+    )
+    got = kernel_log.read(now - 60)
+    assert got["source"] == "dmesg" and len(got["lines"]) == 1 and ": 79, pid=1234" in got["lines"][0]
+
+
+def test_a_journal_cut_at_the_cap_before_any_nvrm_line_is_said_not_taken_for_no_xid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _bin(
+        tmp_path,
+        monkeypatch,
+        journalctl='case "$*" in *--grep*) echo "journalctl: unrecognized option \'--grep\'" >&2; exit 1;; esac\n'
+        f"yes 'pve kernel: usb 1-1: new device' | head -n {kernel_log.MAX_READ_LINES + 10}\n"
+        f"echo {shlex.quote(XID[79])}",
+        dmesg="echo 'dmesg: read kernel buffer failed: Operation not permitted' >&2; exit 1",
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    monkeypatch.setattr(kernel_log.shutil, "which", lambda name: str(tmp_path / "bin" / name))
+    got = kernel_log.read(0.0)
+    assert got["lines"] == [] and got["error"] == (
+        "journalctl: stopped at the cap of what is read, no NVRM line before it; "
+        "dmesg: dmesg: read kernel buffer failed: Operation not permitted"
+    )
+
+
 def test_a_kernel_log_reader_that_hangs_is_killed_at_the_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
