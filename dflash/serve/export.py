@@ -38,7 +38,7 @@ from dflash.checkpoint import checkpoints as ckpt
 from dflash.checkpoint.manifest import CONFIG_FILE, STATE_FILE, WEIGHTS_FILE, CheckpointError
 from dflash.dtypes import ALIASES, NAMES, canonical, torch_dtype
 from dflash.errors import InputError
-from dflash.model import contract, hf_remote, model_config
+from dflash.model import config_keys, contract, hf_remote, model_config
 from dflash.serve import speculators_format
 
 __all__ = ["FORMATS", "ExportError", "export"]
@@ -413,6 +413,7 @@ def export(
     target = _target_facts(run)
     try:  # said before anything is written: OUT stays as it was
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        config_keys.check(config)  # every key the engines will read: computed here as there, or refused
         contract.check(config, shapes, target=target)
         if fmt == "speculators":
             name, archs, facts = _verifier(run, verifier, config)
