@@ -240,9 +240,19 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
             "",
             'vLLM detects the method only from a path that contains "dflash"; the command names it unless '
             "this folder's does. No `--attention-backend`: since vLLM PR #39930 (in 0.33) it sets the target's "
-            "backend only, and vLLM picks the drafter's among those that run its non-causal layers. To pin the "
+            "backend only, and vLLM picks the drafter's among those that run its non-causal layers "
+            "(0.34: `load_dflash_model`, vllm/v1/worker/gpu/spec_decode/dflash/utils.py). To pin the "
             f"drafter's (a build before PR #48167 on Blackwell), put `{contract.ATTENTION_BACKEND_PIN}` inside "
             "`--speculative-config`.",
+            *(
+                ["", note]
+                if (
+                    note := contract.vllm_runner_note(
+                        layer_types=config.layer_types or (), dflash2=getattr(config, "kind", "dflash") == "dflash2"
+                    )
+                )
+                else []
+            ),
             *(
                 [
                     "",
