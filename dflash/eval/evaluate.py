@@ -317,7 +317,7 @@ def teacher_forced_walk(
                 noise_embedding=head.embed(block_ids),
                 target_hidden=feats[:, :start],
             )
-            logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))[0].float()
+            logits = drafter.draft_logits(head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype)))[0].float()
             if budget is None:
                 best = draft_tokens(drafter, hidden[:, 1:], logits[None], block_ids[:, 0])[0].tolist()
                 accepted = 0

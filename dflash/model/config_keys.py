@@ -110,6 +110,24 @@ def _target_hidden_rule(value: t.Any, data: t.Mapping[str, t.Any]) -> str | None
     return f"sizes fc from a target width other than hidden_size {data.get('hidden_size')!r}"
 
 
+def _dflash2(data: t.Mapping[str, t.Any]) -> bool:
+    return (data.get("dflash_config") or {}).get("selector_rank") is not None
+
+
+def _for_kind(dflash2: bool, neutral: tuple[t.Any, ...]) -> Rule:
+    """A key the engines read for one drafter kind only: off its neutral value on the other kind, refused."""
+
+    def rule(value: t.Any, data: t.Mapping[str, t.Any]) -> str | None:
+        if _dflash2(data) == dflash2 or any(value == n and not isinstance(value, bool) for n in neutral):
+            return None
+        if value is None:
+            return None
+        kind, other = ("DFlash2", "DFlash") if dflash2 else ("DFlash", "DFlash2")
+        return f"on a {other} drafter: the engines read it for {kind} drafters only, so theirs would ignore it"
+
+    return rule
+
+
 _Q = "vllm/model_executor/models/qwen3_dflash.py"
 _Q2 = "vllm/model_executor/models/qwen3_dflash2.py"
 _SG = "sglang/srt/speculative/dflash_utils.py parse_dflash_draft_config"
@@ -220,12 +238,12 @@ KEYS: tuple[Key, ...] = (
     Key("is_neox_style", REFUSED, "RoPE's rotate-half layout", _Q, VLLM, _V33, neutral=(True, None)),
     Key(
         "logit_scale",
-        REFUSED,
-        "draft logits x logit_scale (DFlash: LogitsProcessor scale)",
-        f"{_Q} DFlashQwen3ForCausalLM.__init__",
+        IMPLEMENTED,
+        "DFlash draft logits x logit_scale (LogitsProcessor scale; DFlashDraftModel.draft_logits)",
+        f"{_Q} DFlashQwen3ForCausalLM.__init__ lines 883-896",
         VLLM,
         _V33,
-        neutral=(1, 1.0, None),
+        rule=_for_kind(False, (1, 1.0)),
     ),
     Key(
         "draft_vocab_size",
@@ -323,30 +341,30 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "dflash_config.output_multiplier",
-        REFUSED,
-        "DFlash2 candidate logits x output_multiplier (before the softcap)",
-        f"{_Q2} DFlash2Qwen3ForCausalLM; {_SGM} _transform_unary_logits",
+        IMPLEMENTED,
+        "DFlash2 candidate logits x output_multiplier, before the softcap (DFlashDraftModel.draft_logits)",
+        f"{_Q2} DFlash2Qwen3ForCausalLM lines 553-559; {_SGM} _transform_unary_logits",
         f"{VLLM}, {SGLANG}",
         f"{_V34}; {_S523}",
-        neutral=(1, 1.0, None),
+        rule=_for_kind(True, (1, 1.0)),
     ),
     Key(
         "dflash_config.final_logit_softcapping",
-        REFUSED,
-        "DFlash2 candidate logits c*tanh(l/c)",
-        f"{_Q2} DFlash2Qwen3ForCausalLM; {_SGM} _transform_unary_logits",
+        IMPLEMENTED,
+        "DFlash2 candidate logits c*tanh(l/c), 0 none (DFlashDraftModel.draft_logits)",
+        f"{_Q2} DFlash2Qwen3ForCausalLM lines 553-559; {_SGM} _transform_unary_logits",
         f"{VLLM}, {SGLANG}",
         f"{_V34}; {_S523}",
-        neutral=(0, 0.0, None),
+        rule=_for_kind(True, (0, 0.0)),
     ),
     Key(
         "dflash_config.input_embedding_scale",
-        REFUSED,
-        "DFlash2 block embedding x input_embedding_scale",
-        f"{_Q2} DFlash2Qwen3Model.embed_input_ids",
+        IMPLEMENTED,
+        "DFlash2 block embedding x input_embedding_scale (DFlashDraftModel.forward); SGLang 0.5.23 does not read it",
+        f"{_Q2} DFlash2Qwen3Model lines 526-541",
         VLLM,
         _V34,
-        neutral=(1, 1.0, None),
+        rule=_for_kind(True, (1, 1.0)),
     ),
     Key(
         "dflash_config.sample_from_anchor",

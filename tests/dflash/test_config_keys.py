@@ -208,8 +208,7 @@ def test_published_plain_drafters_pass_and_the_unimplemented_keys_are_refused_na
         "dflash_config.causal",
         "dflash_config.attention_sink_bias",
         "dflash_config.attention_value_scale",
-        "logit_scale",
-    }
+    }  # logit_scale 2.0 on a DFlash drafter: implemented
     assert CONFIGS_LINE["vllm-test"]["dflash_config.causal"].startswith(
         "dflash_config.causal = true makes layer 4 (full_attention) causal: every layer's causality, when is_causal "
         "is absent, honoured by vLLM"
@@ -218,7 +217,7 @@ def test_published_plain_drafters_pass_and_the_unimplemented_keys_are_refused_na
         f"dflash_config.{k}"
         for k in ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_dim", "emb_dim")
     }
-    assert {"dflash_config.final_logit_softcapping", "dflash_config.output_multiplier"} >= set(CONFIGS_LINE["dflash2"])
+    assert CONFIGS_LINE["dflash2"] == {}  # z-lab DFlash2: its softcap and multiplier are implemented
 
 
 def test_neutral_values_pass_and_an_unknown_key_is_refused() -> None:
@@ -289,3 +288,94 @@ def test_init_from_eval_and_export_refuse_a_logit_changing_key_in_one_line(tmp_p
     )
     with pytest.raises(ConfigError, match=rf"^drafter\.init_from: {folder}: {one}"):
         init_drafter(run, load_target(run, "cpu"))
+
+
+# ---- the engines' logit and embedding scales, implemented -------------------------------------------------
+
+DFLASH2_SIZES = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4}
+
+
+def scaled(kind: str, **scales: t.Any) -> DFlashDraftModel:
+    """A tiny drafter (seed 0) with the engines' scale keys: ``logit_scale`` top level, the rest in dflash_config."""
+    top = {k: v for k, v in scales.items() if k == "logit_scale"}
+    inner = {k: v for k, v in scales.items() if k != "logit_scale"}
+    cfg = draft_config_for(
+        tiny_target_config(),
+        num_layers=2,
+        block_size=4,
+        mask_token_id=511,
+        dflash2=DFLASH2_SIZES if kind == "dflash2" else None,
+        **top,
+    )
+    cfg.dflash_config = {**(cfg.dflash_config or {}), **inner}
+    torch.manual_seed(0)
+    return DFlashDraftModel(cfg)
+
+
+def test_a_dflash2_drafters_candidate_logits_are_the_engines_hand_computed() -> None:
+    """vLLM's get_top_k_tokens and SGLang's _transform_unary_logits: x output_multiplier, then c*tanh(l/c).
+    By hand: 0.5 x 40 = 20 -> 30 tanh(2/3) = 17.48349; 0.5 x -10 = -5 -> 30 tanh(-1/6) = -4.95421."""
+    model = scaled("dflash2", output_multiplier=0.5, final_logit_softcapping=30.0)
+    got = model.draft_logits(torch.tensor([[40.0, -10.0]]))
+    assert torch.allclose(got, torch.tensor([[17.48349, -4.95421]]), atol=1e-4)
+    # a DFlash drafter: vLLM's LogitsProcessor(scale=logit_scale): 2 x 3 = 6
+    assert scaled("dflash", logit_scale=2.0).draft_logits(torch.tensor([3.0])).item() == 6.0
+    plain = scaled("dflash")
+    x = torch.tensor([1.0, 2.0])
+    assert plain.draft_logits(x) is x  # the default drafter's logits are untouched (the golden loss stands)
+
+
+def test_input_embedding_scale_multiplies_the_block_embedding() -> None:
+    base, times2 = scaled("dflash2"), scaled("dflash2", input_embedding_scale=2.0)
+    times2.load_state_dict(base.state_dict())
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(1, 4, 64, generator=g)
+    feats = torch.randn(1, 5, base.fc.in_features, generator=g)
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        want = base(position_ids=pos, noise_embedding=2 * noise, target_hidden=feats)
+        got = times2(position_ids=pos, noise_embedding=noise, target_hidden=feats)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_eval_and_training_score_the_logits_the_engines_draft_from() -> None:
+    from dflash.eval.spec_decode import speculative_generate
+    from dflash.model.loss import DraftHead, draft_head
+    from dflash.model.target import TargetModel
+
+    target = TargetModel.from_config(tiny_target_config(), seed=0, num_draft_layers=2)
+    model = scaled("dflash2", output_multiplier=3.0, final_logit_softcapping=0.05)
+    res = speculative_generate(target, model, torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, keep_draft_logits=True)
+    assert res.draft_logits and all(float(k.abs().max()) <= 0.05 + 1e-6 for k in res.draft_logits)  # within the cap
+    head = target.head().lm_head
+    assert draft_head(scaled("dflash"), head) is head
+    shaped = draft_head(model, head)
+    assert isinstance(shaped, DraftHead) and shaped.weight is head.weight
+    h = torch.randn(3, 64)
+    assert torch.equal(shaped(h), model.draft_logits(head(h)))
+
+
+def test_the_scale_keys_are_read_kept_and_exported_and_refused_where_no_engine_reads_them(tmp_path: Path) -> None:
+    from dflash.checkpoint.checkpoints import load_drafter, save_checkpoint
+    from dflash.serve.speculators_format import speculators_config
+
+    keys = {"output_multiplier": 0.5, "final_logit_softcapping": 30.0, "input_embedding_scale": 2.0}
+    assert config_keys.refusal({**DFLASH2, "dflash_config": {**DFLASH2["dflash_config"], **keys}}) is None
+    folder = save_checkpoint(tmp_path / "ck", step=1, drafter=scaled("dflash2", **keys), trainer_state={})
+    data = json.loads((folder / "config.json").read_text())
+    assert {k: data["dflash_config"][k] for k in keys} == keys and config_keys.refusal(data) is None
+    assert load_drafter(folder).config.logit_softcap == 30.0  # init_from and eval read it back
+    from dflash.serve.export import export
+
+    out = export(folder, tmp_path / "out")
+    served = json.loads((out / "config.json").read_text())
+    assert {k: served["dflash_config"][k] for k in keys} == keys  # what vLLM and SGLang read
+    assert "def draft_logits(" in (out / "dflash.py").read_text()  # the remote code computes them too
+    with pytest.raises(ContractError, match=r"^--format speculators: dflash_config.output_multiplier = 0.5: "):
+        speculators_config(data, verifier="t", verifier_architectures=["Qwen3ForCausalLM"], num_verifier_layers=4)
+    line = config_keys.refusal({**QWEN3, "dflash_config": {**QWEN3["dflash_config"], "final_logit_softcapping": 30}})
+    assert line is not None and "on a DFlash drafter: the engines read it for DFlash2 drafters only" in line
+    line = config_keys.refusal({**DFLASH2, "logit_scale": 2.0})
+    assert line is not None and line.startswith("logit_scale = 2.0 on a DFlash2 drafter")
+    with pytest.raises(ValueError, match=r"^dflash_config.output_multiplier: expected a positive number, got -1"):
+        scaled("dflash2", output_multiplier=-1).config._check_dflash_keys()
