@@ -223,8 +223,9 @@ class DFlashDraftConfig(Qwen3Config):
             how = "causal" if causal else "non-causal (a sliding layer: a two-sided window)"
             raise ValueError(
                 f"is_causal {str(causal).lower()} makes layer {other[0]} ({layer_types[other[0]]}) {how}, as vLLM, "
-                "SGLang and z-lab's reference read it; this drafter makes sliding layers causal and full layers "
-                "non-causal only, so it cannot train or decode this one with the masks it learnt"
+                "SGLang and z-lab's reference read it (vLLM _dflash_layer_causal, SGLang _get_dflash_attention_type); "
+                "this drafter makes sliding layers causal and full layers non-causal only, so it cannot train or "
+                "decode this one with the masks it learnt"
             )
         del self.__dict__["is_causal"]
 
