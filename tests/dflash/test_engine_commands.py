@@ -4,7 +4,8 @@ version accepts: the next release that drops a flag or an environment variable f
 The table is read from the wheels (``pip download --no-deps``): vLLM 0.33.0 and 0.34.0 (``vllm/engine/arg_utils.py``
 ``--speculative-config``; ``vllm/config/speculative.py`` the speculative config's fields;
 ``vllm/platforms/interface.py`` ``validate_environ``: 0.34 refuses ``VLLM_USE_V2_MODEL_RUNNER`` other than 1),
-SGLang 0.5.23 (``sglang/srt/arg_groups/fields/{model,spec,observability}.py``: a field ``x_y`` is ``--x-y``).
+``--port``: ``vllm/entrypoints/common/cli_args.py`` (``port: int = 8000``); SGLang 0.5.23
+(``sglang/srt/arg_groups/fields/{model,spec,observability}.py``: a field ``x_y`` is ``--x-y``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ SPEC_KEYS = {"method", "model", "num_speculative_tokens", "attention_backend"}
 ENGINES: dict[str, dict[str, t.Any]] = {
     "vLLM 0.33.0": {
         "program": ("vllm", "serve"),
-        "flags": {"--speculative-config"},
+        "flags": {"--speculative-config", "--port"},
         "env": {"VLLM_USE_V2_MODEL_RUNNER": {"0", "1"}},
         "spec_keys": SPEC_KEYS,
     },
     "vLLM 0.34.0": {
         "program": ("vllm", "serve"),
-        "flags": {"--speculative-config"},
+        "flags": {"--speculative-config", "--port"},
         "env": {"VLLM_USE_V2_MODEL_RUNNER": {"1"}},  # =0: "no longer supported: Model Runner V1 has been removed"
         "spec_keys": SPEC_KEYS,
     },
@@ -83,12 +84,14 @@ def problems(command: str) -> list[str]:
 
 
 def commands(text: str) -> list[str]:
-    """The engine commands in the ```sh/```bash blocks of ``text`` (continuation lines joined)."""
+    """The engine commands in the fenced blocks of ``text``: continuation lines joined, a ``$`` prompt, a
+    trailing ``# comment`` and ``&`` dropped."""
     out = []
-    for block in re.findall(r"```(?:sh|bash)\n(.*?)```", text, re.S):
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             if re.search(r"\bvllm serve\b|sglang\.launch_server", line):
-                out.append(line.strip())
+                line = re.sub(r"\s#\s.*$", "", line.strip().removeprefix("$ ")).strip().removesuffix("&").strip()
+                out.append(line)
     return out
 
 
@@ -133,11 +136,13 @@ def test_every_command_a_model_card_prints_runs_on_every_engine_version(name: st
         assert problems(command) == [], command
 
 
-def test_every_command_docs_serving_prints_runs_on_every_engine_version() -> None:
-    found = commands((REPO / "docs" / "serving.md").read_text())
-    assert len(found) >= 3
-    for command in found:
-        assert problems(command) == [], command
+def test_every_command_the_docs_print_runs_on_every_engine_version() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = {page.name: commands(page.read_text()) for page in pages}
+    assert len(found["serving.md"]) >= 3 and found["gpu.md"]
+    for page, lines in found.items():
+        for command in lines:
+            assert problems(command) == [], f"{page}: {command}"
 
 
 def test_a_drafter_only_the_v2_runner_serves_gets_the_pre_0_33_note_and_no_prefix() -> None:
