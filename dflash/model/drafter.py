@@ -230,7 +230,8 @@ class DFlashDraftConfig(Qwen3Config):
         del self.__dict__["is_causal"]
 
     def _check_logit_keys(self) -> None:
-        """The engines' logit and embedding scales (``logits``): positive finite numbers, softcap 0 meaning none."""
+        """The engines' logit and embedding scales (``DFlashDraftModel.draft_logits``, ``forward``): positive
+        finite numbers; a softcap of 0 means none."""
         cfg = self.dflash_config or {}
         keys = {
             "logit_scale": self.__dict__.get("logit_scale"),
