@@ -335,7 +335,7 @@ def test_zlab_export_of_a_dflash2_drafter_and_the_contracts_refusals(tmp_path: P
     assert data["architectures"] == ["DFlash2DraftModel"]
     assert {k: data["dflash_config"][k] for k in DFLASH2} == DFLASH2  # where vLLM and SGLang read them
     card = (out / "README.md").read_text()
-    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in card and "DFlash2DraftModel" in card
+    assert "This drafter is DFlash2: only vLLM's V2 model runner serves it" in card and "DFlash2DraftModel" in card
     from safetensors.torch import load_file
 
     shapes = {k: list(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}

@@ -232,6 +232,7 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
             load_drafter(published)
         line = str(got.value)
         assert line.startswith(f"{published / 'config.json'}: {refused}, as vLLM, SGLang and z-lab's reference")
+        assert "(vLLM _dflash_layer_causal, SGLang _get_dflash_attention_type)" in line  # the engine rule it lacks
         assert "\n" not in line and line.endswith("so it cannot train or decode this one with the masks it learnt")
         with pytest.raises(ValueError, match=f"^{re.escape(refused)}"):
             remote.DFlashDraftConfig.from_dict({**data, "is_causal": is_causal})
