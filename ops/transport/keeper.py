@@ -25,15 +25,14 @@ handshake: it sends the argv over a Unix socket and reads the result back.
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import enum
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import stat
@@ -91,8 +90,10 @@ def keeper_dir() -> Path:
 
 
 def identity(host: Host) -> str:
-    """The keeper's name for ``host``: a hash of the whole entry, so an edited entry gets a keeper of its own."""
-    return hashlib.sha256(repr(host).encode()).hexdigest()[:20]
+    """The keeper's name for ``host``: its name and a checksum of the whole entry, so an edited entry gets a
+    keeper of its own. A checksum, not a digest (hashlib's OpenSSL is ~10 ms of start-up): two entries that
+    share one are told apart by the keeper, which compares every request's whole entry with its own."""
+    return f"{host.name}-{binascii.crc32(repr(host).encode()):08x}"
 
 
 def socket_path(host: Host) -> Path:
@@ -231,8 +232,11 @@ def start(host: Host) -> int | None:
     except KeeperRefused as e:
         logger.warning("%s: not starting a connection keeper: %s", host.name, e)
         return None
+    import pickle  # here: only a call that starts a keeper pays for it
+
+    # appended to, never truncated here: a start that loses the race to a live keeper must not cut its log
     log_path = folder / f"{identity(host)}.log"
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     try:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from ops.transport.keeper import main; main()"],
@@ -276,7 +280,13 @@ class KeptTransport(Transport):
         with sock:
             # the keeper's own wait is the command's, plus the remote timeout's kill and a margin
             sock.settimeout(timeout + KILL_AFTER + 15)
-            head = {"protocol": PROTOCOL, "argv": list(argv), "timeout": timeout, "stdin": len(data)}
+            head = {
+                "protocol": PROTOCOL,
+                "host": repr(self.host),
+                "argv": list(argv),
+                "timeout": timeout,
+                "stdin": len(data),
+            }
             try:
                 _send(sock, head, data)
                 reply, body = _receive(sock)
@@ -287,6 +297,10 @@ class KeptTransport(Transport):
                 raise errors.ConnectionLost(
                     self.host.name, f"the connection keeper went away during the command: {e or type(e).__name__}"
                 ) from None
+        if "refused" in reply:  # nothing ran: another entry's keeper, or another dflashctl's
+            self.state = KeeperState.REFUSED
+            logger.warning("%s: not using the connection keeper: %s", self.host.name, reply["refused"])
+            return self._fallback().run(argv, stdin=stdin, timeout=timeout)
         if "error" in reply:
             raise _error(self.host.name, reply["error"])
         out_len = int(reply["stdout"])
@@ -501,7 +515,10 @@ class Keeper:
                     return
                 head, stdin = _receive(conn)
                 if head.get("protocol") != PROTOCOL:
-                    _send(conn, {"error": {"kind": "ConnectionLost", "detail": "a keeper of another dflashctl"}}, b"")
+                    _send(conn, {"refused": f"{self.path} is a keeper of another dflashctl"}, b"")
+                    return
+                if head.get("host") != repr(self.host):
+                    _send(conn, {"refused": f"{self.path} keeps another hosts.toml entry"}, b"")
                     return
                 timeout = float(head["timeout"])
                 conn.settimeout(timeout + KILL_AFTER + 30)
@@ -575,6 +592,8 @@ def keep(host: Host) -> int:
     if lock is None:
         logger.info("another keeper lives for this host")
         return 0
+    with contextlib.suppress(OSError):
+        os.ftruncate(sys.stderr.fileno(), 0)  # the log (append mode) is the lock holder's: begin it afresh
     server = None
     ino = None
     try:
@@ -605,6 +624,8 @@ def keep(host: Host) -> int:
 
 def main() -> None:
     """The keeper process: its Host pickled on stdin by ``start`` (this user's own process, a pipe)."""
+    import pickle
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s keeper %(levelname)s %(message)s", stream=sys.stderr)
     host = pickle.load(sys.stdin.buffer)
     sys.stdin.close()
