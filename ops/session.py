@@ -131,8 +131,8 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
 
 
 # The global options and status options ``quick_status`` reads (each takes a value); any other word is the CLI's.
-_QUICK_GLOBAL = ("--hosts", "--host")
-_QUICK_STATUS = ("--session",)
+_QUICK_GLOBAL: tuple[str, ...] = ("--hosts", "--host")
+_QUICK_STATUS: tuple[str, ...] = ("--session",)
 
 
 def _quick_words(argv: t.Sequence[str]) -> dict[str, t.Any] | None:
