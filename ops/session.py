@@ -180,6 +180,13 @@ def quick_status(argv: t.Sequence[str]) -> int | None:
         session = session_name(host, words["--session"])
     except errors.OpsError:
         return None
+    if host.keep_connection > 0 and not host.is_local:
+        from ops.transport import keeper
+
+        kept = keeper.ask(host, "status", {"session": session}, timeout=PROBE_TIMEOUT + 30)
+        if kept is not None:  # the whole status from the keeper's warm process: no classify to import here
+            print(json.dumps(kept["json"]) if words["--json"] else "\n".join(kept["lines"]))
+            return int(kept["code"])
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )  # as the CLI's (ops.cli.init_logging): a refused keeper's warning
@@ -202,6 +209,18 @@ def quick_status(argv: t.Sequence[str]) -> int | None:
             r.close()
     print(json.dumps(st.to_json()) if words["--json"] else "\n".join(st.lines()))
     return int(exit_code_for_state(st.state))
+
+
+def kept_status(host: Host, args: t.Mapping[str, t.Any], connection: t.Callable[[], t.Any]) -> dict[str, t.Any]:
+    """status in a connection keeper's process (ops/transport/keeper.py ``CALLS``), over its connection:
+    what ``quick_status`` prints, for either form, and the exit code."""
+    from ops import remote as remotes
+    from ops.exit_codes import exit_code_for_state
+    from ops.probe import classify
+
+    # the keeper's connection is the keeper's: wrapped, never closed here
+    st = classify(gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
+    return {"json": st.to_json(), "lines": st.lines(), "code": int(exit_code_for_state(st.state))}
 
 
 def import_beside(name: str) -> threading.Thread:

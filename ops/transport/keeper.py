@@ -208,9 +208,21 @@ def connect(host: Host) -> Transport:
         return KeptTransport(host, r.path)
     if r.state is KeeperState.REFUSED:
         logger.warning("%s: not using the connection keeper: %s", host.name, r.why)
-    elif r.state is not KeeperState.STARTING:
+    elif r.state is not KeeperState.STARTING and not _failed_lately(r.path):
         start(host)
     return _direct(host)
+
+
+# A keeper that could not connect leaves <name>.failed: no new one is started for this long after it (a host
+# that is down would otherwise get a keeper, and its imports, at every call).
+RETRY_AFTER = 30.0
+
+
+def _failed_lately(sock: Path) -> bool:
+    try:
+        return time.time() - os.lstat(sock.with_suffix(".failed")).st_mtime < RETRY_AFTER
+    except OSError:
+        return False
 
 
 def _direct(host: Host) -> Transport:
@@ -359,6 +371,37 @@ def _peer_uid(sock: socket.socket) -> int | None:
     return int(struct.unpack("3i", creds)[1])
 
 
+# Whole calls a keeper answers in its own process, whose imports (classify's modules, paramiko) are paid once:
+# name -> "module:function(host, args, connection)", the connection a callable that may raise UnreachableError.
+# Named, not imported: the transport layer does not import the layers above it.
+CALLS = {"status": "ops.session:kept_status"}
+
+
+def ask(host: Host, call: str, args: t.Mapping[str, t.Any], *, timeout: float = 60.0) -> t.Any | None:
+    """``call``'s answer from ``host``'s keeper, or None when there is no ready keeper of ours or it did not
+    answer (the caller then does the work itself, so a call must be read-only)."""
+    r = reach(host)
+    if r.state is not KeeperState.READY:
+        return None
+    kept = KeptTransport(host, r.path)
+    sock = kept._open()
+    if sock is None:
+        return None
+    head = {"protocol": PROTOCOL, "host": repr(host), "call": call, "args": dict(args), "timeout": timeout}
+    with sock:
+        sock.settimeout(timeout + KILL_AFTER + 15)
+        try:
+            _send(sock, head, b"")
+            reply, _ = _receive(sock)
+        except (OSError, EOFError, ValueError) as e:
+            logger.info("%s: the connection keeper did not answer %s: %s", host.name, call, e)
+            return None
+    if "answer" not in reply:
+        logger.info("%s: the connection keeper refused %s: %s", host.name, call, reply.get("refused"))
+        return None
+    return reply["answer"]
+
+
 # The errors a keeper may answer with; anything else reads as a lost connection.
 _ERRORS: dict[str, type[errors.UnreachableError]] = {
     cls.__name__: cls
@@ -473,8 +516,11 @@ class Keeper:
         """The ssh connection, connected afresh (the same host key check) when what it was checked against
         changed; raises ``UnreachableError`` (and the keeper stops) when that fails."""
         with self._mutex:
-            if self._files() != self._checked:
-                logger.info("known_hosts or ssh_config changed: connecting afresh")
+            changed = self._files() != self._checked
+            if changed or not self.ssh.alive:
+                logger.info(
+                    "%s: connecting afresh", "known_hosts or ssh_config changed" if changed else "connection lost"
+                )
                 old = self.ssh
                 try:
                     self.ssh = self._connect()
@@ -522,6 +568,9 @@ class Keeper:
                     return
                 timeout = float(head["timeout"])
                 conn.settimeout(timeout + KILL_AFTER + 30)
+                if "call" in head:
+                    self._call(conn, str(head["call"]), head.get("args") or {})
+                    return
                 try:
                     res = self.connection().run(head["argv"], stdin=stdin or None, timeout=timeout)
                 except errors.UnreachableError as e:
@@ -543,6 +592,27 @@ class Keeper:
             with self._mutex:
                 self.busy -= 1
                 self.last_used = time.monotonic()
+
+    def _call(self, conn: socket.socket, name: str, args: t.Mapping[str, t.Any]) -> None:
+        """One of ``CALLS`` with this keeper's connection: its answer, as JSON, or a refusal (the caller then
+        does the work itself: every call is read-only)."""
+        where = CALLS.get(name)
+        if where is None:
+            _send(conn, {"refused": f"no call {name!r} here"}, b"")
+            return
+        import importlib
+
+        module, attr = where.split(":")
+        fn = getattr(importlib.import_module(module), attr)
+        try:
+            answer = fn(self.host, args, self.connection)
+        except Exception as e:  # the caller does the work itself, and words what went wrong
+            logger.warning("%s failed: %s: %s", name, type(e).__name__, e)
+            _send(conn, {"refused": f"{name} failed here"}, b"")
+            return
+        _send(conn, {"answer": answer}, b"")
+        self.served += 1
+        logger.info("served: %s", name)
 
 
 def _take_lock(lock: Path) -> int | None:
@@ -601,7 +671,12 @@ def keep(host: Host) -> int:
             keeper = Keeper(host, path)
         except errors.UnreachableError as e:
             logger.error("cannot connect: %s", e)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path.with_suffix(".failed"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+                os.utime(path.with_suffix(".failed"))
             return 1
+        with contextlib.suppress(FileNotFoundError):
+            path.with_suffix(".failed").unlink()
         try:
             server = _bind(path)
         except (KeeperRefused, OSError) as e:

@@ -247,3 +247,53 @@ def test_a_keeper_of_another_hosts_entry_is_refused_before_anything_runs(pve_hos
     kept.close()
     log = keeper.socket_path(host).with_suffix(".log").read_text()
     assert "served:" not in log
+
+
+def test_a_host_that_is_down_is_unreachable_and_gets_no_keeper_at_every_call(
+    pve_hosts: PveHosts, runtime: Path
+) -> None:
+    pve_hosts.write(port=1)  # nothing listens on port 1 of 127.0.0.1
+    host = kept_host(pve_hosts)
+    with pytest.raises(errors.ConnectionRefused):
+        connect(host)  # direct: the state the CLI reports, as without a keeper
+    assert len(keeper._started) == 1
+    retry_until(lambda: keeper._started[0].poll() is not None, 30)
+    assert keeper._started[0].returncode == 1
+    assert "cannot connect" in keeper.socket_path(host).with_suffix(".log").read_text()
+    with pytest.raises(errors.ConnectionRefused):
+        connect(host)
+    assert len(keeper._started) == 1  # the failed keeper's mark holds the next one back for a while
+    assert keeper.reach(host).state is KeeperState.ABSENT
+
+
+def test_the_click_free_status_gets_its_whole_answer_from_the_keeper(pve_hosts: PveHosts, runtime: Path) -> None:
+    """session.quick_status (the console entry's hook): with a ready keeper the status is computed in the keeper's
+    warm process, so the call imports neither paramiko nor classify's modules, and prints what the CLI prints."""
+    import subprocess
+    import sys
+
+    fake_release(pve_hosts.workdir)
+    host = kept_host(pve_hosts)
+    keeper.start(host)
+    ready(host)
+    program = (
+        "import json, sys\nfrom ops.session import quick_status\ncode = quick_status(sys.argv[1:])\n"
+        "print(json.dumps([code, sorted(m for m in ('paramiko', 'ops.probe', 'click') if m in sys.modules)]))\n"
+    )
+    runs = []
+    for form in (["status", "--json"], ["status"]):
+        p = subprocess.run(
+            [sys.executable, "-c", program, "--hosts", str(pve_hosts.path), *form],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=pve_hosts.env(),
+        )
+        runs.append(p.stdout.strip().splitlines())
+        assert json.loads(runs[-1][-1]) == [7, []], p.stderr[-2000:]
+    log = keeper.socket_path(host).with_suffix(".log").read_text()
+    assert log.count("served: status") == 2
+    cli = pve_hosts.cli("status", "--json")
+    same = ("host", "session", "state", "cause", "mode", "tmux", "container", "evidence")
+    assert {k: json.loads(runs[0][0])[k] for k in same} == {k: cli.json()[k] for k in same}
+    assert runs[1][:-1] == pve_hosts.cli("status").stdout.strip().splitlines()
