@@ -61,12 +61,23 @@ def main() -> int:
     ap.add_argument("--keeper", action="store_true", help="also time status --json through a connection keeper")
     ap.add_argument("--load", type=int, default=0, metavar="N", help="N busy loops beside the rounds")
     ap.add_argument("--settle", type=float, default=60.0, metavar="S", help="seconds for --load to show (60)")
+    ap.add_argument(
+        "--hook",
+        action="store_true",
+        help="run the measured status (and --keeper's) through the console entry's hook: session.quick_status "
+        "first, the CLI when it declines (HOOK), with the measured dflashctl's interpreter",
+    )
     ap.add_argument("--no-phases", action="store_true", help="skip the per-round phase split (quicker rounds)")
     args = ap.parse_args()
     with busy_loops(args.load, settle=args.settle):
         return measure(args)
 
 
+# What the console entry runs when it has the click-free hook (the lead's entry module; see docs/status.md).
+HOOK = (
+    "import sys\nfrom ops.session import quick_status\ncode = quick_status(sys.argv[1:])\nif code is not None:\n"
+    "    from ops.exit_codes import end_process\n    end_process(code)\nfrom ops.cli import main\nsys.exit(main())\n"
+)
 BUSY = "import sys, time\nend = float(sys.argv[1])\nwhile time.time() < end:\n    pass\n"
 
 
@@ -134,6 +145,8 @@ def measure(args: argparse.Namespace) -> int:
 
         ctl = [dflashctl] if dflashctl else dflashctl_argv()
         python = _python_of(ctl)
+        if args.hook:
+            ctl = [python, "-c", HOOK]
         status = [*ctl, "--hosts", str(hosts.path), "status", "--json"]
         env = hosts.env()
         other = [args.compare, "--hosts", str(hosts.path), "status", "--json"] if args.compare else None
@@ -213,7 +226,7 @@ def measure(args: argparse.Namespace) -> int:
             f"status --json, keeper    : median {m_kept * 1000:7.1f} ms  (min {min(t_kept) * 1000:.1f}, max {max(t_kept) * 1000:.1f})"
             f"  {m_kept / m_raw:.2f}x  (CPU {statistics.median(c_kept) * 1000:.0f} ms)"
         )
-    print(f"dflashctl: {' '.join(ctl)}")
+    print(f"dflashctl: {' '.join(ctl[:2] + ['HOOK'] if args.hook else ctl)}")
     if t_other:
         m_other = statistics.median(t_other)
         print(

@@ -18,7 +18,7 @@ import time
 import typing as t
 
 from ops import errors, far_call
-from ops.far import refusal, tmux
+from ops.far import kernel_log, refusal, tmux
 from ops.far.protocol import PROTOCOL, RunResult, tmux_facts
 from ops.hosts import Host
 from ops.keypath import check_name
@@ -86,11 +86,7 @@ def gather(
         if not answer.get("ok"):
             raise errors.AgentError(f"agent probe: {answer.get('message')}")
         facts["agent"] = answer
-        host_kernel = None
-        if host.is_local and host.container:
-            from ops.far import kernel_log  # here: only dflashctl on the Proxmox host reads the host's kernel log
-
-            host_kernel = kernel_log.of_failed(answer.get("attempt"))
+        host_kernel = kernel_log.of_failed(answer.get("attempt")) if host.is_local and host.container else None
         if host_kernel is not None:
             # dflashctl on the Proxmox host: the host's kernel log is where the driver's Xid lines are
             facts["host_kernel"] = host_kernel
