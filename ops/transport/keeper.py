@@ -251,7 +251,7 @@ def start(host: Host) -> int | None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from ops.transport.keeper import main; main()"],
+            [sys.executable, "-P", "-c", "from ops.transport.keeper import main; main()"],  # -P: no cwd on the path
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=fd,
