@@ -297,3 +297,17 @@ def test_the_click_free_status_gets_its_whole_answer_from_the_keeper(pve_hosts: 
     same = ("host", "session", "state", "cause", "mode", "tmux", "container", "evidence")
     assert {k: json.loads(runs[0][0])[k] for k in same} == {k: cli.json()[k] for k in same}
     assert runs[1][:-1] == pve_hosts.cli("status").stdout.strip().splitlines()
+
+
+def test_tail_runs_its_agent_call_on_the_keepers_connection(pve_hosts: PveHosts, runtime: Path) -> None:
+    """The CLI's other commands use the keeper's connection too (App.remote -> ops.remote.connect)."""
+    fake_release(pve_hosts.workdir)
+    host = kept_host(pve_hosts)
+    first = pve_hosts.cli("tail", "-n", "5")  # direct; starts the keeper
+    ready(host)
+    log = keeper.socket_path(host).with_suffix(".log")
+    served = log.read_text().count("served:")
+    second = pve_hosts.cli("tail", "-n", "5")
+    assert log.read_text().count("served:") == served + 1
+    assert (second.exit_code, second.stdout, second.stderr) == (first.exit_code, first.stdout, first.stderr)
+    assert first.exit_code == 1 and "nothing to show: no log under" in first.stderr, first.output  # the agent answered
