@@ -149,18 +149,17 @@ def test_a_keeper_of_another_user_or_mode_is_refused_and_the_call_goes_direct(
     assert path.exists()
 
 
-def test_a_caller_served_by_another_uid_is_refused(pve_hosts: PveHosts, runtime: Path) -> None:
+def test_a_caller_served_by_another_uid_is_refused(
+    pve_hosts: PveHosts, runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SO_PEERCRED: a socket that passes the file checks but answers from another user's process is not used."""
     host = kept_host(pve_hosts)
     keeper.start(host)
     ready(host)
     kept = KeptTransport(host, keeper.socket_path(host))
-    real = os.getuid
-    try:
-        os.getuid = lambda: 65534  # type: ignore[assignment]  # this process plays another user
+    with monkeypatch.context() as m:
+        m.setattr(os, "getuid", lambda: 65534)  # this process plays another user: the keeper's uid is not its own
         assert kept._open() is None
-    finally:
-        os.getuid = real  # type: ignore[assignment]
     assert kept.state is KeeperState.REFUSED
     assert kept.run(["true"], timeout=20).ok  # over a direct connection
     kept.close()
