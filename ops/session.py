@@ -8,11 +8,11 @@ so a common `status` costs one connection and one remote command. When the agent
 from __future__ import annotations
 
 import contextlib
-import getpass
 import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import typing as t
@@ -128,6 +128,99 @@ def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> 
     return classify(gather(host, session, connect))
 
 
+# The global options and status options ``quick_status`` reads (each takes a value); any other word is the CLI's.
+_QUICK_GLOBAL: tuple[str, ...] = ("--hosts", "--host")
+_QUICK_STATUS: tuple[str, ...] = ("--session",)
+
+
+def _quick_words(argv: t.Sequence[str]) -> dict[str, t.Any] | None:
+    """``[--hosts P] [--host N] status [--json] [--session S]`` read into a dict; None for any other line."""
+    words: dict[str, t.Any] = {"--hosts": None, "--host": None, "--session": None, "--json": False}
+    allowed, i, seen_status = _QUICK_GLOBAL, 0, False
+    while i < len(argv):
+        word = argv[i]
+        name, eq, value = word.partition("=")
+        if not seen_status and word == "status":
+            allowed, seen_status = _QUICK_STATUS, True
+        elif seen_status and word == "--json" and not words["--json"]:
+            words["--json"] = True
+        elif name in allowed and words[name] is None:
+            if not eq:
+                i += 1
+                if i == len(argv) or argv[i].startswith("-"):
+                    return None
+                value = argv[i]
+            if not value:
+                return None
+            words[name] = value
+        else:
+            return None
+        i += 1
+    return words if seen_status else None
+
+
+def quick_status(argv: t.Sequence[str]) -> int | None:
+    """``dflashctl [--hosts P] [--host N] status [--json] [--session S]`` without click: the same output and
+    exit code as the CLI's status, for a start-up that imports only what status needs (click and the CLI's
+    commands were a third of its CPU). None, having printed nothing, for any other command line and for
+    anything the CLI words better (a config error): the caller then runs the full CLI."""
+    words = _quick_words(argv)
+    if words is None:
+        return None
+    import logging
+
+    from ops import remote as remotes
+    from ops.exit_codes import exit_code_for_state
+    from ops.hosts import load_inventory
+
+    try:
+        host = load_inventory(words["--hosts"]).get(words["--host"])
+        session = session_name(host, words["--session"])
+    except errors.OpsError:
+        return None
+    if host.keep_connection > 0 and not host.is_local:
+        from ops.transport import keeper
+
+        kept = keeper.ask(host, "status", {"session": session}, timeout=PROBE_TIMEOUT + 30)
+        if kept is not None:  # the whole status from the keeper's warm process: no classify to import here
+            print(json.dumps(kept["json"]) if words["--json"] else "\n".join(kept["lines"]))
+            return int(kept["code"])
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )  # as the CLI's (ops.cli.init_logging): a refused keeper's warning
+    opened: list[Remote] = []
+
+    def connect() -> Remote:
+        opened.append(remotes.connect(host))
+        import_beside("ops.probe")  # classify's modules load while the agent runs, as in the CLI
+        return opened[-1]
+
+    try:
+        facts = gather(host, session, connect)
+        from ops.probe import classify
+
+        st = classify(facts)
+    except errors.OpsError:
+        return None  # read-only so far: the full CLI asks again and words the error
+    finally:
+        for r in opened:
+            r.close()
+    print(json.dumps(st.to_json()) if words["--json"] else "\n".join(st.lines()))
+    return int(exit_code_for_state(st.state))
+
+
+def kept_status(host: Host, args: t.Mapping[str, t.Any], connection: t.Callable[[], t.Any]) -> dict[str, t.Any]:
+    """status in a connection keeper's process (ops/transport/keeper.py ``CALLS``), over its connection:
+    what ``quick_status`` prints, for either form, and the exit code."""
+    from ops import remote as remotes
+    from ops.exit_codes import exit_code_for_state
+    from ops.probe import classify
+
+    # the keeper's connection is the keeper's: wrapped, never closed here
+    st = classify(gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
+    return {"json": st.to_json(), "lines": st.lines(), "code": int(exit_code_for_state(st.state))}
+
+
 def import_beside(name: str) -> threading.Thread:
     """Import module ``name`` in a thread of its own while this one waits on the far end.
 
@@ -172,6 +265,8 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
 
 def operator_start(replace: bool = False) -> dict[str, t.Any]:
     """run.json's ``started_by`` for a start by hand: who and where (``dflashctl history`` shows it)."""
+    import getpass  # here: start's alone (status and tail never ask who you are)
+
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container's bare uid)
