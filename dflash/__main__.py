@@ -23,12 +23,9 @@ checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second S
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
-import os
 import sys
-import threading
 import time
 import typing as t
 
@@ -439,24 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> t.NoReturn:
-    """The console script and ``python -m dflash``: :func:`main`, then the process ends without tearing the
-    interpreter down. Freeing torch's and transformers' modules took ~1.3 s of CPU at the end of every
-    command; what that teardown would still do for us is done first, as Python's own exit does it: wait
-    for the threads that are not daemons, run the atexit callbacks (logging's flush, wandb's and
-    tensorboard's finish, temporary folders), flush stdout and stderr. A command that raises (a run's
-    traceback) leaves the usual way; so does a flush that fails (a closed pipe), which reports it."""
-    code = main()
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not me and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        sys.exit(code)
-    os._exit(code)
+    """The console script and ``python -m dflash``: :func:`main`'s code, through Python's own exit (threads
+    joined, atexit callbacks, the streams flushed, a failed flush reported)."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":
