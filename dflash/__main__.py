@@ -17,7 +17,8 @@ Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
 written); 2 bad config or arguments (one line naming the key); 3 diverged (a non-finite loss, gradient norm
 or weights: one line naming the step, the figure and the last finite checkpoint; no checkpoint written
-after it: ``dflash.train.divergence``); 143 stopped by SIGTERM after writing a
+after it: ``dflash.train.divergence``); 4 disk full (the run's last checkpoint found no room on disk: one
+line naming the checkpoint that stays: ``dflash.checkpoint.room.DiskFull``); 143 stopped by SIGTERM after writing a
 checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second SIGTERM/SIGINT exits at once.
 """
 

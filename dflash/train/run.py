@@ -180,6 +180,10 @@ class Run:
         self.start_step = 0
         self.position: DataPosition | None = None
         self.last_saved: int | None = None
+        # the last checkpoint on disk or being written (a skipped one hands back the one before it): the
+        # diverged line's "last finite checkpoint"
+        self.last_kept: int | None = None
+        self._kept_before: int | None = None
         self.run_id: str | None = None  # chosen by dflash.train.resume: kept across resumes, new for a fresh start
         # pruning leaves the steps an eval still measures (checkpoints/best may become one of them)
         self.writer = ckpt.CheckpointWriter(
@@ -191,7 +195,9 @@ class Run:
             ),
             on_skip=self._skipped,
             on_written=self._written,
+            room_after=lambda snap, error: room.after_failure(self.ckpt_dir, snap, error),
         )
+        self._skip: dict[str, t.Any] | None = None  # the last checkpoint skipped for want of room (DiskFull's words)
         # [checkpoint] sync: a copy off the box after each checkpoint and each switch of best (dflash.checkpoint.sync)
         self.sync = (
             CheckpointSync(
@@ -284,7 +290,7 @@ class Run:
                 data_fingerprint=self._data_fingerprint(),
                 run_id=self.run_id,
             )
-            self.start_step = self.last_saved = resume.step
+            self.start_step = self.last_saved = self.last_kept = resume.step
         self.averager = Averager.for_replicas(
             [r.trainable() for r in self.drafters],
             cross_reduce=self.group.cross_reduce if self.group is not None else None,
@@ -477,9 +483,9 @@ class Run:
     def _last_finite(self) -> str:
         """The last checkpoint written (or being written: a stop waits for it) from finite weights, for the
         diverged line: no checkpoint is ever written from a non-finite update, so it is the latest."""
-        if self.last_saved is None:
+        if self.last_kept is None:
             return "none"
-        return f"{self.ckpt_dir / f'step-{self.last_saved}'} (step {self.last_saved})"
+        return f"{self.ckpt_dir / f'step-{self.last_kept}'} (step {self.last_kept})"
 
     def _check_finite(self, step: int, tensors: t.Iterable[torch.Tensor], figure: str) -> None:
         """Averaged or checkpointed weights with a NaN/inf end the run (at a barrier: one read per device)."""
@@ -555,6 +561,7 @@ class Run:
         )
         if ckpt.nonfinite_weights(snap.weights) is not None:  # never a checkpoint (nor a best) from them
             raise Diverged(step, WEIGHTS, self._last_finite())
+        self._kept_before, self.last_kept = self.last_kept, step  # before the writer's thread may skip it
         self.writer.submit(snap)
         self.last_saved = step
         self._last_snapshot: ckpt.Snapshot | None = snap
@@ -595,6 +602,8 @@ class Run:
 
     def _skipped(self, step: int, found: room.Room) -> None:
         """From the writer's thread: a checkpoint skipped for want of disk space (``CheckpointWriter._skip``)."""
+        if self.last_kept == step:  # the diverged line names the one before it
+            self.last_kept = self._kept_before
         rec = {
             "event": "checkpoint-skipped",
             "step": step,
@@ -603,6 +612,7 @@ class Run:
             "pruned": [p.name for p in found.pruned],
             "dir": str(self.ckpt_dir),
         }
+        self._skip = {**rec, "failed": found.failed}
         self._event(rec)
         self._write_facts(skipped={k: v for k, v in rec.items() if k != "event"} | {"at": utc_now()})
 
@@ -869,10 +879,24 @@ class Run:
                 torch.compiler.set_stance("default")
         return result
 
+    def _check_final_written(self) -> None:
+        """The run's last checkpoint skipped for want of room is a failure, never a success: DiskFull (exit 4)."""
+        skip = self._skip
+        if self.last_saved is None or self.writer.skipped != self.last_saved or skip is None:
+            return
+        why = "No space left on device" + (f"; the write stopped: {skip['failed']}" if skip["failed"] else "")
+        kept = f"step-{self.last_kept}" if self.last_kept is not None else "none"
+        raise room.DiskFull(
+            f"disk full: the run's last checkpoint (step {self.last_saved}) was not written: it needs "
+            f"{skip['need_bytes'] / 2**20:.1f} MiB and {self.ckpt_dir} has {skip['free_bytes'] / 2**20:.1f} MiB free "
+            f"({why}); the last checkpoint on disk is {kept}"
+        )
+
     def _finish(self, result: RunResult, signals: _Signals | None) -> int:
         """The final checkpoint on disk and synced, then the exit code: 0, or 128 + the signal that stopped us."""
         self._finish_writes()  # the final checkpoint is on disk before we say so or exit
         self._end_sync()
+        self._check_final_written()
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
         group_stop = self.barrier.stop if self.barrier is not None else 0  # another node's signal: we stopped with it
