@@ -286,7 +286,7 @@ def load_config(path: str | os.PathLike[str], overrides: t.Sequence[str] = ()) -
     """Read ``path`` and apply ``key=value`` overrides; the one entry point for ``dflash train``."""
     p = Path(path).expanduser()
     try:  # a regular file (inputs.read_bytes): a FIFO would block here forever
-        text = inputs.read_bytes(p, "--config").decode("utf-8")
+        text = inputs.without_bom(inputs.read_bytes(p, "--config")).decode("utf-8")
     except inputs.InputFileError as e:
         raise ConfigError("--config", str(e).removeprefix("--config: ")) from None
     except UnicodeDecodeError as e:
@@ -410,6 +410,7 @@ def apply_override(raw: dict[str, t.Any], item: str) -> None:
 _NONE = object()
 _INT64 = 1 << 63
 SEED_MAX = (1 << 32) - 1
+WEEK = 7 * 24 * 3600.0  # seconds: the longest a timeout may be (threading's waits refuse past ~292 years)
 EVAL_MAX_NEW = 2048  # dflash.eval.evaluate.MAX_NEW_TOKENS (not imported: that module pulls in torch)
 
 
@@ -538,6 +539,68 @@ def _choice(path: str, v: str, allowed: t.Sequence[str]) -> None:
         raise ConfigError(path, f"expected one of {', '.join(map(repr, allowed))}, got {_show(v)}")
 
 
+# Upper bounds of the numeric keys (when a config is read, one line naming the key): far above any real run,
+# below what fails later as a traceback (a 2 TB allocation, a timeout Python's waits refuse, a torch overflow).
+MAX_VOCAB = 1 << 24  # dflash.model.model_config.MAX_VOCAB (not imported: the model stage is below the config)
+MAX_LAYERS = 4096  # model_config.MAX_LAYERS
+BOUNDS: dict[str, float] = {
+    "target.tiny.vocab_size": 1 << 20,
+    "target.tiny.hidden_size": 1 << 14,
+    "target.tiny.intermediate_size": 1 << 16,
+    "target.tiny.num_layers": 256,
+    "target.tiny.num_heads": 256,
+    "target.tiny.num_kv_heads": 256,
+    "target.tiny.head_dim": 1024,
+    "target.tiny.max_position_embeddings": 1 << 20,
+    "target.tiny.initializer_range": 10.0,
+    "drafter.layers": 256,
+    "drafter.block_size": 1024,
+    "drafter.num_anchors": 1 << 16,
+    "drafter.loss_chunk": 1 << 16,
+    "drafter.conv_kernel_size": 1024,
+    "drafter.conv_group_size": 1 << 18,
+    "drafter.selector_rank": 4096,  # a (vocabulary x rank) codebook: 151,936 x 4096 fp32 is 2.5 GB already
+    "drafter.selector_top_k": 1024,
+    "drafter.mask_token_id": MAX_VOCAB - 1,
+    "data.max_length": 1 << 20,
+    "data.batch_size": 1 << 16,
+    "data.max_batch_tokens": 1 << 26,
+    "data.bucket_window": 1 << 20,
+    "queue.capacity": 1 << 16,
+    "queue.max_bytes": 1 << 50,
+    "optim.eps": 1.0,
+    "optim.sequences_per_update": 1 << 20,
+    "checkpoint.disk_warn_gb": 1e9,
+    "checkpoint.sync_timeout": WEEK,
+    "eval.limit": 1 << 24,
+    "epochs": 1e6,
+    "barrier_timeout": WEEK,
+    "distributed.timeout": WEEK,
+    "train.spike_window": 1 << 20,
+}
+
+
+def _bounded(path: str, v: float | None) -> None:
+    """``v`` at most ``BOUNDS[path]``; ConfigError naming the key (None: an unset optional value)."""
+    hi = BOUNDS[path]
+    if v is not None and v > hi:
+        shown = f"{v:g}" if isinstance(v, float) else str(v)
+        unit = " seconds (a week)" if hi == WEEK else ""
+        raise ConfigError(path, f"must be <= {hi:g}{unit}, got {shown}")
+
+
+def _check_bounds(cfg: RunConfig) -> None:
+    """Every key of ``BOUNDS`` (after the sections' own checks: a bound is the last word on a value)."""
+    for path in BOUNDS:
+        node: t.Any = cfg
+        for part in path.split("."):
+            node = getattr(node, part) if node is not None else None
+        _bounded(path, node)
+    ids = cfg.drafter.target_layer_ids or ()
+    if ids and max(ids) >= MAX_LAYERS:
+        raise ConfigError("drafter.target_layer_ids", f"layer {max(ids)} is beyond {MAX_LAYERS - 1}")
+
+
 def _check(cfg: RunConfig) -> None:
     """Range and cross-field checks, each naming its key: one check per section, in the order a file reads."""
     _check_target(cfg.target)
@@ -556,6 +619,7 @@ def _check(cfg: RunConfig) -> None:
     _choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
     if not cfg.output_dir.strip():
         raise ConfigError("output_dir", "must not be empty")
+    _check_bounds(cfg)
 
 
 def _check_target(tg: TargetConfig) -> None:
