@@ -244,19 +244,11 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
 
 
 def run_config(tmp_path: Path, name: str, *overrides: str):
-    from dflash.config import load_config
+    from tests.dflash.conftest import tiny_config
 
-    return load_config(
-        REPO / "configs" / "tiny-random.toml",
-        [
-            f"output_dir={tmp_path / name}",
-            f"checkpoint.dir={tmp_path / name / 'ckpt'}",
-            "checkpoint.interval=0",
-            "checkpoint.resume=never",
-            "devices.drafters=cpu",
-            "devices.targets=cpu",
-            *overrides,
-        ],
+    # the run dir is <name>/run now, the checkpoints <name>/ckpt as before
+    return tiny_config(
+        tmp_path / name, "checkpoint.resume=never", "devices.drafters=cpu", "devices.targets=cpu", *overrides
     )
 
 
