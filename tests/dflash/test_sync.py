@@ -222,7 +222,7 @@ def test_a_failing_syncs_last_line_never_carries_the_commands_own_words(tmp_path
     body = (
         'echo "copying $2"\n'
         f'echo "ERROR : {pad}{SECRET_KEY} quoted=$(printf %s "$3" | {sys.executable} -c '
-        "'import sys, urllib.parse; print(urllib.parse.quote(sys.stdin.read(), safe=\"\"))')\"\n"
+        '\'import sys, urllib.parse; print(urllib.parse.quote(sys.stdin.read(), safe=""))\')"\n'
         'echo "Failed to copy: directory not found: $2 in $3" >&2\n'
         "exit 1\n"
     )

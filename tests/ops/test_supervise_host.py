@@ -26,7 +26,7 @@ from ops.supervise import unit
 from ops.supervise.policy import Options
 from testkit import PveHosts, TmuxServers, pid_alive, retry_until
 from testkit.hostsfile import dflashctl_argv
-from testkit.runkit import fake_release, reap_runs, train_command
+from testkit.runkit import LEAKY_TOKEN, fake_release, leaked, leaky_command, reap_runs, train_command
 
 VMID = 200
 K = 5  # the fake trainer checkpoints every K steps
@@ -428,6 +428,35 @@ def test_the_installed_supervisor_scrubs_the_host_entrys_env_like_restart_on_cra
         text = hook.texts()
         assert HF_TOKEN not in text, "... and in no message"
         assert f"HF_TOKEN={REDACTED}" in text
+
+
+def test_the_installed_supervisor_says_no_form_of_a_secret_nor_its_head_anywhere(night: Night) -> None:
+    """The run prints HF_TOKEN percent-encoded, JSON- and repr-escaped, and crashes with it straddling the
+    evidence's cut: the webhook, supervisor.log, the incidents, status.json, the heartbeat in the run dir and
+    `supervise status` carry no form of it, nor its head."""
+    pytest.importorskip("apprise")
+    from testkit.webhook import Webhook
+
+    cmd = list(t.cast(list[str], night.hosts.pve_table["command"]))
+    night.hosts.write(env={"HF_TOKEN": LEAKY_TOKEN}, command=leaky_command(cmd))
+    night.start()
+    with Webhook() as hook:
+        night.install("--notify", hook.url)
+        retry_until(lambda: any("supervisor started" in x for x in hook.titles()), 60)
+        night.finish.touch()  # the trainer ends; the leak prints the token and raises
+        retry_until(lambda: any(": crashed (" in x for x in hook.titles()), 90)
+        retry_until(lambda: len(night.attempts()) >= 2, 60)
+        assert "huggingface.co/api/whoami?token=hf_h5%2FSecret%2BToken%3DZq8%22w%5C9" in night.log(1)
+        st = night.cli("supervise", "status", "--json")
+        said = {
+            "messages": hook.texts(),
+            "supervisor.log": (night.sdir / unit.LOG).read_text(),
+            "incidents": json.dumps(night.incidents()),
+            "status.json": (night.sdir / unit.STATUS_JSON).read_text(),
+            "heartbeat": (night.hosts.run_dir / "dflash" / "supervisor.json").read_text(),
+            "supervise status": st.output,
+        }
+    assert {where: leaked(text) for where, text in said.items()} == dict.fromkeys(said, [])
 
 
 def test_install_refuses_a_notify_url_apprise_does_not_understand_in_one_line(night: Night) -> None:
