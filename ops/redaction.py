@@ -71,7 +71,6 @@ def _encodings(s: str) -> set[str]:
         ascii(s)[1:-1],
         repr(s.replace("'", '"'))[1:-1],
     }
-    out |= {_HEX.sub(lambda m: m.group(0).lower(), x) for x in out if "%" in x}
     return out
 
 
@@ -96,13 +95,19 @@ class Scrubber:
         self.secrets = sorted(found, key=len, reverse=True)
         every = {f for s in found for f in forms(s)}
         self.forms = sorted(every, key=len, reverse=True)
+        # a percent-encoded form in either case of its hex digits (%2F, %2f: encoders differ)
+        self._any_case = {f: re.compile(re.escape(f), re.IGNORECASE) for f in self.forms if _HEX.search(f)}
         self._parts = [f for f in self.forms if len(f) > MIN_PART]
 
     def __call__(self, text: str) -> str:
         if not self.forms or not text:
             return text
+        low = text.lower()
         for f in self.forms:
-            if f in text:
+            if f in self._any_case:
+                if f.lower() in low:
+                    text = self._any_case[f].sub(REDACTED, text)
+            elif f in text:
                 text = text.replace(f, REDACTED)
         if self._parts:
             text = self._cut_parts(text)
