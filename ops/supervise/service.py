@@ -710,7 +710,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         for key in ("dir", "session"):
             if not isinstance(req.get(key), str):
                 raise ValueError(f"{key}: expected a string")
-        problem = supervise_dir_problem(req["dir"])
+        problem = supervise_dir_problem(req["dir"], resolve=True)
         if problem:
             raise ValueError(f"dir: {problem}")
         if not all(c.isalnum() or c in "-_" for c in req["session"]) or not req["session"]:

@@ -530,6 +530,40 @@ def test_install_and_uninstall_touch_only_what_they_wrote(night: Night, tmp_path
     assert (night.sdir / "supervisor.log").exists() and (night.dir / unit.MARKER).is_file()
 
 
+def test_a_dir_below_a_link_to_a_system_folder_is_refused_on_the_host_and_nothing_is_written(
+    night: Night, tmp_path: Path
+) -> None:
+    """``dir = <link to /var>/local`` is /var/local on the host: refused where the host sees it (install's claim
+    and every verb of the host's service), and /var/local is left as it was."""
+    link = tmp_path / "x"
+    link.symlink_to("/var")
+    place = {"python": _python(), "mode": "tmux", "tmux_socket": night.socket, "dir": str(link / "local")}
+    before = sorted(os.listdir("/var/local"))
+    night.hosts.write(supervise=place)
+    r = night.cli("supervise", "install", *FAST)
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith(
+        f"dflashctl: hosts.pve.supervise.dir: {link}/local on pve is /var/local through a link: "
+        "a folder of the system itself: supervise installs only into a new or empty folder"
+    ), line
+    assert sorted(os.listdir("/var/local")) == before
+    repo = Path(__file__).resolve().parents[2]
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from ops.supervise import service; sys.exit(service.main(sys.argv[2:]))"
+    req = json.dumps({"dir": str(link / "local"), "session": "dflash"})
+    for verb in ("install", "uninstall", "status"):
+        p = subprocess.run(
+            [sys.executable, "-I", "-c", code, str(repo), verb], input=req, capture_output=True, text=True, timeout=60
+        )
+        a = json.loads(p.stdout)
+        assert (p.returncode, a["error"]) == (2, "bad-request"), p.stdout
+        assert a["message"] == (
+            f"{verb}: bad request: dir: {link}/local is /var/local through a link: a folder of the system itself; "
+            "give a folder of dflashctl's own"
+        )
+    assert sorted(os.listdir("/var/local")) == before
+
+
 def test_two_installs_at_once_one_runs_and_says_so_the_other_is_refused(night: Night) -> None:
     night.start()
     night.install()  # deployed: the two below race on the host-side install only
