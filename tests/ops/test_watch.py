@@ -294,3 +294,17 @@ def test_a_lease_whose_holder_is_dead_on_this_machine_is_taken_over_naming_it(pv
     finally:
         sup.stop()
         pve_hosts.cli("stop")
+
+
+def test_a_link_planted_as_the_heartbeats_temp_file_is_never_followed(tmp_path: Path) -> None:
+    """The run can write its own run dir: a link under the name the agent writes the heartbeat through
+    (``supervisor.json.tmp<pid>``) is replaced, never written through (the file it names stays as it was)."""
+    sdir = tmp_path / "runs" / "dflash"
+    sdir.mkdir(parents=True)
+    precious = tmp_path / "precious"
+    precious.write_text("the user's own file\n")
+    (sdir / f"{watch.HEARTBEAT}.tmp{os.getpid()}").symlink_to(precious)
+    assert watch.beat(str(sdir), beat("a"), NOW)["written"]
+    assert precious.read_text() == "the user's own file\n"
+    assert json.loads((sdir / watch.HEARTBEAT).read_text())["id"] == "a"
+    assert not (sdir / f"{watch.HEARTBEAT}.tmp{os.getpid()}").exists()
