@@ -351,15 +351,19 @@ SYSTEM_DIRS = frozenset(
 )
 
 
-def supervise_dir_problem(value: str) -> str | None:
+def supervise_dir_problem(value: str, *, resolve: bool = False) -> str | None:
     """Why ``value`` cannot be the supervisor's folder on the host (None: it can). The operator's side and
-    the host's check it alike."""
+    the host's check it alike; the host (``resolve``) also checks where it really is, links followed: a
+    folder of dflashctl's below a link to /var may be /var/local."""
     if not value.startswith("/") or "\0" in value:
         return "expected an absolute path on the Proxmox host"
     if os.path.normpath(value) != value or value.startswith("//"):
         return f"expected a normalised path (no '.', '..', '//' or trailing '/'): {os.path.normpath(value)!r}?"
     if value in SYSTEM_DIRS:
         return "a folder of the system itself: give a folder of dflashctl's own below it (default /var/lib/dflashctl)"
+    real = os.path.realpath(value) if resolve else value
+    if real in SYSTEM_DIRS:
+        return f"{value} is {real} through a link: a folder of the system itself; give a folder of dflashctl's own"
     return None
 
 

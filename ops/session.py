@@ -248,6 +248,15 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
         return RunResult(res.exit_code, res.out, res.err, res.timed_out)
 
     tf = tmux_facts(run, host.tmux_socket, session)  # the agent's own reading of tmux, asked from here
+    if tf["exit_code"] not in (0, None) and not tf["stderr"] and not tf["timed_out"]:
+        # tmux says why whenever it fails (no server, no session, not installed): a failure without a word
+        # is the way in failing (a pct that runs but fails, a wrapper or sudo refusing). Nothing inside was
+        # read: blind, never not-started.
+        raise errors.UnreachableError(
+            host.label,
+            f"nothing inside can be read: {reason}; tmux, asked the same way, exited {tf['exit_code']} without a "
+            "word (a pct, wrapper or sudo that fails silently?)",
+        )
     capture = None
     if tf["exit_code"] == 0:
         cap = remote.run(tmux.capture_argv(host.tmux_socket, session, FALLBACK_LINES), timeout=TAIL_TIMEOUT)
