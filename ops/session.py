@@ -121,11 +121,24 @@ def _raw_or_down(
 
 
 def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> Status:
-    from ops.probe import (
-        classify,  # here: gather needs none of classify's modules (ops/cli/run.py loads them meanwhile)
-    )
+    return verdict(host, gather(host, session, connect))
 
-    return classify(gather(host, session, connect))
+
+def verdict(host: Host, facts: dict[str, t.Any]) -> Status:
+    """The facts classified, every text the run could have printed scrubbed of the host's secrets (its
+    ``env`` values, its token's): what every form of status shows, as the supervisor's messages do."""
+    # here: gather needs none of these modules (ops/cli/run.py loads them meanwhile)
+    from ops.probe import classify
+    from ops.redaction import Scrubber, scrubbed_status, secret_values
+
+    return scrubbed_status(classify(facts), Scrubber(secret_values([host], os.environ)))
+
+
+def shown_facts(host: Host, facts: dict[str, t.Any]) -> t.Any:
+    """``status --facts``: the facts as read, the host's secrets scrubbed."""
+    from ops.redaction import Scrubber, secret_values
+
+    return Scrubber(secret_values([host], os.environ)).tree(facts)
 
 
 # The global options and status options ``quick_status`` reads (each takes a value); any other word is the CLI's.
@@ -197,9 +210,7 @@ def quick_status(argv: t.Sequence[str]) -> int | None:
 
     try:
         facts = gather(host, session, connect)
-        from ops.probe import classify
-
-        st = classify(facts)
+        st = verdict(host, facts)
     except errors.OpsError:
         return None  # read-only so far: the full CLI asks again and words the error
     finally:
@@ -214,10 +225,8 @@ def kept_status(host: Host, args: t.Mapping[str, t.Any], connection: t.Callable[
     what ``quick_status`` prints, for either form, and the exit code."""
     from ops import remote as remotes
     from ops.exit_codes import exit_code_for_state
-    from ops.probe import classify
-
     # the keeper's connection is the keeper's: wrapped, never closed here
-    st = classify(gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
+    st = verdict(host, gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
     return {"json": st.to_json(), "lines": st.lines(), "code": int(exit_code_for_state(st.state))}
 
 

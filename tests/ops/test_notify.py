@@ -487,3 +487,22 @@ def test_a_loss_spike_is_told_once_and_a_diverged_run_s_give_up_names_it(rig: Ri
     assert gave_up.startswith("dflash pve/dflash: gave up: training diverged: diverged at step"), gave_up
     body = next(m["message"] for m in hook.messages if m["title"] == gave_up)
     assert "crashed (diverged), attempt 1" in body and "last finite checkpoint" in body
+
+
+def test_status_in_every_form_shows_no_secret_the_run_printed(rig: Rig, pve_hosts: PveHosts) -> None:
+    """status, status --json and status --facts of a run that crashed printing HF_TOKEN in every form: the
+    evidence says the crash, with the token redacted (what the supervisor's messages may say, status says)."""
+    rig.configure(env={"HF_TOKEN": LEAKY_TOKEN})
+    cmd = list(t.cast(list[str], pve_hosts.pve_table["command"]))
+    pve_hosts.write(command=leaky_command(cmd))
+    rig.start()
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault("once:exception")
+    retry_until(lambda: rig.cli("status").exit_code not in (0, 3), 60)
+    said = {
+        form: rig.cli("status", *extra)
+        for form, extra in (("text", ()), ("json", ("--json",)), ("facts", ("--facts",)))
+    }
+    assert "was refused by the hub" in said["text"].stdout, said["text"].output
+    assert {form: leaked(r.output) for form, r in said.items()} == dict.fromkeys(said, [])
+    assert REDACTED in said["text"].stdout and REDACTED in said["facts"].stdout
