@@ -17,18 +17,16 @@ Exit codes of ``train``: 0 finished (final checkpoint written); 1 the run failed
 a worker error that left no drafter or no target, an injected fault, a checkpoint that could not be
 written); 2 bad config or arguments (one line naming the key); 3 diverged (a non-finite loss, gradient norm
 or weights: one line naming the step, the figure and the last finite checkpoint; no checkpoint written
-after it: ``dflash.train.divergence``); 143 stopped by SIGTERM after writing a
+after it: ``dflash.train.divergence``); 4 disk full (the run's last checkpoint found no room on disk: one
+line naming the checkpoint that stays: ``dflash.checkpoint.room.DiskFull``); 143 stopped by SIGTERM after writing a
 checkpoint (128 + 15, so a supervisor sees a signal; 130 for SIGINT). A second SIGTERM/SIGINT exits at once.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
-import os
 import sys
-import threading
 import time
 import typing as t
 
@@ -439,24 +437,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> t.NoReturn:
-    """The console script and ``python -m dflash``: :func:`main`, then the process ends without tearing the
-    interpreter down. Freeing torch's and transformers' modules took ~1.3 s of CPU at the end of every
-    command; what that teardown would still do for us is done first, as Python's own exit does it: wait
-    for the threads that are not daemons, run the atexit callbacks (logging's flush, wandb's and
-    tensorboard's finish, temporary folders), flush stdout and stderr. A command that raises (a run's
-    traceback) leaves the usual way; so does a flush that fails (a closed pipe), which reports it."""
-    code = main()
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not me and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        sys.exit(code)
-    os._exit(code)
+    """The console script and ``python -m dflash``: :func:`main`'s code, through Python's own exit (threads
+    joined, atexit callbacks, the streams flushed, a failed flush reported)."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

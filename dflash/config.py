@@ -286,7 +286,7 @@ def load_config(path: str | os.PathLike[str], overrides: t.Sequence[str] = ()) -
     """Read ``path`` and apply ``key=value`` overrides; the one entry point for ``dflash train``."""
     p = Path(path).expanduser()
     try:  # a regular file (inputs.read_bytes): a FIFO would block here forever
-        text = inputs.read_bytes(p, "--config").decode("utf-8")
+        text = inputs.without_bom(inputs.read_bytes(p, "--config")).decode("utf-8")
     except inputs.InputFileError as e:
         raise ConfigError("--config", str(e).removeprefix("--config: ")) from None
     except UnicodeDecodeError as e:
@@ -410,6 +410,7 @@ def apply_override(raw: dict[str, t.Any], item: str) -> None:
 _NONE = object()
 _INT64 = 1 << 63
 SEED_MAX = (1 << 32) - 1
+WEEK = 7 * 24 * 3600.0  # seconds: the longest a timeout may be (threading's waits refuse past ~292 years)
 EVAL_MAX_NEW = 2048  # dflash.eval.evaluate.MAX_NEW_TOKENS (not imported: that module pulls in torch)
 
 
@@ -528,108 +529,202 @@ def _value(tp: t.Any, v: t.Any, path: str) -> t.Any:
     raise AssertionError(f"unsupported config type {tp!r} at {path}")  # programmer error
 
 
+def _positive(path: str, v: float, *, zero: bool = False) -> None:
+    if v < 0 or (v == 0 and not zero):
+        raise ConfigError(path, f"must be {'>= 0' if zero else '> 0'}, got {v:g}")
+
+
+def _choice(path: str, v: str, allowed: t.Sequence[str]) -> None:
+    if v not in allowed:
+        raise ConfigError(path, f"expected one of {', '.join(map(repr, allowed))}, got {_show(v)}")
+
+
+# Upper bounds of the numeric keys (when a config is read, one line naming the key): far above any real run,
+# below what fails later as a traceback (a 2 TB allocation, a timeout Python's waits refuse, a torch overflow).
+MAX_VOCAB = 1 << 24  # dflash.model.model_config.MAX_VOCAB (not imported: the model stage is below the config)
+MAX_LAYERS = 4096  # model_config.MAX_LAYERS
+BOUNDS: dict[str, float] = {
+    "target.tiny.vocab_size": 1 << 20,
+    "target.tiny.hidden_size": 1 << 14,
+    "target.tiny.intermediate_size": 1 << 16,
+    "target.tiny.num_layers": 256,
+    "target.tiny.num_heads": 256,
+    "target.tiny.num_kv_heads": 256,
+    "target.tiny.head_dim": 1024,
+    "target.tiny.max_position_embeddings": 1 << 20,
+    "target.tiny.initializer_range": 10.0,
+    "drafter.layers": 256,
+    "drafter.block_size": 1024,
+    "drafter.num_anchors": 1 << 16,
+    "drafter.loss_chunk": 1 << 16,
+    "drafter.conv_kernel_size": 1024,
+    "drafter.conv_group_size": 1 << 18,
+    "drafter.selector_rank": 4096,  # a (vocabulary x rank) codebook: 151,936 x 4096 fp32 is 2.5 GB already
+    "drafter.selector_top_k": 1024,
+    "drafter.mask_token_id": MAX_VOCAB - 1,
+    "data.max_length": 1 << 20,
+    "data.batch_size": 1 << 16,
+    "data.max_batch_tokens": 1 << 26,
+    "data.bucket_window": 1 << 20,
+    "queue.capacity": 1 << 16,
+    "queue.max_bytes": 1 << 50,
+    "optim.eps": 1.0,
+    "optim.sequences_per_update": 1 << 20,
+    "checkpoint.disk_warn_gb": 1e9,
+    "checkpoint.sync_timeout": WEEK,
+    "eval.limit": 1 << 24,
+    "epochs": 1e6,
+    "barrier_timeout": WEEK,
+    "distributed.timeout": WEEK,
+    "train.spike_window": 1 << 20,
+}
+
+
+def _bounded(path: str, v: float | None) -> None:
+    """``v`` at most ``BOUNDS[path]``; ConfigError naming the key (None: an unset optional value)."""
+    hi = BOUNDS[path]
+    if v is not None and v > hi:
+        shown = f"{v:g}" if isinstance(v, float) else str(v)
+        unit = " seconds (a week)" if hi == WEEK else ""
+        raise ConfigError(path, f"must be <= {hi:g}{unit}, got {shown}")
+
+
+def _check_bounds(cfg: RunConfig) -> None:
+    """Every key of ``BOUNDS`` (after the sections' own checks: a bound is the last word on a value)."""
+    for path in BOUNDS:
+        node: t.Any = cfg
+        for part in path.split("."):
+            node = getattr(node, part) if node is not None else None
+        _bounded(path, node)
+    ids = cfg.drafter.target_layer_ids or ()
+    if ids and max(ids) >= MAX_LAYERS:
+        raise ConfigError("drafter.target_layer_ids", f"layer {max(ids)} is beyond {MAX_LAYERS - 1}")
+
+
 def _check(cfg: RunConfig) -> None:
-    """Range and cross-field checks, each naming its key."""
+    """Range and cross-field checks, each naming its key: one check per section, in the order a file reads."""
+    _check_target(cfg.target)
+    _check_drafter(cfg.drafter, cfg.target.tiny)
+    _check_loss(cfg.loss)
+    _check_drafter_layers(cfg.drafter, cfg.target.tiny)
+    _check_data(cfg.data)
+    _check_devices(cfg.devices)
+    _check_queue(cfg.queue, drafters=len(cfg.devices.drafters))
+    _check_optim(cfg.optim)
+    _check_checkpoint(cfg.checkpoint)
+    _check_metrics(cfg.metrics)
+    _check_eval(cfg.eval)
+    _check_top(cfg)
+    _check_train(cfg.train)
+    _choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
+    if not cfg.output_dir.strip():
+        raise ConfigError("output_dir", "must not be empty")
+    _check_bounds(cfg)
 
-    def positive(path: str, v: float, *, zero: bool = False) -> None:
-        if v < 0 or (v == 0 and not zero):
-            raise ConfigError(path, f"must be {'>= 0' if zero else '> 0'}, got {v:g}")
 
-    def choice(path: str, v: str, allowed: t.Sequence[str]) -> None:
-        if v not in allowed:
-            raise ConfigError(path, f"expected one of {', '.join(map(repr, allowed))}, got {_show(v)}")
-
-    tg = cfg.target
+def _check_target(tg: TargetConfig) -> None:
     if (tg.path is None) == (tg.tiny is None):
         raise ConfigError("target", "give exactly one of target.path (a local checkpoint) or [target.tiny]")
     if tg.path is not None and not tg.path.strip():
         raise ConfigError("target.path", "must not be empty")
-    choice("target.dtype", tg.dtype, DTYPES)
-    if tg.tiny is not None:
-        tiny = tg.tiny
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            positive(f"target.tiny.{name}", getattr(tiny, name))
-        positive("target.tiny.initializer_range", tiny.initializer_range)
-        if tiny.num_heads % tiny.num_kv_heads:
-            raise ConfigError("target.tiny.num_kv_heads", f"must divide num_heads ({tiny.num_heads})")
-        if tiny.num_layers < 4:
-            raise ConfigError(
-                "target.tiny.num_layers", f"must be >= 4 (features come from layers 1..L-3), got {tiny.num_layers}"
-            )
+    _choice("target.dtype", tg.dtype, DTYPES)
+    if tg.tiny is None:
+        return
+    tiny = tg.tiny
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        _positive(f"target.tiny.{name}", getattr(tiny, name))
+    _positive("target.tiny.initializer_range", tiny.initializer_range)
+    if tiny.num_heads % tiny.num_kv_heads:
+        raise ConfigError("target.tiny.num_kv_heads", f"must divide num_heads ({tiny.num_heads})")
+    if tiny.num_layers < 4:
+        raise ConfigError(
+            "target.tiny.num_layers", f"must be >= 4 (features come from layers 1..L-3), got {tiny.num_layers}"
+        )
 
-    d = cfg.drafter
-    positive("drafter.layers", d.layers)
+
+def _check_drafter(d: DrafterConfig, tiny: TinyTargetConfig | None) -> None:
+    """The drafter's sizes and kind (its dtype and target layers: ``_check_drafter_layers``)."""
+    _positive("drafter.layers", d.layers)
     if d.block_size < 2:
         raise ConfigError("drafter.block_size", f"must be >= 2, got {d.block_size}")
     if d.gamma is not None:
-        positive("drafter.gamma", d.gamma)
-    positive("drafter.num_anchors", d.num_anchors)
-    positive("drafter.loss_chunk", d.loss_chunk)
-    choice("drafter.kind", d.kind, DRAFTER_KINDS)
+        _positive("drafter.gamma", d.gamma)
+    _positive("drafter.num_anchors", d.num_anchors)
+    _positive("drafter.loss_chunk", d.loss_chunk)
+    _choice("drafter.kind", d.kind, DRAFTER_KINDS)
     for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-        positive(f"drafter.{name}", getattr(d, name))
+        _positive(f"drafter.{name}", getattr(d, name))
     if d.kind == "dflash2" and d.conv_kernel_size > d.block_size:
         raise ConfigError(
             "drafter.conv_kernel_size", f"must be <= drafter.block_size ({d.block_size}), got {d.conv_kernel_size}"
         )
-    if d.kind == "dflash2" and tg.tiny is not None:
-        if tg.tiny.hidden_size % d.conv_group_size:
+    if d.kind == "dflash2" and tiny is not None:
+        if tiny.hidden_size % d.conv_group_size:
             raise ConfigError(
                 "drafter.conv_group_size",
-                f"must divide the hidden size ({tg.tiny.hidden_size}), got {d.conv_group_size}",
+                f"must divide the hidden size ({tiny.hidden_size}), got {d.conv_group_size}",
             )
-        if d.selector_top_k > tg.tiny.vocab_size:
+        if d.selector_top_k > tiny.vocab_size:
             raise ConfigError(
-                "drafter.selector_top_k", f"must be <= the vocabulary ({tg.tiny.vocab_size}), got {d.selector_top_k}"
+                "drafter.selector_top_k", f"must be <= the vocabulary ({tiny.vocab_size}), got {d.selector_top_k}"
             )
-    lo = cfg.loss
-    choice("loss.position_weight", lo.position_weight, POSITION_WEIGHTS)
+
+
+def _check_loss(lo: LossConfig) -> None:
+    _choice("loss.position_weight", lo.position_weight, POSITION_WEIGHTS)
     if not 0 <= lo.dpace_alpha <= 1:
         raise ConfigError("loss.dpace_alpha", f"must be in [0, 1], got {lo.dpace_alpha:g}")
-    positive("loss.selector_weight", lo.selector_weight, zero=True)
-    choice("drafter.dtype", d.dtype, DTYPES)
+    _positive("loss.selector_weight", lo.selector_weight, zero=True)
+
+
+def _check_drafter_layers(d: DrafterConfig, tiny: TinyTargetConfig | None) -> None:
+    """The drafter's dtype, the target layers it reads and its MASK id, against a tiny target's sizes."""
+    _choice("drafter.dtype", d.dtype, DTYPES)
     if d.target_layer_ids is not None:
         if not d.target_layer_ids:
             raise ConfigError("drafter.target_layer_ids", "must not be empty (leave it out for the default)")
         for i, lid in enumerate(d.target_layer_ids):
-            positive(f"drafter.target_layer_ids[{i}]", lid, zero=True)
-        if tg.tiny is not None and max(d.target_layer_ids) >= tg.tiny.num_layers:
+            _positive(f"drafter.target_layer_ids[{i}]", lid, zero=True)
+        if tiny is not None and max(d.target_layer_ids) >= tiny.num_layers:
             raise ConfigError(
                 "drafter.target_layer_ids",
-                f"layer {max(d.target_layer_ids)} is beyond the target's {tg.tiny.num_layers} layers",
+                f"layer {max(d.target_layer_ids)} is beyond the target's {tiny.num_layers} layers",
             )
     if d.mask_token_id is not None:
-        positive("drafter.mask_token_id", d.mask_token_id, zero=True)
-        if tg.tiny is not None and d.mask_token_id >= tg.tiny.vocab_size:
+        _positive("drafter.mask_token_id", d.mask_token_id, zero=True)
+        if tiny is not None and d.mask_token_id >= tiny.vocab_size:
             raise ConfigError(
-                "drafter.mask_token_id", f"{d.mask_token_id} is outside the target vocabulary ({tg.tiny.vocab_size})"
+                "drafter.mask_token_id", f"{d.mask_token_id} is outside the target vocabulary ({tiny.vocab_size})"
             )
 
-    da = cfg.data
+
+def _check_data(da: DataConfig) -> None:
     if not da.path.strip():
         raise ConfigError("data.path", "must not be empty")
-    choice("data.format", da.format, ("auto", "tokens", "chat"))
+    _choice("data.format", da.format, ("auto", "tokens", "chat"))
     if da.max_length < 2:
         raise ConfigError("data.max_length", f"must be >= 2, got {da.max_length}")
-    positive("data.batch_size", da.batch_size)
-    positive("data.bucket_window", da.bucket_window)
+    _positive("data.batch_size", da.batch_size)
+    _positive("data.bucket_window", da.bucket_window)
     if da.max_batch_tokens is not None and da.max_batch_tokens < da.max_length:
         raise ConfigError(
             "data.max_batch_tokens",
             f"must be >= data.max_length ({da.max_length}) so every sample fits, got {da.max_batch_tokens}",
         )
 
+
+def _check_devices(dv: DevicesConfig) -> None:
     for role in ("targets", "drafters"):
-        devices = getattr(cfg.devices, role)
+        devices = getattr(dv, role)
         if not devices:
             raise ConfigError(f"devices.{role}", "needs at least one device")
         seen: set[str] = set()
@@ -640,59 +735,64 @@ def _check(cfg: RunConfig) -> None:
                 raise ConfigError(f"devices.{role}[{i}]", f"{dev} is listed twice (only cpu may repeat)")
             seen.add(dev)
 
-    positive("queue.capacity", cfg.queue.capacity)
-    if cfg.queue.max_bytes is not None:
-        positive("queue.max_bytes", cfg.queue.max_bytes)
-    choice("queue.mode", cfg.queue.mode, ("shared", "per-drafter"))
-    if cfg.queue.mode == "per-drafter" and cfg.queue.capacity < len(cfg.devices.drafters):
-        raise ConfigError(
-            "queue.capacity", f"per-drafter mode needs at least one slot per drafter ({len(cfg.devices.drafters)})"
-        )
 
-    o = cfg.optim
-    positive("optim.lr", o.lr)
+def _check_queue(q: QueueConfig, *, drafters: int) -> None:
+    _positive("queue.capacity", q.capacity)
+    if q.max_bytes is not None:
+        _positive("queue.max_bytes", q.max_bytes)
+    _choice("queue.mode", q.mode, ("shared", "per-drafter"))
+    if q.mode == "per-drafter" and q.capacity < drafters:
+        raise ConfigError("queue.capacity", f"per-drafter mode needs at least one slot per drafter ({drafters})")
+
+
+def _check_optim(o: OptimConfig) -> None:
+    _positive("optim.lr", o.lr)
     if not 0 <= o.warmup_ratio < 1:
         raise ConfigError("optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio:g}")
-    choice("optim.schedule", o.schedule, ("cosine", "linear", "constant"))
+    _choice("optim.schedule", o.schedule, ("cosine", "linear", "constant"))
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {o.min_lr_ratio:g}")
-    positive("optim.weight_decay", o.weight_decay, zero=True)
+    _positive("optim.weight_decay", o.weight_decay, zero=True)
     for i, b in enumerate(o.betas):
         if not 0 <= b < 1:
             raise ConfigError(f"optim.betas[{i}]", f"must be in [0, 1), got {b:g}")
-    positive("optim.eps", o.eps)
-    positive("optim.grad_clip", o.grad_clip, zero=True)
+    _positive("optim.eps", o.eps)
+    _positive("optim.grad_clip", o.grad_clip, zero=True)
 
-    c = cfg.checkpoint
-    positive("checkpoint.interval", c.interval, zero=True)
-    positive("checkpoint.keep", c.keep)
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    _positive("checkpoint.interval", c.interval, zero=True)
+    _positive("checkpoint.keep", c.keep)
     if c.dir is not None and not c.dir.strip():
         raise ConfigError("checkpoint.dir", "must not be empty (leave it out for the default)")
     if not c.resume.strip():
         raise ConfigError("checkpoint.resume", 'expected "auto", "never" or a checkpoint path')
     if c.disk_warn_gb is not None:
-        positive("checkpoint.disk_warn_gb", c.disk_warn_gb, zero=True)
-    positive("checkpoint.sync_timeout", c.sync_timeout)
+        _positive("checkpoint.disk_warn_gb", c.disk_warn_gb, zero=True)
+    _positive("checkpoint.sync_timeout", c.sync_timeout)
     if c.sync is not None:
         try:
             parse_template(c.sync)
         except SyncError as e:
             raise ConfigError("checkpoint.sync", str(e)) from None
 
-    mt = cfg.metrics
-    if mt.wandb is not None:
-        if not mt.wandb.project.strip():
-            raise ConfigError("metrics.wandb.project", "must not be empty")
-        choice("metrics.wandb.mode", mt.wandb.mode, ("online", "offline"))
-        if mt.wandb.entity is not None and not mt.wandb.entity.strip():
-            raise ConfigError("metrics.wandb.entity", "must not be empty (leave it out for the default)")
 
-    ev = cfg.eval
-    positive("eval.every", ev.every, zero=True)
+def _check_metrics(mt: MetricsConfig) -> None:
+    if mt.wandb is None:
+        return
+    if not mt.wandb.project.strip():
+        raise ConfigError("metrics.wandb.project", "must not be empty")
+    _choice("metrics.wandb.mode", mt.wandb.mode, ("online", "offline"))
+    if mt.wandb.entity is not None and not mt.wandb.entity.strip():
+        raise ConfigError("metrics.wandb.entity", "must not be empty (leave it out for the default)")
+
+
+def _check_eval(ev: EvalConfig) -> None:
+    _positive("eval.every", ev.every, zero=True)
     if not 1 <= ev.max_new <= EVAL_MAX_NEW:
         raise ConfigError("eval.max_new", f"expected 1 to {EVAL_MAX_NEW} new tokens, got {ev.max_new}")
     if ev.limit is not None:
-        positive("eval.limit", ev.limit)
+        _positive("eval.limit", ev.limit)
     if ev.prompts is not None and not ev.prompts.strip():
         raise ConfigError("eval.prompts", "must not be empty (leave it out for eval.jsonl next to data.path)")
     if ev.prompts is not None and "=" in ev.prompts and not is_suite(ev.prompts):
@@ -702,30 +802,33 @@ def _check(cfg: RunConfig) -> None:
     if ev.device is not None and not _DEVICE.match(ev.device):
         raise ConfigError("eval.device", f'expected "cpu" or "cuda:<index>", got {_show(ev.device)}')
 
+
+def _check_top(cfg: RunConfig) -> None:
+    """The top-level keys (seeds, steps, intervals, timeouts) and the two that count like them."""
     if not 0 <= cfg.seed <= SEED_MAX:  # replica generators are seeded with seed * 1000 + index
         raise ConfigError("seed", f"must be in [0, {SEED_MAX}], got {cfg.seed}")
-    if tg.tiny is not None and not 0 <= tg.tiny.seed <= SEED_MAX:
-        raise ConfigError("target.tiny.seed", f"must be in [0, {SEED_MAX}], got {tg.tiny.seed}")
+    tiny = cfg.target.tiny
+    if tiny is not None and not 0 <= tiny.seed <= SEED_MAX:
+        raise ConfigError("target.tiny.seed", f"must be in [0, {SEED_MAX}], got {tiny.seed}")
     if cfg.max_steps is not None:
-        positive("max_steps", cfg.max_steps)
+        _positive("max_steps", cfg.max_steps)
     if not cfg.epochs > 0:
         raise ConfigError("epochs", f"must be > 0, got {cfg.epochs:g}")
-    if o.sequences_per_update is not None:
-        positive("optim.sequences_per_update", o.sequences_per_update)
-    positive("log_every", cfg.log_every)
-    positive("average_every", cfg.average_every)
-    positive("barrier_timeout", cfg.barrier_timeout)
-    positive("distributed.timeout", cfg.distributed.timeout)
-    tr = cfg.train
-    choice("train.on_nonfinite", tr.on_nonfinite, ("stop", "skip"))
-    positive("train.nonfinite_limit", tr.nonfinite_limit)
+    if cfg.optim.sequences_per_update is not None:
+        _positive("optim.sequences_per_update", cfg.optim.sequences_per_update)
+    _positive("log_every", cfg.log_every)
+    _positive("average_every", cfg.average_every)
+    _positive("barrier_timeout", cfg.barrier_timeout)
+    _positive("distributed.timeout", cfg.distributed.timeout)
+
+
+def _check_train(tr: TrainConfig) -> None:
+    _choice("train.on_nonfinite", tr.on_nonfinite, ("stop", "skip"))
+    _positive("train.nonfinite_limit", tr.nonfinite_limit)
     if tr.spike_factor and not (math.isfinite(tr.spike_factor) and tr.spike_factor > 1):
         raise ConfigError("train.spike_factor", f"must be > 1 (0: no spike watch), got {tr.spike_factor:g}")
-    positive("train.spike_steps", tr.spike_steps)
-    positive("train.spike_window", tr.spike_window)
-    choice("compile_backend", cfg.compile_backend, ("inductor", "aot_eager", "eager"))
-    if not cfg.output_dir.strip():
-        raise ConfigError("output_dir", "must not be empty")
+    _positive("train.spike_steps", tr.spike_steps)
+    _positive("train.spike_window", tr.spike_window)
 
 
 def check_devices(cfg: RunConfig) -> None:

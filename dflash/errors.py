@@ -4,7 +4,8 @@ Every exception dflash raises on purpose derives from ``DflashError``; a subclas
 raises it (``config.ConfigError``, ``store.StoreError``, ``distributed.PeerLost``, ...) and says two things:
 
 - ``exit_code``: 2 for a user's mistake (bad config, arguments or input), 1 for a failure, 3 for a run
-  that diverged (a non-finite loss, gradient norm or weights: ``dflash.train.divergence.Diverged``);
+  that diverged (a non-finite loss, gradient norm or weights: ``dflash.train.divergence.Diverged``), 4 for
+  a run whose last checkpoint the disk had no room for (``dflash.checkpoint.room.DiskFull``);
 - ``traceback``: False for a message that names its cause (``dflash.__main__.main`` prints ``line()`` and
   returns the code: never a traceback for a user's mistake); True for a run's failure mid-training (a
   worker error, a lost peer, a checkpoint that could not be written), which leaves the process with its
@@ -22,6 +23,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2  # bad config, arguments or input; also click's usage errors
 EXIT_DIVERGED = 3  # training stopped at a non-finite update, without a checkpoint (dflash.train.divergence)
+EXIT_DISK_FULL = 4  # the run's last checkpoint could not be written for want of disk space (dflash.checkpoint.room)
 
 
 class DflashError(Exception):
@@ -67,6 +69,7 @@ class Failed(DflashError):
 
 __all__ = [
     "EXIT_CONFIG",
+    "EXIT_DISK_FULL",
     "EXIT_DIVERGED",
     "EXIT_FAILED",
     "EXIT_OK",

@@ -11,6 +11,10 @@ config.json, a server's answer) goes through ``loads``:
 - a string holding a lone surrogate (``"\\ud800"``: an emoji cut in half) is refused: it is valid JSON but
   not text, and a tokenizer fails on it with a TypeError (``bad-text``).
 
+A UTF-8 byte order mark (``BOM``, what Windows editors put first) at the start of a file a user gives us is
+the file's encoding mark, never content: every reader drops it (``without_bom``: ``loads``, ``read_text``,
+``read_json``, ``head``, the run config), so the same bytes get the same answer from every command.
+
 ``loads`` raises ``JsonProblem`` with a ``reason`` (``bad-json`` or ``bad-text``, the drop reasons of the
 corpus commands) and a message; callers say where (file, line) in their own words. ``open_regular`` opens a
 path only when it is a regular file (a FIFO would block the read forever, a folder fails later).
@@ -41,6 +45,18 @@ MAX_JSON_FILE_BYTES = 64 << 20  # a report or config.json larger than this is no
 
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # JSON can spell a surrogate only as an escape
 _CONTAINERS = (dict, list)
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark
+
+
+@t.overload
+def without_bom(data: bytes) -> bytes: ...
+@t.overload
+def without_bom(data: str) -> str: ...
+def without_bom(data: bytes | str) -> bytes | str:
+    """``data`` without a leading UTF-8 byte order mark (a file's first bytes, or its text)."""
+    if isinstance(data, bytes):
+        return data[len(BOM) :] if data.startswith(BOM) else data
+    return data[1:] if data.startswith("\ufeff") else data
 
 
 class JsonProblem(InputError, ValueError):
@@ -108,6 +124,7 @@ def _walk(value: t.Any, max_depth: int) -> None:
 
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> t.Any:
     """``json.loads`` for what a user hands us: bounded, finite and text (module doc). JsonProblem if not."""
+    data = without_bom(data)
     try:
         value = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
@@ -163,11 +180,18 @@ def read_bytes(path: str | os.PathLike[str], what: str, *, max_bytes: int | None
 
 def read_text(path: str | os.PathLike[str], what: str) -> str:
     """A regular file as UTF-8 text (InputFileError, one line, when it is not)."""
-    data = read_bytes(path, what)
+    data = without_bom(read_bytes(path, what))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputFileError(f"{what}: {path} is not UTF-8 text (byte {e.start})") from None
+
+
+def head(path: str | os.PathLike[str], size: int = 4096) -> bytes:
+    """A file's first ``size`` bytes without a BOM and leading white space: what says a JSON array from JSON
+    lines (``[`` first) or an empty file."""
+    with open(path, "rb") as f:
+        return without_bom(f.read(size)).lstrip()
 
 
 def read_json(path: str | os.PathLike[str], what: str) -> t.Any:
@@ -294,6 +318,9 @@ __all__ = [
     "InputFileError",
     "JsonProblem",
     "loads",
+    "BOM",
+    "head",
+    "without_bom",
     "open_regular",
     "read_bytes",
     "read_json",

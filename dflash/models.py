@@ -30,6 +30,8 @@ from dflash.config import ConfigError, RunConfig
 from dflash.data.chat import load_tokenizer
 from dflash.dtypes import torch_dtype
 from dflash.errors import DataError
+from dflash.model import config_keys
+from dflash.model.contract import ContractError
 from dflash.model.drafter import (
     DFLASH2_KEYS,
     DFlashDraftConfig,
@@ -164,8 +166,12 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
     """The drafter of ``drafter.init_from`` (ours or a published z-lab folder), checked against this run."""
     d = cfg.drafter
     key = "drafter.init_from"
+    folder = Path(t.cast(str, d.init_from)).expanduser()
     try:
-        model = ckpt.load_drafter(Path(t.cast(str, d.init_from)).expanduser())
+        config_keys.check_folder(folder)  # a published key we do not compute: refused, not ignored
+        model = ckpt.load_drafter(folder)
+    except ContractError as e:
+        raise ConfigError(key, f"{d.init_from}: {e}") from None
     except CheckpointError as e:
         raise ConfigError(key, str(e)) from None
     c = model.config

@@ -29,6 +29,8 @@ import threading
 import time
 import typing as t
 
+from ops.redaction import Scrubber, url_secrets
+
 ANSWER_CAP = 4096  # bytes of an HTTP answer's body the worker reads; the rest is never read
 BODY_WAIT = 5.0  # seconds the worker reads a body for (a trickle ends there)
 DEADLINE = 30.0  # seconds one delivery may take, connection to answer: then the worker is killed
@@ -245,17 +247,22 @@ def _bound_requests() -> None:
 
 
 class _Words(logging.Handler):
-    """apprise's last warning: why a delivery failed, for the supervisor's log."""
+    """apprise's last warning: why a delivery failed, for the supervisor's log. Scrubbed of the URL's
+    secrets BEFORE it is cut (a token straddling the cut must not leave its head)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scrub: t.Callable[[str], str]) -> None:
         super().__init__(logging.WARNING)
+        self.scrub = scrub
         self.last = ""
+
+    def said(self, text: str) -> None:
+        self.last = self.scrub(text)[:ERROR_CHARS]
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.last = record.getMessage()[:ERROR_CHARS]
+            self.said(record.getMessage())
         except Exception:
-            self.last = str(record.msg)[:ERROR_CHARS]
+            self.said(str(record.msg))
 
 
 def _say(obj: t.Mapping[str, t.Any]) -> None:
@@ -281,7 +288,7 @@ def worker() -> int:
         _say({"ok": False, "error": f"{sys.executable} cannot import apprise"})
         return 1
     _bound_requests()
-    words = _Words()
+    words = _Words(Scrubber(url_secrets(url)))
     logging.getLogger("apprise").addHandler(words)
     service = apprise.Apprise()
     if not service.add(url):
@@ -300,7 +307,8 @@ def worker() -> int:
         try:
             ok = bool(service.notify(body=body, title=title, notify_type=kind))
         except Exception as e:  # a plugin's bug: this message fails, the next may get through
-            ok, words.last = False, f"apprise raised {type(e).__name__}: {e}"[:ERROR_CHARS]
+            ok = False
+            words.said(f"apprise raised {type(e).__name__}: {e}")
         signal.alarm(0)
         _say({"ok": ok, "error": "" if ok else words.last or "apprise said the delivery failed"})
     return 0

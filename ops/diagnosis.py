@@ -174,6 +174,15 @@ def diverged_line(lines: t.Sequence[str], exit_code: int | None) -> tuple[str, s
     return (m.group("what"), m.group(0)) if m else None
 
 
+def disk_full_line(lines: t.Sequence[str], exit_code: int | None) -> str | None:
+    """The trainer's own verdict on a last checkpoint it could not write: exit 4 (dflash.errors'
+    EXIT_DISK_FULL) with its ``dflash: disk full: ...`` line as the log's last line, or None."""
+    if exit_code != EXIT_DISK_FULL:
+        return None
+    last = next((x.strip() for x in reversed(capped(lines)) if x.strip()), None)
+    return last if last is not None and last.startswith("dflash: disk full: ") else None
+
+
 def spike_line(s: wire.Spike) -> str:
     """A loss-spike record as the trainer's own warning line says it (dflash.train.divergence.Spike.line)."""
     return (
@@ -202,6 +211,7 @@ class Progress:
 
 LINE_CAP = 2000  # characters of one line any pattern here reads: the trainer's own lines are shorter
 EXIT_DIVERGED = 3  # dflash.errors: the trainer's exit code for a non-finite update (Diverged)
+EXIT_DISK_FULL = 4  # dflash.errors: the run's last checkpoint could not be written (DiskFull)
 _RECOVERED = "retrying once with the batch halved"  # the trainer's CUDA OOM it recovered from (pipeline.py)
 _PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")  # torchrun's per-rank prefixes
 _CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
@@ -309,6 +319,9 @@ def diagnose(
     div = diverged_line(lines, exit_code)
     if div is not None:  # the trainer's own verdict: nothing else in the tail explains the end better
         return Diagnosis(Cause.DIVERGED, short(div[0], 400), evidence=[f"log: {short(div[1], 300)}"])
+    full = disk_full_line(lines, exit_code)
+    if full is not None:  # the trainer's own verdict: its last checkpoint was not written
+        return Diagnosis(Cause.DISK_FULL, short(full, 400), evidence=[f"log: {short(full, 300)}"])
     if oom_before is not None and oom_after is not None and oom_after > oom_before:
         how = f"signal {signal}" if signal else f"exit {exit_code}"
         return Diagnosis(

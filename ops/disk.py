@@ -4,7 +4,8 @@ and `sync failed` flags (docs/design.md section 6), from the agent's checkpoint 
 
 The rule, the trainer's own (``dflash.checkpoint.room.make_room``): before a checkpoint is written, the run's
 checkpoints that ``keep`` lets go after it may be pruned first (all of the run's but its ``keep - 1``
-newest, never ``best``). So the next checkpoint needs ``next_needs_bytes`` = its size (the run's last
+newest, never ``best``, never the newest: it goes once the next one is written), and only when that makes the
+next one fit. So the next checkpoint needs ``next_needs_bytes`` = its size (the run's last
 checkpoint's) less what that pruning frees, and the disk is low when fewer bytes than that are free, or
 fewer than ``warn_bytes`` (``[checkpoint] disk_warn_gb``; by default one checkpoint's size: the next
 checkpoint fits only by pruning early).
@@ -84,7 +85,8 @@ def next_needs(
     last = mine[-1].bytes
     freed = 0
     if keep:
-        freed = sum(c.bytes for c in mine[: max(0, len(mine) + 1 - keep)] if c.step != best_step)
+        # the newest is never pruned for one not yet written (dflash.checkpoint.room): it goes once the next is
+        freed = sum(c.bytes for c in mine[: max(0, min(len(mine) - 1, len(mine) + 1 - keep))] if c.step != best_step)
     return last, max(0, last - freed)
 
 

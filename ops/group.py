@@ -8,7 +8,6 @@ host at once (a thread and a connection each) and prints one line per host, then
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import typing as t
 
@@ -241,6 +240,8 @@ def fan_out(hosts: t.Sequence[Host], fn: t.Callable[[Host], T], *, max_workers: 
             return Outcome(h.name, value=fn(h))
         except Exception as e:  # reported per host by the caller
             return Outcome(h.name, error=e)
+
+    import concurrent.futures as cf  # here: hosts.toml's parse (every command's start-up) imports this module
 
     with cf.ThreadPoolExecutor(max_workers=min(max_workers, len(hosts)), thread_name_prefix="group") as pool:
         return list(pool.map(one, hosts))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing as t
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from ops import session as run
 from ops.far import records
 from ops.group import fan_out
 from ops.hosts import Host
+from ops.redaction import Scrubber, secret_values
 from ops.states import Cause, State
 from ops.times import duration, parse_iso
 
@@ -234,8 +236,9 @@ def fetch(remote: Remote, session: str | None, last: int | None = None) -> dict[
     return run.ask(remote, "history", req, timeout=HISTORY_TIMEOUT, lacking="has no history")
 
 
-def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
-    """The incidents restart-on-crash wrote for ``name`` (a host, or ``group NAME``) and ``session``, by time."""
+def load_incidents(state_dir: Path, name: str, session: str, scrub: t.Callable[[str], str] = str) -> list[Incident]:
+    """The incidents restart-on-crash wrote for ``name`` (a host, or ``group NAME``) and ``session``, by time;
+    each text scrubbed (``scrub``) before it is cut."""
     found = []
     for p in sorted((state_dir / "incidents").glob("*.json")):
         try:
@@ -247,7 +250,7 @@ def load_incidents(state_dir: Path, name: str, session: str) -> list[Incident]:
 
         def text(key: str) -> str | None:
             v = d.get(key)  # noqa: B023
-            return v[:TEXT_KEEP] if isinstance(v, str) else None
+            return scrub(v)[:TEXT_KEEP] if isinstance(v, str) else None
 
         def whole(key: str) -> int | None:
             v = d.get(key)  # noqa: B023
@@ -416,18 +419,20 @@ def history(
 ) -> History:
     """The history of one host (``name`` = its name) or a group's nodes (``name`` = ``group NAME``)."""
     sess = run.session_name(hosts[0], session)
+    # what the runs printed (a crash's detail, the log tail, why a supervisor restarted) is shown scrubbed
+    scrub = Scrubber(secret_values(hosts, os.environ))
 
     def one(h: Host) -> dict[str, t.Any]:
         remote = connect(h)
         try:
-            return fetch(remote, sess, last)
+            return t.cast(dict[str, t.Any], scrub.tree(fetch(remote, sess, last)))
         finally:
             remote.close()
 
     incidents: list[Incident] = []
     if state_dir is not None:
         for who in dict.fromkeys([name, *(h.name for h in hosts)]):
-            incidents.extend(load_incidents(state_dir, who, sess))
+            incidents.extend(load_incidents(state_dir, who, sess, scrub))
         incidents.sort(key=lambda i: parse_iso(i.time) or 0.0)
     rows: list[Row] = []
     total: dict[str, int] = {}

@@ -80,6 +80,9 @@ class Host:
     known_hosts: str | None = None
     ssh_config: str = "~/.ssh/config"
     connect_timeout: float = 10.0
+    # Seconds a connection keeper (ops/transport/keeper.py) holds the ssh connection after its last use,
+    # for later dflashctl calls to reuse; 0: none, every call connects afresh.
+    keep_connection: float = 0.0
     container: int | None = None
     pct: tuple[str, ...] = ("pct",)
     proxmox: ProxmoxApi | None = None
@@ -217,7 +220,10 @@ _SSH = {
     "known_hosts",
     "ssh_config",
     "connect_timeout",
+    "keep_connection",
 }
+# A keeper idles at most a day: a connection kept past that is one nobody uses.
+KEEP_CONNECTION_MAX = 86400.0
 # A Proxmox container: reached over ssh, or with transport = "local" by dflashctl running on the Proxmox
 # host itself (pct exec directly, no ssh: the supervisor `dflashctl supervise install` puts there).
 _CONTAINER = {"container", "pct", "proxmox", "supervise"}
@@ -311,6 +317,13 @@ def _parse_host(name: str, raw: t.Any, base: Path) -> Host:
             keypath.ssh_path(kw[key], f"{p}.{key}")
     if "connect_timeout" in raw:
         kw["connect_timeout"] = keypath.number(raw["connect_timeout"], f"{p}.connect_timeout", minimum=0.1)
+    if "keep_connection" in raw:
+        keep = keypath.number(raw["keep_connection"], f"{p}.keep_connection", minimum=0)
+        if keep > KEEP_CONNECTION_MAX:
+            raise ConfigError(
+                f"{p}.keep_connection", f"expected at most {KEEP_CONNECTION_MAX:.0f} seconds (a day), got {keep:g}"
+            )
+        kw["keep_connection"] = keep
     if "proxmox" in raw:
         kw["proxmox"] = _parse_proxmox(raw["proxmox"], f"{p}.proxmox", default_host=kw["address"])
     return Host(**kw)
@@ -338,15 +351,19 @@ SYSTEM_DIRS = frozenset(
 )
 
 
-def supervise_dir_problem(value: str) -> str | None:
+def supervise_dir_problem(value: str, *, resolve: bool = False) -> str | None:
     """Why ``value`` cannot be the supervisor's folder on the host (None: it can). The operator's side and
-    the host's check it alike."""
+    the host's check it alike; the host (``resolve``) also checks where it really is, links followed: a
+    folder of dflashctl's below a link to /var may be /var/local."""
     if not value.startswith("/") or "\0" in value:
         return "expected an absolute path on the Proxmox host"
     if os.path.normpath(value) != value or value.startswith("//"):
         return f"expected a normalised path (no '.', '..', '//' or trailing '/'): {os.path.normpath(value)!r}?"
     if value in SYSTEM_DIRS:
         return "a folder of the system itself: give a folder of dflashctl's own below it (default /var/lib/dflashctl)"
+    real = os.path.realpath(value) if resolve else value
+    if real in SYSTEM_DIRS:
+        return f"{value} is {real} through a link: a folder of the system itself; give a folder of dflashctl's own"
     return None
 
 

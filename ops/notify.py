@@ -32,6 +32,10 @@ import urllib.parse
 from ops import errors
 from ops.courier import Courier
 from ops.hosts import Host
+from ops.redaction import HOST_SCHEMES, Scrubber, url_secrets
+from ops.redaction import MIN_SECRET as MIN_SECRET  # re-exported: the notifier's words
+from ops.redaction import REDACTED as REDACTED
+from ops.redaction import secret_values as secret_values
 from ops.states import Action, State
 
 logger = logging.getLogger(__name__)
@@ -44,47 +48,18 @@ MAX_RETRY = 60.0
 FLUSH = 2.0  # seconds the supervisor's exit waits for the messages still queued (its last words); then it ends them
 TAIL_LINES = 10  # log lines in a message
 EVIDENCE_LINES = 5
-MIN_SECRET = 4  # shorter env values ("0", "1", "yes") are no secrets, and scrubbing them would blank every digit
-REDACTED = "[redacted]"
-# Schemes whose host part is a machine's name (webhooks), not a token: a label may show it.
-HOST_SCHEMES = {"json", "jsons", "xml", "xmls", "form", "forms", "ntfy", "ntfys", "gotify", "gotifys", "mailto"}
 
 
 # --------------------------------------------------------------------------------------------
 # Secrets
 
 
-def secret_values(hosts: t.Iterable[Host], environ: t.Mapping[str, str]) -> list[str]:
-    """What no message may carry: every value of each host's ``env``, and the value of each host's
-    ``[proxmox] token_value_env`` variable as this machine has it."""
-    out: list[str] = []
-    for h in hosts:
-        out.extend(h.env.values())
-        out.extend(environ[name] for name in h.secret_env if environ.get(name))
-    return out
-
-
 def notifier_for(
     urls: t.Sequence[str], hosts: t.Iterable[Host], environ: t.Mapping[str, str], say: t.Callable[[str], None]
 ) -> Notifier:
     """The Notifier of a supervisor watching ``hosts`` (restart-on-crash's and the Proxmox host's alike):
-    every secret of those hosts is scrubbed from its messages."""
+    every secret of those hosts is scrubbed from its messages, in every form (ops/redaction.py)."""
     return Notifier(urls, secrets=secret_values(hosts, environ), say=say)
-
-
-class Scrubber:
-    """Replaces each secret (``MIN_SECRET`` characters or more) wherever it occurs, longest first (a
-    secret that contains another is replaced whole)."""
-
-    def __init__(self, secrets: t.Iterable[str]) -> None:
-        found = {s for s in secrets if isinstance(s, str) and len(s) >= MIN_SECRET}
-        self.secrets = sorted(found, key=len, reverse=True)
-
-    def __call__(self, text: str) -> str:
-        for s in self.secrets:
-            if s in text:
-                text = text.replace(s, REDACTED)
-        return text
 
 
 class _ScrubFilter(logging.Filter):
@@ -343,7 +318,7 @@ class Notifier:
         max_retry: float = MAX_RETRY,
         services: t.Sequence[Service] | None = None,
     ) -> None:
-        self.scrub = Scrubber([*secrets, *urls])
+        self.scrub = Scrubber([*secrets, *(x for u in urls for x in url_secrets(u))])
         self._say = say or (lambda text: logger.warning("%s", text))
         self.tries, self.first_retry, self.max_retry = max(1, tries), first_retry, max_retry
         self.sent = self.failed = self.dropped = 0

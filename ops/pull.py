@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import hashlib
 import os
+import shutil
+import stat
 import typing as t
 from pathlib import Path
 
@@ -194,32 +197,73 @@ def _ask(remote: Remote, verb: str, req: t.Mapping[str, t.Any], timeout: float) 
         raise PullError(str(e).replace(f": {verb}: ", ": ", 1)) from None
 
 
-def check_dest(dest: Path, src: Source) -> None:
-    """DEST holds nothing but this checkpoint's files and their .part files; created when missing."""
+def check_dest(dest: Path, src: Source) -> set[str]:
+    """DEST holds nothing but this source's files and their .part files, each a plain file (lstat: a link
+    planted there is never followed), each file already there this source's own (its sha256), and room for
+    what is left to fetch; created when missing. Returns the names already there and right."""
+    if dest.is_symlink() and not dest.exists():
+        raise PullError(f"{dest}: a link to nothing: pull into a folder")
     if dest.exists() and not dest.is_dir():
         raise PullError(f"{dest}: exists and is not a folder")
     if not dest.exists():
+        _room(dest, src, src.size)
         try:
             dest.mkdir(parents=True)
         except OSError as e:
             raise PullError(f"cannot create {dest}: {e.strerror or e}") from None
-        return
+        return set()
     ours = {f.name for f in src.files} | {f.name + PART for f in src.files}
     try:
-        foreign = sorted(n for n in os.listdir(dest) if n not in ours)
+        names = sorted(os.listdir(dest))
+        kinds = {n: os.lstat(dest / n).st_mode for n in names}
     except OSError as e:
         raise PullError(f"cannot list {dest}: {e.strerror or e}") from None
+    odd = [n for n in names if not stat.S_ISREG(kinds[n])]
+    if odd:
+        what = "a link" if stat.S_ISLNK(kinds[odd[0]]) else "not a plain file"
+        raise PullError(
+            f"{dest / odd[0]} is {what}: pull writes plain files only and never through a link; "
+            "pull into an empty or new folder"
+        )
+    foreign = [n for n in names if n not in ours]
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise PullError(
             f"{dest} holds files that are not part of {src.label} ({', '.join(foreign[:3])}{more}): "
             "pull into an empty or new folder"
         )
-    manifest = dest / checkpoints.MANIFEST
-    want = next((f for f in src.files if f.name == checkpoints.MANIFEST), None)
-    if want is not None and manifest.is_file() and _sha256(manifest) != want.sha256:
+    kept: set[str] = set()
+    need = 0
+    # the manifest first (the agent lists it last): a wrong one names the other checkpoint
+    for f in sorted(src.files, key=lambda f: f.name != checkpoints.MANIFEST):
+        final, part = dest / f.name, dest / (f.name + PART)
+        if f.name in kinds and (final.stat().st_size != f.size or _sha256(final) != f.sha256):
+            other = "checkpoint" if src.kind == "checkpoint" else "export"
+            raise PullError(
+                f"{dest} holds another {other} (its {f.name} is not {src.label}'s): pull into another folder"
+            )
+        if f.name in kinds and f.name + PART not in kinds:
+            kept.add(f.name)
+            continue
+        have = part.stat().st_size if f.name + PART in kinds else 0
+        need += f.size - have if have <= f.size else f.size
+    _room(dest, src, need)
+    return kept
+
+
+def _room(dest: Path, src: Source, need: int) -> None:
+    """Refused before a byte moves when the files left to fetch are bigger than DEST's free space."""
+    where = dest
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return  # not known: the write itself says so
+    if need > free:
         raise PullError(
-            f"{dest} holds another checkpoint (its {checkpoints.MANIFEST} is not {src.label}'s): pull into another folder"
+            f"{where} has {_mib(free)} free, and {src.label} needs {_mib(need)} more ({len(src.files)} files, "
+            f"{_mib(src.size)} in all): nothing was fetched; free some space or pull elsewhere"
         )
 
 
@@ -241,11 +285,36 @@ def _hasher(path: Path, upto: int | None = None) -> t.Any:
     return h
 
 
+def _open_part(part: Path, resume: bool) -> t.BinaryIO:
+    """A .part file of ours: created new (O_EXCL: whatever was there is gone first), or one we wrote,
+    continued; never through a link (O_NOFOLLOW: a link planted meanwhile is refused, not followed)."""
+    flags = (os.O_RDWR if resume else os.O_WRONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+    if not resume:
+        part.unlink(missing_ok=True)
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(part, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PullError(f"{part} is a link: pull writes plain files only and never through a link") from None
+        if e.errno == errno.EEXIST:  # put there since the unlink: not ours
+            raise PullError(f"{part} appeared while pulling: pull writes only files it creates") from None
+        raise
+    return os.fdopen(fd, "r+b" if resume else "wb")
+
+
 class _Fetcher:
     """Brings files of ``src`` into DEST, counting calls and bytes; ``progress(n)`` after each chunk."""
 
-    def __init__(self, remote: Remote, session: str | None, src: Source, progress: t.Callable[[int], None]) -> None:
-        self.remote, self.src, self.progress = remote, src, progress
+    def __init__(
+        self,
+        remote: Remote,
+        session: str | None,
+        src: Source,
+        progress: t.Callable[[int], None],
+        kept: t.Collection[str] = (),
+    ) -> None:
+        self.remote, self.src, self.progress, self.kept = remote, src, progress, kept
         self.req = request(remote, session)
         if src.kind == "export":
             self.req["export"] = src.dir
@@ -271,12 +340,18 @@ class _Fetcher:
 
     def into(self, f: RemoteFile, part: Path, resume: bool) -> tuple[str, bool]:
         """Fill ``part`` (from its size when ``resume``); (its sha256, whether it went on from a .part)."""
-        have = part.stat().st_size if resume and part.exists() else 0
+        try:
+            st = os.lstat(part) if resume else None
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise PullError(f"{part} is a link: pull writes plain files only and never through a link")
+        have = st.st_size if st is not None else 0
         if have > f.size:
             have = 0  # longer than the file: not a piece of it
         h = _hasher(part, have) if have else hashlib.sha256()
         self.progress(have)
-        with open(part, "r+b" if have else "wb") as out:
+        with _open_part(part, have > 0) as out:
             out.seek(have)
             out.truncate()
             offset = have
@@ -293,7 +368,7 @@ class _Fetcher:
 
     def file(self, f: RemoteFile, dest: Path) -> str:
         final, part = dest / f.name, dest / (f.name + PART)
-        if final.is_file() and not part.exists() and final.stat().st_size == f.size and _sha256(final) == f.sha256:
+        if f.name in self.kept:  # there and right (check_dest summed it)
             self.progress(f.size)
             return "kept"
         digest, resumed = self.into(f, part, resume=True)
@@ -324,10 +399,10 @@ def pull(
 ) -> Pulled:
     """Pull the checkpoint (or export) into ``dest``; ``on_source`` hears what it is before the bytes move."""
     src = source(remote, session, pick=pick, export=export)
-    check_dest(dest, src)
+    kept = check_dest(dest, src)
     if on_source is not None:
         on_source(src)
-    fetcher = _Fetcher(remote, session, src, progress or (lambda n: None))
+    fetcher = _Fetcher(remote, session, src, progress or (lambda n: None), kept)
     actions = {}
     try:
         for f in src.files:  # checkpoint.json last (the agent lists it last): a DEST with it is whole

@@ -40,9 +40,13 @@ def connect(host: Host) -> Remote:
 
 def connect_host(host: Host) -> Transport:
     """The transport to the machine itself (the Proxmox host, not its container): this machine for a
-    local host, else one ssh connection."""
+    local host, else one ssh connection: the host's connection keeper's when it has one (``keep_connection``)."""
     if host.is_local:
         return LocalTransport()
+    if host.keep_connection > 0:
+        from ops.transport import keeper  # stdlib only: paramiko waits until a direct connection is needed
+
+        return keeper.connect(host)
     from ops.transport import SSHTransport  # here: paramiko is imported for ssh hosts only
 
     return SSHTransport.connect(host)

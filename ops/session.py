@@ -8,11 +8,11 @@ so a common `status` costs one connection and one remote command. When the agent
 from __future__ import annotations
 
 import contextlib
-import getpass
 import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import typing as t
@@ -121,11 +121,113 @@ def _raw_or_down(
 
 
 def status(host: Host, session: str | None, connect: t.Callable[[], Remote]) -> Status:
-    from ops.probe import (
-        classify,  # here: gather needs none of classify's modules (ops/cli/run.py loads them meanwhile)
-    )
+    return verdict(host, gather(host, session, connect))
 
-    return classify(gather(host, session, connect))
+
+def verdict(host: Host, facts: dict[str, t.Any]) -> Status:
+    """The facts classified, every text the run could have printed scrubbed of the host's secrets (its
+    ``env`` values, its token's): what every form of status shows, as the supervisor's messages do."""
+    # here: gather needs none of these modules (ops/cli/run.py loads them meanwhile)
+    from ops.probe import classify
+    from ops.redaction import Scrubber, scrubbed_status, secret_values
+
+    return scrubbed_status(classify(facts), Scrubber(secret_values([host], os.environ)))
+
+
+def shown_facts(host: Host, facts: dict[str, t.Any]) -> t.Any:
+    """``status --facts``: the facts as read, the host's secrets scrubbed."""
+    from ops.redaction import Scrubber, secret_values
+
+    return Scrubber(secret_values([host], os.environ)).tree(facts)
+
+
+# The global options and status options ``quick_status`` reads (each takes a value); any other word is the CLI's.
+_QUICK_GLOBAL: tuple[str, ...] = ("--hosts", "--host")
+_QUICK_STATUS: tuple[str, ...] = ("--session",)
+
+
+def _quick_words(argv: t.Sequence[str]) -> dict[str, t.Any] | None:
+    """``[--hosts P] [--host N] status [--json] [--session S]`` read into a dict; None for any other line."""
+    words: dict[str, t.Any] = {"--hosts": None, "--host": None, "--session": None, "--json": False}
+    allowed, i, seen_status = _QUICK_GLOBAL, 0, False
+    while i < len(argv):
+        word = argv[i]
+        name, eq, value = word.partition("=")
+        if not seen_status and word == "status":
+            allowed, seen_status = _QUICK_STATUS, True
+        elif seen_status and word == "--json" and not words["--json"]:
+            words["--json"] = True
+        elif name in allowed and words[name] is None:
+            if not eq:
+                i += 1
+                if i == len(argv) or argv[i].startswith("-"):
+                    return None
+                value = argv[i]
+            if not value:
+                return None
+            words[name] = value
+        else:
+            return None
+        i += 1
+    return words if seen_status else None
+
+
+def quick_status(argv: t.Sequence[str]) -> int | None:
+    """``dflashctl [--hosts P] [--host N] status [--json] [--session S]`` without click: the same output and
+    exit code as the CLI's status, for a start-up that imports only what status needs (click and the CLI's
+    commands were a third of its CPU). None, having printed nothing, for any other command line and for
+    anything the CLI words better (a config error): the caller then runs the full CLI."""
+    words = _quick_words(argv)
+    if words is None:
+        return None
+    import logging
+
+    from ops import remote as remotes
+    from ops.exit_codes import exit_code_for_state
+    from ops.hosts import load_inventory
+
+    try:
+        host = load_inventory(words["--hosts"]).get(words["--host"])
+        session = session_name(host, words["--session"])
+    except errors.OpsError:
+        return None
+    if host.keep_connection > 0 and not host.is_local:
+        from ops.transport import keeper
+
+        kept = keeper.ask(host, "status", {"session": session}, timeout=PROBE_TIMEOUT + 30)
+        if kept is not None:  # the whole status from the keeper's warm process: no classify to import here
+            print(json.dumps(kept["json"]) if words["--json"] else "\n".join(kept["lines"]))
+            return int(kept["code"])
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )  # as the CLI's (ops.cli.init_logging): a refused keeper's warning
+    opened: list[Remote] = []
+
+    def connect() -> Remote:
+        opened.append(remotes.connect(host))
+        import_beside("ops.probe")  # classify's modules load while the agent runs, as in the CLI
+        return opened[-1]
+
+    try:
+        facts = gather(host, session, connect)
+        st = verdict(host, facts)
+    except errors.OpsError:
+        return None  # read-only so far: the full CLI asks again and words the error
+    finally:
+        for r in opened:
+            r.close()
+    print(json.dumps(st.to_json()) if words["--json"] else "\n".join(st.lines()))
+    return int(exit_code_for_state(st.state))
+
+
+def kept_status(host: Host, args: t.Mapping[str, t.Any], connection: t.Callable[[], t.Any]) -> dict[str, t.Any]:
+    """status in a connection keeper's process (ops/transport/keeper.py ``CALLS``), over its connection:
+    what ``quick_status`` prints, for either form, and the exit code."""
+    from ops import remote as remotes
+    from ops.exit_codes import exit_code_for_state
+    # the keeper's connection is the keeper's: wrapped, never closed here
+    st = verdict(host, gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
+    return {"json": st.to_json(), "lines": st.lines(), "code": int(exit_code_for_state(st.state))}
 
 
 def import_beside(name: str) -> threading.Thread:
@@ -155,6 +257,15 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
         return RunResult(res.exit_code, res.out, res.err, res.timed_out)
 
     tf = tmux_facts(run, host.tmux_socket, session)  # the agent's own reading of tmux, asked from here
+    if tf["exit_code"] not in (0, None) and not tf["stderr"] and not tf["timed_out"]:
+        # tmux says why whenever it fails (no server, no session, not installed): a failure without a word
+        # is the way in failing (a pct that runs but fails, a wrapper or sudo refusing). Nothing inside was
+        # read: blind, never not-started.
+        raise errors.UnreachableError(
+            host.label,
+            f"nothing inside can be read: {reason}; tmux, asked the same way, exited {tf['exit_code']} without a "
+            "word (a pct, wrapper or sudo that fails silently?)",
+        )
     capture = None
     if tf["exit_code"] == 0:
         cap = remote.run(tmux.capture_argv(host.tmux_socket, session, FALLBACK_LINES), timeout=TAIL_TIMEOUT)
@@ -172,6 +283,8 @@ def raw_facts(remote: Remote, host: Host, session: str, *, reason: str) -> dict[
 
 def operator_start(replace: bool = False) -> dict[str, t.Any]:
     """run.json's ``started_by`` for a start by hand: who and where (``dflashctl history`` shows it)."""
+    import getpass  # here: start's alone (status and tail never ask who you are)
+
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container's bare uid)

@@ -80,6 +80,7 @@ class EngineDouble:
         nan_at: int | None = None,
         completion_tokens: int | None = None,
         spec_details: bool = True,
+        miscount: str | None = None,
     ) -> None:
         if flavor not in ("vllm", "sglang"):
             raise ValueError(f"flavor: vllm or sglang, got {flavor!r}")
@@ -95,6 +96,11 @@ class EngineDouble:
         self.reset_at, self.nan_at, self.completion_tokens = reset_at, nan_at, completion_tokens
         self.metrics_requests = 0  # GETs of /metrics
         self.spec_details = spec_details  # False: a build that answers no spec_tokens_details
+        # vLLM counters that cannot all be true: "accepted" x4 (more than drafted), "positions" x3 (over
+        # 100%), "sum" (position 1 never counted: the positions do not sum to the accepted tokens)
+        if miscount not in (None, "accepted", "positions", "sum"):
+            raise ValueError(f"miscount: accepted, positions or sum, got {miscount!r}")
+        self.miscount = miscount
         self.requests: list[dict[str, t.Any]] = []
         self._lock = threading.Lock()
         self._interval: list[int] = []  # SGLang: accepted drafts of the steps since the last log
@@ -183,9 +189,10 @@ class EngineDouble:
                 if self.flavor == "vllm":
                     self.drafts.inc()
                     self.draft_tokens.inc(self.block_size - 1)
-                    self.accepted_tokens.inc(a)
+                    self.accepted_tokens.inc(a * (4 if self.miscount == "accepted" else 1))
                     for k in range(a):
-                        self.per_pos[k].inc()
+                        if not (self.miscount == "sum" and k == 0):
+                            self.per_pos[k].inc(3 if self.miscount == "positions" else 1)
                 else:
                     self._interval.append(a)
                     if len(self._interval) >= self.log_interval:  # the scheduler's decode log

@@ -271,7 +271,7 @@ def serve(program: str, path: str) -> None:
                         sys.argv = ["python -m dflash", *req["args"]]  # runpy puts __main__.py's path first
                         runpy.run_module("dflash", run_name="__main__", alter_sys=True)
                     else:
-                        from ops.cli import main
+                        from ops.console import main
 
                         sys.argv = ["dflashctl", *req["args"]]
                         main()  # the console script's entry: it ends with sys.exit (status: os._exit)

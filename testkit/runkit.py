@@ -109,3 +109,28 @@ while True:
         break
     os.write(1, d)
 """
+
+
+# A token with what each encoding changes: "/" "+" "=" (percent), '"' and "\\" (JSON, repr). 26 characters.
+LEAKY_TOKEN = 'hf_h5/Secret+Token=Zq8"w\\9'
+# The run prints it percent-encoded (a URL's query, as requests prints it), JSON- and repr-escaped, then
+# crashes with it in the exception's last line, placed to straddle the 200th character (the evidence's cut).
+_LEAK = (
+    "import json, os, sys, urllib.parse; t = os.environ['HF_TOKEN']\n"
+    "print('GET https://huggingface.co/api/whoami?token=' + urllib.parse.quote_plus(t), flush=True)\n"
+    "print('config: ' + json.dumps({'token': t}), flush=True)\n"
+    "print('args: ' + repr({'token': t}), flush=True)\n"
+    "raise ValueError('x' * 168 + t + ' was refused by the hub')\n"
+)
+
+
+def leaky_command(cmd: t.Sequence[str]) -> list[str]:
+    """``cmd``, then the leak above once it ends (``$HF_TOKEN`` from the host entry's env): it exits 1."""
+    return ["sh", "-c", '"$@"; exec python -c "$0"', _LEAK, *cmd]
+
+
+def leaked(text: str) -> list[str]:
+    """Each form of ``LEAKY_TOKEN`` whose first 10 characters (or more) are in ``text``: [] when none leaked."""
+    from ops.redaction import forms
+
+    return sorted(f for f in forms(LEAKY_TOKEN) if f[:10] in text)

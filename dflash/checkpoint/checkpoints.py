@@ -476,11 +476,15 @@ class CheckpointWriter:
         room_for: t.Callable[[Snapshot], t.Any] | None = None,
         on_skip: t.Callable[[int, t.Any], None] | None = None,
         on_written: t.Callable[[Path], None] | None = None,
+        room_after: t.Callable[[Snapshot, BaseException], t.Any] | None = None,
     ) -> None:
         self.root = Path(root)
         self.keep = keep
         # before each write: room on disk for it (``dflash.checkpoint.room.make_room``: a ``Room``, pruning early first)
         self.room_for = room_for
+        # after a failed write: a Room that does not fit when the disk was the cause (``room.after_failure``), else None
+        self.room_after = room_after
+        self.skipped: int | None = None  # the step of the last snapshot skipped for want of room
         self.on_skip = on_skip  # a checkpoint skipped for want of room: the caller records it
         self.on_written = on_written  # a checkpoint is on disk (from the writer's thread: must not block)
         self.protect = protect  # steps pruning must leave alone (evals in flight): write_checkpoint
@@ -503,7 +507,14 @@ class CheckpointWriter:
         try:
             if self._skip(snap):
                 return
-            self.written = write_checkpoint(self.root, snap, keep=self.keep, protect=self.protect)
+            try:
+                self.written = write_checkpoint(self.root, snap, keep=self.keep, protect=self.protect)
+            except Exception as e:  # a disk that filled during the write: skipped like one with no room
+                found = self.room_after(snap, e) if self.room_after is not None else None
+                if found is None:
+                    raise
+                self._skipped(snap, found)
+                return
             self._spare = snap
             if self.on_written is not None:
                 self.on_written(self.written)
@@ -522,19 +533,31 @@ class CheckpointWriter:
         room = self.room_for(snap)
         if room.fits:
             return False
+        self._skipped(snap, room)
+        return True
+
+    def _skipped(self, snap: Snapshot, room: t.Any) -> None:
         self._spare = snap  # its buffers are free again
+        self.skipped = snap.step
+        if room.failed is not None:
+            why = f" (the write stopped: {room.failed})"
+        elif room.pruned:
+            why = f" after pruning {len(room.pruned)}"
+        elif room.freeable:
+            why = f" (pruning what keep lets go would free only {room.freeable / 2**20:.1f} MiB: nothing pruned)"
+        else:
+            why = " (nothing keep lets go)"
         logger.warning(
             "checkpoint step %d skipped: it needs %.1f MiB and %s has %.1f MiB free%s; the last checkpoint stays %s",
             snap.step,
             room.need / 2**20,
             self.root,
             room.free / 2**20,
-            f" after pruning {len(room.pruned)}" if room.pruned else " (nothing keep lets go)",
+            why,
             getattr(latest_complete(self.root, verify=False), "name", "none"),
         )
         if self.on_skip is not None:
             self.on_skip(snap.step, room)
-        return True
 
     def ended(self, step: int, timeout: float | None = None) -> bool:
         """From any thread: wait until the write of ``step`` (or a later one) has ended, written or failed

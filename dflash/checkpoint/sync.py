@@ -15,13 +15,16 @@ folder, which rclone and rsync do incrementally). Its output goes to ``sync.log`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 import typing as t
+import urllib.parse
 from pathlib import Path
 
 from dflash.config import SYNC_FIELD
@@ -30,12 +33,39 @@ logger = logging.getLogger("dflash.sync")  # the name train.log has always shown
 
 LOG_FILE = "sync.log"  # in the run dir: the sync command's stdout and stderr
 KILL_GRACE = 10.0  # seconds between the TERM and the KILL of a sync past its timeout
+REDACTED = "[redacted]"
+LINE_CHARS = 200  # the sync's last output line in its failure's one line
+_VERB = re.compile(r"[a-z]+")  # copy, sync, cp: a word of the command that is no secret
 
 
 def command(words: t.Sequence[str], *, folder: Path, step: int) -> list[str]:
     """The argv of one sync: the fields replaced in one pass (a path holding "{step}" stays as it is)."""
     values = {"dir": str(folder), "step": str(step)}
     return [SYNC_FIELD.sub(lambda m: values.get(m.group(1), m.group(0)), w) for w in words]
+
+
+def command_secrets(words: t.Sequence[str]) -> list[str]:
+    """The sync command's own words are secrets: a tool repeats them when it fails (rclone prints an inline
+    remote ``:s3,access_key_id=...,secret_access_key=...:bucket`` whole). Each argument but a lowercase
+    verb, a bare flag and the words we fill in ({dir}, {step}), and each value of a ``key=value`` in one."""
+    out: list[str] = []
+    for w in words[1:]:
+        if SYNC_FIELD.search(w) or _VERB.fullmatch(w) or (w.startswith("-") and "=" not in w):
+            continue
+        out.append(w)
+        for piece in re.split(r"[,:]", w):
+            value = piece.partition("=")[2]
+            if len(value) >= 4:
+                out.append(value)
+    return [x for x in out if len(x) >= 4]
+
+
+def scrub(text: str, secrets: t.Sequence[str]) -> str:
+    """``text`` with each secret replaced, as printed plain, percent-encoded, JSON- or repr-escaped."""
+    for s in sorted(secrets, key=len, reverse=True):
+        for form in (s, urllib.parse.quote(s, safe=""), urllib.parse.quote(s), json.dumps(s)[1:-1], repr(s)[1:-1]):
+            text = text.replace(form, REDACTED)
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +179,7 @@ class CheckpointSync:
             error = f"{self.name} ran past checkpoint.sync_timeout ({self.timeout:g} s): killed"
         elif code != 0:
             how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
-            last = last_line(self.log_path, offset) if self.log_path is not None else None
+            last = last_line(self.log_path, offset, command_secrets(self.words)) if self.log_path is not None else None
             error = f"{self.name} failed ({how})" + (f": {last}" if last else "")
         else:
             error = None
@@ -201,8 +231,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def last_line(path: Path | None, offset: int) -> str | None:
-    """The last non-empty line the sync wrote into its log (from ``offset``; its last 4 KiB), cut to 200."""
+def last_line(path: Path | None, offset: int, secrets: t.Sequence[str] = ()) -> str | None:
+    """The last non-empty line the sync wrote into its log (from ``offset``; its last 4 KiB), scrubbed of
+    ``secrets`` and THEN cut to ``LINE_CHARS`` (a secret cut first would leave its head)."""
     if path is None:
         return None
     try:
@@ -213,7 +244,7 @@ def last_line(path: Path | None, offset: int) -> str | None:
     except OSError:
         return None
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:200] if lines else None
+    return scrub(lines[-1], secrets)[:LINE_CHARS] if lines else None
 
 
-__all__ = ["LOG_FILE", "CheckpointSync", "SyncResult", "command"]
+__all__ = ["LOG_FILE", "CheckpointSync", "SyncResult", "command", "command_secrets"]

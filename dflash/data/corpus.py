@@ -164,7 +164,7 @@ def _json_array_to_jsonl(src: Path, dest: Path, command: str) -> None:
     string): each record is then read, and dropped with its number when bad, like a JSON line. A record
     nested too deeply for the parser is found by its brackets and kept as it is (its line is dropped)."""
     try:
-        text = inputs.read_bytes(src, f"{command}: --in").decode("utf-8")
+        text = inputs.without_bom(inputs.read_bytes(src, f"{command}: --in")).decode("utf-8")
     except inputs.InputFileError as e:
         raise CorpusError(str(e)) from None
     except UnicodeDecodeError as e:

@@ -768,8 +768,7 @@ def check_io(spec: RegenSpec) -> bytes:
     outputs.check_out(out, what=f"{COMMAND}: --out", kind="file", sources=[src], may_exist=False)
     if src.is_dir():
         return b""
-    with src.open("rb") as f:
-        head = f.read(4096).lstrip()
+    head = inputs.head(src)
     if not head:
         raise RegenError(f"regen: --in {src} is empty: no conversations")
     return head

@@ -438,7 +438,7 @@ def _prepare(spec: PrepareSpec, src: Path, out: Path, work: Path, log: t.Callabl
     try:
         tabular = tabular_kind(src, command=COMMAND)  # parquet / a datasets folder: rows, streamed to JSON lines
         work.mkdir(parents=True, exist_ok=True)
-        head = b"" if tabular else src.open("rb").read(4096).lstrip()
+        head = b"" if tabular else inputs.head(src)
         if not head and not tabular:
             raise StoreError(f"prepare-data: --in {src} is empty: no conversations")
         lines_src = as_json_lines(src, tabular, head, work, command=COMMAND, log=log)

@@ -77,6 +77,8 @@ from dflash.eval.spec_decode import (
     target_greedy,
     target_sample,
 )
+from dflash.model import config_keys
+from dflash.model.contract import ContractError
 from dflash.model.drafter import DFlashDraftConfig, DFlashDraftModel
 from dflash.model.target import TargetHead, TargetModel
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
@@ -315,7 +317,7 @@ def teacher_forced_walk(
                 noise_embedding=head.embed(block_ids),
                 target_hidden=feats[:, :start],
             )
-            logits = head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype))[0].float()
+            logits = drafter.draft_logits(head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype)))[0].float()
             if budget is None:
                 best = draft_tokens(drafter, hidden[:, 1:], logits[None], block_ids[:, 0])[0].tolist()
                 accepted = 0
@@ -705,7 +707,10 @@ def load_setup(
     draft_cfg: DFlashDraftConfig | None = None
     if ckpt_dir is not None:
         try:  # a published folder's config.json is a user's file: bounded JSON, every field checked
+            config_keys.check_folder(ckpt_dir)  # a key we do not compute as the engines do: refused, not ignored
             draft_cfg = ckpt.read_config(ckpt_dir)
+        except ContractError as e:
+            raise EvalError(f"--drafter: {ckpt_dir}: {e}") from None
         except CheckpointError as e:
             raise EvalError(f"--drafter: {e}") from None
 

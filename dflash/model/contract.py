@@ -63,6 +63,7 @@ __all__ = [
     "serving_keys",
     "sglang_command",
     "vllm_command",
+    "vllm_runner_note",
     "vllm_speculators_command",
     "weight_names",
 ]
@@ -275,24 +276,34 @@ def check(
 def vllm_command(
     *, target: str, drafter: str, block_size: int, layer_types: t.Sequence[str] = (), dflash2: bool = False
 ) -> str:
-    """``vllm serve`` for a z-lab folder. ``"method": "dflash"`` is named unless the drafter's path says
-    "dflash" (vLLM detects it then: vllm/config/speculative.py); num_speculative_tokens = block_size - 1.
+    """``vllm serve`` for a z-lab folder, as vLLM 0.33 and 0.34 take it. ``"method": "dflash"`` is named unless
+    the drafter's path says "dflash" (vLLM detects it then: vllm/config/speculative.py);
+    num_speculative_tokens = block_size - 1.
 
-    No ``--attention-backend``: since vllm-project/vllm PR #39930 it sets the TARGET's backend only (0.33
-    ``llm_base_proposer._create_draft_vllm_config``: "Never inherit the attention backend from base"), and
-    the drafter's is auto-selected among the backends that run non-causal layers (V2
-    ``spec_decode/dflash/utils.py``: ``use_non_causal``); a pin belongs in the speculative config
-    (``ATTENTION_BACKEND_PIN``). ``VLLM_USE_V2_MODEL_RUNNER=1`` only for mixed sliding/full layers:
-    qwen3_dflash.py refuses them on the V1 runner, which builds before 0.33 chose by default; and for a
-    ``dflash2`` drafter: its speculator (the selector's walk) exists on the V2 runner only (0.33
-    ``v1/worker/gpu/spec_decode/__init__.py`` picks ``DFlash2Speculator`` by the architecture under
-    ``method: dflash``)."""
+    No ``--attention-backend``: since vllm-project/vllm PR #39930 it sets the TARGET's backend only, and the
+    drafter's is chosen in 0.34's ``load_dflash_model`` (vllm/v1/worker/gpu/spec_decode/dflash/utils.py:
+    ``backend=speculative_config.attention_backend``, ``use_non_causal=dflash_has_any_non_causal(...)``): a
+    pin belongs in the speculative config (``ATTENTION_BACKEND_PIN``). No ``VLLM_USE_V2_MODEL_RUNNER``: 0.34
+    removed the V1 runner (``validate_environ`` in vllm/platforms/interface.py stops the server at ``=0`` and
+    calls ``=1`` redundant) and 0.33 chose V2 by default; ``vllm_runner_note`` says when a build before 0.33
+    needs ``=1``. ``layer_types`` and ``dflash2`` are kept for that note's callers."""
     spec: dict[str, t.Any] = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
     if "dflash" in drafter.lower():
         del spec["method"]
-    kinds = set(layer_types)
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if len(kinds) > 1 or dflash2 else ""
-    return f"{env}vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+def vllm_runner_note(*, layer_types: t.Sequence[str] = (), dflash2: bool = False) -> str | None:
+    """The one sentence a card adds for a drafter only vLLM's V2 model runner serves (mixed sliding/full layers:
+    qwen3_dflash.py refused them on V1; DFlash2: its speculator exists on V2 only), else None."""
+    why = "mixes sliding and full layers" if len(set(layer_types)) > 1 else "is DFlash2" if dflash2 else None
+    if why is None:
+        return None
+    return (
+        f"This drafter {why}: only vLLM's V2 model runner serves it. vLLM 0.33 picks V2 by default and 0.34 has "
+        "no other (there `VLLM_USE_V2_MODEL_RUNNER=0` stops the server at start-up); on a build before 0.33 put "
+        "`VLLM_USE_V2_MODEL_RUNNER=1` in front of the command."
+    )
 
 
 # Where a drafter backend must be pinned (a build before PR #48167 on Blackwell, where FlashInfer's

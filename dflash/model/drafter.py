@@ -78,6 +78,7 @@ __all__ = [
     "selector_walk",
 ]
 
+INF = float("inf")
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -178,6 +179,7 @@ class DFlashDraftConfig(Qwen3Config):
                 f"got {self.sliding_window!r}"
             )
         self._check_causal(layer_types)
+        self._check_logit_keys()
         if self.dflash_config is None:
             return
         self._check_dflash2()
@@ -221,10 +223,28 @@ class DFlashDraftConfig(Qwen3Config):
             how = "causal" if causal else "non-causal (a sliding layer: a two-sided window)"
             raise ValueError(
                 f"is_causal {str(causal).lower()} makes layer {other[0]} ({layer_types[other[0]]}) {how}, as vLLM, "
-                "SGLang and z-lab's reference read it; this drafter makes sliding layers causal and full layers "
-                "non-causal only, so it cannot train or decode this one with the masks it learnt"
+                "SGLang and z-lab's reference read it (vLLM _dflash_layer_causal, SGLang _get_dflash_attention_type); "
+                "this drafter makes sliding layers causal and full layers non-causal only, so it cannot train or "
+                "decode this one with the masks it learnt"
             )
         del self.__dict__["is_causal"]
+
+    def _check_logit_keys(self) -> None:
+        """The engines' logit and embedding scales (``DFlashDraftModel.draft_logits``, ``forward``): positive
+        finite numbers; a softcap of 0 means none."""
+        cfg = self.dflash_config or {}
+        keys = {
+            "logit_scale": self.__dict__.get("logit_scale"),
+            "dflash_config.output_multiplier": cfg.get("output_multiplier"),
+            "dflash_config.input_embedding_scale": cfg.get("input_embedding_scale"),
+            "dflash_config.final_logit_softcapping": cfg.get("final_logit_softcapping"),
+        }
+        for key, v in keys.items():
+            if v is None:
+                continue
+            soft = key.endswith("softcapping")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if soft else v > 0) or v == INF:
+                raise ValueError(f"{key}: expected a {'non-negative' if soft else 'positive'} number, got {v!r}")
 
     def _check_dflash2(self) -> None:
         """DFlash2's four keys in ``dflash_config`` (where vLLM's and SGLang's DFlash2 readers look): all or none."""
@@ -251,6 +271,27 @@ class DFlashDraftConfig(Qwen3Config):
             raise ValueError(
                 f"dflash_config.selector_top_k: {cfg['selector_top_k']} exceeds vocab_size {self.vocab_size}"
             )
+
+    @property
+    def logit_multiplier(self) -> float:
+        """What the engines multiply the lm_head's logits by before drafting: DFlash2's candidates
+        ``dflash_config.output_multiplier``, DFlash's draft logits the top-level ``logit_scale``."""
+        if self.kind == DFLASH2:
+            return float((self.dflash_config or {}).get("output_multiplier") or 1.0)
+        return float(self.__dict__.get("logit_scale") or 1.0)
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """DFlash2's ``dflash_config.final_logit_softcapping`` c (scores ``c * tanh(l / c)``); None: none."""
+        cap = float((self.dflash_config or {}).get("final_logit_softcapping") or 0.0) if self.kind == DFLASH2 else 0.0
+        return cap if cap > 0 else None
+
+    @property
+    def input_embedding_scale(self) -> float:
+        """DFlash2's ``dflash_config.input_embedding_scale``: the block's embedding is multiplied by it."""
+        if self.kind != DFLASH2:
+            return 1.0
+        return float((self.dflash_config or {}).get("input_embedding_scale") or 1.0)
 
     @property
     def kind(self) -> str:
@@ -801,6 +842,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))
 
+    def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The scores an engine drafts from, given the target lm_head's ``logits`` of this drafter's hidden
+        states: ``logits x logit_multiplier``, then ``c * tanh(l / c)`` with ``c = logit_softcap`` (vLLM 0.34
+        qwen3_dflash.py ``LogitsProcessor(scale=logit_scale)``; qwen3_dflash2.py ``candidate_logits_processor``
+        and logits_processor.py ``get_top_k_tokens``: scale, then cap; SGLang ``_transform_unary_logits``: the
+        same). A drafter without these keys gets ``logits`` itself back, untouched."""
+        scale, cap = self.config.logit_multiplier, self.config.logit_softcap
+        if scale == 1.0 and cap is None:
+            return logits
+        out = logits.float() * scale
+        return out if cap is None else torch.tanh(out / cap) * cap
+
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Non-reentrant activation checkpointing per layer, done by the layers themselves."""
         for layer in t.cast(t.Iterable[Qwen3DFlashDecoderLayer], self.layers):
@@ -838,6 +891,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             )
         target_hidden = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         hidden_states = noise_embedding.to(self.fc.weight.dtype)
+        if self.config.input_embedding_scale != 1.0:  # DFlash2's: vLLM scales the block's embedding by it
+            hidden_states = hidden_states * self.config.input_embedding_scale
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for i, layer in enumerate(t.cast(t.Iterable[Qwen3DFlashDecoderLayer], self.layers)):
             mask = attention_mask[layer.self_attn.layer_type] if isinstance(attention_mask, dict) else attention_mask

@@ -373,6 +373,29 @@ class LossTerms:
     in_top_k: torch.Tensor | None = None  # DFlash2: scored slots whose label is among the unary top-k
 
 
+class DraftHead(nn.Module):
+    """The frozen lm_head followed by the drafter's ``draft_logits`` (its engines' logit scale and softcap):
+    training scores the logits the engines draft from. ``weight`` is the lm_head's, for the dtype cast."""
+
+    def __init__(self, lm_head: nn.Module, drafter: DFlashDraftModel) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+        self.shape = drafter.draft_logits
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return t.cast(torch.Tensor, self.lm_head.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shape(self.lm_head(hidden))
+
+
+def draft_head(drafter: DFlashDraftModel, lm_head: nn.Module) -> nn.Module:
+    """``lm_head`` itself for a drafter whose logits the engines take as they are (the default), else a ``DraftHead``."""
+    cfg = drafter.config
+    return lm_head if cfg.logit_multiplier == 1.0 and cfg.logit_softcap is None else DraftHead(lm_head, drafter)
+
+
 def _chunk_terms(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -579,7 +602,7 @@ def drafter_loss(
     labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=None if dpace else gamma)
     terms = dflash_loss(
         hidden.view(batch, anchors.num_blocks, block, -1),
-        head.lm_head,
+        draft_head(drafter, head.lm_head),
         labels,
         weights,
         chunk_size=chunk_size,

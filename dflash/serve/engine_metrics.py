@@ -24,7 +24,10 @@ their figure is the last logged interval's (averaged over ranks here), not a del
 
 A counter that went down between two readings was reset (an engine restart, two replicas behind one
 address), and a counter that is not a finite number is no count: either gives no acceptance for the
-interval, said in words, never a negative or NaN figure.
+interval, said in words, never a negative or NaN figure. So do counts that cannot all be true (more
+tokens accepted than drafted, a position accepted more often than there were drafts, positions that do not
+sum to the accepted tokens): ``none (inconsistent counters: ...)``, never an acceptance of 13 from 4-token
+drafts.
 """
 
 from __future__ import annotations
@@ -236,6 +239,22 @@ def _counts(before: Reading, after: Reading) -> list[tuple[float, float]]:
     ]
 
 
+INCONSISTENT = "inconsistent counters"
+
+
+def inconsistent(drafts: float, draft_tokens: float, accepted: float, positions: list[float]) -> str | None:
+    """Why a vLLM interval's counts cannot all be true (None: they can): no more tokens accepted than
+    drafted, each position accepted in at most every draft, and the positions summing to the accepted."""
+    if draft_tokens > 0 and accepted > draft_tokens:
+        return f"{accepted:g} tokens accepted of {draft_tokens:g} drafted"
+    for k, c in enumerate(positions):
+        if not 0 <= c <= drafts:
+            return f"position {k + 1} accepted {c:g} times in {drafts:g} drafts ({100 * c / drafts:.0f}%)"
+    if positions and abs(sum(positions) - accepted) > 0.5:  # whole counts: a float's error is far below it
+        return f"the positions sum to {sum(positions):g} accepted tokens, the total says {accepted:g}"
+    return None
+
+
 def acceptance(before: Reading, after: Reading) -> Acceptance:
     """vLLM: ``1 + d(accepted) / d(drafts)`` and per-position rates from the counters' deltas; SGLang:
     ``d(generation tokens) / d(verify calls)`` from its counters, else its gauge after (its last logged
@@ -258,9 +277,12 @@ def acceptance(before: Reading, after: Reading) -> Acceptance:
             return Acceptance(None, source, 0.0, 0.0, 0.0, why="no drafts")
         n = max(len(before.per_position), len(after.per_position))
         pad = (0.0,) * n
-        per_pos = tuple(
-            (a - b) / drafts for a, b in zip((after.per_position + pad)[:n], (before.per_position + pad)[:n])
-        )
+        counts = [a - b for a, b in zip((after.per_position + pad)[:n], (before.per_position + pad)[:n])]
+        draft_tokens = after.draft_tokens - before.draft_tokens
+        wrong = inconsistent(drafts, draft_tokens, accepted, counts)
+        if wrong:
+            return Acceptance(None, source, drafts, draft_tokens, accepted, why=f"{INCONSISTENT}: {wrong}")
+        per_pos = tuple(c / drafts for c in counts)
         return Acceptance(
             1.0 + accepted / drafts,
             source,

@@ -38,7 +38,7 @@ from dflash.checkpoint import checkpoints as ckpt
 from dflash.checkpoint.manifest import CONFIG_FILE, STATE_FILE, WEIGHTS_FILE, CheckpointError
 from dflash.dtypes import ALIASES, NAMES, canonical, torch_dtype
 from dflash.errors import InputError
-from dflash.model import contract, hf_remote, model_config
+from dflash.model import config_keys, contract, hf_remote, model_config
 from dflash.serve import speculators_format
 
 __all__ = ["FORMATS", "ExportError", "export"]
@@ -240,9 +240,19 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
             "",
             'vLLM detects the method only from a path that contains "dflash"; the command names it unless '
             "this folder's does. No `--attention-backend`: since vLLM PR #39930 (in 0.33) it sets the target's "
-            "backend only, and vLLM picks the drafter's among those that run its non-causal layers. To pin the "
+            "backend only, and vLLM picks the drafter's among those that run its non-causal layers "
+            "(0.34: `load_dflash_model`, vllm/v1/worker/gpu/spec_decode/dflash/utils.py). To pin the "
             f"drafter's (a build before PR #48167 on Blackwell), put `{contract.ATTENTION_BACKEND_PIN}` inside "
             "`--speculative-config`.",
+            *(
+                ["", note]
+                if (
+                    note := contract.vllm_runner_note(
+                        layer_types=config.layer_types or (), dflash2=getattr(config, "kind", "dflash") == "dflash2"
+                    )
+                )
+                else []
+            ),
             *(
                 [
                     "",
@@ -413,6 +423,7 @@ def export(
     target = _target_facts(run)
     try:  # said before anything is written: OUT stays as it was
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        config_keys.check(config)  # every key the engines will read: computed here as there, or refused
         contract.check(config, shapes, target=target)
         if fmt == "speculators":
             name, archs, facts = _verifier(run, verifier, config)

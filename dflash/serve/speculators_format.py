@@ -84,6 +84,18 @@ def speculators_config(
             "sliding_window_non_causal), so no value serves this drafter right: export the z-lab format "
             "(the default), whose layer_types vLLM reads per layer"
         )
+    scales = {
+        "logit_scale": (zlab.get("logit_scale"), 1.0),
+        "dflash_config.output_multiplier": (dflash.get("output_multiplier"), 1.0),
+        "dflash_config.final_logit_softcapping": (dflash.get("final_logit_softcapping"), 0.0),
+        "dflash_config.input_embedding_scale": (dflash.get("input_embedding_scale"), 1.0),
+    }
+    for key, (value, neutral) in scales.items():
+        if value is not None and value != neutral:
+            raise ContractError(
+                f"--format speculators: {key} = {value}: the speculators layout has no such key, so vLLM would draft "
+                "from other logits than this drafter's: export the z-lab format (the default)"
+            )
     layer = {k: copy.deepcopy(v) for k, v in zlab.items() if k not in NON_TRANSFORMER_KEYS}
     layer_config = Qwen3Config(**layer).to_diff_dict()
     layer_config.pop("transformers_version", None)

@@ -93,7 +93,7 @@ from dflash.dtypes import torch_dtype
 from dflash.errors import EXIT_OK
 from dflash.model.kernels import missing_kernels_warning
 from dflash.model.target import TargetHead
-from dflash.models import drafter_spec, initial_drafter, load_target
+from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
 from dflash.train.averaging import Averager
 from dflash.train.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
 from dflash.train.distributed import GroupBarrier, NodeGroup
@@ -109,7 +109,7 @@ from dflash.train.metrics import (
     utc_now,
     wandb_available,
 )
-from dflash.train.pipeline import Pipeline, PipelineOptions, StepStats, SyncEvent
+from dflash.train.pipeline import Pipeline, PipelineOptions, RunResult, StepStats, SyncEvent
 from dflash.train.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica
 from dflash.train.resume import find_resume, group_resume, restore
 from dflash.train.validation import EvalResult, Validator
@@ -180,6 +180,10 @@ class Run:
         self.start_step = 0
         self.position: DataPosition | None = None
         self.last_saved: int | None = None
+        # the last checkpoint on disk or being written (a skipped one hands back the one before it): the
+        # diverged line's "last finite checkpoint"
+        self.last_kept: int | None = None
+        self._kept_before: int | None = None
         self.run_id: str | None = None  # chosen by dflash.train.resume: kept across resumes, new for a fresh start
         # pruning leaves the steps an eval still measures (checkpoints/best may become one of them)
         self.writer = ckpt.CheckpointWriter(
@@ -191,7 +195,9 @@ class Run:
             ),
             on_skip=self._skipped,
             on_written=self._written,
+            room_after=lambda snap, error: room.after_failure(self.ckpt_dir, snap, error),
         )
+        self._skip: dict[str, t.Any] | None = None  # the last checkpoint skipped for want of room (DiskFull's words)
         # [checkpoint] sync: a copy off the box after each checkpoint and each switch of best (dflash.checkpoint.sync)
         self.sync = (
             CheckpointSync(
@@ -246,56 +252,10 @@ class Run:
         cfg = self.cfg
         check_devices(cfg)
         torch.manual_seed(cfg.seed)
-        # Every node's (targets, drafters): shard numbers and drafter seeds continue across nodes in rank order.
-        here = (len(cfg.devices.targets), len(cfg.devices.drafters))
-        self.nodes: list[tuple[int, int]] = self.group.all_gather(here) if self.group is not None else [here]
-        rank = self.group.rank if self.group is not None else 0
-        self.target_offset = sum(n[0] for n in self.nodes[:rank])
-        self.drafter_offset = sum(n[1] for n in self.nodes[:rank])
-        resume: ckpt.Checkpoint | None = None
-        if self.group is not None:
-            # A barrier's steps in flight must not reach the next interval's multiple on one node and not on
-            # another: an interval of at least (nodes x drafters per node) steps keeps the barriers in step.
-            need = len(self.nodes) * max(n[1] for n in self.nodes)
-            for key, every in (("average_every", cfg.average_every), ("checkpoint.interval", cfg.checkpoint.interval)):
-                if every and every < need:
-                    raise ConfigError(
-                        key,
-                        f"{every} is less than nodes x drafters per node ({need}); "
-                        f"a run over {len(self.nodes)} nodes needs at least {need}",
-                    )
-        if self.group is None:
-            resume, self.run_id = find_resume(cfg.checkpoint.resume, self.ckpt_dir)
-        else:
-            resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
+        resume = self._meet_nodes()
         self.targets = self._build_targets()
-        t0 = self.targets[0].model
-        slow = missing_kernels_warning(t0.model.config)  # a hybrid target without its kernels: say so at start
-        if slow is not None:
-            logger.warning("%s", slow)
-        self.vocab_size = t0.vocab_size
-        spec = drafter_spec(cfg, t0)  # the MASK id and drafter config: dflash.models, as eval builds them
-        self.init_drafter = spec.init
-        self.mask_token_id = mask_id = spec.mask_token_id
-        self.draft_config = spec.config
-        self.dataset = JsonlDataset(
-            cfg.data.path,
-            format=cfg.data.format,
-            tokenizer=spec.tokenizer,
-            max_length=cfg.data.max_length,
-            vocab_size=t0.vocab_size,
-            mask_token_id=mask_id,
-            chat_template_kwargs=cfg.data.chat_template_kwargs,
-        )
-        self.plan = BatchPlan(
-            self.dataset.lengths,
-            batch_size=cfg.data.batch_size,
-            max_batch_tokens=cfg.data.max_batch_tokens,
-            bucket_window=cfg.data.bucket_window,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.seed,
-        )
-        cfg = self._derive_steps(cfg)
+        spec = self._build_data()
+        cfg = self._derive_steps(self.cfg)
         assert cfg.max_steps is not None  # _derive_steps sets it
         self.queue_bytes = self._queue_bytes(cfg)
         for replica in self.targets:
@@ -330,12 +290,73 @@ class Run:
                 data_fingerprint=self._data_fingerprint(),
                 run_id=self.run_id,
             )
-            self.start_step = self.last_saved = resume.step
+            self.start_step = self.last_saved = self.last_kept = resume.step
         self.averager = Averager.for_replicas(
             [r.trainable() for r in self.drafters],
             cross_reduce=self.group.cross_reduce if self.group is not None else None,
         )
-        # Shard = (node, local target): this node's slice of the shards of every node, batch g in shard g mod all.
+        self._build_sources(cfg)
+
+    def _meet_nodes(self) -> ckpt.Checkpoint | None:
+        """Every node's (targets, drafters), the intervals a group needs, and the checkpoint to resume from."""
+        cfg = self.cfg
+        # Every node's (targets, drafters): shard numbers and drafter seeds continue across nodes in rank order.
+        here = (len(cfg.devices.targets), len(cfg.devices.drafters))
+        self.nodes: list[tuple[int, int]] = self.group.all_gather(here) if self.group is not None else [here]
+        rank = self.group.rank if self.group is not None else 0
+        self.target_offset = sum(n[0] for n in self.nodes[:rank])
+        self.drafter_offset = sum(n[1] for n in self.nodes[:rank])
+        resume: ckpt.Checkpoint | None = None
+        if self.group is not None:
+            # A barrier's steps in flight must not reach the next interval's multiple on one node and not on
+            # another: an interval of at least (nodes x drafters per node) steps keeps the barriers in step.
+            need = len(self.nodes) * max(n[1] for n in self.nodes)
+            for key, every in (("average_every", cfg.average_every), ("checkpoint.interval", cfg.checkpoint.interval)):
+                if every and every < need:
+                    raise ConfigError(
+                        key,
+                        f"{every} is less than nodes x drafters per node ({need}); "
+                        f"a run over {len(self.nodes)} nodes needs at least {need}",
+                    )
+        if self.group is None:
+            resume, self.run_id = find_resume(cfg.checkpoint.resume, self.ckpt_dir)
+        else:
+            resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
+        return resume
+
+    def _build_data(self) -> DrafterSpec:
+        """The MASK id and drafter config (as eval builds them), the dataset and its batch plan."""
+        cfg = self.cfg
+        t0 = self.targets[0].model
+        slow = missing_kernels_warning(t0.model.config)  # a hybrid target without its kernels: say so at start
+        if slow is not None:
+            logger.warning("%s", slow)
+        self.vocab_size = t0.vocab_size
+        spec = drafter_spec(cfg, t0)  # the MASK id and drafter config: dflash.models, as eval builds them
+        self.init_drafter = spec.init
+        self.mask_token_id = mask_id = spec.mask_token_id
+        self.draft_config = spec.config
+        self.dataset = JsonlDataset(
+            cfg.data.path,
+            format=cfg.data.format,
+            tokenizer=spec.tokenizer,
+            max_length=cfg.data.max_length,
+            vocab_size=t0.vocab_size,
+            mask_token_id=mask_id,
+            chat_template_kwargs=cfg.data.chat_template_kwargs,
+        )
+        self.plan = BatchPlan(
+            self.dataset.lengths,
+            batch_size=cfg.data.batch_size,
+            max_batch_tokens=cfg.data.max_batch_tokens,
+            bucket_window=cfg.data.bucket_window,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.seed,
+        )
+        return spec
+
+    def _build_sources(self, cfg: RunConfig) -> None:
+        """Shard = (node, local target): this node's slice of the shards of every node, batch g in shard g mod all."""
         self.all_shards = sum(n[0] for n in self.nodes)
         starts = shard_starts(self.all_shards, self.position)[
             self.target_offset : self.target_offset + len(self.targets)
@@ -462,9 +483,9 @@ class Run:
     def _last_finite(self) -> str:
         """The last checkpoint written (or being written: a stop waits for it) from finite weights, for the
         diverged line: no checkpoint is ever written from a non-finite update, so it is the latest."""
-        if self.last_saved is None:
+        if self.last_kept is None:
             return "none"
-        return f"{self.ckpt_dir / f'step-{self.last_saved}'} (step {self.last_saved})"
+        return f"{self.ckpt_dir / f'step-{self.last_kept}'} (step {self.last_kept})"
 
     def _check_finite(self, step: int, tensors: t.Iterable[torch.Tensor], figure: str) -> None:
         """Averaged or checkpointed weights with a NaN/inf end the run (at a barrier: one read per device)."""
@@ -540,6 +561,7 @@ class Run:
         )
         if ckpt.nonfinite_weights(snap.weights) is not None:  # never a checkpoint (nor a best) from them
             raise Diverged(step, WEIGHTS, self._last_finite())
+        self._kept_before, self.last_kept = self.last_kept, step  # before the writer's thread may skip it
         self.writer.submit(snap)
         self.last_saved = step
         self._last_snapshot: ckpt.Snapshot | None = snap
@@ -580,6 +602,8 @@ class Run:
 
     def _skipped(self, step: int, found: room.Room) -> None:
         """From the writer's thread: a checkpoint skipped for want of disk space (``CheckpointWriter._skip``)."""
+        if self.last_kept == step:  # the diverged line names the one before it
+            self.last_kept = self._kept_before
         rec = {
             "event": "checkpoint-skipped",
             "step": step,
@@ -588,6 +612,7 @@ class Run:
             "pruned": [p.name for p in found.pruned],
             "dir": str(self.ckpt_dir),
         }
+        self._skip = {**rec, "failed": found.failed}
         self._event(rec)
         self._write_facts(skipped={k: v for k, v in rec.items() if k != "event"} | {"at": utc_now()})
 
@@ -710,85 +735,9 @@ class Run:
         if self.start_step >= cfg.max_steps:
             logger.info("already at step %d (max_steps %d): nothing to train", self.start_step, cfg.max_steps)
             return EXIT_OK
-        # Compiled code (the layers, or flex attention alone on CUDA) is built here, serially, for every
-        # shape a batch can have; torch.compile is not thread-safe, and in a thread it would stall the others.
-        compiled = cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
-        if compiled:
-            started = time.monotonic()
-            shapes = self.warm_up_shapes if self.warm_up_shapes is not None else shapes_for(self.drafters[0])
-            devices = len({r.device for r in self.drafters})
-            logger.info(
-                "compiling the drafter before step 1: %d batch shapes x %d drafter device(s), forward and "
-                "backward, one after the other (on GPUs expect minutes: 10-15 cold for 36 on a 5 + 3 box, about "
-                "half with a warm inductor cache)",
-                len(shapes),
-                devices,
-            )
-            # one recompile limit for every replica, from their distinct devices, set before the first warm-up
-            self.warmed = warm_up_replicas(
-                self.drafters,
-                feature_size=self.targets[0].model.feature_size,
-                vocab_size=self.vocab_size,
-                mask_token_id=self.mask_token_id,
-                shapes=shapes,
-            )
-            logger.info(
-                "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "
-                "now on is an error",
-                len(self.warmed.shapes),
-                time.monotonic() - started,
-                ", ".join(f"{k}: {n} cache entries" for k, n in self.warmed.entries.items()) or "no cache entries",
-                self.warmed.limit,
-            )
-        self.pipeline = Pipeline(
-            targets=self.targets,
-            sources=self.sources,
-            drafters=self.drafters,
-            shard_starts=self.shard_starts,
-            on_sync=self.on_sync,
-            injector=self.injector,
-            options=PipelineOptions(
-                max_steps=cfg.max_steps,
-                start_step=self.start_step,
-                capacity=cfg.queue.capacity,
-                mode=cfg.queue.mode,
-                max_bytes=self.queue_bytes,
-                average_every=cfg.average_every if len(self.drafters) > 1 or self.group is not None else 0,
-                checkpoint_every=cfg.checkpoint.interval,
-                evaluate_every=cfg.eval.every,
-                barrier_timeout=cfg.barrier_timeout,
-                oom_retry=cfg.optim.oom_retry,
-                accumulate=self.accumulate,
-                # a node of a group: each local update is one step of every node (all count the same steps)
-                step_stride=len(self.nodes),
-                shard_stride=self.all_shards,
-            ),
-        )
-        wb = cfg.metrics.wandb
-        main = self.group is None or self.group.is_main  # one W&B run per attempt, not one per node
-        self.metrics = Metrics(
-            wandb=WandbRun(
-                project=wb.project,
-                mode=wb.mode,
-                entity=wb.entity,
-                run_dir=self.run_dir,
-                group=self.run_id,  # the attempts of one training run, together
-                name=f"{self.run_id}/{self.run_dir.name}",
-                config=to_dict(cfg),
-            )
-            if wb is not None and main
-            else None,
-            log_every=cfg.log_every,
-            path=self.run_dir / "metrics.jsonl",
-            stream=self.stream,
-            snapshot=self.pipeline.snapshot,
-            tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None,
-            step_stride=len(self.nodes),
-            guard=NonfiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_limit, self._last_finite),
-            spike=LossSpike(factor=cfg.train.spike_factor, steps=cfg.train.spike_steps, window=cfg.train.spike_window)
-            if cfg.train.spike_factor
-            else None,
-        )
+        compiled = self._warm_up()
+        self.pipeline = self._make_pipeline(cfg)
+        self.metrics = self._make_metrics(cfg, self.pipeline)
         self.pipeline.on_step = self._on_step if self.group is not None else self.metrics.record
         self.signals = signals
         if signals is not None:
@@ -814,10 +763,104 @@ class Run:
         self._write_facts(run_id=self.run_id)
         if self.barrier is not None:
             self.barrier.restart()
+        result = self._run_pipeline(self.pipeline, self.metrics, compiled=compiled)
+        return self._finish(result, signals)
+
+    def _warm_up(self) -> bool:
+        """Compiled code (the layers, or flex attention alone on CUDA) is built here, serially, for every
+        shape a batch can have; torch.compile is not thread-safe, and in a thread it would stall the others.
+        True: the drafters run compiled code (a recompile from then on is an error)."""
+        compiled = self.cfg.compile or any(torch.device(r.device).type == "cuda" for r in self.drafters)
+        if not compiled:
+            return False
+        started = time.monotonic()
+        shapes = self.warm_up_shapes if self.warm_up_shapes is not None else shapes_for(self.drafters[0])
+        devices = len({r.device for r in self.drafters})
+        logger.info(
+            "compiling the drafter before step 1: %d batch shapes x %d drafter device(s), forward and "
+            "backward, one after the other (on GPUs expect minutes: 10-15 cold for 36 on a 5 + 3 box, about "
+            "half with a warm inductor cache)",
+            len(shapes),
+            devices,
+        )
+        # one recompile limit for every replica, from their distinct devices, set before the first warm-up
+        self.warmed = warm_up_replicas(
+            self.drafters,
+            feature_size=self.targets[0].model.feature_size,
+            vocab_size=self.vocab_size,
+            mask_token_id=self.mask_token_id,
+            shapes=shapes,
+        )
+        logger.info(
+            "compiled the drafter for %d batch shapes in %.0f s (%s; recompile limit %d); a recompile from "
+            "now on is an error",
+            len(self.warmed.shapes),
+            time.monotonic() - started,
+            ", ".join(f"{k}: {n} cache entries" for k, n in self.warmed.entries.items()) or "no cache entries",
+            self.warmed.limit,
+        )
+        return True
+
+    def _make_pipeline(self, cfg: RunConfig) -> Pipeline:
+        assert cfg.max_steps is not None
+        return Pipeline(
+            targets=self.targets,
+            sources=self.sources,
+            drafters=self.drafters,
+            shard_starts=self.shard_starts,
+            on_sync=self.on_sync,
+            injector=self.injector,
+            options=PipelineOptions(
+                max_steps=cfg.max_steps,
+                start_step=self.start_step,
+                capacity=cfg.queue.capacity,
+                mode=cfg.queue.mode,
+                max_bytes=self.queue_bytes,
+                average_every=cfg.average_every if len(self.drafters) > 1 or self.group is not None else 0,
+                checkpoint_every=cfg.checkpoint.interval,
+                evaluate_every=cfg.eval.every,
+                barrier_timeout=cfg.barrier_timeout,
+                oom_retry=cfg.optim.oom_retry,
+                accumulate=self.accumulate,
+                # a node of a group: each local update is one step of every node (all count the same steps)
+                step_stride=len(self.nodes),
+                shard_stride=self.all_shards,
+            ),
+        )
+
+    def _make_metrics(self, cfg: RunConfig, pipeline: Pipeline) -> Metrics:
+        wb = cfg.metrics.wandb
+        main = self.group is None or self.group.is_main  # one W&B run per attempt, not one per node
+        return Metrics(
+            wandb=WandbRun(
+                project=wb.project,
+                mode=wb.mode,
+                entity=wb.entity,
+                run_dir=self.run_dir,
+                group=self.run_id,  # the attempts of one training run, together
+                name=f"{self.run_id}/{self.run_dir.name}",
+                config=to_dict(cfg),
+            )
+            if wb is not None and main
+            else None,
+            log_every=cfg.log_every,
+            path=self.run_dir / "metrics.jsonl",
+            stream=self.stream,
+            snapshot=pipeline.snapshot,
+            tensorboard_dir=self.run_dir if cfg.metrics.tensorboard else None,
+            step_stride=len(self.nodes),
+            guard=NonfiniteGuard(cfg.train.on_nonfinite, cfg.train.nonfinite_limit, self._last_finite),
+            spike=LossSpike(factor=cfg.train.spike_factor, steps=cfg.train.spike_steps, window=cfg.train.spike_window)
+            if cfg.train.spike_factor
+            else None,
+        )
+
+    def _run_pipeline(self, pipeline: Pipeline, metrics: Metrics, *, compiled: bool) -> RunResult:
+        """The pipeline's run; then the last eval, and on a failure the writes and the sync wound up."""
         try:
             if compiled:  # a miss would be unfused attention (out of memory) or a compile in a thread: fail
                 torch.compiler.set_stance("fail_on_recompile")
-            result = self.pipeline.run()
+            result = pipeline.run()
         except BaseException:
             if self.validator is not None:
                 self.validator.close(wait=False)
@@ -831,11 +874,29 @@ class Run:
                 if self.cfg.checkpoint.keep:  # what pruning left for an eval in flight goes now
                     ckpt.prune(self.ckpt_dir, self.run_id, keep=self.cfg.checkpoint.keep, protect=self._evaluating)
         finally:
-            self.metrics.close()
+            metrics.close()
             if compiled:
                 torch.compiler.set_stance("default")
+        return result
+
+    def _check_final_written(self) -> None:
+        """The run's last checkpoint skipped for want of room is a failure, never a success: DiskFull (exit 4)."""
+        skip = self._skip
+        if self.last_saved is None or self.writer.skipped != self.last_saved or skip is None:
+            return
+        why = "No space left on device" + (f"; the write stopped: {skip['failed']}" if skip["failed"] else "")
+        kept = f"step-{self.last_kept}" if self.last_kept is not None else "none"
+        raise room.DiskFull(
+            f"disk full: the run's last checkpoint (step {self.last_saved}) was not written: it needs "
+            f"{skip['need_bytes'] / 2**20:.1f} MiB and {self.ckpt_dir} has {skip['free_bytes'] / 2**20:.1f} MiB free "
+            f"({why}); the last checkpoint on disk is {kept}"
+        )
+
+    def _finish(self, result: RunResult, signals: _Signals | None) -> int:
+        """The final checkpoint on disk and synced, then the exit code: 0, or 128 + the signal that stopped us."""
         self._finish_writes()  # the final checkpoint is on disk before we say so or exit
         self._end_sync()
+        self._check_final_written()
         for f in result.failures:
             logger.warning("during the run: %s", f.summary())
         group_stop = self.barrier.stop if self.barrier is not None else 0  # another node's signal: we stopped with it

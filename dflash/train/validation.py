@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from dflash import inputs
 from dflash.checkpoint.best import BEST_LINK, read_best, set_best
 from dflash.checkpoint.manifest import CheckpointError
 from dflash.config import ConfigError, RunConfig, is_suite
@@ -234,9 +235,11 @@ class Validator:
             why = "(eval.prompts not set: eval.jsonl next to data.path)" if self.cfg.eval.prompts is None else ""
             raise ConfigError("eval.prompts", f"{path} is not a file {why}".rstrip())
         try:
-            data = path.read_bytes()
-            first = next(read_records(data.decode("utf-8"), path), None)
-        except (OSError, UnicodeDecodeError, EvalError) as e:
+            data = inputs.read_bytes(path, "eval.prompts")
+            first = next(read_records(inputs.without_bom(data).decode("utf-8"), path), None)
+        except inputs.InputFileError as e:
+            raise ConfigError("eval.prompts", str(e).removeprefix("eval.prompts: ")) from None
+        except (UnicodeDecodeError, EvalError) as e:
             raise ConfigError("eval.prompts", f"cannot read {path}: {e}") from None
         rec = first[1] if first is not None else None
         chat = isinstance(rec, dict) and ("messages" in rec or "conversations" in rec) and "input_ids" not in rec

@@ -1,6 +1,6 @@
-"""``python -m ops.cli``: the console script ``dflashctl`` without installing it."""
+"""``python -m ops.cli``: the console script ``dflashctl`` without installing it (the same entry)."""
 
 if __name__ == "__main__":
-    from ops.cli import main
+    from ops.console import main
 
     main()

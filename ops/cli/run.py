@@ -157,11 +157,9 @@ def status_cmd(
     try:
         while True:
             facts = run.gather(host, session, connect)
-            from ops import probe  # the import lock waits for import_beside's thread
-
-            st = probe.classify(facts)
+            st = run.verdict(host, facts)  # the import lock waits for import_beside's thread
             if show_facts:
-                click.echo(json.dumps(facts, indent=1, sort_keys=True))
+                click.echo(json.dumps(run.shown_facts(host, facts), indent=1, sort_keys=True))
                 return exit_code_for_state(st.state)
             if st.state in (State.UNREACHABLE, State.CONTAINER_DOWN):
                 app.close()  # reconnect on the next round

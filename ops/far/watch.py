@@ -6,7 +6,9 @@ records, so `dflashctl status` from anywhere reads who watches in the same call 
 container's one clock. The record is also a lease: a supervisor with another ``id`` is refused while the
 holder is live (not stopped, and heard from within ``STALE_AFTER`` of its intervals), so two supervisors,
 on two machines, never restart one run twice. A supervisor that stops on purpose says so (``stopped``):
-its lease ends at once. (docs/design.md sections 4 and 18.)
+its lease ends at once. A supervisor that proved the holder dead (its heartbeat came from the same machine,
+and its pid is gone there: only that machine can tell) names the lease it breaks (``breaks``: the holder's
+``id``); the record then says whose it broke (``took_over``). (docs/design.md sections 4 and 18.)
 """
 
 from __future__ import annotations
@@ -126,8 +128,11 @@ def beat(session_dir: str, heartbeat: t.Any, now: float) -> dict[str, t.Any]:
         os.makedirs(session_dir, exist_ok=True)
         with lock.Lock(os.path.join(session_dir, LOCK), wait=5.0, holder=f"heartbeat by pid {os.getpid()}"):
             prev = read(session_dir)
+            breaks = heartbeat.get("breaks")
             if prev is not None and prev.get("id") != hb["id"] and live(prev, now):
-                return {"written": False, "refused": True, "holder": prev, "error": None}
+                if not isinstance(breaks, str) or breaks != prev.get("id"):
+                    return {"written": False, "refused": True, "holder": prev, "error": None}
+                hb["took_over"] = {k: prev.get(k) for k in ("id", "by", "where", "pid")}
             write_json_atomic(os.path.join(session_dir, HEARTBEAT), {**hb, "at": now}, mode=0o644)
     except (OSError, lock.Busy) as e:
         return {"written": False, "refused": False, "holder": None, "error": str(e)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import typing as t
@@ -22,6 +23,7 @@ from ops import session as run
 from ops.group import Group, fan_out, verdict
 from ops.hosts import Host
 from ops.probe import Status, iso
+from ops.redaction import Scrubber, scrubbed_status, secret_values
 from ops.states import Action, Cause, State
 from ops.supervise.loop import Supervisor, save_stack
 from ops.supervise.policy import Decision, Options
@@ -77,6 +79,8 @@ class GroupSupervisor(Supervisor):
         )
         self.group = group
         self.members = list(members)
+        # every node's secrets, not only the first's
+        self.scrub = Scrubber([*secret_values(members, os.environ), *(notifier.scrub.secrets if notifier else ())])
         self.label = f"group {group.name}"
         name = f"group-{group.name}"  # never a host's name: hosts.toml refuses a group named like a host
         self.incidents = IncidentLog(self.state_dir, name, self.session)
@@ -88,7 +92,7 @@ class GroupSupervisor(Supervisor):
         self._last: list[Status] = []
 
     def emit(self, text: str) -> None:
-        self._emit(f"{time.strftime('%Y-%m-%d %H:%M:%S')} group {self.group.name}/{self.session}: {text}")
+        self._emit(self.scrub(f"{time.strftime('%Y-%m-%d %H:%M:%S')} group {self.group.name}/{self.session}: {text}"))
 
     def _remote_of(self, host: Host) -> Remote:
         with self._remotes_lock:
@@ -155,7 +159,7 @@ class GroupSupervisor(Supervisor):
             node=v.node,
             evidence=[f"{n.host}: {n.headline()}" for n in nodes] + list(worst.evidence),
         )
-        st = GroupStatus(**fields)
+        st = scrubbed_status(GroupStatus(**fields), self.scrub)
         logger.info("probe group %s/%s: %s", self.group.name, self.session, v.line())
         return st
 

@@ -26,6 +26,23 @@ from ops.times import duration
 FOREGROUND = "foreground"  # restart-on-crash run by hand (a terminal, cron, a unit of the user's own)
 
 
+def dead_here(holder: t.Mapping[str, t.Any]) -> bool:
+    """Whether the lease's holder is provably dead: its heartbeat came from this machine and its pid is
+    gone here. Anywhere else, or a pid that lives (whatever it runs now), proves nothing."""
+    pid = holder.get("pid")
+    if holder.get("where") != socket.gethostname() or isinstance(pid, bool) or not isinstance(pid, int):
+        return False
+    if pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
 def holder_text(rec: t.Mapping[str, t.Any], now: float | None) -> str:
     """``pve (systemd, pid 812 on pve1), last probe 4 s ago``."""
     where = f" on {rec['where']}" if rec.get("where") else ""
@@ -60,6 +77,7 @@ class Heartbeat:
         self.probes = 0
         self._last_probe: dict[str, t.Any] | None = None
         self.error: str | None = None  # why it ended, when it ended on an error
+        self.breaks: str | None = None  # the id of a dead holder's lease the next heartbeat breaks
         self.unsupported = False  # the deployed agent predates heartbeats
 
     def request(self, *, stopped: bool = False) -> dict[str, t.Any]:
@@ -76,6 +94,8 @@ class Heartbeat:
             beat["last_action"] = self.last_action
         if stopped:
             beat["stopped"] = True
+        if self.breaks is not None:
+            beat["breaks"] = self.breaks
         return beat
 
     def check(self, facts: t.Mapping[str, t.Any], what: str, *, wrote: bool) -> str | None:
@@ -95,9 +115,19 @@ class Heartbeat:
         now = agent.get("now") if isinstance(agent.get("now"), (int, float)) else None
         hb = agent.get("heartbeat") or {}
         holder = hb.get("holder") if wrote else agent.get("supervisor")
-        if wrote and hb.get("refused") and isinstance(holder, dict):
-            raise self._locked(what, holder, now)
+        if wrote and hb.get("written"):
+            self.breaks = None
+        refused = wrote and hb.get("refused") and isinstance(holder, dict)
         if not wrote and isinstance(holder, dict) and holder.get("id") != self.id and now and watch.live(holder, now):
+            refused = True
+        if refused and isinstance(holder, dict) and dead_here(holder) and isinstance(holder.get("id"), str):
+            # its lease would lock every other supervisor out for 3 of its intervals: broken, and said whose
+            self.breaks = holder["id"]
+            return (
+                f"the lease on {what} of {holder_text(holder, now)} is void: pid {holder.get('pid')} is gone from "
+                f"this machine ({self.where}); taking it over"
+            )
+        if refused and isinstance(holder, dict):
             raise self._locked(what, holder, now)
         if wrote and hb.get("error"):
             return f"note: the heartbeat could not be written ({hb['error']}): `dflashctl status` will call this supervisor stale"

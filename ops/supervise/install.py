@@ -20,7 +20,7 @@ import typing as t
 from ops import deploy, errors, far_call, wire
 from ops import session as run
 from ops.far import refusal, watch
-from ops.hosts import Host
+from ops.hosts import SYSTEM_DIRS, Host
 from ops.remote import Remote, connect_host, wrap
 from ops.supervise import unit
 from ops.supervise.heartbeat import holder_text
@@ -133,7 +133,9 @@ class HostSide:
 def _claim(side: HostSide) -> None:
     """The supervise dir is dflashctl's (its marker), or new or empty and made so; else nothing is sent."""
     place = side.host.supervise
-    argv = [place.python, "-I", "-c", unit.CLAIM, place.dir, unit.MARKER, *unit.OWN_NAMES]
+    # the host's own folders travel with it: what the dir really is (links followed) is known there only
+    system = json.dumps(sorted(SYSTEM_DIRS))
+    argv = [place.python, "-I", "-c", unit.CLAIM, place.dir, unit.MARKER, system, *unit.OWN_NAMES]
     reply = far_call.call(side.remote(), argv, timeout=CALL_TIMEOUT)
     last = side._ran(reply, f"checking {place.dir}", CALL_TIMEOUT)
     answer = reply.answer or {}

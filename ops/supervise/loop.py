@@ -23,6 +23,7 @@ from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
 from ops.probe import Status, classify, iso
+from ops.redaction import Scrubber, scrubbed_status, secret_values
 from ops.remote import connect as connect_remote
 from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Cause, State
@@ -146,6 +147,8 @@ class Supervisor:
         self.state_dir = Path(state_dir) if state_dir is not None else default_state_dir()
         self.on_event = list(on_event) if on_event else None
         self.notifier = notifier  # --notify: queued, delivered in the background (ops/notify.py)
+        # What the run prints is scrubbed once, as it is read: every record, line and message comes from it
+        self.scrub = Scrubber([*secret_values([host], os.environ), *(notifier.scrub.secrets if notifier else ())])
         self.label = host.name  # how its messages name what it watches
         # Secrets the hook must not inherit: this host's API token variable, and any the caller names.
         self.hide_env = tuple(dict.fromkeys([*host.secret_env, *hide_env]))
@@ -176,7 +179,7 @@ class Supervisor:
     # ---------------------------------------------------------------- plumbing
 
     def emit(self, text: str) -> None:
-        self._emit(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.host.name}/{self.session}: {text}")
+        self._emit(self.scrub(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.host.name}/{self.session}: {text}"))
 
     def _connect(self) -> Remote:
         if self._remote is None:
@@ -214,6 +217,7 @@ class Supervisor:
             note = self.heartbeat.check(facts, f"{self.host.name}/{self.session}", wrote=beat is not None)
             if note:
                 self.emit(note)
+        st = scrubbed_status(st, self.scrub)
         logger.info("probe %s/%s: %s", self.host.name, self.session, st.headline())
         return st
 
@@ -267,7 +271,7 @@ class Supervisor:
 
     def _record(self, path: Path, incident: dict[str, t.Any]) -> None:
         try:
-            self.incidents.write(path, incident)
+            self.incidents.write(path, self.scrub.tree(incident))
         except OSError as e:
             self.emit(f"warning: cannot write the incident {path}: {e}")
 
@@ -282,7 +286,7 @@ class Supervisor:
         self._notify(incident)
         if self.on_event is None:
             return
-        result = run_hook(self.on_event, incident, path, hide_env=self.hide_env)
+        result = run_hook(self.on_event, self.scrub.tree(incident), path, hide_env=self.hide_env)
         incident["hook"] = result
         self._record(path, incident)
         if not result["ok"]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ops import errors
 from ops.far import refusal, request, tmux
-from ops.far.atomic import write_json_atomic
+from ops.far.atomic import create_new, write_json_atomic
 from ops.hosts import Host, load_inventory, supervise_dir_problem
 from ops.state_dir import private_dir
 from ops.supervise import record, unit
@@ -562,7 +562,7 @@ class _install_lock:  # noqa: N801 (a context manager, named as it is used)
 
 def _write_text(path: str, text: str, mode: int) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    fd = create_new(tmp, mode)
     with open(fd, "w", encoding="utf-8") as f:
         os.fchmod(fd, mode)
         f.write(text)
@@ -607,7 +607,7 @@ class LogFile:
                 os.replace(path, f"{path}.1")
         except OSError:
             pass
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self.f = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
 
     def __call__(self, line: str) -> None:
@@ -710,7 +710,7 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         for key in ("dir", "session"):
             if not isinstance(req.get(key), str):
                 raise ValueError(f"{key}: expected a string")
-        problem = supervise_dir_problem(req["dir"])
+        problem = supervise_dir_problem(req["dir"], resolve=True)
         if problem:
             raise ValueError(f"dir: {problem}")
         if not all(c.isalnum() or c in "-_" for c in req["session"]) or not req["session"]:

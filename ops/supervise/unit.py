@@ -44,9 +44,12 @@ OWN_NAMES = ("bin", "releases", "current", "previous", ".deploy.lock", INSTALL_L
 # and no backslash in it (it travels as one ssh command line).
 CLAIM = """
 import json, os, sys, time
-d = sys.argv[1]; marker = os.path.join(d, sys.argv[2]); own = set(sys.argv[3:])
+d = sys.argv[1]; marker = os.path.join(d, sys.argv[2]); system = set(json.loads(sys.argv[3])); own = set(sys.argv[4:])
 def say(**kw):
     print(json.dumps(kw)); sys.exit(0)
+real = os.path.realpath(d)
+if real in system:
+    say(ok=False, why="is " + real + " through a link: a folder of the system itself")
 if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
     say(ok=False, why="exists and is not a folder")
 if os.path.isfile(marker):

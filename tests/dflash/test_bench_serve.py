@@ -301,15 +301,16 @@ def test_exposition_text_is_read_as_prometheus_writes_it() -> None:
         'vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 6.0\n'
         'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e+09\n'
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0\n'
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 9.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 6.0\n'
         'vllm:num_requests_running{engine="0"} 2.0 1700000000000\n'
     )
     samples = engine_metrics.parse(text)
     assert samples[0].labels == {"engine": "0", "model_name": 'a "b", c}'} and samples[-1].value == 2.0
     r = engine_metrics.read(text)
-    assert r.engine == "vllm" and r.drafts == 10.0 and r.accepted == 15.0 and r.per_position == (0.0, 2.0)
+    assert r.engine == "vllm" and r.drafts == 10.0 and r.accepted == 15.0 and r.per_position == (9.0, 6.0)
     a = engine_metrics.acceptance(engine_metrics.Reading("vllm"), r)
-    assert a.length == 2.5 and a.per_position == (0.0, 0.2)
+    assert a.length == 2.5 and a.per_position == (0.9, 0.6)
     with pytest.raises(engine_metrics.MetricsError, match="^line 2: x: 'fast' is not a number$"):
         engine_metrics.parse("# ok\nx fast\n")
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([1.0], 99) == 1.0
@@ -420,3 +421,30 @@ def test_sglang_counters_gone_after_a_restart_are_a_reset_not_an_older_build() -
     after = engine_metrics.Reading("sglang", accept_length=2.5)  # the counters' children not made again yet
     a = engine_metrics.acceptance(before, after)
     assert a.length is None and a.why == "the server's counters reset during the level"
+
+
+@pytest.mark.parametrize(
+    ("miscount", "said"),
+    [
+        ("accepted", r"\d+ tokens accepted of \d+ drafted"),
+        ("positions", r"position 1 accepted \d+ times in \d+ drafts \(225%\)"),
+        ("sum", r"the positions sum to \d+ accepted tokens, the total says \d+"),
+    ],
+)
+def test_counters_that_cannot_all_be_true_give_no_acceptance(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], miscount: str, said: str
+) -> None:
+    """More tokens accepted than drafted (an acceptance of 7 from 3-token drafts), a position accepted in
+    more drafts than there were (225%), positions that do not sum to the accepted tokens: no figure, said."""
+    import re
+
+    prompts = chat_prompts(tmp_path / "p.jsonl")
+    out = tmp_path / "bench.json"
+    with EngineDouble("vllm", miscount=miscount) as engine:
+        args = ["bench", "serve", "--server", engine.url, "--prompts", str(prompts), "--concurrency", "1"]
+        assert main([*args, "--max-new", str(TOKENS), "--json", str(out)]) == 0
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["acceptance_length"] is None and level["position_acceptance"] == [], level
+    assert re.fullmatch(f"inconsistent counters: {said}", level["acceptance_none"]), level["acceptance_none"]
+    row = capsys.readouterr().out.splitlines()[3]
+    assert re.search(rf"  none \(inconsistent counters: {said}\)$", row), row

@@ -24,11 +24,12 @@ import pytest
 from dflash.checkpoint import checkpoints as ckpt
 from dflash.checkpoint.best import best_of, read_best, set_best
 from dflash.checkpoint.manifest import CheckpointError
-from dflash.config import ConfigError, RunConfig, load_config
+from dflash.config import ConfigError, RunConfig
 from dflash.eval.evaluate import resolve_checkpoint
 from dflash.serve.export import export
 from dflash.train.run import Run
 from testkit import retry_until
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -47,18 +48,8 @@ def prompts_file(root: Path) -> Path:
 
 
 def tiny(root: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        TINY,
-        [
-            f"output_dir={root / 'run'}",
-            f"checkpoint.dir={root / 'ckpt'}",
-            f"eval.prompts={prompts_file(root)}",
-            "log_every=2",
-            "checkpoint.interval=0",
-            "checkpoint.keep=1",
-            *EVAL,
-            *overrides,
-        ],
+    return tiny_config(
+        root, f"eval.prompts={prompts_file(root)}", "log_every=2", "checkpoint.keep=1", *EVAL, *overrides
     )
 
 

@@ -22,6 +22,7 @@ from dflash.data.samples import DataError
 from dflash.model.drafter import DFlashDraftModel, draft_config_for
 from dflash.model.target import tiny_target_config
 from dflash.train.run import Run
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -31,18 +32,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "log_every=100",
-            "checkpoint.interval=0",
-            "max_steps=4",
-            "devices.drafters=cpu",
-            *overrides,
-        ],
-    )  # one drafter: a checkpoint lands exactly on its interval (two may add the step in flight)
+    # one drafter: a checkpoint lands exactly on its interval (two may add the step in flight)
+    return tiny_config(tmp_path, "log_every=100", "max_steps=4", "devices.drafters=cpu", *overrides)
 
 
 def train(tmp_path: Path, *overrides: str) -> Run:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.attention.flex_attention as flex_module
 from torch._dynamo.utils import counters
 
-from dflash.config import load_config
 from dflash.model.drafter import CompileMissError
 from dflash.model.loss import drafter_loss
 from dflash.train.compile import shape_class, warm_up, warm_up_shapes
 from dflash.train.run import Run
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,19 +54,14 @@ def unfused_flex_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def three_drafters(tmp_path: Path, *overrides: str) -> Run:
-    cfg = load_config(
-        REPO / "configs" / "tiny-random.toml",
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "checkpoint.interval=0",
-            'devices.drafters=["cpu", "cpu", "cpu"]',
-            "data.max_length=96",
-            "compile=true",
-            "compile_backend=eager",
-            "checkpoint.resume=never",
-            *overrides,
-        ],
+    cfg = tiny_config(
+        tmp_path,
+        'devices.drafters=["cpu", "cpu", "cpu"]',
+        "data.max_length=96",
+        "compile=true",
+        "compile_backend=eager",
+        "checkpoint.resume=never",
+        *overrides,
     )
     return Run(cfg, environ={})
 

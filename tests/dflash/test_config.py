@@ -143,3 +143,55 @@ def test_relative_data_path_resolves_next_to_the_config(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, MINIMAL))
     assert cfg.data.path == str(tmp_path / "train.jsonl")
     assert cfg.target.path == "/models/qwen"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("drafter.selector_rank=1000000000", "drafter.selector_rank: must be <= 4096, got 1000000000"),
+        ("checkpoint.sync_timeout=1e10", "checkpoint.sync_timeout: must be <= 604800 seconds (a week), got 1e+10"),
+        ("barrier_timeout=1e10", "barrier_timeout: must be <= 604800 seconds (a week), got 1e+10"),
+        ("distributed.timeout=1e12", "distributed.timeout: must be <= 604800 seconds (a week), got 1e+12"),
+        ("target.tiny.hidden_size=1000000", "target.tiny.hidden_size: must be <= 16384, got 1000000"),
+        ("drafter.num_anchors=100000000", "drafter.num_anchors: must be <= 65536, got 100000000"),
+        ("data.batch_size=10000000", "data.batch_size: must be <= 65536, got 10000000"),
+        ("queue.capacity=10000000", "queue.capacity: must be <= 65536, got 10000000"),
+        ("epochs=1e300", "epochs: must be <= 1e+06, got 1e+300"),
+    ],
+)
+def test_a_numeric_key_past_its_bound_is_one_line_when_the_config_is_read(override: str, message: str) -> None:
+    """A 2 TB allocation traceback (selector_rank) and a traceback at the end of a finished run, its final
+    sync lost (sync_timeout past what Python's waits take), are refused at start instead."""
+    with pytest.raises(ConfigError) as e:
+        load_config(REPO / "configs" / "tiny-random.toml", [override])
+    assert str(e.value) == message
+
+
+def test_every_bound_names_a_numeric_key_and_admits_its_default() -> None:
+    """BOUNDS lists real keys (a typo would never check anything) and no default is past its bound."""
+    from dflash import config
+    from dflash.config import BOUNDS
+    from dflash.model import model_config
+
+    assert (config.MAX_VOCAB, config.MAX_LAYERS) == (model_config.MAX_VOCAB, model_config.MAX_LAYERS)
+    cfg = load_config(REPO / "configs" / "tiny-random.toml")
+    for path in BOUNDS:
+        node: object = cfg
+        for part in path.split("."):
+            assert hasattr(node, part), path
+            node = getattr(node, part)
+        assert node is None or isinstance(node, (int, float)) and node <= BOUNDS[path], path
+
+
+def test_train_refuses_a_bound_in_one_line_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    for override in ("drafter.selector_rank=1000000000", "checkpoint.sync_timeout=1e10"):
+        p = subprocess.run(
+            [sys.executable, "-m", "dflash", "train", "--config", str(REPO / "configs" / "tiny-random.toml"),
+             "--set", f"output_dir={tmp_path}", "--set", override],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith("dflash: "), p.stderr
+        assert override.split("=")[0] + ": must be <= " in p.stderr

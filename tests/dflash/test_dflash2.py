@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dflash.checkpoint import checkpoints as ckpt
-from dflash.config import ConfigError, RunConfig, load_config
+from dflash.config import ConfigError, RunConfig
 from dflash.eval.evaluate import evaluate
 from dflash.eval.spec_decode import Sampler, draft_tokens, speculative_generate, target_greedy, target_sample
 from dflash.model.drafter import (
@@ -28,6 +28,7 @@ from dflash.model.drafter import (
 from dflash.model.loss import dflash_loss, drafter_loss
 from dflash.model.target import TargetModel, tiny_target_config
 from dflash.train.run import Run
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -152,18 +153,8 @@ def test_the_selector_objective_injects_a_missing_label_and_counts_picks() -> No
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "log_every=2",
-            "checkpoint.interval=0",
-            "max_steps=4",
-            "drafter.selector_rank=8",
-            "drafter.selector_top_k=8",
-            *overrides,
-        ],
+    return tiny_config(
+        tmp_path, "log_every=2", "max_steps=4", "drafter.selector_rank=8", "drafter.selector_top_k=8", *overrides
     )
 
 
@@ -335,7 +326,7 @@ def test_zlab_export_of_a_dflash2_drafter_and_the_contracts_refusals(tmp_path: P
     assert data["architectures"] == ["DFlash2DraftModel"]
     assert {k: data["dflash_config"][k] for k in DFLASH2} == DFLASH2  # where vLLM and SGLang read them
     card = (out / "README.md").read_text()
-    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve" in card and "DFlash2DraftModel" in card
+    assert "This drafter is DFlash2: only vLLM's V2 model runner serves it" in card and "DFlash2DraftModel" in card
     from safetensors.torch import load_file
 
     shapes = {k: list(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}

@@ -12,7 +12,7 @@ import pytest
 
 import dflash
 import dflash.__main__ as entry
-from dflash.errors import EXIT_CONFIG, EXIT_DIVERGED, EXIT_FAILED, DflashError
+from dflash.errors import EXIT_CONFIG, EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_FAILED, DflashError
 
 
 def dflash_exceptions() -> list[type[BaseException]]:
@@ -32,9 +32,11 @@ def test_every_exception_class_of_dflash_derives_from_the_root_and_carries_its_e
     strays = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, DflashError)]
     assert strays == ["dflash.model.drafter.CompileMissError"]
     ours = [c for c in classes if issubclass(c, DflashError)]
-    # one class has its own code: a run that diverged (dflashctl's restart-on-crash reads it)
+    # two classes have their own code: a run that diverged (dflashctl's restart-on-crash reads it), a run
+    # whose last checkpoint found no room on disk (dflashctl's cause disk-full)
     assert {c.__qualname__: c.exit_code for c in ours if c.exit_code not in (EXIT_FAILED, EXIT_CONFIG)} == {
-        "Diverged": EXIT_DIVERGED
+        "Diverged": EXIT_DIVERGED,
+        "DiskFull": EXIT_DISK_FULL,
     }
 
 
@@ -48,6 +50,7 @@ def test_every_exception_class_of_dflash_derives_from_the_root_and_carries_its_e
         ("dflash.train.pipeline.InjectedFault", EXIT_FAILED, True),  # crash reports read its traceback's last line
         ("dflash.train.distributed.PeerLost", EXIT_FAILED, True),
         ("dflash.checkpoint.checkpoints.CheckpointWriteError", EXIT_FAILED, True),
+        ("dflash.checkpoint.room.DiskFull", EXIT_DISK_FULL, False),  # one line: the disk and what stays
     ],
 )
 def test_a_class_says_its_exit_code_and_whether_it_ends_with_a_traceback(name: str, code: int, traceback: bool) -> None:

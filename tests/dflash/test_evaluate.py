@@ -206,3 +206,14 @@ def test_cli_writes_the_report_and_says_what_is_missing(tmp_path: Path, trained:
     )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == f"dflash: --drafter: {tmp_path / 'nowhere'} does not exist"
+
+
+def test_prompts_after_a_bom_are_read_as_without_it(tmp_path: Path) -> None:
+    """`dflash eval --prompts` refused any BOM (JSON lines and a JSON array alike) while prepare-data read
+    JSON lines after one: the same bytes, the same answer."""
+    lines = '{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n'
+    array = '[{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]'
+    for text in (lines, array):
+        p = tmp_path / "p.jsonl"
+        p.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert load_prompts(p) == [[1, 2, 3], [4, 5]]

@@ -232,6 +232,7 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
             load_drafter(published)
         line = str(got.value)
         assert line.startswith(f"{published / 'config.json'}: {refused}, as vLLM, SGLang and z-lab's reference")
+        assert "(vLLM _dflash_layer_causal, SGLang _get_dflash_attention_type)" in line  # the engine rule it lacks
         assert "\n" not in line and line.endswith("so it cannot train or decode this one with the masks it learnt")
         with pytest.raises(ValueError, match=f"^{re.escape(refused)}"):
             remote.DFlashDraftConfig.from_dict({**data, "is_causal": is_causal})
@@ -243,19 +244,11 @@ def test_a_published_is_causal_is_honoured_when_it_is_our_masks_and_refused_in_o
 
 
 def run_config(tmp_path: Path, name: str, *overrides: str):
-    from dflash.config import load_config
+    from tests.dflash.conftest import tiny_config
 
-    return load_config(
-        REPO / "configs" / "tiny-random.toml",
-        [
-            f"output_dir={tmp_path / name}",
-            f"checkpoint.dir={tmp_path / name / 'ckpt'}",
-            "checkpoint.interval=0",
-            "checkpoint.resume=never",
-            "devices.drafters=cpu",
-            "devices.targets=cpu",
-            *overrides,
-        ],
+    # the run dir is <name>/run now, the checkpoints <name>/ckpt as before
+    return tiny_config(
+        tmp_path / name, "checkpoint.resume=never", "devices.drafters=cpu", "devices.targets=cpu", *overrides
     )
 
 

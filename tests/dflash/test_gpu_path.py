@@ -34,12 +34,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.config import load_config
 from dflash.data.batching import BatchPlan
 from dflash.data.samples import JsonlDataset, collate
 from dflash.data.store import PrepareSpec, prepare
 from dflash.train.compile import batch_shape, guard_keys, shape_class, warm_up_replicas, warm_up_shapes
 from dflash.train.run import Run
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,16 +47,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def tiny_run(tmp_path: Path, *overrides: str) -> Run:
-    cfg = load_config(
-        REPO / "configs" / "tiny-random.toml",
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "checkpoint.interval=0",
-            "checkpoint.resume=never",
-            *overrides,
-        ],
-    )
+    cfg = tiny_config(tmp_path, "checkpoint.resume=never", *overrides)
     return Run(cfg, environ={}, stream=io.StringIO())
 
 

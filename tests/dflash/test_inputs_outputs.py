@@ -161,3 +161,23 @@ def test_the_other_readers_of_a_users_json_are_bounded_too(tmp_path: Path, capsy
     )
     err = capsys.readouterr().err
     assert rc == 2 and err == "bench serve: --template-kwargs: not valid JSON: nested too deeply\n", err
+
+
+def test_a_bom_at_a_files_start_is_its_encoding_mark_for_every_reader(tmp_path: Path) -> None:
+    """One answer for the same bytes: json.loads took a BOM before bytes and refused it before text, so
+    JSON lines after one were read by prepare-data and refused by eval; the run config's TOML refused it."""
+    from dflash import inputs
+    from dflash.config import load_config
+
+    bom = b"\xef\xbb\xbf"
+    for data in (bom + b'[{"a": 1}]', (bom + b'[{"a": 1}]').decode("utf-8")):
+        assert inputs.loads(data) == [{"a": 1}]
+    p = tmp_path / "x.json"
+    p.write_bytes(bom + b'\n  {"a": 1}')
+    assert inputs.read_json(p, "x") == {"a": 1}
+    assert inputs.read_text(p, "x") == '\n  {"a": 1}'
+    assert inputs.head(p) == b'{"a": 1}'
+    toml = (REPO / "configs" / "tiny-random.toml").read_bytes()
+    (tmp_path / "bom.toml").write_bytes(bom + toml)
+    (tmp_path / "plain.toml").write_bytes(toml)
+    assert load_config(tmp_path / "bom.toml") == load_config(tmp_path / "plain.toml")

@@ -689,3 +689,32 @@ def test_a_full_disk_is_one_line_and_keeps_the_finished_shards(tmp_path: Path, l
     assert second.startswith("1\n") and "prepare-data: resuming: " in second, proc.stderr
     assert proc.stderr.rstrip().endswith("rc=0"), proc.stderr
     assert "meta.json" in proc.stdout and "tokens.bin" in proc.stdout
+
+
+def test_a_bom_before_a_json_array_or_json_lines_is_read_the_same_as_without(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A UTF-8 byte order mark first (what Windows editors write): a JSON array after one was read as a JSON
+    line (`no usable sequences (1 not-an-object)`) while JSON lines after one were read. Every form, with and
+    without it, gives the same store."""
+    llama3.save_pretrained(tmp_path / "tok")
+    records = chats(3)
+    forms = {
+        "array": json.dumps(records).encode(),
+        "lines": "".join(json.dumps(r) + "\n" for r in records).encode(),
+    }
+    stores = {}
+    for name, body in forms.items():
+        for bom in (b"", b"\xef\xbb\xbf"):
+            src = tmp_path / f"{name}{len(bom)}.json"
+            src.write_bytes(bom + body)
+            out = tmp_path / f"s-{name}{len(bom)}"
+            rc, said, err = run_main(
+                capsys, "prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(out)
+            )
+            assert rc == 0, err
+            assert "dropped" not in said, said
+            store = TokenStore(out)
+            stores[(name, len(bom))] = [store.read(i)[0].tolist() for i in range(len(store))]
+    assert len({json.dumps(v) for v in stores.values()}) == 1, stores
+    assert len(stores[("array", 3)]) == 3

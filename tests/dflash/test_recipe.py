@@ -16,6 +16,7 @@ from dflash.config import ConfigError, RunConfig, load_config
 from dflash.data.samples import collate
 from dflash.train.replicas import FeatureBatch
 from dflash.train.run import Run
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -24,17 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "log_every=1",
-            "checkpoint.interval=0",
-            "checkpoint.resume=never",
-            *overrides,
-        ],
-    )
+    return tiny_config(tmp_path, "log_every=1", "checkpoint.resume=never", *overrides)
 
 
 def batches(run: Run) -> tuple[FeatureBatch, FeatureBatch, FeatureBatch]:
@@ -109,16 +100,7 @@ def test_a_global_step_is_one_update_of_k_batches(tmp_path: Path) -> None:
 
 
 def test_epochs_derive_max_steps_and_warmup_printed_at_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "epochs=2",
-            "optim.sequences_per_update=8",
-            "devices.drafters=cpu,cpu",
-        ],
-    )
+    cfg = tiny_config(tmp_path, "epochs=2", "optim.sequences_per_update=8", "devices.drafters=cpu,cpu")
     cfg = dataclasses.replace(cfg, max_steps=None)  # the tiny config sets max_steps; without it epochs count
     with caplog.at_level(logging.INFO, logger="dflash.train"):
         run = Run(cfg, environ={})
@@ -135,15 +117,7 @@ def test_epochs_derive_max_steps_and_warmup_printed_at_start(tmp_path: Path, cap
 
 
 def test_default_sequences_per_update_is_32_over_the_drafters(tmp_path: Path) -> None:
-    cfg = load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "max_steps=1",
-            "devices.drafters=cpu,cpu,cpu",
-        ],
-    )
+    cfg = tiny_config(tmp_path, "max_steps=1", "devices.drafters=cpu,cpu,cpu")
     raw = cfg.optim
     assert raw.sequences_per_update == 4  # the tiny config pins it ...
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(raw, sequences_per_update=None))

@@ -207,3 +207,57 @@ def test_dflash_train_syncs_each_checkpoint_and_a_hanging_sync_never_holds_the_s
     assert (tmp_path / "dest" / "step-10" / "checkpoint.json").is_file()
     facts = json.loads((tmp_path / "run" / "checkpointing.json").read_text())
     assert facts["sync"]["failures"] == 0 and facts["sync"]["last"]["step"] == 10 and facts["keep"] == 2
+
+
+KEY_ID = "AKIAHOSTILE0EXAMPLE7"
+SECRET_KEY = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYzEXAMPLE"  # 38 characters: "/" and "+" are percent-encoded in a URL
+
+
+def test_a_failing_syncs_last_line_never_carries_the_commands_own_words(tmp_path: Path) -> None:
+    """rclone repeats an inline remote's credentials when it fails: in the one line of `sync-failed` (metrics.jsonl,
+    checkpointing.json, train.log) the command's own words are redacted in every form, before the line is cut,
+    so a secret straddling the cut leaves no head either."""
+    remote = f":s3,access_key_id={KEY_ID},secret_access_key={SECRET_KEY}:bucket/run"
+    pad = "x" * (200 - len("ERROR : ") - 20)  # the secret key starts 20 characters before the 200th
+    body = (
+        'echo "copying $2"\n'
+        f'echo "ERROR : {pad}{SECRET_KEY} quoted=$(printf %s "$3" | {sys.executable} -c '
+        '\'import sys, urllib.parse; print(urllib.parse.quote(sys.stdin.read(), safe=""))\')"\n'
+        'echo "Failed to copy: directory not found: $2 in $3" >&2\n'
+        "exit 1\n"
+    )
+    sync = script(tmp_path / "rclone", body)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash", "train", "--config", str(TINY),
+         "--set", f"output_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
+         "--set", "max_steps=5", "--set", "checkpoint.interval=5", "--set", "log_every=1",
+         "--set", f"checkpoint.sync={sync} copy {{dir}} {remote}", "--set", "checkpoint.sync_timeout=30"],
+        cwd=REPO, capture_output=True, text=True, timeout=200,
+        env={**{k: v for k, v in os.environ.items() if k != "DFLASH_RUN_DIR"}, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert SECRET_KEY in (tmp_path / "run" / "sync.log").read_text(), "the tool printed it (its own log keeps it)"
+    events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    (failed,) = [e for e in events if e["event"] == "sync-failed"]
+    assert failed["error"].startswith("rclone failed (exit 1): Failed to copy: directory not found: ")
+    assert failed["error"].endswith(" in [redacted]"), failed["error"]
+    facts = (tmp_path / "run" / "checkpointing.json").read_text()
+    said = "\n".join([proc.stderr, json.dumps(events), facts])
+    for word in (KEY_ID, SECRET_KEY[:6], "secret_access_key=", remote[:20]):
+        assert word not in said, word
+
+    # the line before the cut: the secret straddles the 200th character, percent-encoded after it
+    (tmp_path / "run2").mkdir()
+    quiet = script(tmp_path / "rclone2", "\n".join(body.splitlines()[:2]) + "\nexit 1\n")
+    from dflash.checkpoint.sync import command_secrets
+
+    ends = Ends()
+    job = CheckpointSync(
+        (str(quiet), "copy", "{dir}", remote), tmp_path / "ckpt", timeout=60, log_path=tmp_path / "s.log", on_end=ends
+    )
+    job.request(5, "checkpoint")
+    assert job.close(60)
+    (r,) = ends.results
+    assert r.error is not None and len(r.error) <= 200 + len("rclone2 failed (exit 1): ")
+    assert SECRET_KEY[:6] not in r.error and "wJalrX" not in r.error, r.error
+    assert SECRET_KEY in command_secrets((str(quiet), "copy", "{dir}", remote))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dflash.checkpoint import checkpoints as ckpt
-from dflash.config import ConfigError, RunConfig, load_config
+from dflash.config import ConfigError, RunConfig
 from dflash.data.samples import collate
 from dflash.model.loss import drafter_loss
 from dflash.train.pipeline import PipelineError
@@ -28,6 +28,7 @@ from dflash.train.replicas import LRSchedule
 from dflash.train.run import Run
 from ops.far.history import resumed_from
 from testkit import retry_until
+from tests.dflash.conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-random.toml"
@@ -36,17 +37,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def tiny(tmp_path: Path, *overrides: str) -> RunConfig:
-    return load_config(
-        TINY,
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "log_every=5",
-            "checkpoint.interval=0",
-            "max_steps=10",
-            *overrides,
-        ],
-    )
+    return tiny_config(tmp_path, "log_every=5", "max_steps=10", *overrides)
 
 
 def fixed_loss(run: Run, replica: int = 0) -> float:

@@ -131,19 +131,9 @@ def test_without_accounting_the_workers_stay_at_zero() -> None:
 
 
 def tiny_cfg(tmp_path: Path, *overrides: str) -> t.Any:
-    from dflash.config import load_config
+    from tests.dflash.conftest import tiny_config
 
-    return load_config(
-        REPO / "configs" / "tiny-random.toml",
-        [
-            f"output_dir={tmp_path / 'run'}",
-            f"checkpoint.dir={tmp_path / 'ckpt'}",
-            "log_every=2",
-            "checkpoint.interval=0",
-            "max_steps=6",
-            *overrides,
-        ],
-    )
+    return tiny_config(tmp_path, "log_every=2", "max_steps=6", *overrides)
 
 
 def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -86,6 +86,30 @@ BAD = [
         "hosts.pve.connect_timeout",
         "expected a number",
     ),
+    Bad(
+        "keep-connection-negative",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nkeep_connection = -1\n',
+        "hosts.pve.keep_connection",
+        "at least 0",
+    ),
+    Bad(
+        "keep-connection-string",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nkeep_connection = "10m"\n',
+        "hosts.pve.keep_connection",
+        "expected a number of seconds",
+    ),
+    Bad(
+        "keep-connection-over-a-day",
+        '[hosts.pve]\naddress = "h"\ncommand = "x"\nkeep_connection = 86401\n',
+        "hosts.pve.keep_connection",
+        "at most 86400",
+    ),
+    Bad(
+        "keep-connection-on-a-local-host",
+        '[hosts.me]\ntransport = "local"\ncommand = "x"\nkeep_connection = 60\n',
+        "hosts.me.keep_connection",
+        'only for transport = "ssh"',
+    ),
     Bad("default-names-no-host", 'default = "gpu"\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "default", '"gpu"'),
     Bad(
         "default-wrong-type", 'default = 3\n[hosts.pve]\naddress = "h"\ncommand = "x"\n', "default", "expected a string"
@@ -153,6 +177,14 @@ def test_bad_value_names_its_key_path(case: Bad) -> None:
     assert err.path == case.path
     assert str(err).startswith(f"{case.path}: ")
     assert case.words in str(err)
+
+
+def test_keep_connection_is_off_unless_set_and_read_as_seconds() -> None:
+    plain = parse('[hosts.pve]\naddress = "h"\ncommand = "x"\n').get()
+    kept = parse('[hosts.pve]\naddress = "h"\ncommand = "x"\nkeep_connection = 600\n').get()
+    assert (plain.keep_connection, kept.keep_connection) == (0.0, 600.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kept.keep_connection = 1  # type: ignore[misc]
 
 
 def test_invalid_toml_names_the_file(tmp_path: Path) -> None:

@@ -240,6 +240,36 @@ def test_a_pct_that_cannot_run_is_unreachable_not_not_started(on_host: OnTheHost
     _blind(on_host.cli, on_host.root / "state")
 
 
+def test_a_pct_that_runs_but_fails_is_blind_never_not_started(on_host: OnTheHost) -> None:
+    """`pct` = /bin/false (a broken wrapper, sudo refusing): it runs, fails and says nothing. Nothing inside
+    was read, so a live run is not called not-started: unreachable (unknown) with what was asked and heard."""
+    from testkit.runkit import fake_release
+
+    on_host.table["command"] = ["sh", "-c", "echo step 1; sleep 600"]
+    on_host.write()
+    fake_release(on_host.workdir)
+    assert on_host.cli("start").exit_code == 0
+    retry_until(lambda: on_host.cli("status").exit_code == 0, 30)  # running, seen through pct
+    on_host.table["pct"] = "/bin/false"
+    on_host.write()
+    try:
+        st = on_host.cli("status", "--json")
+        assert st.exit_code == 10, st.output
+        doc = json.loads(st.stdout)
+        assert (doc["state"], doc["cause"]) == ("unreachable", "unknown"), doc
+        assert doc["detail"] == (
+            "ct (ct 200): nothing inside can be read: the agent failed: exit 1; tmux, asked the same way, exited 1 "
+            "without a word (a pct, wrapper or sudo that fails silently?)"
+        ), doc["detail"]
+        assert (doc["container"] or {}).get("status") != "running", doc["container"]
+        once = on_host.cli("restart-on-crash", "--once", "--state-dir", str(on_host.root / "state"))
+        assert "unreachable (unknown)" in once.output and "not-started" not in once.output, once.output
+    finally:
+        on_host.table["pct"] = str(on_host.pve.pct)
+        on_host.write()
+        assert on_host.cli("stop").exit_code == 0
+
+
 def test_a_pct_that_cannot_run_on_the_ssh_host_is_unreachable(pve_hosts: t.Any) -> None:
     from testkit.runkit import fake_release
 

@@ -7,6 +7,7 @@ fake Proxmox container over the test sshd.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from ops.hosts import Host, ProxmoxApi
 from ops.notify import REDACTED, Message, Notifier, Scrubber, label, message_for, secret_values
 from testkit import PveHosts, free_port, retry_until
 from testkit.faultrig import FAST, K, Rig
+from testkit.runkit import LEAKY_TOKEN, leaked, leaky_command
 from testkit.webhook import Webhook
 
 pytest.importorskip("apprise")
@@ -115,6 +117,37 @@ def test_secrets_are_scrubbed_host_env_values_and_the_api_token() -> None:
     # a URL's label never shows its token; a webhook's host and port are no secret
     assert label("slack://T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7F", 2) == "--notify #2 (slack://...)"
     assert label("json://127.0.0.1:8080/hook?token=x", 1) == "--notify #1 (json://127.0.0.1:8080)"
+
+
+def test_every_form_of_a_secret_and_a_cut_ones_head_or_tail_is_scrubbed() -> None:
+    import urllib.parse
+
+    from ops.courier import ERROR_CHARS, _Words
+    from ops.redaction import url_secrets
+
+    tok = LEAKY_TOKEN
+    scrub = Scrubber([tok])
+    shown = {
+        "plain": tok,
+        "percent": urllib.parse.quote(tok, safe=""),
+        "plus": urllib.parse.quote_plus(tok),
+        "lower hex": urllib.parse.quote(tok, safe="").replace("%2F", "%2f"),
+        "json": json.dumps({"t": tok}),
+        "repr": repr({"t": tok}),
+        "json in a query": urllib.parse.quote(json.dumps(tok)),
+    }
+    for what, text in shown.items():
+        assert leaked(scrub(f"said: {text} !")) == [], what
+    head, tail = tok[:17], tok[9:]
+    assert scrub(f"ValueError: {head}...") == f"ValueError: {REDACTED}..."
+    assert scrub(f"log: {head}\nnext") == f"log: {REDACTED}\nnext", "a line's end is a cut"
+    assert scrub(f"...{tail} was refused") == f"...{REDACTED} was refused"
+    assert scrub("GPU 0 NCCL WARN hf_h5 fine") == "GPU 0 NCCL WARN hf_h5 fine", "5 characters are no head"
+    # a --notify URL's token, in apprise's words cut to ERROR_CHARS by the delivery process: scrubbed first
+    url = "slack://T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7F"
+    words = _Words(Scrubber(url_secrets(url)))
+    words.said("x" * (ERROR_CHARS - 12) + " token TIiajkdnlazkcOXrIdevi7F refused")
+    assert "TIiajk" not in words.last and len(words.last) <= ERROR_CHARS
 
 
 def test_delivered_scrubbed_from_a_thread_of_its_own() -> None:
@@ -259,6 +292,42 @@ def test_notifications_arrive_with_no_secret_in_them(rig: Rig, pve_hosts: PveHos
     assert HF_TOKEN in rig.log(1) and api_token in rig.log(1), "the secrets are in the log..."
     assert HF_TOKEN not in text and api_token not in text, "... and in no message"
     assert f"HF_TOKEN={REDACTED} api={REDACTED}" in text
+
+
+def test_a_secret_in_every_form_and_cut_by_the_evidence_reaches_no_message_record_or_line(
+    rig: Rig, pve_hosts: PveHosts
+) -> None:
+    """The run prints HF_TOKEN percent-encoded, JSON- and repr-escaped, then crashes with it straddling the
+    evidence's 200-character cut: restart-on-crash's messages, its output, its incidents, the next attempt's
+    run.json (why it was started) and `dflashctl history` carry no form of it, nor its head."""
+    rig.configure(env={"HF_TOKEN": LEAKY_TOKEN})
+    cmd = list(t.cast(list[str], pve_hosts.pve_table["command"]))
+    pve_hosts.write(command=leaky_command(cmd))
+    rig.start()
+    with Webhook() as hook:
+        sup = rig.supervise(*FAST, "--notify", hook.url)
+        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+        rig.fault("once:exception")
+        sup.event(r"restarted: attempt 2 started")
+        retry_until(lambda: any(x.startswith("dflash pve/dflash: restarted") for x in hook.titles()), 30)
+        sup.stop()
+    log = rig.log(1)
+    assert "huggingface.co/api/whoami?token=hf_h5%2FSecret%2BToken%3DZq8%22w%5C9" in log, "percent-encoded..."
+    assert 'config: {"token": "hf_h5/Secret+Token=Zq8\\"w\\\\9"}' in log, "... JSON- and repr-escaped in the log"
+    crash = next(m["message"] for m in hook.messages if ": crashed (" in m["title"])
+    assert f"{REDACTED} was refused by the hub" in crash, crash
+    history = rig.cli("history", "--json", "--state-dir", str(rig.state_dir))
+    assert history.exit_code == 0, history.output
+    incidents = "".join(p.read_text() for p in (rig.state_dir / "incidents").glob("*.json"))
+    said = {
+        "messages": hook.texts(),
+        "supervisor output": sup.text,
+        "incidents": incidents,
+        "run.json of attempt 2": json.dumps(rig.run_json(2)),
+        "history": history.stdout,
+    }
+    assert {where: leaked(text) for where, text in said.items()} == dict.fromkeys(said, [])
+    assert REDACTED in said["incidents"] and REDACTED in said["run.json of attempt 2"]
 
 
 def test_a_down_and_a_hanging_server_never_hold_up_the_supervisor(rig: Rig) -> None:
@@ -418,3 +487,22 @@ def test_a_loss_spike_is_told_once_and_a_diverged_run_s_give_up_names_it(rig: Ri
     assert gave_up.startswith("dflash pve/dflash: gave up: training diverged: diverged at step"), gave_up
     body = next(m["message"] for m in hook.messages if m["title"] == gave_up)
     assert "crashed (diverged), attempt 1" in body and "last finite checkpoint" in body
+
+
+def test_status_in_every_form_shows_no_secret_the_run_printed(rig: Rig, pve_hosts: PveHosts) -> None:
+    """status, status --json and status --facts of a run that crashed printing HF_TOKEN in every form: the
+    evidence says the crash, with the token redacted (what the supervisor's messages may say, status says)."""
+    rig.configure(env={"HF_TOKEN": LEAKY_TOKEN})
+    cmd = list(t.cast(list[str], pve_hosts.pve_table["command"]))
+    pve_hosts.write(command=leaky_command(cmd))
+    rig.start()
+    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
+    rig.fault("once:exception")
+    retry_until(lambda: rig.cli("status").exit_code not in (0, 3), 60)
+    said = {
+        form: rig.cli("status", *extra)
+        for form, extra in (("text", ()), ("json", ("--json",)), ("facts", ("--facts",)))
+    }
+    assert "was refused by the hub" in said["text"].stdout, said["text"].output
+    assert {form: leaked(r.output) for form, r in said.items()} == dict.fromkeys(said, [])
+    assert REDACTED in said["text"].stdout and REDACTED in said["facts"].stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import typing as t
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dflash.model.target import tiny_target_config
 from ops import pull
 from ops.remote import connect
 from testkit import PveHosts
+from testkit.forkserver import dflashctl_argv
 from testkit.plugin import require
 from testkit.runkit import bench_box, fake_release
 
@@ -356,3 +358,72 @@ def test_on_a_terminal_the_progress_line_runs_on_stderr(box: PveHosts, tmp_path:
     rows = seen.decode().replace("\r\n", "\n").split("\r")
     assert rows[1] == "pull step-2: 0.0 MiB of 0.2 MiB (0%)" and rows[-1] == "pull step-2: 0.2 MiB of 0.2 MiB (100%)\n"
     assert p.stdout.decode().startswith("pulled step-2 ")
+
+
+# --------------------------------------------------------------------------------------------
+# Only what the pull made is its to write
+
+
+def test_a_link_planted_as_a_part_file_is_refused_and_what_it_points_to_is_untouched(
+    box: PveHosts, tmp_path: Path
+) -> None:
+    dest, outside = tmp_path / "dest", tmp_path / "precious.txt"
+    dest.mkdir()
+    outside.write_text("the user's own file\n")
+    (dest / "config.json.part").symlink_to(outside)
+    r = box.cli("pull", str(dest), timeout=120)
+    assert r.exit_code == 1, r.output
+    assert r.stderr.splitlines() == [
+        f"dflashctl: {dest}/config.json.part is a link: pull writes plain files only and never through a link; "
+        "pull into an empty or new folder"
+    ]
+    assert outside.read_text() == "the user's own file\n"
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json.part"] and (dest / "config.json.part").is_symlink()
+
+
+def test_a_link_planted_while_pulling_is_never_followed(small_chunks: t.Any, tmp_path: Path) -> None:
+    """A .part is created with O_EXCL|O_NOFOLLOW: a link put there after DEST was checked is refused too."""
+    dest, outside = tmp_path / "race", tmp_path / "precious.txt"
+    outside.write_text("the user's own file\n")
+
+    def plant(n: int) -> None:  # while the weights come, before the trainer state's turn
+        link = dest / "trainer_state.pt.part"
+        if (dest / "model.safetensors.part").exists() and not link.is_symlink():
+            link.symlink_to(outside)
+
+    with pytest.raises(pull.PullError, match=r"trainer_state.pt.part is a link: pull writes plain files only"):
+        pull.pull(small_chunks, None, dest, progress=plant)
+    assert outside.read_text() == "the user's own file\n"
+
+
+def test_an_export_is_never_pulled_over_another(box: PveHosts, tmp_path: Path) -> None:
+    other = box.run_dir / "dflash" / "export-b"
+    shutil.copytree(box.run_dir / "dflash" / "export", other, dirs_exist_ok=True)
+    (other / "config.json").write_text('{"another": "export"}\n')
+    dest = tmp_path / "exp"
+    r = box.cli("pull", "--export", "export", str(dest), timeout=120)
+    assert r.exit_code == 0, r.output
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+    r = box.cli("pull", "--export", "export-b", str(dest), timeout=120)
+    assert r.exit_code == 1, r.output
+    assert r.stderr.splitlines() == [
+        f"dflashctl: {dest} holds another export (its config.json is not export {other}'s): pull into another folder"
+    ]
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before, "nothing of the second moved in"
+
+
+def test_a_pull_bigger_than_dests_free_space_is_refused_before_a_byte_moves(box: PveHosts, tmp_path: Path) -> None:
+    """DEST on a 128 KiB tmpfs (a private mount namespace): the 0.2 MiB checkpoint is refused, both figures named."""
+    require("namespaces")
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = 'mount -t tmpfs -o size=128k tmpfs "$0" && exec "$@" && true'
+    argv = ["unshare", "-m", "sh", "-c", mount, str(small), *dflashctl_argv(), "--hosts", str(box.path)]
+    p = subprocess.run(
+        [*argv, "pull", str(small / "step-6")], capture_output=True, text=True, timeout=120, env=box.env(), cwd=box.root
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.splitlines() == [
+        f"dflashctl: {small} has 0.1 MiB free, and step-6 needs 0.2 MiB more (5 files, 0.2 MiB in all): "
+        "nothing was fetched; free some space or pull elsewhere"
+    ]

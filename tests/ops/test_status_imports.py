@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import typing as t
 
 from testkit.hostsfile import PveHosts
 from testkit.runkit import fake_release
@@ -125,3 +126,55 @@ def test_status_ends_its_process_without_tearing_the_interpreter_down(pve_hosts:
     assert p.stderr == "finalized\n"
     p = console("status", "--session", "bad name")  # an error: the usual exit, message and code
     assert p.returncode == 1 and p.stderr.endswith("finalized\n"), p.stderr
+
+
+# The console entry's hook: `quick_status` first, the full CLI when it declines (what the entry script runs).
+QUICK = r"""
+import json, sys
+from ops.session import quick_status
+code = quick_status(sys.argv[2:])
+print(json.dumps({"code": code, "loaded": sorted(m for m in ("click", "paramiko", "ops.cli") if m in sys.modules)}))
+"""
+
+
+def quick(pve_hosts: PveHosts, *argv: str) -> tuple[list[str], dict[str, t.Any]]:
+    p = subprocess.run(
+        [sys.executable, "-c", QUICK, "-", "--hosts", str(pve_hosts.path), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=pve_hosts.env(),
+    )
+    lines = p.stdout.strip().splitlines()
+    assert lines, p.stderr[-2000:]
+    return lines[:-1], json.loads(lines[-1])
+
+
+def test_quick_status_prints_what_the_cli_prints_without_click(pve_hosts: PveHosts) -> None:
+    fake_release(pve_hosts.workdir)
+    cli = pve_hosts.cli("status", "--json")
+    out, notes = quick(pve_hosts, "status", "--json")
+    assert notes["code"] == cli.exit_code == 7
+    assert "click" not in notes["loaded"] and "ops.cli" not in notes["loaded"], notes
+    same = ("host", "session", "state", "cause", "mode", "tmux", "container", "evidence")
+    assert {k: json.loads(out[0])[k] for k in same} == {k: cli.json()[k] for k in same}
+    text, notes = quick(pve_hosts, "--host", "pve", "status", "--session=dflash")
+    assert notes["code"] == 7 and text[0].startswith("not-started:"), text
+    cli_text = pve_hosts.cli("status")
+    assert text == cli_text.stdout.strip().splitlines()
+
+
+def test_quick_status_declines_every_other_line_and_prints_nothing(pve_hosts: PveHosts) -> None:
+    for argv in (
+        ["status", "--watch", "2"],
+        ["status", "--json", "--json"],
+        ["--group", "g", "status"],
+        ["status", "--all"],
+        ["tail"],
+        ["status", "--session"],
+        ["-v", "status"],
+        ["status", "--session", "no/such"],  # a bad name: the CLI words the error
+        ["--host", "nosuch", "status"],
+    ):
+        out, notes = quick(pve_hosts, *argv)
+        assert out == [] and notes["code"] is None, (argv, out, notes)

@@ -26,7 +26,7 @@ from ops.supervise import unit
 from ops.supervise.policy import Options
 from testkit import PveHosts, TmuxServers, pid_alive, retry_until
 from testkit.hostsfile import dflashctl_argv
-from testkit.runkit import fake_release, reap_runs, train_command
+from testkit.runkit import LEAKY_TOKEN, fake_release, leaked, leaky_command, reap_runs, train_command
 
 VMID = 200
 K = 5  # the fake trainer checkpoints every K steps
@@ -430,6 +430,35 @@ def test_the_installed_supervisor_scrubs_the_host_entrys_env_like_restart_on_cra
         assert f"HF_TOKEN={REDACTED}" in text
 
 
+def test_the_installed_supervisor_says_no_form_of_a_secret_nor_its_head_anywhere(night: Night) -> None:
+    """The run prints HF_TOKEN percent-encoded, JSON- and repr-escaped, and crashes with it straddling the
+    evidence's cut: the webhook, supervisor.log, the incidents, status.json, the heartbeat in the run dir and
+    `supervise status` carry no form of it, nor its head."""
+    pytest.importorskip("apprise")
+    from testkit.webhook import Webhook
+
+    cmd = list(t.cast(list[str], night.hosts.pve_table["command"]))
+    night.hosts.write(env={"HF_TOKEN": LEAKY_TOKEN}, command=leaky_command(cmd))
+    night.start()
+    with Webhook() as hook:
+        night.install("--notify", hook.url)
+        retry_until(lambda: any("supervisor started" in x for x in hook.titles()), 60)
+        night.finish.touch()  # the trainer ends; the leak prints the token and raises
+        retry_until(lambda: any(": crashed (" in x for x in hook.titles()), 90)
+        retry_until(lambda: len(night.attempts()) >= 2, 60)
+        assert "huggingface.co/api/whoami?token=hf_h5%2FSecret%2BToken%3DZq8%22w%5C9" in night.log(1)
+        st = night.cli("supervise", "status", "--json")
+        said = {
+            "messages": hook.texts(),
+            "supervisor.log": (night.sdir / unit.LOG).read_text(),
+            "incidents": json.dumps(night.incidents()),
+            "status.json": (night.sdir / unit.STATUS_JSON).read_text(),
+            "heartbeat": (night.hosts.run_dir / "dflash" / "supervisor.json").read_text(),
+            "supervise status": st.output,
+        }
+    assert {where: leaked(text) for where, text in said.items()} == dict.fromkeys(said, [])
+
+
 def test_install_refuses_a_notify_url_apprise_does_not_understand_in_one_line(night: Night) -> None:
     pytest.importorskip("apprise")
     night.start()
@@ -499,6 +528,40 @@ def test_install_and_uninstall_touch_only_what_they_wrote(night: Night, tmp_path
     assert not (night.dir / unit.LAUNCHER).exists() and not os.path.lexists(night.dir / "current")
     assert [p.name for p in (night.dir / "releases").iterdir()] == ["myapp-1.0"]  # deploy's releases went
     assert (night.sdir / "supervisor.log").exists() and (night.dir / unit.MARKER).is_file()
+
+
+def test_a_dir_below_a_link_to_a_system_folder_is_refused_on_the_host_and_nothing_is_written(
+    night: Night, tmp_path: Path
+) -> None:
+    """``dir = <link to /var>/local`` is /var/local on the host: refused where the host sees it (install's claim
+    and every verb of the host's service), and /var/local is left as it was."""
+    link = tmp_path / "x"
+    link.symlink_to("/var")
+    place = {"python": _python(), "mode": "tmux", "tmux_socket": night.socket, "dir": str(link / "local")}
+    before = sorted(os.listdir("/var/local"))
+    night.hosts.write(supervise=place)
+    r = night.cli("supervise", "install", *FAST)
+    assert r.exit_code == 1, r.output
+    [line] = [x for x in r.stderr.splitlines() if x.strip()]
+    assert line.startswith(
+        f"dflashctl: hosts.pve.supervise.dir: {link}/local on pve is /var/local through a link: "
+        "a folder of the system itself: supervise installs only into a new or empty folder"
+    ), line
+    assert sorted(os.listdir("/var/local")) == before
+    repo = Path(__file__).resolve().parents[2]
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from ops.supervise import service; sys.exit(service.main(sys.argv[2:]))"
+    req = json.dumps({"dir": str(link / "local"), "session": "dflash"})
+    for verb in ("install", "uninstall", "status"):
+        p = subprocess.run(
+            [sys.executable, "-I", "-c", code, str(repo), verb], input=req, capture_output=True, text=True, timeout=60
+        )
+        a = json.loads(p.stdout)
+        assert (p.returncode, a["error"]) == (2, "bad-request"), p.stdout
+        assert a["message"] == (
+            f"{verb}: bad request: dir: {link}/local is /var/local through a link: a folder of the system itself; "
+            "give a folder of dflashctl's own"
+        )
+    assert sorted(os.listdir("/var/local")) == before
 
 
 def test_two_installs_at_once_one_runs_and_says_so_the_other_is_refused(night: Night) -> None:

@@ -246,3 +246,65 @@ def test_a_heartbeat_request_with_numbers_that_are_not_numbers_writes_none_of_th
     assert "interval" not in rec and "started_at" not in rec and "pid" not in rec, rec
     assert rec["last_action"] == {"note": "last action too large to keep"}
     assert not watch.live(rec, NOW) and watch.unreadable(rec, NOW), "no interval: no lease"
+
+
+def test_a_lease_whose_holder_is_dead_on_this_machine_is_taken_over_naming_it(pve_hosts: t.Any) -> None:
+    """A supervisor of this machine killed -9 left a lease with a 1-day interval: the next supervisor here
+    sees its pid gone, says whose lease it breaks and takes it over (not 3 days locked out). A holder whose
+    pid lives, or one of another machine, still refuses it."""
+    import socket
+    import subprocess
+    import time
+
+    from testkit import retry_until
+    from testkit.faultrig import Supervisor
+    from testkit.hostsfile import dflashctl_argv
+    from testkit.runkit import fake_release
+
+    pve_hosts.write(command=["sh", "-c", "echo step 1; sleep 600"])
+    fake_release(pve_hosts.workdir)
+    assert pve_hosts.cli("start").exit_code == 0
+    sdir = pve_hosts.run_dir / "dflash"
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now: a supervisor killed -9 on this machine
+
+    def lease(pid: int, where: str) -> None:
+        rec = {"id": "ghost", "by": "laptop", "where": where, "mode": "foreground", "pid": pid, "interval": 86400}
+        (sdir / watch.HEARTBEAT).write_text(json.dumps({**rec, "at": time.time()}))
+
+    here = socket.gethostname()
+    for pid, where in ((os.getpid(), here), (gone.pid, "another-box")):  # alive here; or nothing proves it dead
+        lease(pid, where)
+        r = pve_hosts.cli("restart-on-crash", "--once", "--state-dir", str(pve_hosts.root / "state"))
+        assert (
+            r.exit_code == 1
+            and f"another supervisor watches pve/dflash: laptop (foreground, pid {pid} on {where})" in (r.stderr)
+        ), r.output
+    lease(gone.pid, here)
+    argv = [*dflashctl_argv(), "--hosts", str(pve_hosts.path), "restart-on-crash", "--interval", "0.5"]
+    sup = Supervisor([*argv, "--state-dir", str(pve_hosts.root / "state")], pve_hosts.env(), pve_hosts.root)
+    try:
+        said = sup.event(r"is void")
+        assert f"the lease on pve/dflash of laptop (foreground, pid {gone.pid} on {here})" in said, said
+        assert f"pid {gone.pid} is gone from this machine ({here}); taking it over" in said, said
+        rec = retry_until(lambda: (r := json.loads((sdir / watch.HEARTBEAT).read_text()))["id"] != "ghost" and r, 30)
+        assert rec["pid"] == sup.proc.pid and rec["took_over"] == {
+            "id": "ghost", "by": "laptop", "where": here, "pid": gone.pid,
+        }  # fmt: skip
+    finally:
+        sup.stop()
+        pve_hosts.cli("stop")
+
+
+def test_a_link_planted_as_the_heartbeats_temp_file_is_never_followed(tmp_path: Path) -> None:
+    """The run can write its own run dir: a link under the name the agent writes the heartbeat through
+    (``supervisor.json.tmp<pid>``) is replaced, never written through (the file it names stays as it was)."""
+    sdir = tmp_path / "runs" / "dflash"
+    sdir.mkdir(parents=True)
+    precious = tmp_path / "precious"
+    precious.write_text("the user's own file\n")
+    (sdir / f"{watch.HEARTBEAT}.tmp{os.getpid()}").symlink_to(precious)
+    assert watch.beat(str(sdir), beat("a"), NOW)["written"]
+    assert precious.read_text() == "the user's own file\n"
+    assert json.loads((sdir / watch.HEARTBEAT).read_text())["id"] == "a"
+    assert not (sdir / f"{watch.HEARTBEAT}.tmp{os.getpid()}").exists()
