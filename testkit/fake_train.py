@@ -2,7 +2,7 @@
 $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside the fake container).
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
-                  [--until FILE] [--then exit:N|oom|oom-old|exception|nccl-timeout|cuda-ecc|cuda-launch|diverged|kill|forever]
+                  [--until FILE] [--then exit:N|die:N|oom|oom-old|exception|value-error|nccl-timeout|cuda-ecc|cuda-launch|diverged|kill|forever]
                   [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
@@ -12,8 +12,8 @@ every K steps, as the training core does with `resume = "auto"`.
 not repeat it) or `always:KIND[@N]` (every run does it), KIND as for --then (`forever` is a hang
 without output; `spike` prints the trainer's loss-spike warning and goes on), @N: after N steps of this run.
 The control file's next lines are printed as they are just before the fault (what a program prints: a
-data sample, a warning it recovered from); KIND `say` prints them and goes on. More KINDs: `value-error[:TEXT]` raises ValueError, `die:N`
-exits N without a word.
+data sample, a warning it recovered from); KIND `say` prints them and goes on. `value-error[:TEXT]`
+raises ValueError, `die:N` exits N without a word.
 --ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
 """
 
