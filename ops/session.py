@@ -225,6 +225,7 @@ def kept_status(host: Host, args: t.Mapping[str, t.Any], connection: t.Callable[
     what ``quick_status`` prints, for either form, and the exit code."""
     from ops import remote as remotes
     from ops.exit_codes import exit_code_for_state
+
     # the keeper's connection is the keeper's: wrapped, never closed here
     st = verdict(host, gather(host, args.get("session"), lambda: remotes.wrap(host, connection())))
     return {"json": st.to_json(), "lines": st.lines(), "code": int(exit_code_for_state(st.state))}
