@@ -15,7 +15,7 @@ LISTED = {
     "bench/gpu_smoke.py:main": "a bench's whole script",
     "bench/regen.py:main": "a bench's whole script",
     "bench/restart_latency.py:main": "a bench's whole script",
-    "bench/status_vs_raw.py:main": "a bench's whole script",
+    "bench/status_vs_raw.py:measure": "a bench's interleaved rounds",
     "dflash/__main__.py:eval_cmd": "click options, one per line",
     "dflash/eval/evaluate.py:evaluate": "the decode loop over prompts, its counters shared",
     "dflash/eval/evaluate.py:load_setup": "the setup's checks in the order a user's mistakes surface",
