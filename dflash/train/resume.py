@@ -200,8 +200,20 @@ def restore(
     return position
 
 
+def saved_sequences_per_update(c: ckpt.Checkpoint) -> int | None:
+    """The sequences per update the checkpoint's run trained with (its config holds the resolved figure).
+
+    A run that resumes without ``optim.sequences_per_update`` set keeps it rather than deriving it again from
+    its drafters: with fewer drafters (a GPU excluded) the default ``ceil(32 / drafters)`` would grow, and
+    ``max_steps`` from ``epochs``, the lr schedule and the batches a global step consumes would move under the
+    step count the checkpoint holds. None: an older checkpoint without it."""
+    optim = ((c.trainer_state or {}).get("config") or {}).get("optim") or {}
+    spu = optim.get("sequences_per_update")
+    return spu if isinstance(spu, int) and not isinstance(spu, bool) and spu > 0 else None
+
+
 def _value(config: DFlashDraftConfig, key: str) -> t.Any:
     return config.dflash2_value(key) if key in DFLASH2_KEYS else getattr(config, key)
 
 
-__all__ = ["find_resume", "group_resume", "lineage", "restore"]
+__all__ = ["find_resume", "group_resume", "lineage", "restore", "saved_sequences_per_update"]

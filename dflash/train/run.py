@@ -14,7 +14,8 @@ the node group and its barrier in ``dflash.train.distributed``; this module hold
 Updates: one global step is one optimizer update of one drafter replica over ``optim.sequences_per_update``
 sequences (gradient accumulation over ``ceil(sequences_per_update / data.batch_size)`` queue items, the
 weighted loss normalised by ONE weight sum over all of them; default ``ceil(32 / drafters)``, the published
-Qwen3-8B recipe's 32 sequences per update). ``max_steps`` unset: ``epochs`` x batches per epoch / batches
+Qwen3-8B recipe's 32 sequences per update; a resumed run keeps its checkpoint's, so a run that lost a drafter
+(``DFLASH_EXCLUDED_GPUS``: ``dflash.train.devices``) keeps its updates, lr schedule and data position). ``max_steps`` unset: ``epochs`` x batches per epoch / batches
 per update. Both are printed at start.
 
 Learning rate: linear warmup over ``optim.warmup_ratio * max_steps`` global steps, then cosine (or
@@ -96,6 +97,7 @@ from dflash.model.target import TargetHead
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
 from dflash.train.averaging import Averager
 from dflash.train.compile import WarmUp, prepare_drafter, shapes_for, warm_up_replicas
+from dflash.train.devices import exclude
 from dflash.train.distributed import GroupBarrier, NodeGroup
 from dflash.train.divergence import AVERAGED, FIGURES, WEIGHTS, Diverged, LossSpike, NonfiniteGuard, all_finite
 from dflash.train.faults import FAULT_ENV, FaultInjector, SigkillWhenPickled, faults_from_env
@@ -111,7 +113,7 @@ from dflash.train.metrics import (
 )
 from dflash.train.pipeline import Pipeline, PipelineOptions, RunResult, StepStats, SyncEvent
 from dflash.train.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica
-from dflash.train.resume import find_resume, group_resume, restore
+from dflash.train.resume import find_resume, group_resume, restore, saved_sequences_per_update
 from dflash.train.validation import EvalResult, Validator
 
 logger = logging.getLogger("dflash.train")  # the name train.log has always shown
@@ -249,7 +251,7 @@ class Run:
     # building ---------------------------------------------------------------------------
 
     def _build(self) -> None:
-        cfg = self.cfg
+        cfg = self.cfg = exclude(self.cfg, self.env)  # DFLASH_EXCLUDED_GPUS: before anything loads
         check_devices(cfg)
         torch.manual_seed(cfg.seed)
         resume = self._meet_nodes()
@@ -322,6 +324,7 @@ class Run:
             resume, self.run_id = find_resume(cfg.checkpoint.resume, self.ckpt_dir)
         else:
             resume, self.run_id = group_resume(self.group, cfg.checkpoint.resume, self.ckpt_dir)
+        self.saved_spu = saved_sequences_per_update(resume) if resume is not None else None  # an update keeps its size
         return resume
 
     def _build_data(self) -> DrafterSpec:
@@ -371,7 +374,7 @@ class Run:
     def _derive_steps(self, cfg: RunConfig) -> RunConfig:
         """Sequences per update -> batches per update; ``epochs`` -> max_steps. Printed; the config keeps them."""
         drafters = sum(n[1] for n in self.nodes)  # every node's: sequences_per_update's default is global
-        spu = cfg.optim.sequences_per_update or math.ceil(UPDATE_SEQUENCES / drafters)
+        spu = cfg.optim.sequences_per_update or self.saved_spu or math.ceil(UPDATE_SEQUENCES / drafters)
         self.accumulate = math.ceil(spu / cfg.data.batch_size)
         per_update = self.accumulate * cfg.data.batch_size
         batches, exact = self.plan.batches_per_epoch()  # a big token store's: estimated (counting is O(corpus))
