@@ -8,6 +8,9 @@ For every prompt the target decodes ``max_new_tokens`` tokens greedily WITH the 
 - ``accept_histogram[k]``: target steps that accepted k drafted tokens, k = 0 .. B-1 (a block of B
   carries the last verified token and B-1 drafts, so accepted + 1 runs 1 .. B);
 - ``position_acceptance[k-1]``: share of steps whose draft k was accepted, among steps that drafted k;
+- ``tool_call_tau``: the same mean over the chat prompts whose reference answer (the record's first
+  assistant turn) starts with a tool call (``starts_with_tool_call``): agentic traffic, where drafters
+  lose the most, on its own;
 - ``target_equal``: prompts whose output is token for token the target's plain greedy output (must be
   all: speculative decoding never changes what the target says); ``outputs`` holds those tokens;
 - ``topk_recall[K][k-1]``: share of drafted positions k whose true token (the target's greedy token
