@@ -517,7 +517,8 @@ def _dumps(obj: t.Any) -> str:
 
 
 def _answer(spec: TinySpec, row: list[int]) -> tuple[list[int], bool]:
-    """A greedy row cut after its EOS (kept): (answer, ended at EOS). Anything but words before it is an error."""
+    """A greedy row cut after its EOS (kept): (answer, ended at EOS). Anything but words (and the tags of a tool
+    call) before it is an error."""
     eos = spec.chat.eos
     answer = row[: row.index(eos) + 1] if eos in row else row
     call = {spec.chat.tag("<tool_call>"), spec.chat.tag("</tool_call>")}  # a tool call is words between these
