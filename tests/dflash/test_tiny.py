@@ -324,3 +324,10 @@ def test_a_tool_share_lists_a_tool_and_answers_with_its_call_as_the_template_ren
         msgs = messages_of(chat, need_assistant=False)
         assert renderer.prompt_ids(msgs[:1], tools_of(chat)) == rendered["input_ids"]
         assert starts_with_tool_call(chat) == ("tools" in chat) == (len(msgs) == 2)
+
+
+def test_tool_share_out_of_range_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.__main__ import main
+
+    assert main(["make-tiny", "--out", str(tmp_path / "x"), "--tool-share", "1.5"]) == 2
+    assert "--tool-share" in capsys.readouterr().err and not (tmp_path / "x").exists()
