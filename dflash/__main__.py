@@ -93,16 +93,34 @@ def train(config_path: str, overrides: tuple[str, ...]) -> int:
     "--samples", type=click.IntRange(1), default=None, help="Training samples the target writes (default 1024)."
 )
 @click.option("--eval-prompts", type=click.IntRange(1), default=None, help="Held-out prompts (default 32).")
+@click.option(
+    "--tool-share",
+    type=click.FloatRange(0.0, 1.0),
+    default=None,
+    help="Share of conversations that list a tool and are answered with a tool call (default 0): "
+    "`dflash eval --chat` then reports tau on tool-call prompts.",
+)
 def make_tiny_cmd(
-    out: str, seed: int, force: bool, target_steps: int | None, samples: int | None, eval_prompts: int | None
+    out: str,
+    seed: int,
+    force: bool,
+    target_steps: int | None,
+    samples: int | None,
+    eval_prompts: int | None,
+    tool_share: float | None,
 ) -> None:
     """A tiny target that learned a synthetic language, and training data it wrote itself (greedy)."""
     from dflash.data.tiny import TinySpec, load_manifest, make_tiny
 
     spec = TinySpec(seed=seed)
-    changes = {
+    changes: dict[str, t.Any] = {
         k: v
-        for k, v in (("target_steps", target_steps), ("train_samples", samples), ("eval_prompts", eval_prompts))
+        for k, v in (
+            ("target_steps", target_steps),
+            ("train_samples", samples),
+            ("eval_prompts", eval_prompts),
+            ("tool_share", tool_share),
+        )
         if v is not None
     }
     spec = dataclasses.replace(spec, **changes)

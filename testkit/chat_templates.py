@@ -161,3 +161,10 @@ LLAMA31_TOOLS = r"""
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
 """
+
+# Plain ChatML without tool support (make-tiny's template before it learned tools): a template that ignores
+# a record's tools and tool calls, which the data path must drop with a named reason.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)

@@ -11,19 +11,23 @@ target first learns a small synthetic language, in a chat template, as a real ch
    phrase it completes, so a greedy answer is up to ``terminal_every`` phrases long;
 2. the tokenizer: one token per word (``w0`` .. ``w199``, ids 0..199: token ids ARE the words), then
    the chat tokens ``<|im_start|>`` ``<|im_end|>`` (end of turn = EOS) ``<|pad|>`` ``<unk>`` ``user``
-   ``assistant`` ``system``; a ChatML-like Jinja template (``add_generation_prompt`` supported), saved
-   with the target so ``AutoTokenizer.from_pretrained(target)`` loads it;
+   ``assistant`` ``system`` and the tool tags ``<tools>`` ``<tool_call>`` ``<tool_response>`` (and their
+   closing ones); a ChatML-like Jinja template (``add_generation_prompt`` supported; tools in Qwen3's
+   shape, ``CHAT_TEMPLATE``), saved with the target so ``AutoTokenizer.from_pretrained(target)`` loads it;
 3. the target: a Qwen3 of 6 layers and width 64, trained for ``target_steps`` steps on conversations
    in the template (a user turn is running text of the language; the assistant continues it until
-   a terminal phrase, then EOS);
+   a terminal phrase, then EOS); with ``tool_share`` > 0 that share of them lists a tool, and each user
+   turn is answered with a call of it (``Language.tool_turn``), the tool's result, then the answer;
 4. the data: ``chat.jsonl``, a raw multi-turn corpus (OpenAI ``messages``) whose assistant turns are
    what a person wrote, not what the target says: ``dflash regen`` has the target rewrite them, and
    ``dflash prepare-data`` renders them into a token store (the real recipe's way); ``train.jsonl``,
    one-turn conversations already rendered with the target's own greedy answers (the short path, for
    ``dflash train`` straight from a checkout); held-out eval prompts (none of them is a user turn of
-   either), rendered (``eval.jsonl``) and as chat messages (``eval-chat.jsonl``).
+   either), rendered (``eval.jsonl``) and as chat messages (``eval-chat.jsonl``). With ``tool_share``
+   the same share of each lists a tool; an eval record of one holds its reference answer, the call, so
+   that ``dflash eval --chat`` reports tau on tool-call prompts on their own.
 
-Rows ``words + 7 .. vocab_size - 1`` of the target's vocabulary are never used (like the padded rows
+Rows ``words + 13 .. vocab_size - 1`` of the target's vocabulary are never used (like the padded rows
 of a real vocabulary); the last one is the drafter's MASK.
 
 Layout of the output directory (written to a temp dir, then renamed; same seed -> same bytes)::
@@ -73,13 +77,43 @@ __all__ = [
 MANIFEST = "tiny.json"
 FORMAT = "dflash-tiny/2"
 SUCCESSOR_PROBS = (0.40, 0.25, 0.20, 0.15)
-# the chat tokens, after the words, in this order (ids words, words + 1, ...)
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<|pad|>", "<unk>", "user", "assistant", "system")
-# ChatML-like; the newlines are for the eye (the tokenizer splits on whitespace, so they are no tokens)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# the chat tokens, after the words, in this order (ids words, words + 1, ...); the tool tags come last, so
+# the ids of the others are those of a target made before them
+CHAT_TOKENS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|pad|>",
+    "<unk>",
+    "user",
+    "assistant",
+    "system",
+    "<tools>",
+    "</tools>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 )
+# ChatML-like, with tools in Qwen3's shape: the record's tools in a system turn between <tools> tags, a call
+# as <tool_call> NAME ARGUMENT-VALUES </tool_call> (words: the tokenizer has no JSON punctuation), tool
+# results as a user turn of <tool_response> blocks. Without tools and tool turns it writes what plain ChatML
+# writes. The newlines are for the eye (the tokenizer splits on whitespace, so they are no tokens).
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    "{% endif %}<tools>{% for tool in tools %} {{ tool['function']['name'] }}{% if tool['function']['description'] %}"
+    " {{ tool['function']['description'] }}{% endif %}{% endfor %} </tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user\n{% endif %}"
+    "<tool_response> {{ message['content'] }} </tool_response>\n"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}{% if message['content'] or not loop.first %}\n{% endif %}"
+    "<tool_call> {{ call['function']['name'] }}"
+    "{% for value in call['function']['arguments'].values() %} {{ value }}{% endfor %} </tool_call>{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_ARGUMENT = "text"  # a tool's one parameter: the words it is called with
 
 
 class TinyError(InputError, ValueError):
@@ -116,6 +150,9 @@ class TinySpec:
     response_len: int = 176  # tokens of a greedy answer at most (it ends at EOS before, normally)
     gen_batch: int = 128
     threads: int = 2  # torch threads while building: fixed, so the same seed gives the same bytes
+    # share of conversations (the target's training text, chat.jsonl, train.jsonl, the eval prompts) that list
+    # a tool: each user turn is answered with a call, then the tool's result, then the answer (Language.tool_turn)
+    tool_share: float = 0.0
 
     def check(self) -> None:
         def at_least(name: str, low: int) -> None:
@@ -158,6 +195,8 @@ class TinySpec:
             raise TinyError(f"num_kv_heads: must divide num_heads ({self.num_heads}), got {self.num_kv_heads}")
         if self.target_lr <= 0:
             raise TinyError(f"target_lr: must be > 0, got {self.target_lr}")
+        if not 0.0 <= self.tool_share <= 1.0:
+            raise TinyError(f"tool_share: must be between 0 and 1, got {self.tool_share}")
 
     @property
     def mask_token_id(self) -> int:
@@ -200,6 +239,45 @@ class ChatTokens:
     def prompt(self, user: t.Sequence[int]) -> list[int]:
         """A user turn and the generation prompt (``add_generation_prompt=True``)."""
         return [*self.turn("user", user), self.im_start, self.role["assistant"]]
+
+    def tag(self, name: str) -> int:
+        """A tool tag's id (``<tools>``, ``</tool_call>``, ...)."""
+        return self.words + CHAT_TOKENS.index(name)
+
+    def tools(self, tool: Tool) -> list[int]:
+        """The system turn the template writes for a record's one tool."""
+        head = [self.im_start, self.role["system"], self.tag("<tools>"), tool.name]
+        return [*head, *tool.description, self.tag("</tools>"), self.eos]
+
+    def call(self, tool: Tool, args: t.Sequence[int]) -> list[int]:
+        """An assistant answer that is a tool call, with its end of turn."""
+        return [self.tag("<tool_call>"), tool.name, *args, self.tag("</tool_call>"), self.eos]
+
+    def response(self, result: t.Sequence[int]) -> list[int]:
+        """A tool result (a user turn of one <tool_response> block) and the generation prompt."""
+        block = [self.tag("<tool_response>"), *result, self.tag("</tool_response>")]
+        return [*self.turn("user", block), self.im_start, self.role["assistant"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    """A tool of the language: a word for its name, running text for its description."""
+
+    name: int
+    description: tuple[int, ...]
+
+    def to_json(self) -> dict[str, t.Any]:
+        """As a record lists it (OpenAI's shape)."""
+        params = {"type": "object", "properties": {TOOL_ARGUMENT: {"type": "string"}}, "required": [TOOL_ARGUMENT]}
+        return {
+            "type": "function",
+            "function": {"name": f"w{self.name}", "description": text(self.description), "parameters": params},
+        }
+
+    def call_json(self, args: t.Sequence[int], call_id: str) -> dict[str, t.Any]:
+        """A call of it, as an assistant turn's ``tool_calls`` holds one (arguments as JSON text, OpenAI's wire form)."""
+        fn = {"name": f"w{self.name}", "arguments": json.dumps({TOOL_ARGUMENT: text(args)})}
+        return {"id": call_id, "type": "function", "function": fn}
 
 
 def text(ids: t.Iterable[int]) -> str:
@@ -254,16 +332,50 @@ class Language:
         )
         return cls(phrases, successors, frozenset(order[:: spec.terminal_every]))
 
-    def stream(self, rng: random.Random) -> t.Iterator[tuple[int, bool]]:
-        """Running text from anywhere inside a random phrase: (word, does a terminal phrase end here)."""
+    def walk(self, rng: random.Random) -> t.Iterator[tuple[int, bool, bool]]:
+        """Running text from anywhere inside a random phrase: (word, does a phrase end here, does a terminal
+        phrase end here)."""
         i = rng.randrange(len(self.phrases))
         start = rng.randrange(len(self.phrases[i]))
         while True:
             p = self.phrases[i]
             for k in range(start, len(p)):
-                yield p[k], k == len(p) - 1 and i in self.terminals
+                end = k == len(p) - 1
+                yield p[k], end, end and i in self.terminals
             start = 0
             i = rng.choices(self.successors[i], weights=SUCCESSOR_PROBS)[0]
+
+    def stream(self, rng: random.Random) -> t.Iterator[tuple[int, bool]]:
+        """Running text from anywhere inside a random phrase: (word, does a terminal phrase end here)."""
+        for word, _end, last in self.walk(rng):
+            yield word, last
+
+    def tool(self, rng: random.Random, spec: TinySpec) -> Tool:
+        """A tool: a random word names it, 3..6 words of running text describe it."""
+        return Tool(rng.randrange(spec.words), tuple(self.sample(rng, rng.randint(3, 6))))
+
+    def tool_turn(self, rng: random.Random, spec: TinySpec) -> tuple[list[int], list[int], list[int], list[int]]:
+        """One user turn of a conversation that lists a tool: (user, call arguments, tool result, answer).
+        The call's arguments continue the user's text to the end of its phrase (a whole phrase when the user's
+        text ends one); the result is running text from elsewhere (the environment's); the answer continues the
+        result as a plain answer continues a user turn: up to the end of a terminal phrase."""
+        walk = self.walk(rng)
+        user = [next(walk)[0] for _ in range(rng.randint(spec.prompt_min, spec.prompt_max))]
+        args: list[int] = []
+        while True:
+            word, end, _last = next(walk)
+            args.append(word)
+            if end:
+                break
+        result_walk = self.stream(rng)
+        result = [next(result_walk)[0] for _ in range(rng.randint(spec.prompt_min, spec.prompt_max))]
+        answer: list[int] = []
+        while True:
+            word, last = next(result_walk)
+            answer.append(word)
+            if last or len(answer) >= spec.response_len:
+                break
+        return user, args, result, answer
 
     def sample(self, rng: random.Random, length: int) -> list[int]:
         """``length`` words of running text, starting anywhere inside a random phrase."""
@@ -275,6 +387,14 @@ class Language:
         continues it up to the end of a terminal phrase, then EOS; more turns until ``length``."""
         chat = spec.chat
         ids: list[int] = []
+        # a share of them lists a tool (no draw at all without one: the same seed, the same text as before)
+        if spec.tool_share > 0 and rng.random() < spec.tool_share:
+            tool = self.tool(rng, spec)
+            ids += chat.tools(tool)
+            while len(ids) < length:
+                user, args, result, answer = self.tool_turn(rng, spec)
+                ids += [*chat.prompt(user), *chat.call(tool, args), *chat.response(result), *answer, chat.eos]
+            return ids[:length]
         while len(ids) < length:
             s = self.stream(rng)
             user = [next(s)[0] for _ in range(rng.randint(spec.prompt_min, spec.prompt_max))]
@@ -397,11 +517,13 @@ def _dumps(obj: t.Any) -> str:
 
 
 def _answer(spec: TinySpec, row: list[int]) -> tuple[list[int], bool]:
-    """A greedy row cut after its EOS (kept): (answer, ended at EOS). Anything but words before it is an error."""
+    """A greedy row cut after its EOS (kept): (answer, ended at EOS). Anything but words (and the tags of a tool
+    call) before it is an error."""
     eos = spec.chat.eos
     answer = row[: row.index(eos) + 1] if eos in row else row
-    bad = [tok for tok in answer[:-1] if tok >= spec.words] + [
-        tok for tok in answer[-1:] if tok >= spec.words and tok != eos
+    call = {spec.chat.tag("<tool_call>"), spec.chat.tag("</tool_call>")}  # a tool call is words between these
+    bad = [tok for tok in answer[:-1] if tok >= spec.words and tok not in call] + [
+        tok for tok in answer[-1:] if tok >= spec.words and tok != eos and tok not in call
     ]
     if bad:  # a target that learned the language says only words, then EOS; say so instead of hiding it
         raise TinyError(
@@ -418,12 +540,25 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
     seen: set[tuple[int, ...]] = set()
     lines: list[str] = []
     capped = 0
+    tool_prompts = 0
     while len(lines) < spec.train_samples:
         n = min(spec.gen_batch, spec.train_samples - len(lines))
         length = rng.randint(spec.prompt_min, spec.prompt_max)  # one length per batch: no padding
         users = [language.sample(rng, length) for _ in range(n)]
         prompts = [chat.prompt(u) for u in users]
-        rows = greedy_batch(model, torch.tensor(prompts), spec.response_len, stop_id=chat.eos).tolist()
+        if spec.tool_share > 0:  # a share lists a tool of one description length (the same prompt length)
+            described = rng.randint(3, 6)
+            for k in range(n):
+                if rng.random() < spec.tool_share:
+                    tool = Tool(rng.randrange(spec.words), tuple(language.sample(rng, described)))
+                    prompts[k] = chat.tools(tool) + prompts[k]
+                    tool_prompts += 1
+        rows: list[list[int]] = [[] for _ in prompts]
+        for size in sorted({len(p) for p in prompts}):
+            at = [k for k, p in enumerate(prompts) if len(p) == size]
+            batch = torch.tensor([prompts[k] for k in at])
+            for k, row in zip(at, greedy_batch(model, batch, spec.response_len, stop_id=chat.eos).tolist()):
+                rows[k] = row
         for user, prompt, row in zip(users, prompts, rows):
             answer, ended = _answer(spec, row)
             capped += not ended
@@ -436,8 +571,27 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
     raw = random.Random(f"chat:{spec.seed}")
     convs = []
     turns = 0
+    tool_convs = 0
     for _ in range(spec.conversations):
-        messages = []
+        messages: list[dict[str, t.Any]] = []
+        if spec.tool_share > 0 and raw.random() < spec.tool_share:
+            tool = language.tool(raw, spec)
+            for _turn in range(raw.randint(1, spec.max_turns)):
+                # the call, the result and the answer are the language's: regen has the target redo the calls
+                # and answers (a call that is not the record's ends the conversation there)
+                user, args, result, answer = language.tool_turn(raw, spec)
+                seen.add(tuple(user))
+                call_id = f"call{turns}"
+                messages += [
+                    {"role": "user", "content": text(user)},
+                    {"role": "assistant", "content": "", "tool_calls": [tool.call_json(args, call_id)]},
+                    {"role": "tool", "tool_call_id": call_id, "name": f"w{tool.name}", "content": text(result)},
+                    {"role": "assistant", "content": text(answer)},
+                ]
+                turns += 2
+            convs.append(_dumps({"tools": [tool.to_json()], "messages": messages}))
+            tool_convs += 1
+            continue
         for _turn in range(raw.randint(1, spec.max_turns)):
             user = language.sample(raw, raw.randint(spec.prompt_min, spec.prompt_max))
             seen.add(tuple(user))
@@ -450,7 +604,23 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
     held = random.Random(f"eval:{spec.seed}")
     rendered: list[str] = []
     as_chat: list[str] = []
+    tool_evals = 0
     while len(rendered) < spec.eval_prompts:
+        if spec.tool_share > 0 and held.random() < spec.tool_share:
+            # a tool-call prompt: its record holds the reference answer (the language's call), so that
+            # `dflash eval --chat` reports tau on these prompts on their own
+            tool = language.tool(held, spec)
+            user, args, _res, _ans = language.tool_turn(held, spec)
+            if tuple(user) in seen:
+                continue
+            seen.add(tuple(user))
+            rendered.append(_dumps({"input_ids": chat.tools(tool) + chat.prompt(user)}))
+            call = {"role": "assistant", "content": "", "tool_calls": [tool.call_json(args, "call0")]}
+            as_chat.append(
+                _dumps({"tools": [tool.to_json()], "messages": [{"role": "user", "content": text(user)}, call]})
+            )
+            tool_evals += 1
+            continue
         user = language.sample(held, held.randint(spec.prompt_min, spec.prompt_max))
         if tuple(user) in seen:
             continue
@@ -465,6 +635,12 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
         "conversations": len(convs),
         "assistant_turns": turns,
         "eval_prompts": len(rendered),
+        # only with tool_share > 0: the manifest of a build without tools reads as it did before them
+        **(
+            {"tool_train_prompts": tool_prompts, "tool_conversations": tool_convs, "tool_eval_prompts": tool_evals}
+            if spec.tool_share > 0
+            else {}
+        ),
     }
 
 

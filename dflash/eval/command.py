@@ -133,6 +133,7 @@ def run_eval(req: EvalRequest, *, say: t.Callable[[str], None], note: t.Callable
         ddtree_budget=req.ddtree_budget or None,
         stop_token_ids=s.stop_token_ids,
         protocol=s.prompt_protocol,
+        tool_call_prompts=s.tool_call_prompts,
         **decoding,
     )
     for line in report.lines():

@@ -8,6 +8,9 @@ For every prompt the target decodes ``max_new_tokens`` tokens greedily WITH the 
 - ``accept_histogram[k]``: target steps that accepted k drafted tokens, k = 0 .. B-1 (a block of B
   carries the last verified token and B-1 drafts, so accepted + 1 runs 1 .. B);
 - ``position_acceptance[k-1]``: share of steps whose draft k was accepted, among steps that drafted k;
+- ``tool_call_tau``: the same mean over the chat prompts whose reference answer (the record's first
+  assistant turn) starts with a tool call (``starts_with_tool_call``): agentic traffic, where drafters
+  lose the most, on its own;
 - ``target_equal``: prompts whose output is token for token the target's plain greedy output (must be
   all: speculative decoding never changes what the target says); ``outputs`` holds those tokens;
 - ``topk_recall[K][k-1]``: share of drafted positions k whose true token (the target's greedy token
@@ -97,6 +100,7 @@ __all__ = [
     "load_setup",
     "prompt_messages",
     "read_records",
+    "starts_with_tool_call",
     "resolve_checkpoint",
     "teacher_forced_walk",
     "token_prompt",
@@ -134,6 +138,18 @@ def prompt_messages(rec: t.Mapping[str, t.Any]) -> list[dict[str, str]]:
     return msgs
 
 
+def starts_with_tool_call(rec: t.Mapping[str, t.Any]) -> bool:
+    """Whether a chat record's reference answer (its first assistant turn, the one its prompt asks for) opens
+    with a tool call: tool calls and no text before them (reasoning aside: a reasoning parser takes it off
+    what the client sees). Such a prompt's tau is reported on its own (``EvalReport.tool_call_tau``)."""
+    try:
+        msgs = messages_of(rec, need_assistant=False)
+    except BadRecord:
+        return False
+    answer = next((m for m in msgs if m["role"] == "assistant"), None)
+    return answer is not None and bool(answer.get("tool_calls")) and not str(answer.get("content") or "").strip()
+
+
 def read_records(text: str, path: Path) -> t.Iterator[tuple[str, t.Any]]:
     """(where, record) of JSON lines, or of a JSON array (as prepare-data reads both); every record read by
     ``inputs.loads`` (bounded, finite, text), a bad one an EvalError naming its line."""
@@ -162,11 +178,14 @@ def load_prompts(
     limit: int | None = None,
     vocab_size: int | None = None,
     renderer: Renderer | None = None,
+    tool_call_at: list[int] | None = None,
 ) -> list[list[int]]:
     """Prompts from JSONL (or a JSON array), in prepare-data's formats: ``{"input_ids": [...]}`` is a
     whole prompt, a training record (with a ``loss_mask``) contributes the tokens before its first
     supervised one; a chat record (OpenAI ``messages`` or ShareGPT ``conversations``) contributes its turns
-    before the first assistant turn, rendered by ``renderer`` (``--chat``: the target's chat template)."""
+    before the first assistant turn, rendered by ``renderer`` (``--chat``: the target's chat template).
+    ``tool_call_at`` (when given) receives the indices of the chat prompts whose reference answer starts
+    with a tool call (``starts_with_tool_call``)."""
     path = Path(path)
     try:  # a regular file: a FIFO would block here
         text = inputs.read_text(path, "--prompts")
@@ -183,6 +202,8 @@ def load_prompts(
                 raise EvalError(f"{where}: {e}") from None
             if not ids:
                 raise EvalError(f"{where}: the chat template renders an empty prompt")
+            if tool_call_at is not None and starts_with_tool_call(rec):
+                tool_call_at.append(len(prompts))
         else:
             if renderer is not None and isinstance(rec, dict) and "input_ids" in rec:
                 raise EvalError(
@@ -358,6 +379,9 @@ class EvalReport:
     seconds: float
     protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # how it was measured (module doc)
     count: str = "dflash"  # the counting rule of tau and the histogram (module doc)
+    # the prompts whose reference answer starts with a tool call (``starts_with_tool_call``), and their tau
+    tool_call_prompts: list[int] = dataclasses.field(default_factory=list)
+    tool_call_tau: float | None = None
 
     @property
     def all_equal(self) -> bool:
@@ -366,6 +390,7 @@ class EvalReport:
     def to_json(self) -> dict[str, t.Any]:
         d = dataclasses.asdict(self)
         d["all_equal"] = self.all_equal
+        d["num_tool_call_prompts"] = len(self.tool_call_prompts)
         return d
 
     def lines(self) -> list[str]:
@@ -390,6 +415,14 @@ class EvalReport:
                 else "tokens per target forward"
             )
             + f"; {self.new_tokens} tokens in {self.steps} verify steps)",
+            *(
+                [
+                    f"tau on tool-call prompts {self.tool_call_tau:.2f}  ({len(self.tool_call_prompts)} of "
+                    f"{self.num_prompts} prompts whose reference answer starts with a tool call)"
+                ]
+                if self.tool_call_tau is not None
+                else []
+            ),
             "accepted drafts per step (0..B-1): " + " ".join(f"{k}:{n}" for k, n in enumerate(self.accept_histogram)),
             "acceptance by position (1..B-1):   " + " ".join(f"{a:.2f}" for a in self.position_acceptance),
         ]
@@ -476,15 +509,20 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     count: str = "dflash",
+    tool_call_prompts: t.Sequence[int] = (),
 ) -> EvalReport:
     """Speculative decoding of every prompt, checked against the target alone (greedy, or sampled with
     the same seed at ``temperature`` > 0); both stop after the first of ``stop_token_ids`` (EOS).
-    ``count``: the counting rule (module doc)."""
+    ``count``: the counting rule (module doc). ``tool_call_prompts``: indices of the prompts whose reference
+    answer starts with a tool call; their mean tau is reported beside the overall one."""
     check_max_new(max_new_tokens)
     if count not in COUNT_RULES:
         raise EvalError(f"--count: expected one of {', '.join(COUNT_RULES)}, got {count!r}")
     if not (math.isfinite(temperature) and temperature >= 0):
         raise EvalError(f"--temperature: expected a number >= 0, got {temperature}")
+    tool_calls = sorted(set(tool_call_prompts))
+    if any(not 0 <= i < len(prompts) for i in tool_calls):
+        raise EvalError(f"tool-call prompts {tool_calls}: expected indices of the {len(prompts)} prompts")
     stops = list(stop_token_ids) or None
     t0 = time.monotonic()
     block = drafter.block_size
@@ -598,6 +636,8 @@ def evaluate(
             count=count,
         ),
         count=count,
+        tool_call_prompts=tool_calls,
+        tool_call_tau=sum(taus[i] for i in tool_calls) / len(tool_calls) if tool_calls else None,
     )
 
 
@@ -618,6 +658,7 @@ class Setup:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_protocol: dict[str, t.Any] = dataclasses.field(default_factory=dict)  # the prompts' part
     renderer: Renderer | None = None  # --chat / --suite: the target's tokenizer and chat template
+    tool_call_prompts: list[int] = dataclasses.field(default_factory=list)  # answers that start with a call
 
     def protocol(self, max_new_tokens: int, **decoding: t.Any) -> dict[str, t.Any]:
         """The protocol the report of this setup will carry (known before decoding); ``decoding``:
@@ -791,7 +832,8 @@ def load_setup(
     if prompts is None:  # --suite: its prompts are rendered as it runs (dflash.eval.suite_report)
         stops = [] if ignore_eos else eos_ids(*sources)
         return Setup(tm, model, [], drafter_name, target_name, "", step, untrained, stops, proto, renderer)
-    loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer)
+    tool_call_at: list[int] = []
+    loaded = load_prompts(prompts, limit=limit, vocab_size=tm.vocab_size, renderer=renderer, tool_call_at=tool_call_at)
     proto.update(prompts_source=str(Path(prompts).resolve()), prompts_sha256=_sha256_file(prompts))
     stops = [] if ignore_eos else eos_ids(*sources)
     if max_new_tokens is not None:  # said now, not as a RoPE/cache error (or silent nonsense) mid-decode
@@ -802,7 +844,20 @@ def load_setup(
                 f"--max-new: the longest prompt has {longest} tokens; {longest} + {max_new_tokens} passes "
                 f"the target's max_position_embeddings ({limit_pos})"
             )
-    return Setup(tm, model, loaded, drafter_name, target_name, str(prompts), step, untrained, stops, proto, renderer)
+    return Setup(
+        tm,
+        model,
+        loaded,
+        drafter_name,
+        target_name,
+        str(prompts),
+        step,
+        untrained,
+        stops,
+        proto,
+        renderer,
+        tool_call_at,
+    )
 
 
 def _renderer(run: RunConfig | None, target_path: str | None, template_kwargs: str | None) -> Renderer:

@@ -1,7 +1,8 @@
 """What a chat record may hold (tool calls, tool results, reasoning, content parts; the shapes public datasets
 store them in) and how each reaches the chat template: as vLLM and SGLang pass a request's, so that every
 supervised token follows exactly the context serving shows. Real tokenizers (test_prepare_data's byte-level
-BPE) with the tiny target's template and Qwen3- and Llama-3.1-shaped tool templates (testkit.chat_templates).
+BPE) with plain ChatML (no tools), the tiny target's template and Qwen3- and Llama-3.1-shaped tool templates
+(testkit.chat_templates).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from test_prepare_data import check_matches_serving, make_tokenizer, run_main
 from dflash.data.chat import BadRecord, Renderer, messages_of, record_sequences, tools_of
 from dflash.data.store import TokenStore
 from dflash.data.tiny import CHAT_TEMPLATE
-from testkit.chat_templates import LLAMA31_TOOLS, QWEN3_TOOLS
+from testkit.chat_templates import CHATML, LLAMA31_TOOLS, QWEN3_TOOLS
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,6 +114,11 @@ def llama31() -> t.Any:
 @pytest.fixture(scope="module")
 def tiny_template() -> t.Any:
     return make_tokenizer(CHAT_TEMPLATE, "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def chatml() -> t.Any:
+    return make_tokenizer(CHATML, "<|im_end|>")
 
 
 def spans(tok: t.Any, ids: t.Sequence[int], mask: t.Sequence[int]) -> tuple[list[str], list[str]]:
@@ -274,14 +280,14 @@ def test_two_calls_and_reasoning_in_one_turn_qwen3(qwen3_tools: t.Any) -> None:
     assert "<|im_start|>user\n<tool_response>\n" + RESULT + "\n</tool_response>\n<tool_response>\n" in ctx
 
 
-def test_reasoning_per_the_template_and_enable_thinking(qwen3_tools: t.Any, tiny_template: t.Any) -> None:
+def test_reasoning_per_the_template_and_enable_thinking(qwen3_tools: t.Any, chatml: t.Any) -> None:
     assert supervised(qwen3_tools, DOLPHIN) == [["<think>\nlet me think about it\n</think>\n\nfine thanks<|im_end|>"]]
     # thinking off: serving's prompt closes the think block, so a turn with reasoning never follows it
     r = Renderer(qwen3_tools, {"enable_thinking": False}).render(messages_of(DOLPHIN))
     assert r.dropped_turns == 1 and not r.sequences
     assert supervised(qwen3_tools, GSM8K, {"enable_thinking": False}) == [[GSM8K["answer"] + "<|im_end|>"]]
     # a template that shows no reasoning: the answer alone
-    assert supervised(tiny_template, DOLPHIN) == [["fine thanks<|im_end|>"]]
+    assert supervised(chatml, DOLPHIN) == [["fine thanks<|im_end|>"]]
 
 
 def test_llama31_one_call_per_turn_and_ipython_results(llama31: t.Any) -> None:
@@ -294,14 +300,19 @@ def test_llama31_one_call_per_turn_and_ipython_results(llama31: t.Any) -> None:
     assert e.value.reason == "template-error" and "single tool-calls" in str(e.value)
 
 
-def test_a_template_without_tool_support_is_a_named_drop(tiny_template: t.Any) -> None:
+def test_a_template_without_tool_support_is_a_named_drop(chatml: t.Any, tiny_template: t.Any) -> None:
     for rec in (HERMES, FACTORY, OPENAI_TOOLS):
         with pytest.raises(BadRecord) as e:
-            record_sequences(rec, Renderer(tiny_template))
+            record_sequences(rec, Renderer(chatml))
         assert e.value.reason == "template-no-tools"
     calls_only = {"messages": [m for m in OPENAI_TOOLS["messages"]]}  # no tools: the calls are still lost
     with pytest.raises(BadRecord, match="does not render tool calls"):
-        record_sequences(calls_only, Renderer(tiny_template))
+        record_sequences(calls_only, Renderer(chatml))
+    # make-tiny's template has tools in Qwen3's shape (the call's name and argument values as words)
+    assert supervised(tiny_template, HERMES) == [
+        ["<tool_call> get_plan today </tool_call><|im_end|>", "the plan is hello there<|im_end|>"]
+    ]
+    assert "<|im_start|>user\n<tool_response> " + RESULT + " </tool_response>\n" in context(tiny_template, HERMES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +323,7 @@ ROWS = [SHAREGPT, ULTRACHAT, HERMES, DOLPHIN, GSM8K, OPENAI_TOOLS, FACTORY]
 
 
 def test_public_dataset_rows_through_prepare_data(
-    tmp_path: Path, qwen3_tools: t.Any, tiny_template: t.Any, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, qwen3_tools: t.Any, chatml: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One mixed file: ShareGPT, UltraChat, Hermes, Dolphin-R1, GSM8K, OpenAI tool calls, LLaMA-Factory, a
     pre-tokenized row, CRLF line ends, a tools column that is not JSON and an image: every record is
@@ -331,7 +342,7 @@ def test_public_dataset_rows_through_prepare_data(
     ]
     src = tmp_path / "mixed.jsonl"
     src.write_bytes(("\r\n".join(lines) + "\r\n").encode())
-    for name, tok in (("qwen3", qwen3_tools), ("tiny", tiny_template)):
+    for name, tok in (("qwen3", qwen3_tools), ("chatml", chatml)):
         tok.save_pretrained(tmp_path / name)
         rc, out, err = run_main(
             capsys,
@@ -356,14 +367,14 @@ def test_public_dataset_rows_through_prepare_data(
             try:
                 r = record_sequences(rec, Renderer(tok))
             except BadRecord as e:
-                assert name == "tiny" and e.reason == "template-no-tools"
+                assert name == "chatml" and e.reason == "template-no-tools"
                 continue
             want += [spans(tok, s.input_ids, s.loss_mask)[0] for s in r.sequences]
         want.append([tok.decode([5, 6, 7])])
         assert got == want
         meta = json.loads((tmp_path / f"s-{name}" / "meta.json").read_text())
         assert meta["counts"]["records"] == 10
-        if name == "tiny":  # three tool-calling records: the template has no tools
+        if name == "chatml":  # three tool-calling records: the template has no tools
             assert (
                 "dropped 3 template-no-tools: the chat template does not render the record's tools (line 3, 6, 7)"
                 in out

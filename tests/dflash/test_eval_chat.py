@@ -434,3 +434,55 @@ def test_hostile_prompts_drafters_and_outputs_are_one_line_before_any_decoding(
         rc, out, err = run_cli(capsys, *args)
     assert (rc, err.splitlines()) == (2, [line])
     assert out == "", "nothing decoded"
+
+
+def test_tau_on_prompts_whose_answer_starts_with_a_tool_call(
+    tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A prompt whose reference answer (the record's first assistant turn) opens with a tool call gets its tau
+    reported beside the overall one, in the report and in --json; a file without such prompts reports none."""
+    from test_chat_records import FACTORY, HERMES, OPENAI_TOOLS
+
+    from dflash.eval.evaluate import starts_with_tool_call
+    from testkit.chat_templates import QWEN3_TOOLS
+
+    make_tokenizer(QWEN3_TOOLS, "<|im_end|>").save_pretrained(tmp_path / "tok")
+    run = write_config(tmp_path / "run.toml", tiny.target)
+    run.write_text(run.read_text() + f'tokenizer = "{tmp_path / "tok"}"\n')
+    text_first = {  # says something, then calls: its answer starts with text
+        "tools": HERMES["tools"],
+        "messages": [
+            {"role": "user", "content": "what is the plan"},
+            {"role": "assistant", "content": "let me think", "tool_calls": OPENAI_TOOLS["messages"][1]["tool_calls"]},
+        ],
+    }
+    records = [HERMES, USER_ONLY, text_first, FACTORY]
+    assert [starts_with_tool_call(r) for r in records] == [True, False, False, True]
+    assert starts_with_tool_call(OPENAI_TOOLS), "reasoning before the calls is no text of the answer"
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", records)
+    s = load_setup(drafter=None, untrained=True, config=str(run), prompts=str(mixed), chat=True)
+    assert s.tool_call_prompts == [0, 3]
+    rep = evaluate(s.target, s.drafter, s.prompts, max_new_tokens=8, ddtree_budget=0, tool_call_prompts=[0, 3])
+    assert rep.tool_call_prompts == [0, 3]
+    assert rep.tool_call_tau == pytest.approx((rep.per_prompt_tau[0] + rep.per_prompt_tau[3]) / 2, abs=1e-3)
+    line = f"tau on tool-call prompts {rep.tool_call_tau:.2f}  (2 of 4 prompts whose reference answer starts with a tool call)"
+    assert line in rep.lines()
+    with pytest.raises(ValueError, match="expected indices of the 4 prompts"):
+        evaluate(s.target, s.drafter, s.prompts, max_new_tokens=8, ddtree_budget=0, tool_call_prompts=[4])
+
+    rc, out, err = run_cli(
+        capsys, "--untrained", "--config", str(run), "--prompts", str(mixed), "--chat", "--max-new", "8",
+        "--ddtree-budget", "0", "--json", str(tmp_path / "r.json"),
+    )  # fmt: skip
+    assert rc == 0, err
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert (got["num_tool_call_prompts"], got["tool_call_prompts"]) == (2, [0, 3])
+    assert got["tool_call_tau"] == pytest.approx(rep.tool_call_tau) and "tau on tool-call prompts" in out
+    plain = write_jsonl(tmp_path / "plain.jsonl", [USER_ONLY])
+    rc, out, err = run_cli(
+        capsys, "--untrained", "--config", str(run), "--prompts", str(plain), "--chat", "--max-new", "8",
+        "--ddtree-budget", "0", "--json", str(tmp_path / "p.json"),
+    )  # fmt: skip
+    assert rc == 0, err
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert (got["num_tool_call_prompts"], got["tool_call_tau"]) == (0, None) and "tool-call" not in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -95,14 +96,14 @@ def test_the_data_is_the_targets_own_greedy_answer_up_to_its_end_of_turn(tiny: P
         alone = target.generate_greedy(torch.tensor([ids[:p]]), SMALL.response_len, stop_token_ids=[CHAT.eos])
         assert alone[0].tolist() == ids
     used = {tok for row in rows for tok in row["input_ids"]}
-    assert max(used) < SMALL.words + 7, "unused rows (and the MASK, the last row) never appear"
+    assert max(used) < SMALL.words + 7, "unused rows (and the MASK, the last row) never appear, nor tool tags"
     answers = [tok for row in rows for tok, m in zip(row["input_ids"], row["loss_mask"]) if m]
     assert set(answers) <= set(range(SMALL.words)) | {CHAT.eos}, "an answer is words, then its end of turn"
 
 
 def test_the_tokenizer_and_template_render_the_data_as_the_target_read_it(tiny: Path) -> None:
     tok = load_tokenizer(str(tiny / "target"))  # AutoTokenizer.from_pretrained, local
-    assert len(tok) == SMALL.words + 7 < SMALL.vocab_size - 1, "the MASK row is no token"
+    assert len(tok) == SMALL.words + 13 < SMALL.vocab_size - 1, "the MASK row is no token"
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", CHAT.eos, CHAT.pad)
     assert tok.chat_template == CHAT_TEMPLATE
     assert tok("w0 w17 w199", add_special_tokens=False)["input_ids"] == [0, 17, 199]
@@ -241,9 +242,10 @@ def test_tiny_cpu_toml_finds_the_workdir_tiny_folder_from_a_release(tmp_path: Pa
     ("change", "message"),
     [
         (
-            {"vocab_size": 207},
-            "vocab_size: must exceed words + 7 chat tokens (207) so that unused rows (and MASK) exist, got 207",
+            {"vocab_size": 213},
+            "vocab_size: must exceed words + 13 chat tokens (213) so that unused rows (and MASK) exist, got 213",
         ),
+        ({"tool_share": 1.5}, "tool_share: must be between 0 and 1, got 1.5"),
         ({"num_layers": 3}, "num_layers: must be >= 4, got 3"),
         ({"prompt_max": 4}, "prompt_max: must be >= prompt_min (8), got 4"),
         ({"num_kv_heads": 3}, "num_kv_heads: must divide num_heads (4), got 3"),
@@ -264,3 +266,68 @@ def test_refuses_to_overwrite_a_folder_that_is_not_its_own(tmp_path: Path) -> No
         make_tiny(mine, SMALL)
     assert (mine / "notes.txt").read_text() == "keep me\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious"], "no temp dir left behind"
+
+
+def test_a_tool_share_lists_a_tool_and_answers_with_its_call_as_the_template_renders_it(
+    tmp_path: Path, tiny: Path
+) -> None:
+    """--tool-share: that share of the conversations lists a tool; each user turn is answered with a call (its
+    arguments finish the user's phrase), then the tool's result (context), then the answer; the template
+    renders the record into the ids the target trains on; eval-chat.jsonl holds the call as the reference
+    answer, so `dflash eval --chat` counts those prompts as tool-call prompts. (The fixture's target,
+    which learned no tools, writes the answers: only the data's shape is checked here.)"""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.data.chat import tools_of
+    from dflash.data.tiny import Tool, write_data
+    from dflash.eval.evaluate import starts_with_tool_call
+
+    spec = dataclasses.replace(SMALL, tool_share=0.5, conversations=16, eval_prompts=12)
+    lang = Language.generate(spec)
+    model = AutoModelForCausalLM.from_pretrained(tiny / "target").eval()
+    counts = write_data(spec, lang, model, tmp_path)
+    assert 0 < counts["tool_conversations"] < spec.conversations and 0 < counts["tool_train_prompts"]
+    assert 0 < counts["tool_eval_prompts"] < spec.eval_prompts
+    tok = load_tokenizer(str(tiny / "target"))
+    renderer = Renderer(tok)
+    suffixes = {p[k:] for p in lang.phrases for k in range(len(p))}
+    convs = [r for r in records(tmp_path / "chat.jsonl") if "tools" in r]
+    assert len(convs) == counts["tool_conversations"]
+    for rec in convs:
+        msgs, tools = messages_of(rec), tools_of(rec)
+        (seq,) = renderer.render(msgs, tools=tools).sequences  # one sequence: the template keeps the history
+        (fn,) = [t_["function"] for t_ in rec["tools"]]
+        tool = Tool(int(fn["name"][1:]), tuple(tok(fn["description"], add_special_tokens=False)["input_ids"]))
+        want = CHAT.tools(tool)
+        for k in range(0, len(msgs), 4):  # user, call, result, answer
+            user, call, result, answer = (
+                tok(m["content"], add_special_tokens=False)["input_ids"] for m in msgs[k : k + 4]
+            )
+            (c,) = msgs[k + 1]["tool_calls"]
+            args = tok(c["function"]["arguments"]["text"], add_special_tokens=False)["input_ids"]
+            assert not call and tuple(args) in suffixes, "a call's arguments finish a phrase"
+            want += [*CHAT.prompt(user), *CHAT.call(tool, args), *CHAT.response(result), *answer, CHAT.eos]
+        assert seq.input_ids == want, "the template writes what the target trained on"
+        sup = [i for i, m in zip(seq.input_ids, seq.loss_mask) if m]
+        assert sup.count(CHAT.tag("<tool_call>")) == len(msgs) // 4 and CHAT.tag("<tool_response>") not in sup
+        assert sup.count(CHAT.eos) == len(msgs) // 2, "the calls and the answers are supervised, the results not"
+    # the target's text: the same share lists a tool and calls it, in the ids above
+    texts = [lang.conversation(random.Random(k), spec, spec.target_seq) for k in range(40)]
+    with_tools = [x for x in texts if x[:3] == [CHAT.im_start, CHAT.role["system"], CHAT.tag("<tools>")]]
+    assert 0 < len(with_tools) < 40 and all(CHAT.tag("<tool_call>") in x for x in with_tools)
+    # train.jsonl: a share of its prompts lists a tool; eval: a tool-call prompt's record holds its call
+    rows = records(tmp_path / "train.jsonl")
+    assert sum(r["input_ids"][:2] == [CHAT.im_start, CHAT.role["system"]] for r in rows) == counts["tool_train_prompts"]
+    held = list(zip(records(tmp_path / "eval.jsonl"), records(tmp_path / "eval-chat.jsonl")))
+    assert sum(starts_with_tool_call(c) for _, c in held) == counts["tool_eval_prompts"]
+    for rendered, chat in held:
+        msgs = messages_of(chat, need_assistant=False)
+        assert renderer.prompt_ids(msgs[:1], tools_of(chat)) == rendered["input_ids"]
+        assert starts_with_tool_call(chat) == ("tools" in chat) == (len(msgs) == 2)
+
+
+def test_tool_share_out_of_range_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.__main__ import main
+
+    assert main(["make-tiny", "--out", str(tmp_path / "x"), "--tool-share", "1.5"]) == 2
+    assert "--tool-share" in capsys.readouterr().err and not (tmp_path / "x").exists()
