@@ -16,7 +16,7 @@ classes do: the warm-up's sizes are small so the CPU runs stay cheap.
 
 Exit 0 when every kernel compiled within the limit, 1 when one failed or exceeds, 2 when this torch cannot run
 the gate (a CPU build: one line saying which torch it needs). Runs on a CUDA build of torch without a GPU:
-``scripts/cuda-venv`` builds ``.venv-cuda`` (torch 2.14.1 from the wheel on disk).
+``scripts/floor-venv cuda`` builds ``.venv-cuda`` (torch 2.14.1 from the wheel on disk).
 """
 
 from __future__ import annotations
@@ -101,6 +101,17 @@ class Recorder:
             return binary
 
         triton.compile = compile
+        if self.only_flex:  # the other kernels are not compiled at all (the flex rows in a fraction of the time)
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+            precompile = CachingAutotuner.precompile
+
+            def flex_only(tuner: t.Any, *a: t.Any, **k: t.Any) -> t.Any:
+                if str(tuner.inductor_meta.get("kernel_name", "")).startswith("triton_tem_"):
+                    return precompile(tuner, *a, **k)
+                return None
+
+            CachingAutotuner.precompile = flex_only  # type: ignore[method-assign]
 
     def record(self, binary: t.Any, text: str, kind: str) -> None:
         md = binary.metadata

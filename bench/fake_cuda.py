@@ -59,7 +59,7 @@ def check_torch(any_torch: bool = False) -> None:
     if not torch.version.cuda:
         raise Unsupported(
             f"torch {torch.__version__} is a CPU build; the gate needs a CUDA build of torch (no GPU needed): "
-            "the 2.14.1 CUDA wheel (scripts/cuda-venv builds .venv-cuda) or the 2.11.0+cu130 floor"
+            "the 2.14.1 CUDA wheel (scripts/floor-venv cuda builds .venv-cuda) or the 2.11.0+cu130 floor"
         )
     minor = ".".join(torch.__version__.split(".")[:2])
     if minor not in CHECKED and not any_torch:
