@@ -1,5 +1,7 @@
 """A fake CUDA device for ``bench.cross_compile``: every private torch and Triton internal it patches, in one place.
 
+    python -m bench.fake_cuda      # says in one line whether this torch can run the gate (exit 0) or not (2)
+
 inductor and Triton compile real CUDA kernels without a GPU once torch believes a device of a chosen
 capability is there: ``torch.cuda``'s queries and properties, dynamo's ``CudaInterface`` (inductor reads the
 device through it), FakeTensor's GPU context, and a Triton driver whose target is ``GPUTarget("cuda", cc,
@@ -12,6 +14,9 @@ line (``--any-torch`` tries anyway).
 """
 
 from __future__ import annotations
+
+if not __package__:  # `python bench/fake_cuda.py`: bench imports only from the repo root, as a package
+    raise SystemExit("run it from the repo root as: python -m bench.fake_cuda")
 
 import dataclasses
 import types
@@ -302,3 +307,17 @@ def install(dev: Device) -> None:
     functorch_config.force_non_lazy_backward_lowering = True
     inductor_config.compile_threads = 1
     inductor_config.force_disable_caches = True
+
+
+def main() -> int:
+    try:
+        check_torch()
+    except Unsupported as e:
+        print(f"fake_cuda: {e}")
+        return 2
+    print(f"fake_cuda: torch {torch.__version__} (CUDA {torch.version.cuda}) can run the gate")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
