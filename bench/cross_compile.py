@@ -2,6 +2,7 @@
 
     python -m bench.cross_compile --capability 12.0 --head-dim 256 [--kind dflash|dflash2] [--only flex]
         [--options project|torch-default] [--json PATH] [--shapes N] [--any-torch]
+    python -m bench.cross_compile --case 64 --case 128 --case 256 --case 256:torch-default ...
 
 Builds the run's drafter as ``dflash train`` does (``configs/tiny-random.toml`` with the head dim, the kind and
 bf16), compiles it with ``dflash.train.compile``'s own ``prepare_drafter`` and runs ``warm_up`` over every
@@ -13,6 +14,11 @@ kernel's row says its shared memory against the device's opt-in limit (what Trit
 "OutOfResources: shared memory" failure), its registers and spill bytes (``cuobjdump -res-usage``, shipped in
 the triton wheel), and a failure's first line. Sizes do not matter (the graphs are symbolic), the shape
 classes do: the warm-up's sizes are small so the CPU runs stay cheap.
+
+``--case HEAD_DIM[:OPTIONS]`` (repeated) compiles several head dims and option sets one after the other in one
+process, so torch's and Triton's start-up is paid once (the slow test's rows); each row says its head dim and
+options. ``--set KEY=INT`` (repeated) puts a flex kernel option over the chosen ones (a tile sweep:
+``--set bwd_num_warps=8 --set bwd_num_stages=2``).
 
 Exit 0 when every kernel compiled within the limit, 1 when one failed or exceeds, 2 when this torch cannot run
 the gate (a CPU build: one line saying which torch it needs). Runs on a CUDA build of torch without a GPU:
@@ -57,6 +63,8 @@ class Row:
     warps: int | None = None
     stages: int | None = None
     graph: str = ""
+    head_dim: int = 0
+    options: str = "project"
 
     def line(self) -> str:
         shared = f"{self.shared:>7,}" if self.shared is not None else "      -"
@@ -81,6 +89,7 @@ class Recorder:
         self.limit, self.cubins, self.only_flex = limit, cubins, only_flex
         self.rows: list[Row] = []
         self.graph = ""
+        self.case: dict[str, t.Any] = {}  # head_dim and options of the case being compiled, on each row
         self._seen: set[str] = set()
 
     def install(self) -> None:
@@ -95,7 +104,9 @@ class Recorder:
                 binary = real(src, target=target, options=options, **kw)
             except Exception as e:  # a lowering or ptxas failure is a failed row, not a traceback
                 name = str(getattr(getattr(src, "fn", None), "__name__", "?"))
-                self.rows.append(Row(name, kind, None, self.limit, None, None, False, _first_line(e), graph=self.graph))
+                self.rows.append(
+                    Row(name, kind, None, self.limit, None, None, False, _first_line(e), graph=self.graph, **self.case)
+                )
                 raise
             self.record(binary, text, kind)
             return binary
@@ -145,6 +156,7 @@ class Recorder:
                 int(md.num_warps),
                 int(md.num_stages),
                 self.graph,
+                **self.case,
             )
         )
 
@@ -233,7 +245,18 @@ class Gate:
                 traceback.print_exc()
             if len(self.recorder.rows) == before or all(r.ok for r in self.recorder.rows[before:]):
                 self.recorder.rows.append(
-                    Row(name, OTHER, None, self.recorder.limit, None, None, False, _first_line(e), graph=name)
+                    Row(
+                        name,
+                        OTHER,
+                        None,
+                        self.recorder.limit,
+                        None,
+                        None,
+                        False,
+                        _first_line(e),
+                        graph=name,
+                        **self.recorder.case,
+                    )
                 )
         return make_boxed_func(gm.forward)
 
@@ -259,38 +282,59 @@ def run_config(head_dim: int, kind: str) -> t.Any:
     )
 
 
-def compile_step(args: argparse.Namespace, recorder: Recorder, dev: t.Any) -> list[Row]:
-    """The drafter step of ``args``' kind and head dim, warmed up as a run warms it, through the gate (the
-    models are built before the fake device exists: their seeding would reach for its generators)."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One compile of the step: a head dim and whose flex tiles (the project's or torch's own)."""
+
+    head_dim: int
+    options: str = "project"
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        dim, _, options = text.partition(":")
+        if not dim.isdigit() or options not in ("", "project", "torch-default"):
+            raise argparse.ArgumentTypeError(f"{text!r}: want HEAD_DIM or HEAD_DIM:project|torch-default")
+        return cls(int(dim), options or "project")
+
+
+def compile_step(case: Case, args: argparse.Namespace, recorder: Recorder, dev: t.Any) -> list[Row]:
+    """The drafter step of ``args``' kind and ``case``'s head dim, warmed up as a run warms it, through the
+    gate; its rows (the first case's models are built before the fake device exists: their seeding would
+    reach for its generators; a later case's seeding goes to the fake device's no-op)."""
     import types
 
     import torch
 
+    from bench import fake_cuda
     from dflash.model import drafter as drafter_mod
     from dflash.models import drafter_spec, initial_drafter, load_target
-    from dflash.train.compile import prepare_drafter, set_flex_block_options, warm_up
+    from dflash.train.compile import prepare_drafter, set_flex_block_options, shapes_for, warm_up
     from dflash.train.replicas import ReplicaConfig
 
-    cfg = run_config(args.head_dim, args.kind)
+    torch._dynamo.reset()  # a case after another: its own graphs, not the last case's guards
+    cfg = run_config(case.head_dim, args.kind)
     target = load_target(cfg, "cpu")
     spec = drafter_spec(cfg, target)
     model = initial_drafter(spec.config, seed=0).to(torch.bfloat16)
     model.train()
     replica = types.SimpleNamespace(model=model, head=target.head(), device="cpu", cfg=ReplicaConfig.of(cfg))
-    from bench import fake_cuda
-
-    fake_cuda.install(dev)
-    recorder.install()
+    if not fake_cuda.installed():
+        fake_cuda.install(dev)
+        recorder.install()
+    recorder.case = {"head_dim": case.head_dim, "options": case.options}
+    before = len(recorder.rows)
     # the project's choice for the fake device's properties (a stand-in replica on cuda:0 reads them)
     set_flex_block_options([types.SimpleNamespace(device="cuda:0", model=model)])
-    if args.options == "torch-default":
+    if case.options == "torch-default":
         for key in [k for k in drafter_mod.FLEX_KERNEL_OPTIONS if k != "BACKEND"]:
             del drafter_mod.FLEX_KERNEL_OPTIONS[key]  # type: ignore[misc]
-    print(f"cross_compile: kernel options {dict(drafter_mod.FLEX_KERNEL_OPTIONS)}", flush=True)
+    drafter_mod.FLEX_KERNEL_OPTIONS.update(args.set or {})  # type: ignore[typeddict-item]  # --set: a sweep
+    print(
+        f"cross_compile: kernel options at head dim {case.head_dim}: {dict(drafter_mod.FLEX_KERNEL_OPTIONS)}",
+        flush=True,
+    )
     gate = Gate(recorder)
     prepare_drafter(model, activation_checkpointing=True, compile=True, backend=gate.backend, dynamic=True)
-    from dflash.train.compile import shapes_for
-
     shapes = shapes_for(t.cast(t.Any, replica), attention="flex")
     if args.shapes:
         shapes = shapes[: args.shapes]
@@ -302,7 +346,14 @@ def compile_step(args: argparse.Namespace, recorder: Recorder, dev: t.Any) -> li
         attention="flex",
         shapes=shapes,
     )
-    return recorder.rows
+    return recorder.rows[before:]
+
+
+def kernel_option(text: str) -> tuple[str, int]:
+    key, _, value = text.partition("=")
+    if not re.fullmatch(r"(fwd_|bwd_)?(BLOCK_[MN][12]?|num_warps|num_stages)", key) or not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=INT, KEY a flex tile option (bwd_num_warps, ...)")
+    return key, int(value)
 
 
 def parse(argv: t.Sequence[str] | None) -> argparse.Namespace:
@@ -316,8 +367,26 @@ def parse(argv: t.Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--options", choices=["project", "torch-default"], default="project")
     ap.add_argument("--json", type=Path, default=None, help="write the rows here")
     ap.add_argument("--shapes", type=int, default=0, help="the first N warm-up shape classes only (0: all)")
+    ap.add_argument(
+        "--case",
+        type=Case.parse,
+        action="append",
+        default=None,
+        metavar="HEAD_DIM[:OPTIONS]",
+        help="compile this head dim (and options) too, in this process (repeated; replaces --head-dim/--options)",
+    )
+    ap.add_argument(
+        "--set",
+        type=kernel_option,
+        action="append",
+        default=None,
+        metavar="KEY=INT",
+        help="a flex kernel option over the chosen ones, e.g. bwd_num_warps=8 (repeated; a tile sweep)",
+    )
     ap.add_argument("--any-torch", action="store_true", help="try a torch version the patches were not checked on")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.set = dict(args.set or [])
+    return args
 
 
 def main(argv: t.Sequence[str] | None = None) -> int:
@@ -330,22 +399,42 @@ def main(argv: t.Sequence[str] | None = None) -> int:
         print(f"cross_compile: {e}", file=sys.stderr)
         return 2
     dev = fake_cuda.DEVICES[args.capability]
-    with tempfile.TemporaryDirectory(prefix="cross_compile-") as tmp:
-        recorder = Recorder(dev.smem_optin, Path(tmp), args.only == "flex")
-        rows = compile_step(args, recorder, dev)
-    if args.only == "flex":
-        rows = [r for r in rows if r.kind != OTHER or not r.ok]
+    cases = args.case or [Case(args.head_dim, args.options)]
     import torch
 
-    print(f"cross_compile: torch {torch.__version__}, {dev.arch} ({dev.name}), head dim {args.head_dim}, {args.kind}")
-    for r in rows:
-        print(r.line())
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="cross_compile-") as tmp:
+        recorder = Recorder(dev.smem_optin, Path(tmp), args.only == "flex")
+        for case in cases:
+            got = compile_step(case, args, recorder, dev)
+            if args.only == "flex":
+                got = [r for r in got if r.kind != OTHER or not r.ok]
+            options = "" if case.options == "project" else f", {case.options} options"
+            print(
+                f"cross_compile: torch {torch.__version__}, {dev.arch} ({dev.name}), head dim {case.head_dim}, "
+                f"{args.kind}{options}"
+            )
+            for r in got:
+                print(r.line())
+            rows += got or [
+                Row(
+                    f"head dim {case.head_dim}",
+                    OTHER,
+                    None,
+                    dev.smem_optin,
+                    None,
+                    None,
+                    False,
+                    "no kernel compiled",
+                    **recorder.case,
+                )
+            ]
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     bad = [r for r in rows if not r.ok]
     for r in bad:
-        print(f"cross_compile: {r.kind} {r.kernel}: {r.error}")
-    return 1 if bad or not rows else 0
+        print(f"cross_compile: head dim {r.head_dim} {r.kind} {r.kernel}: {r.error}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
