@@ -182,7 +182,8 @@ def _patch_torch_cuda(dev: Device, props: types.SimpleNamespace) -> None:
 def _patch_dynamo_and_fake(dev: Device, props: types.SimpleNamespace) -> None:
     """dynamo's CudaInterface (inductor's view of the device), FakeTensor's GPU context, inductor's
     joint-graph set-up and fake-tensor updater (both make real tensors), flex's stride permutation (its
-    copy_ enters the C++ CUDA guard) and flex's CPU-backward refusal (the joint is traced on CPU)."""
+    copy_ enters the C++ CUDA guard), flex's CPU-backward refusal (the joint is traced on CPU) and the
+    reinplace pass's scatter check (a copy_ too)."""
     import importlib
 
     from torch._dynamo import device_interface
@@ -232,10 +233,41 @@ def _patch_dynamo_and_fake(dev: Device, props: types.SimpleNamespace) -> None:
     if hasattr(flex_hop, "_permute_strides"):
         flex_hop._permute_strides = permute_strides
     flex_api._validate_device = lambda *a: None
+    _patch_reinplace()
     try:
         torch.utils._triton.has_triton.cache_clear()
     except AttributeError:
         pass
+
+
+def _patch_reinplace() -> None:
+    """inductor's reinplace pass checks a scatter's source against its view by a fake ``copy_``, which on a
+    fake CUDA tensor enters the C++ CUDA guard ("CUDA driver version is insufficient": DFlash2's backward,
+    a select_scatter): the same check by shapes. The views are applied as the original applies them."""
+    from contextlib import nullcontext
+
+    from torch._inductor.fx_passes import reinplace
+    from torch._subclasses.fake_tensor import detect_fake_mode
+    from torch.utils import _pytree as pytree
+
+    if not hasattr(reinplace, "_inplace_generalized_scatter"):
+        return
+
+    def inplace_generalized_scatter(inp: torch.Tensor, src: torch.Tensor, view_ops: list[t.Any]) -> torch.Tensor:
+        tmp = inp
+        for view in view_ops:
+            args, kwargs = pytree.tree_map(
+                lambda n: n.meta["val"] if isinstance(n, torch.fx.Node) else n, (view.args, view.kwargs)
+            )
+            mode = detect_fake_mode(args)
+            env = mode.shape_env if mode else None
+            with env.ignore_fresh_unbacked_symbols() if env else nullcontext():
+                tmp = view.target(tmp, *args, **kwargs)
+        if tuple(torch.broadcast_shapes(src.shape, tmp.shape)) != tuple(tmp.shape):
+            raise RuntimeError(f"shape error in scatter op, can not broadcast {src.shape} to {tmp.shape}")
+        return inp
+
+    reinplace._inplace_generalized_scatter = inplace_generalized_scatter
 
 
 def _patch_triton(dev: Device) -> None:
@@ -294,12 +326,25 @@ def _patch_triton(dev: Device) -> None:
     heuristics.CachingAutotuner._make_launchers = lambda self: None
 
 
+_installed: list[Device] = []
+
+
+def installed() -> bool:
+    """Whether ``install`` has patched this process (a second device would mix two targets: refused)."""
+    return bool(_installed)
+
+
 def install(dev: Device) -> None:
     """Patch torch, inductor and Triton for one fake ``cuda:0`` of ``dev``'s capability (process-wide, for
     good: the gate is a process of its own). Compiles run in this process, one thread, no caches."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
+    if _installed:
+        if _installed[0] != dev:
+            raise RuntimeError(f"fake_cuda: this process is {_installed[0].arch} already, not {dev.arch}")
+        return
+    _installed.append(dev)
     props = _props(dev)
     _patch_torch_cuda(dev, props)
     _patch_dynamo_and_fake(dev, props)
