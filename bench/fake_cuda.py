@@ -246,8 +246,8 @@ def _patch_reinplace() -> None:
     a select_scatter): the same check by shapes. The views are applied as the original applies them."""
     from contextlib import nullcontext
 
+    from torch._guards import detect_fake_mode
     from torch._inductor.fx_passes import reinplace
-    from torch._subclasses.fake_tensor import detect_fake_mode
     from torch.utils import _pytree as pytree
 
     if not hasattr(reinplace, "_inplace_generalized_scatter"):
