@@ -12,14 +12,19 @@
 # the figures go to $OUT/flex_probe.json and $OUT/gpu_smoke.json (rewritten after each part of the smoke:
 # training, averaging, forced OOM, class check, so a failed or cut part keeps the others') and the log to
 # $OUT/gpu_smoke.log; one line per part says ok or why not. The smoke ends within DEVICE_CHECK_LIMIT_S
-# seconds (default 330: with the probe inside 7 minutes), with gpu_smoke's exit code (0: every check
-# passed, 1: one failed; 124: too slow).
+# seconds (default 480: a cold cache's compiles took most of the 330 it had before), with gpu_smoke's exit
+# code (0: every check passed, 1: one failed; 124: too slow). Between the two, within DEVICE_CHECK_GATE_S
+# (default 240), the compile gate (`python -m bench.cross_compile --only flex`) for this device's capability at
+# head dim 128: its rows (shared memory against the limit, registers, spills, as compiled without a GPU) are
+# printed beside the device's own shared memory per block and the probe's result, so a lent GPU checks the
+# gate too ($OUT/cross_compile.json).
 # Without CUDA it says so in one line and exits 0 (with --cpu: the same path tiny on the CPU). PYTHON: the
 # interpreter (default python3); DEVICE_CHECK_WHEELS: the wheels' folder (default .wheels).
 set -u
 ROOT=$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
-LIMIT=${DEVICE_CHECK_LIMIT_S:-330}
+LIMIT=${DEVICE_CHECK_LIMIT_S:-480}
+GATE_LIMIT=${DEVICE_CHECK_GATE_S:-240}
 PROBE_LIMIT=${DEVICE_CHECK_PROBE_S:-60}
 cd -- "$ROOT" || exit 1
 
@@ -57,10 +62,12 @@ if [ -n "${OUT:-}" ]; then
     mkdir -p -- "$OUT"
     json=$OUT/gpu_smoke.json
     probe_json=$OUT/flex_probe.json
+    gate_json=$OUT/cross_compile.json
     log=$OUT/gpu_smoke.log
 else
     json=$(mktemp "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX.json")
     probe_json=$(mktemp "${TMPDIR:-/tmp}/flex_probe.XXXXXX.json")
+    gate_json=$(mktemp "${TMPDIR:-/tmp}/cross_compile.XXXXXX.json")
     log=/dev/null
 fi
 probe_args=()
@@ -72,6 +79,16 @@ if [ "$prc" -eq 124 ] || [ "$prc" -eq 137 ]; then
     echo "device_check: part flex probe: FAILED: ran past ${PROBE_LIMIT}s"
 else
     echo "device_check: part flex probe: $([ "$prc" -eq 0 ] && echo ok || echo "FAILED: exit $prc")"
+fi
+if [ "$cpu" = 0 ]; then
+    # the gate's rows for this very device (compiled for a fake one of its capability) beside what it has
+    cc=$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability(0))')
+    optin=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).shared_memory_per_block_optin)')
+    echo "device_check: the compile gate for capability $cc (this device: $optin B shared memory per block):"
+    timeout -k 10 "$GATE_LIMIT" "$PY" -m bench.cross_compile --capability "$cc" --head-dim 128 --only flex \
+        --shapes 1 --json "$gate_json" 2>/dev/null | grep -v '^cross_compile: kernel options' | sed 's/^/device_check:   /'
+    grc=${PIPESTATUS[0]}
+    echo "device_check: part compile gate: $([ "$grc" -eq 0 ] && echo "ok (its limit against this device's $optin B; the probe: exit $prc)" || echo "FAILED: exit $grc")"
 fi
 set -o pipefail
 # the report goes to stderr (and the log), the figures to $json after each part; -k: a smoke that ignores
