@@ -535,9 +535,21 @@ def _answer(spec: TinySpec, row: list[int]) -> tuple[list[int], bool]:
 
 def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> dict[str, int]:
     """train.jsonl (prompts + the target's greedy answers), chat.jsonl (raw conversations), eval prompts."""
+    seen: set[tuple[int, ...]] = set()  # user turns written so far: the held-out prompts are none of them
+    counts = _write_train(spec, language, model, out, seen)
+    counts.update(_write_chat(spec, language, out, seen))
+    counts.update(_write_eval(spec, language, out, seen))
+    if spec.tool_share <= 0:  # the manifest of a build without tools reads as it did before them
+        counts = {k: v for k, v in counts.items() if not k.startswith("tool_")}
+    return counts
+
+
+def _write_train(
+    spec: TinySpec, language: Language, model: t.Any, out: Path, seen: set[tuple[int, ...]]
+) -> dict[str, int]:
+    """train.jsonl: prompts of the language (a share listing a tool) and the target's greedy answers."""
     chat = spec.chat
     rng = random.Random(f"prompts:{spec.seed}")
-    seen: set[tuple[int, ...]] = set()
     lines: list[str] = []
     capped = 0
     tool_prompts = 0
@@ -566,6 +578,11 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
             lines.append(_dumps({"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}))
     (out / "train.jsonl").write_text("\n".join(lines) + "\n")
 
+    return {"train_samples": len(lines), "answers_capped": capped, "tool_train_prompts": tool_prompts}
+
+
+def _write_chat(spec: TinySpec, language: Language, out: Path, seen: set[tuple[int, ...]]) -> dict[str, int]:
+    """chat.jsonl: the raw multi-turn corpus regen starts from."""
     # the raw corpus: user turns of the language; assistant turns are what "a person" wrote (running
     # text from elsewhere), which regen replaces with what the target says
     raw = random.Random(f"chat:{spec.seed}")
@@ -601,6 +618,12 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
         convs.append(_dumps({"messages": messages}))
     (out / "chat.jsonl").write_text("\n".join(convs) + "\n")
 
+    return {"conversations": len(convs), "assistant_turns": turns, "tool_conversations": tool_convs}
+
+
+def _write_eval(spec: TinySpec, language: Language, out: Path, seen: set[tuple[int, ...]]) -> dict[str, int]:
+    """eval.jsonl (rendered prompts) and eval-chat.jsonl (the same as chat records), none seen in training."""
+    chat = spec.chat
     held = random.Random(f"eval:{spec.seed}")
     rendered: list[str] = []
     as_chat: list[str] = []
@@ -629,19 +652,7 @@ def write_data(spec: TinySpec, language: Language, model: t.Any, out: Path) -> d
         as_chat.append(_dumps({"messages": [{"role": "user", "content": text(user)}]}))
     (out / "eval.jsonl").write_text("\n".join(rendered) + "\n")
     (out / "eval-chat.jsonl").write_text("\n".join(as_chat) + "\n")
-    return {
-        "train_samples": len(lines),
-        "answers_capped": capped,
-        "conversations": len(convs),
-        "assistant_turns": turns,
-        "eval_prompts": len(rendered),
-        # only with tool_share > 0: the manifest of a build without tools reads as it did before them
-        **(
-            {"tool_train_prompts": tool_prompts, "tool_conversations": tool_convs, "tool_eval_prompts": tool_evals}
-            if spec.tool_share > 0
-            else {}
-        ),
-    }
+    return {"eval_prompts": len(rendered), "tool_eval_prompts": tool_evals}
 
 
 # --------------------------------------------------------------------------------------------
