@@ -392,6 +392,9 @@ def place(rows: list[Row], incidents: t.Sequence[Incident]) -> list[Incident]:
         if about:  # the attempt it is about: its time has whole seconds, and a restart starts the next in the same one
             rows[max(about)].incidents.append(inc)
             continue
+        if inc.attempt is not None and all(r.attempt is not None and inc.attempt < r.attempt for r in rows):
+            before.append(inc)  # about an attempt older than every one shown, whatever second it was told in
+            continue
         when = parse_iso(inc.time)
         if when is None:
             continue

@@ -20,6 +20,8 @@ import json
 import typing as t
 from pathlib import Path
 
+from dflash import inputs
+from dflash.errors import InputError
 from dflash.model.contract import ContractError
 
 __all__ = ["IMPLEMENTED", "INERT", "KEYS", "REFUSED", "Key", "check", "check_folder", "refusal"]
@@ -446,9 +448,9 @@ def check(data: t.Mapping[str, t.Any]) -> None:
 
 def check_folder(path: str | Path) -> None:
     """``check`` of ``path/config.json``; a folder without a readable one is left to the loader's own error."""
-    try:
-        data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
+    try:  # the one reader of what a user hands us: bounded, finite, text (a nesting bomb is no traceback)
+        data = inputs.read_json(Path(path) / "config.json", "config.json")
+    except InputError:
         return
     if isinstance(data, dict):
         check(data)
