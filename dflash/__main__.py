@@ -1,6 +1,7 @@
 """`dflash` / `python -m dflash`: the training core's command line.
 
     dflash train --config configs/tiny-cpu.toml [--set drafter.block_size=8 ...]
+    dflash plan --config RUN.toml [--set ...] [--gpu-memory 96GiB] [--host-memory 512GiB]
     dflash make-tiny --out .dflash/tiny [--seed 0]
     dflash prepare-data --config RUN.toml --in chats.jsonl --out STORE [--workers N] [--strict] [--max-len L]
     dflash regen --config RUN.toml --in RAW --out NEW [--backend hf|openai --server URL --concurrency N]
@@ -74,10 +75,39 @@ def train(config_path: str, overrides: tuple[str, ...]) -> int:
 
     die_with_agent()  # first, before torch loads: a torchrun worker must not outlive its agent
     from dflash.config import load_config
+    from dflash.train.plan import check_before_loading
     from dflash.train.run import run_training
 
     cfg = load_config(config_path, overrides)
+    check_before_loading(cfg)  # on GPUs this machine knows: a run that cannot fit is one line, nothing loaded
     return run_training(cfg)  # the run's own exit status: 0, 1, or 128 + the signal that stopped it
+
+
+@cli.command("plan")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Run config (TOML).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
+@click.option(
+    "--gpu-memory",
+    default=None,
+    metavar="SIZE",
+    help="Memory of every GPU, e.g. 96GiB, 80GB, 141G (default: this machine's devices, when it has them).",
+)
+@click.option(
+    "--host-memory",
+    default=None,
+    metavar="SIZE",
+    help="The host's RAM, e.g. 512GiB (default: this machine's, when it has the run's GPUs; else not checked).",
+)
+def plan_cmd(config_path: str, overrides: tuple[str, ...], gpu_memory: str | None, host_memory: str | None) -> None:
+    """Will this run fit? Memory per GPU and on the host, from the configs alone (no weights, no GPU needed)."""
+    from dflash.config import load_config
+    from dflash.train.plan import parse_size, run_plan
+
+    cfg = load_config(config_path, overrides)
+    gpu = None if gpu_memory is None else parse_size(gpu_memory, "--gpu-memory")
+    host = None if host_memory is None else parse_size(host_memory, "--host-memory")
+    source = cfg.target.path + "/config.json" if cfg.target.path else "[target.tiny]"
+    run_plan(cfg, source=source, gpu=gpu, host=host, say=click.echo)
 
 
 @cli.command("make-tiny")

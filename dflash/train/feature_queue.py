@@ -62,6 +62,19 @@ def default_max_bytes(*, drafters: int, targets: int, accumulate: int, item_byte
     return max(MIN_DEFAULT_BYTES, (drafters * (accumulate + 1) + targets) * item_bytes)
 
 
+def pinned_block(n: int) -> int:
+    """The caching host allocator's block for ``n`` bytes: the next power of two."""
+    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
+
+
+def feature_item_bytes(tokens: int, feature_size: int, itemsize: int, *, pinned: bool) -> int:
+    """What an item of ``tokens`` padded tokens holds at most: its features (a pinned block when a GPU
+    target hands them over through host memory) and int64 ids and loss mask. The largest one sizes the
+    queue's default bound (``default_max_bytes``); ``dflash plan`` sizes the host with it too."""
+    feats = tokens * feature_size * itemsize
+    return (pinned_block(feats) if pinned else feats) + 2 * tokens * 8
+
+
 def short_bound_warning(max_bytes: int, *, drafters: int, accumulate: int, item_bytes: int) -> str | None:
     """One line when a set bound is below what the drafters hold while they accumulate (None: it is not)."""
     held = drafters * accumulate * item_bytes

@@ -22,7 +22,13 @@ from dflash.model.drafter import DFlashDraftModel
 from dflash.model.loss import drafter_loss
 from dflash.model.target import TargetHead, TargetModel
 from dflash.train.divergence import nonfinite_code
-from dflash.train.feature_queue import cached_host_bytes, empty_host_cache, pinned_host_bytes
+from dflash.train.feature_queue import (
+    cached_host_bytes,
+    empty_host_cache,
+    feature_item_bytes,
+    pinned_block,
+    pinned_host_bytes,
+)
 from dflash.train.pipeline import StepStats
 
 
@@ -54,11 +60,6 @@ def held_bytes(x: torch.Tensor) -> int:
     every block up to a power of two (and keeps it cached when freed)."""
     n = int(x.nbytes)
     return pinned_block(n) if x.device.type == "cpu" and x.is_pinned() else n
-
-
-def pinned_block(n: int) -> int:
-    """The caching host allocator's block for ``n`` bytes: the next power of two."""
-    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,10 +167,8 @@ class TargetReplica:
     def item_bytes(self, tokens: int) -> int:
         """What an item of ``tokens`` padded tokens holds at most (``payload_bytes`` of such a batch, with
         int64 ids and mask): the largest one sizes the queue's default bound."""
-        feats = tokens * self.model.feature_size * self.model.dtype.itemsize
-        if torch.device(self.dest).type == "cpu" and torch.device(self.device).type == "cuda":
-            feats = pinned_block(feats)
-        return feats + 2 * tokens * 8
+        pinned = torch.device(self.dest).type == "cpu" and torch.device(self.device).type == "cuda"
+        return feature_item_bytes(tokens, self.model.feature_size, self.model.dtype.itemsize, pinned=pinned)
 
     def payload_bytes(self, batch: t.Any) -> int:
         """What ``produce(batch)`` will hold, as allocated, before it runs (the queue reserves it first)."""

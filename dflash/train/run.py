@@ -112,16 +112,12 @@ from dflash.train.metrics import (
     wandb_available,
 )
 from dflash.train.pipeline import Pipeline, PipelineOptions, RunResult, StepStats, SyncEvent
+from dflash.train.plan import UPDATE_SEQUENCES
 from dflash.train.replicas import DrafterReplica, LRSchedule, ReplicaConfig, TargetReplica
 from dflash.train.resume import find_resume, group_resume, restore, saved_sequences_per_update
 from dflash.train.validation import EvalResult, Validator
 
 logger = logging.getLogger("dflash.train")  # the name train.log has always shown
-
-# Sequences per update summed over the drafters when optim.sequences_per_update is not set: the published
-# Qwen3-8B DFlash recipe (4 sequences per GPU x 8 GPUs).
-UPDATE_SEQUENCES = 32
-
 
 # --------------------------------------------------------------------------------------------
 # Signals
