@@ -366,7 +366,7 @@ def supervise_gpus_cmd(app: App, session: str | None, include: tuple[str, ...], 
     from ops.supervise.exclusions import answer_lines
 
     out = install.call(app.host, "gpus", session, include=list(include))
-    doc = {k: out.get(k) for k in ("excluded", "included", "path", "problem")}
+    doc = {k: out.get(k) for k in ("excluded", "included", "not_excluded", "path", "problem")}
     click.echo(
         json.dumps(doc)
         if as_json

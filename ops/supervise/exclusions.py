@@ -163,6 +163,8 @@ class Exclusions:
 
     def include(self, given: str, now: str | None = None) -> tuple[Excluded, ...]:
         """Put the GPUs ``given`` names back (a short id may name one of several domains): those removed."""
+        if not self.path.exists():
+            return ()  # nothing excluded: nothing written, no folder made
         fd = self._locked()
         try:
             have = self.load()
@@ -176,17 +178,22 @@ class Exclusions:
 
 def answer(store: Exclusions, include: t.Sequence[str], now: str | None) -> dict[str, t.Any]:
     """``dflashctl gpus`` and the installed supervisor's ``gpus`` verb: put back each GPU ``include`` names
-    (a bus id that is not one: ValueError), then the set as it is: {excluded, included, path, problem}."""
+    (a bus id that is not one: ValueError), then the set as it is: {excluded, included, not_excluded, path,
+    problem}."""
     for given in include:
         if bus_id(given) is None:
             raise ValueError(f"{given!r} is not a PCI bus id (expected e.g. 0000:b3:00.0 or b3:00)")
     back: list[dict[str, t.Any]] = []
+    unknown: list[str] = []
     for given in include:
-        back += [e.to_json() for e in store.include(given, now)]
+        gone = store.include(given, now)
+        back += [e.to_json() for e in gone]
+        unknown += [] if gone else [given]
     left = store.load()
     return {
         "excluded": [e.to_json() for e in left],
         "included": back,
+        "not_excluded": unknown,
         "path": str(store.path),
         "problem": store.problem,
     }
@@ -195,6 +202,7 @@ def answer(store: Exclusions, include: t.Sequence[str], now: str | None) -> dict
 def answer_lines(name: str, doc: t.Mapping[str, t.Any]) -> list[str]:
     """What ``dflashctl gpus`` prints of ``answer``'s dict."""
     out = [f"GPU {e.get('bus_id')} put back (it was excluded: {e.get('why')})" for e in doc.get("included") or ()]
+    out += [f"GPU {x} was not excluded: nothing to put back" for x in doc.get("not_excluded") or ()]
     left = [x for x in (_item(e) for e in doc.get("excluded") or ()) if x is not None]
     if not left:
         out.append(f"{name}: no GPU excluded; the next attempt the supervisor starts runs on every GPU of its config")
