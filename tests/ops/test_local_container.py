@@ -367,8 +367,5 @@ def _excluded_then_given_up(on_host: OnTheHost, state: str) -> None:
     assert bad.exit_code == 1 and "not a PCI bus id" in bad.stderr and "Traceback" not in bad.output
     back = on_host.cli("gpus", "--state-dir", state, "--include", "3b:00")
     assert back.exit_code == 0 and "GPU 0000:3b:00.0 put back" in back.stdout, back.output
-    assert on_host.cli("gpus", "--json", "--state-dir", state).json()["excluded"] == []
-    assert (
-        "GPU 3b:00 was not excluded: nothing to put back"
-        in on_host.cli("gpus", "--state-dir", state, "--include", "3b:00").stdout
-    )
+    twice = on_host.cli("gpus", "--state-dir", state, "--include", "3b:00").stdout
+    assert "GPU 3b:00 was not excluded: nothing to put back\nct/dflash: no GPU excluded" in twice, twice
