@@ -183,6 +183,16 @@ def disk_full_line(lines: t.Sequence[str], exit_code: int | None) -> str | None:
     return last if last is not None and last.startswith("dflash: disk full: ") else None
 
 
+# dflash train's one line when DFLASH_EXCLUDED_GPUS leaves a role without devices (dflash.train.devices), exit 1
+_NO_DEVICES = re.compile(r"dflash: DFLASH_EXCLUDED_GPUS=\S{1,2000} leaves no (?:target|drafter) device of .{0,2000}")
+
+
+def no_devices_left(detail: str | None, exit_code: int | None) -> bool:
+    """The trainer refused to start: the excluded GPUs leave no target or no drafter device (its exit 1 with
+    that line last: a ``nonzero-exit``'s detail)."""
+    return exit_code == 1 and detail is not None and _NO_DEVICES.fullmatch(detail.strip()) is not None
+
+
 def spike_line(s: wire.Spike) -> str:
     """A loss-spike record as the trainer's own warning line says it (dflash.train.divergence.Spike.line)."""
     return (

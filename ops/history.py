@@ -52,6 +52,7 @@ class Incident:
     outcome: str | None
     reason: str | None
     next_attempt: int | None
+    excluded: str | None = None  # `GPU 0000:b3:00.0 (Xid 79) excluded; attempt 2 runs without it`
 
     def line(self) -> str:
         what = f"{self.state}" + (f" ({self.cause})" if self.cause else "")
@@ -60,6 +61,8 @@ class Incident:
         out = f"{self.action}: {self.outcome}" if self.outcome not in (None, "noted") else f"{self.action}"
         if self.next_attempt is not None:
             out += f", attempt {self.next_attempt} started"
+        if self.excluded:
+            out += f"; {self.excluded}"
         return f"{_clock(self.time)}  supervisor saw {what} -> {out}"
 
 
@@ -267,6 +270,7 @@ def load_incidents(state_dir: Path, name: str, session: str, scrub: t.Callable[[
                 outcome=text("outcome"),
                 reason=text("reason"),
                 next_attempt=whole("next_attempt"),
+                excluded=text("excluded"),
             )
         )
     return sorted(found, key=lambda i: parse_iso(i.time) or 0.0)

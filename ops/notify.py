@@ -147,7 +147,8 @@ def kind_of(inc: t.Mapping[str, t.Any]) -> tuple[str, str]:
 def _headline(kind: str, inc: t.Mapping[str, t.Any]) -> str:
     what = _what(inc)
     if kind == "restarted":
-        return f"restarted: attempt {inc.get('next_attempt')} started after {what}"
+        left_out = f"; {inc['excluded']}" if inc.get("excluded") else ""
+        return f"restarted: attempt {inc.get('next_attempt')} started after {what}{left_out}"
     if kind == "container-started":
         return "container started; re-probing"
     if kind in ("restart-failed", "container-start-failed"):
@@ -201,6 +202,9 @@ def message_for(inc: t.Mapping[str, t.Any]) -> Message:
         if inc.get("error"):
             res += f": {inc['error']}"
         lines.append(res)
+    if inc.get("excluded"):
+        lines.append(f"gpus: {inc['excluded']}")
+    lines.extend(f"  {x}" for x in inc.get("gpu_health") or ())
     evidence = list(inc.get("evidence") or [])
     if evidence:
         lines.append("evidence:")

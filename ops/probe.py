@@ -168,6 +168,9 @@ class Status:
     # room for the next checkpoint and the last sync off the box (ops/disk.py); None: unknown / no sync
     disk: DiskView | None = None
     sync: SyncView | None = None
+    # the PCI bus ids this attempt runs without (run.json's started_by: the supervisor started it with
+    # DFLASH_EXCLUDED_GPUS); [] when it set none, None without a run record
+    excluded_gpus: list[str] | None = None
     # not part of the JSON: the last log lines, for incident reports; a stop was asked for (stop.json)
     tail: list[str] = dataclasses.field(default_factory=list)
     stop_requested: bool = False
@@ -259,6 +262,8 @@ class Status:
                 out.append(
                     f"  gpu {g.index}:     {g.memory_used_mib}/{g.memory_total_mib} MiB, {g.utilization_pct}% util"
                 )
+        if self.excluded_gpus:
+            out.append(f"  excluded:  {', '.join(self.excluded_gpus)} (this attempt runs without; `dflashctl gpus`)")
         if self.log:
             out.append(f"  log:       {self.log}")
         flags = self.watch_flags()
@@ -462,6 +467,14 @@ def _gpu_fault(s: Status, agent: wire.Probe, host_kernel: wire.KernelLog | None)
     s.evidence.extend(line for line in found.lines if line not in s.evidence)  # diagnose() named the log's
 
 
+def excluded_of(started_by: t.Mapping[str, t.Any] | None) -> list[str]:
+    """The bus ids a supervisor started the attempt without (``started_by.excluded_gpus``), each checked."""
+    listed = (started_by or {}).get("excluded_gpus")
+    if not isinstance(listed, list):
+        return []
+    return [x[:40] for x in listed[:64] if isinstance(x, str) and x.strip()]
+
+
 def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt, run: wire.RunRecord) -> None:
     """A run started by the runner: it ended (exit.json), a process of it is alive, or neither."""
     s.tmux = tmux_view(s.tmux.socket, agent.tmux, _pane(agent.tmux, run.pid))
@@ -474,6 +487,7 @@ def _classify_run(s: Status, f: wire.Facts, agent: wire.Probe, af: wire.Attempt,
     s.progress = progress_of(af.metrics, af.log)
     s.workers = workers_of(af.metrics.last if af.metrics else None, s.gpus)
     s.spikes = af.metrics.spikes if af.metrics else ()
+    s.excluded_gpus = excluded_of(run.started_by)
     for err in af.errors:
         s.evidence.append(f"unreadable record: {err}")
     # The run's processes (ops/far/members.py): known when its runner tags them (run.json "tag").

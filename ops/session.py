@@ -305,15 +305,17 @@ def start(
     replace: bool = False,
     start_id: str | None = None,
     started_by: t.Mapping[str, t.Any] | None = None,
+    env: t.Mapping[str, str] | None = None,
 ) -> dict[str, t.Any]:
     """A new attempt; ``started_by`` (default: the operator, ``operator_start``) goes into its run.json.
+    ``env``: set for this attempt on top of the host's ``env`` (the supervisor's DFLASH_EXCLUDED_GPUS).
     ``start_id``: names this start, so that ``stop(start_id=...)`` stops what it started and nothing
     else (or, reaching the host first, makes it refuse): ``dflashctl --group start`` and its Ctrl-C."""
     host = remote.host
     req = request(host, session)
     req.update(
         command=list(host.command),
-        env=dict(host.env),
+        env={**host.env, **(env or {})},
         replace=replace,
         started_by=dict(started_by) if started_by is not None else operator_start(replace),
     )

@@ -3,7 +3,7 @@ $DFLASH_RUN_DIR, then ends the way the test asks. stdlib only (it runs inside th
 
     fake_train.py [--steps N] [--interval S] [--lines N] [--cr] [--binary]
                   [--until FILE] [--then exit:N|die:N|oom|oom-old|exception|value-error|nccl-timeout|cuda-ecc|cuda-launch|diverged|kill|forever]
-                  [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals]
+                  [--checkpoint FILE [--every K]] [--control FILE] [--ignore-signals] [--gpus BUS,BUS...]
 
 --until FILE keeps stepping until FILE exists (the test decides when the run ends).
 --checkpoint FILE resumes from the step counter in FILE and saves it there (write, then rename)
@@ -15,6 +15,8 @@ The control file's next lines are printed as they are just before the fault (wha
 data sample, a warning it recovered from); KIND `say` prints them and goes on. `value-error[:TEXT]`
 raises ValueError, `die:N` exits N without a word.
 --ignore-signals ignores SIGINT and SIGTERM (a process only SIGKILL ends).
+--gpus BUS,...: the PCI bus ids of its drafter GPUs; with $DFLASH_EXCLUDED_GPUS set it says its layout line
+and, when every one is excluded, dflash train's no-device line (exit 1), as dflash.train.devices does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> int:
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--control", default=None)
     p.add_argument("--ignore-signals", action="store_true")
+    p.add_argument("--gpus", default="")
     a = p.parse_args()
     if a.ignore_signals:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -63,6 +66,8 @@ def main() -> int:
     if a.binary:
         sys.stdout.buffer.write(b"bad bytes \xff\xfe here\n")
         sys.stdout.flush()
+    if not devices(a.gpus):
+        return 1
     step = resume(a.checkpoint)
     if step:
         log(f"resumed from checkpoint at step {step}")
@@ -107,6 +112,33 @@ def main() -> int:
             save(a.checkpoint, step)
         time.sleep(a.interval)
     return end(a.then, step)
+
+
+def _bus(text: str) -> str:
+    """``0000:3b:00.0`` and ``3b:00`` -> ``3b:00`` (bus:device)."""
+    return ":".join(text.lower().split(".")[0].split(":")[-2:])
+
+
+def devices(gpus: str) -> bool:
+    """dflash train's start with $DFLASH_EXCLUDED_GPUS: its layout line, or its no-device line (False)."""
+    excluded = os.environ.get("DFLASH_EXCLUDED_GPUS")
+    if not excluded:
+        return True
+    mine = [x for x in gpus.split(",") if x]
+    gone = {_bus(x) for x in excluded.split(",") if x}
+    kept = [x for x in mine if _bus(x) not in gone]
+    if mine and not kept:
+        sys.stderr.write(
+            f"dflash: DFLASH_EXCLUDED_GPUS={excluded} leaves no drafter device of {len(mine)} drafters {mine} "
+            "(excluded: all); the run cannot start\n"
+        )
+        sys.stderr.flush()
+        return False
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    log(
+        f"{stamp} INFO dflash.train: devices: DFLASH_EXCLUDED_GPUS={excluded}: {len(mine)} drafters -> {len(kept)} drafters"
+    )
+    return True
 
 
 def resume(path: str | None) -> int:

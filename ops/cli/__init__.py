@@ -39,6 +39,7 @@ COMMANDS = {
     "attach": "ops.cli.run:attach_cmd",
     "restart-on-crash": "ops.cli.supervision:restart_on_crash_cmd",
     "supervise": "ops.cli.supervision:supervise_group",
+    "gpus": "ops.cli.supervision:gpus_cmd",
     "history": "ops.cli.records:history_cmd",
     "pull": "ops.cli.records:pull_cmd",
     "plot": "ops.cli.records:plot_cmd",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import typing as t
 from pathlib import Path
 
@@ -90,6 +91,14 @@ POLICY_OPTIONS: tuple[t.Callable[[t.Any], t.Any], ...] = (
         help="A run that diverged (NaN/inf): give up (exit 12), or resume once from its last finite checkpoint "
         "(the same data replays).",
     ),
+    click.option(
+        "--on-gpu-fault",
+        type=click.Choice(["give-up", "exclude"]),
+        default="give-up",
+        show_default=True,
+        help="A GPU that failed in hardware (Xid): give up (exit 13), or restart without it and any GPU the "
+        "gpu-health check fails (DFLASH_EXCLUDED_GPUS; a second fault on it gives up). `dflashctl gpus` lists them.",
+    ),
 )
 
 
@@ -137,6 +146,7 @@ def restart_on_crash_cmd(
     start_container: bool,
     retry_oom: bool,
     on_diverged: str,
+    on_gpu_fault: str,
     on_event: str | None,
     notify_urls: tuple[str, ...],
     state_dir: str | None,
@@ -145,7 +155,7 @@ def restart_on_crash_cmd(
 
     Exit 0 when the run succeeded, or with --once when it is left running (or was restarted); with
     --once a run left alone exits with its `status` code; 11 when it gave up on a crash loop, 12 when it
-    gave up on a run that diverged. Ctrl-C
+    gave up on a run that diverged, 13 on a GPU that failed in hardware. Ctrl-C
     or SIGTERM stop the supervisor, never the run (exit 0).
     """
     from ops import supervise
@@ -162,7 +172,10 @@ def restart_on_crash_cmd(
         start_container=start_container,
         retry_oom=retry_oom,
         on_diverged=on_diverged,
+        on_gpu_fault=on_gpu_fault,
     )
+    if app.group_name is not None and on_gpu_fault == "exclude":
+        raise errors.ConfigError("--on-gpu-fault", "exclude is for one host's run, not a --group's")
     hook = supervise.parse_hook(on_event)
     watched = app.members() if app.group_name is not None else [app.host]
     notifier = None
@@ -201,6 +214,43 @@ def restart_on_crash_cmd(
     if outcome.kind != "once" or outcome.state in (None, "restarted", State.RUNNING, State.SUCCEEDED):
         return ExitCode.OK
     return exit_code_for_state(outcome.state)
+
+
+INCLUDE_OPTION = click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="BUS",
+    help="Put this GPU back (a PCI bus id: 0000:b3:00.0, or b3:00) after it was reset; repeatable.",
+)
+
+
+@click.command("gpus")
+@session_option
+@INCLUDE_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print the excluded set as one JSON object.")
+@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR", help="restart-on-crash's --state-dir.")
+@click.pass_obj
+def gpus_cmd(app: App, session: str | None, include: tuple[str, ...], as_json: bool, state_dir: str | None) -> ExitCode:
+    """The GPUs restart-on-crash --on-gpu-fault exclude leaves out of the run (DFLASH_EXCLUDED_GPUS), and
+    --include to put one back. This machine's supervisor; the one installed on the host: `supervise gpus`."""
+    from ops.probe import iso
+    from ops.session import session_name
+    from ops.state_dir import default_state_dir
+    from ops.supervise.exclusions import Exclusions, answer, answer_lines
+    from ops.supervise.state import slug
+
+    name = session_name(app.host, session)
+    root = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    store = Exclusions(root / "supervise" / f"{slug(app.host.name)}.{slug(name)}", app.host.name, name)
+    try:
+        doc = answer(store, include, iso(time.time()))
+    except ValueError as e:
+        raise errors.ConfigError("--include", str(e)) from None
+    except OSError as e:
+        raise errors.OpsError(f"cannot write {store.path}: {e.strerror or e}") from None
+    click.echo(json.dumps(doc) if as_json else "\n".join(answer_lines(f"{app.host.name}/{name}", doc)))
+    return ExitCode.OK
 
 
 # --- supervise: the supervisor on the Proxmox host; the work is in ops/supervise/install.py ---
@@ -300,6 +350,28 @@ def supervise_logs_cmd(app: App, session: str | None, lines: int) -> ExitCode:
     click.echo(f"[{out.get('log')}]", err=True)
     for line in out.get("lines") or []:
         click.echo(line)
+    return ExitCode.OK
+
+
+@supervise_group.command("gpus")
+@session_option
+@INCLUDE_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print the excluded set as one JSON object.")
+@click.pass_obj
+def supervise_gpus_cmd(app: App, session: str | None, include: tuple[str, ...], as_json: bool) -> ExitCode:
+    """The GPUs the installed supervisor leaves out of the run (--on-gpu-fault exclude), and --include to put
+    one back after a reset (the next attempt it starts runs on it again)."""
+    from ops.session import session_name
+    from ops.supervise import install
+    from ops.supervise.exclusions import answer_lines
+
+    out = install.call(app.host, "gpus", session, include=list(include))
+    doc = {k: out.get(k) for k in ("excluded", "included", "not_excluded", "path", "problem")}
+    click.echo(
+        json.dumps(doc)
+        if as_json
+        else "\n".join(answer_lines(f"{app.host.name}/{session_name(app.host, session)}", doc))
+    )
     return ExitCode.OK
 
 

@@ -16,7 +16,7 @@ import time
 import typing as t
 from pathlib import Path
 
-from ops import errors
+from ops import errors, gpu_health
 from ops import session as run
 from ops.diagnosis import spike_line
 from ops.far.atomic import write_json_atomic
@@ -28,6 +28,7 @@ from ops.remote import connect as connect_remote
 from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.episode import Episodes
+from ops.supervise.exclusions import EXCLUDED_ENV, Excluded, Exclusions, bus_id, env_value
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.policy import (
     DONE,
@@ -107,6 +108,21 @@ def _cut(text: str | None, n: int) -> str | None:
     return text if text is None or len(text) <= n else text[: n - 3] + "..."
 
 
+def gpu_check(remote: Remote) -> tuple[list[gpu_health.GpuHealth], list[str]]:
+    """doctor's gpu-health check where the run lives (ECC, row remapping), before a restart that leaves a
+    failed GPU out: (each GPU's verdict, the lines said). A check that cannot run is said, never fatal."""
+    try:
+        res = remote.run(list(gpu_health.ARGV), timeout=60)
+    except errors.OpsError as e:
+        return [], [f"gpu-health: not checked: {e}"]
+    if not res.ok:
+        return [], [
+            f"gpu-health: not checked: {' '.join(gpu_health.ARGV)} failed (exit {res.exit_code}): {_cut(res.err.strip(), 200)}"
+        ]
+    found = gpu_health.parse(res.out)
+    return found, [f"gpu-health: {g.line()}" for g in found] or ["gpu-health: nvidia-smi -q listed no GPU"]
+
+
 # --------------------------------------------------------------------------------------------
 # The loop
 
@@ -170,6 +186,8 @@ class Supervisor:
         base = f"{slug(host.name)}.{slug(self.session)}"
         self.lock = Lock(self.state_dir / "supervise" / f"{base}.lock", f"{host.name}/{self.session}")
         self.memory_path = self.state_dir / "supervise" / f"{base}.json"
+        self.exclusions = Exclusions(self.state_dir / "supervise" / base, host.name, self.session)
+        self._excluded_problem: str | None = None  # said once, not at every probe
         self._remote: Remote | None = None
         self._stop = threading.Event()
         self._signal: str | None = None
@@ -362,6 +380,7 @@ class Supervisor:
             tick = time.monotonic()  # probes start every interval, however long one takes
             st = self.probe()
             now = self.clock()
+            self._read_excluded()
             d = self.policy.observe(st, now)
             self.heartbeat.probed(st, d)
             self._episodes(st, now)
@@ -418,7 +437,7 @@ class Supervisor:
                     "gave up on this run; still watching: fix the cause, then `dflashctl start` "
                     "(a run started by hand is supervised afresh)"
                 )
-            elif d.action == GIVE_UP and st.cause == Cause.GPU_FAULT:
+            elif d.action == GIVE_UP and (st.cause == Cause.GPU_FAULT or d.kind == "gpu-fault"):
                 self._save_memory()
                 raise errors.GpuFaultGiveUp(
                     f"{self.host.name}/{self.session}: gave up: {d.reason}. The run is left crashed"
@@ -539,13 +558,25 @@ class Supervisor:
                 self.emit(f"saved the hung process's stack to {stack['saved']}")
             else:
                 self.emit(f"no stack saved: {stack.get('error')}")
+        added, excluded = self._exclude(remote, st, inc)
+        by = self.started_by(st, d, inc)
+        if excluded:
+            by["excluded_gpus"] = [e.bus_id for e in excluded]
         # --replace only to stop a hung run or what a dead keeper left running (cause orphans-left):
         # a crashed or lost run has no live process, and if one appeared since the probe (someone ran
         # `dflashctl start`) the agent refuses.
         out = run.start(
-            remote, self.session, replace=d.action == STOP_THEN_RESTART, started_by=self.started_by(st, d, inc)
+            remote,
+            self.session,
+            replace=d.action == STOP_THEN_RESTART,
+            started_by=by,
+            env={EXCLUDED_ENV: env_value(excluded)} if excluded else None,
         )
         attempt = out.get("attempt")
+        if added:
+            them = "it" if len(added) == 1 else "them"
+            inc["excluded"] = f"{', '.join(e.phrase() for e in added)} excluded; attempt {attempt} runs without {them}"
+            self.emit(inc["excluded"] + f" ({EXCLUDED_ENV}={env_value(excluded)})")
         how = (
             f"replaced attempt {out['replaced'].get('attempt')} by {out['replaced'].get('how')}; "
             if out.get("replaced")
@@ -555,6 +586,39 @@ class Supervisor:
             f"restarted: {how}attempt {attempt} started (command pid {out.get('child_pid')}); log {out.get('log')}"
         )
         return None if attempt is None else int(attempt)
+
+    def _read_excluded(self) -> None:
+        """The session's excluded GPUs, afresh (``dflashctl gpus --include`` may have put one back)."""
+        items = self.exclusions.load()
+        self.policy.excluded = {e.bus_id: e.attempt for e in items}
+        problem = self.exclusions.problem
+        if problem and problem != self._excluded_problem:
+            self.emit(f"warning: {problem}")
+        self._excluded_problem = problem
+
+    def _exclude(self, remote: Remote, st: Status, inc: dict[str, t.Any]) -> tuple[list[Excluded], list[Excluded]]:
+        """Before a restart: after a gpu-fault with --on-gpu-fault exclude, the failed GPU and every GPU the
+        gpu-health check fails join the session's excluded set. Returns (those added now, the whole set:
+        what the next attempt runs without, whatever its crash was)."""
+        new: list[Excluded] = []
+        bus = bus_id(st.gpu_bus_id)
+        now = iso(self.clock())
+        if st.cause == Cause.GPU_FAULT and self.opts.on_gpu_fault == "exclude" and bus is not None:
+            new.append(Excluded(bus, _cut(st.detail, 300) or "GPU fault", st.xid, st.attempt, now))
+            health, said = gpu_check(remote)
+            inc["gpu_health"] = said
+            for g in health:
+                other = bus_id(g.bus_id)
+                if g.status == "fail" and other is not None:
+                    new.append(Excluded(other, f"gpu-health: {'; '.join(g.why)}", None, st.attempt, now))
+        try:
+            added = list(self.exclusions.add(new, now)) if new else []
+            excluded = list(self.exclusions.load())
+        except OSError as e:  # the set is not kept, but this start still runs without the GPU
+            self.emit(f"warning: cannot write the excluded GPUs to {self.exclusions.path}: {e}")
+            added, excluded = new, [*self.exclusions.load(), *new]
+        inc["excluded_gpus"] = [e.bus_id for e in excluded]
+        return added, excluded
 
     def started_by(self, st: Status, d: Decision, inc: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
         """run.json's ``started_by`` of an attempt this supervisor starts: where it runs, and the failure it

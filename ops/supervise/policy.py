@@ -8,9 +8,10 @@ import random
 import typing as t
 
 from ops import errors
-from ops.diagnosis import last_finite_checkpoint
+from ops.diagnosis import last_finite_checkpoint, no_devices_left
 from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
+from ops.supervise.exclusions import bus_id
 from ops.times import duration, parse_iso
 
 # Actions a Decision can carry (short names for the policy's rules).
@@ -25,6 +26,7 @@ JITTER = 0.25  # a delay is stretched by up to 25%: supervisors of many runs do 
 RECONNECT_FIRST = 1.0  # first reconnect delay (seconds), doubled per failure up to max(interval, RECONNECT_CAP)
 RECONNECT_CAP = 60.0
 ON_DIVERGED = ("give-up", "resume-from-last-finite")  # --on-diverged
+ON_GPU_FAULT = ("give-up", "exclude")  # --on-gpu-fault
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,6 +48,7 @@ class Options:
     start_container: bool = False
     retry_oom: bool = False
     on_diverged: str = "give-up"  # or "resume-from-last-finite": once, from the checkpoint before it diverged
+    on_gpu_fault: str = "give-up"  # or "exclude": restart without the failed GPU (ops/supervise/exclusions.py)
 
     def __post_init__(self) -> None:
         for name in ("interval", "backoff", "max_backoff", "min_uptime", "window"):
@@ -65,6 +68,10 @@ class Options:
         if self.on_diverged not in ON_DIVERGED:
             raise errors.ConfigError(
                 "--on-diverged", f"expected one of {', '.join(ON_DIVERGED)}, got {self.on_diverged!r}"
+            )
+        if self.on_gpu_fault not in ON_GPU_FAULT:
+            raise errors.ConfigError(
+                "--on-gpu-fault", f"expected one of {', '.join(ON_GPU_FAULT)}, got {self.on_gpu_fault!r}"
             )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise errors.ConfigError("--max-restarts", f"expected a whole number >= 0, got {self.max_restarts!r}")
@@ -110,7 +117,7 @@ class Decision:
     cancelled: str | None = None
     recovered_after: float | None = None
     note: str | None = None
-    kind: str | None = None  # a GIVE_UP's kind: "diverged" (its own exit code), else a crash loop
+    kind: str | None = None  # a GIVE_UP's kind: "diverged", "gpu-fault" (their own exit codes), else a crash loop
 
 
 @dataclasses.dataclass
@@ -153,6 +160,9 @@ class Policy:
         self.last_started: int | None = None  # the attempt this supervisor (or its predecessor) started last
         self.resumed_diverged: int | None = None  # the diverged attempt --on-diverged resumed (once per run)
         self.spike_told: tuple[int, int] | None = None  # (attempt, step) of the last loss spike told
+        # the GPUs the run leaves out: {bus id: the attempt whose fault excluded it (None: not a fault's)};
+        # the loop sets it from the session's file (ops/supervise/exclusions.py) before each observe
+        self.excluded: dict[str, int | None] = {}
         # this process only
         self.container_failures = 0
         self.pending: Pending | None = None
@@ -335,7 +345,7 @@ class Policy:
                 return Decision(WAIT, "the container does not exist: nothing to start; waiting")
             return self._container(now)
         if s == State.CRASHED and st.cause == Cause.GPU_FAULT:
-            return self._gpu_fault(st)
+            return self._gpu_fault(st, now)
         if s in (State.CRASHED, State.LOST) and self.keep_watching and st.attempt is not None:
             if st.attempt == self.gave_up:
                 return Decision(
@@ -343,6 +353,15 @@ class Policy:
                     f"gave up on attempt {st.attempt} (crash loop): not restarted; still watching, a new "
                     "`dflashctl start` is supervised afresh",
                 )
+        if s == State.CRASHED and no_devices_left(st.detail, st.exit_code):
+            # the trainer's own verdict on DFLASH_EXCLUDED_GPUS: every restart would end the same way
+            return Decision(
+                GIVE_UP,
+                f"no GPU left for the run without the excluded ones: {st.detail}; after a reset, "
+                "`dflashctl gpus --include BUS` puts a GPU back, then `dflashctl start`",
+                new=True,
+                kind="gpu-fault",
+            )
         if s == State.CRASHED:
             if st.cause == Cause.ORPHANS_LEFT:
                 if st.stop_requested:
@@ -367,21 +386,44 @@ class Policy:
             return self._failure(st, now, RESTART)
         return Decision(WAIT, f"state {s}")
 
-    def _gpu_fault(self, st: Status) -> Decision:
+    def _gpu_fault(self, st: Status, now: float) -> Decision:
         """No restart into a GPU that failed in hardware: it fails again until it is reset (often the host
-        rebooted). Giving up says which GPU and Xid; the run config's devices decide where a new start runs."""
+        rebooted). By default give up, saying which GPU and Xid; with --on-gpu-fault exclude, restart
+        without it (the loop adds it to the excluded set before the start), once per GPU: a second fault on
+        a GPU the run already left out means the set does not reach the run, or the fault is not that GPU's."""
         if self.keep_watching and st.attempt is not None and st.attempt == self.gave_up:
             return Decision(
                 WAIT,
                 f"gave up on attempt {st.attempt} (GPU fault): not restarted; still watching, a new "
                 "`dflashctl start` is supervised afresh",
             )
-        return Decision(
-            GIVE_UP,
-            f"not restarted into a failed GPU: {describe(st)}; reset the GPU or reboot the host (or leave "
-            "that GPU out of the run config's devices), then `dflashctl start`",
-            new=True,
-        )
+        if self.opts.on_gpu_fault != "exclude":
+            return Decision(
+                GIVE_UP,
+                f"not restarted into a failed GPU: {describe(st)}; reset the GPU or reboot the host (or pass "
+                "--on-gpu-fault exclude to restart without it), then `dflashctl start`",
+                new=True,
+            )
+        bus = bus_id(st.gpu_bus_id)
+        if bus is None:
+            return Decision(
+                GIVE_UP,
+                f"not restarted into a failed GPU: {describe(st)}; the driver named no PCI bus id, so no GPU can "
+                "be left out (--on-gpu-fault exclude): reset the GPU or reboot the host, then `dflashctl start`",
+                new=True,
+            )
+        if bus in self.excluded and self.excluded[bus] != st.attempt:
+            return Decision(
+                GIVE_UP,
+                f"a second fault on GPU {bus}, which the run already leaves out (excluded after attempt "
+                f"{self.excluded[bus]}): {describe(st)}; reset the GPU or reboot the host, then "
+                f"`dflashctl gpus --include {bus}` and `dflashctl start`",
+                new=True,
+            )
+        d = self._failure(st, now, RESTART)
+        if d.action != RESTART or not d.new:
+            return d  # a crash loop gives up (exit 13 all the same: the cause is the GPU's)
+        return dataclasses.replace(d, reason=f"GPU {bus} excluded (--on-gpu-fault exclude); {d.reason}")
 
     def _diverged(self, st: Status, now: float) -> Decision:
         """A diverged run is not restarted blindly: the trainer resumes from its latest checkpoint, which is

@@ -35,14 +35,15 @@ from ops.far import refusal, request, tmux
 from ops.far.atomic import create_new, write_json_atomic
 from ops.hosts import Host, load_inventory, supervise_dir_problem
 from ops.state_dir import private_dir
-from ops.supervise import record, unit
+from ops.supervise import exclusions, record, unit
+from ops.supervise.exclusions import Exclusions
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.loop import Supervisor
 from ops.supervise.policy import Options
 from ops.supervise.state import slug
 from ops.transport import CommandResult, LocalTransport
 
-VERBS = ("install", "status", "stop", "uninstall", "logs")
+VERBS = ("install", "status", "stop", "uninstall", "logs", "gpus")
 START_WAIT = 60.0  # seconds install waits for the new supervisor's first probe
 STOP_WAIT = 30.0  # seconds stop waits for the supervisor to let go of its lock
 LOG_WINDOW = 1 << 20  # `logs` reads at most this many bytes from the log's end
@@ -520,6 +521,23 @@ def logs(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
     return {"log": path, "lines": lines[-n:]}
 
 
+def gpus(req: t.Mapping[str, t.Any]) -> dict[str, t.Any]:
+    """The session's excluded GPUs (ops/supervise/exclusions.py); ``include``: bus ids to put back."""
+    place = Place(str(req["dir"]), str(req["session"]))
+    service = place.service()
+    if service is None:
+        raise Failed(refusal.NOT_INSTALLED, f"no supervisor is installed for session {place.session} in {place.root}")
+    by = str(service["by"])
+    include = req.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise BadConfig("--include", "expected PCI bus ids")
+    store = Exclusions(Path(place.dir) / "supervise" / f"{slug(by)}.{slug(place.session)}", by, place.session)
+    try:
+        return exclusions.answer(store, include, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    except ValueError as e:
+        raise BadConfig("--include", str(e)) from None
+
+
 class _install_lock:  # noqa: N801 (a context manager, named as it is used)
     """install and uninstall one at a time: a second one at once is refused, never run beside the first
     (both would report success, and the supervisor left would be the last one's)."""
@@ -575,6 +593,7 @@ HANDLERS: dict[str, t.Callable[[t.Mapping[str, t.Any]], dict[str, t.Any]]] = {
     "stop": stop,
     "uninstall": uninstall,
     "logs": logs,
+    "gpus": gpus,
 }
 
 

@@ -108,6 +108,11 @@ def test_no_drafter_left_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert e.value.exit_code == EXIT_FAILED and not e.value.traceback
     assert "\n" not in e.value.line()
     assert e.value.line().startswith(f"dflash: {EXCLUDED_ENV}=0000:b2:00.0 leaves no drafter device of 2 targets")
+    # the supervisor reads this line as the trainer's verdict: no restart, a give-up (ops/supervise/policy.py)
+    from ops.diagnosis import diagnose, no_devices_left
+
+    said = diagnose(["INFO dflash.train: starting", e.value.line()], exit_code=EXIT_FAILED, signal=None)
+    assert said.cause == "nonzero-exit" and no_devices_left(said.detail, EXIT_FAILED)
     with pytest.raises(NoDevicesLeft, match="leaves no target device"):
         exclude(cfg, {EXCLUDED_ENV: "b0:00,b1:00"}, properties=props)
 

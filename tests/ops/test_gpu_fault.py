@@ -478,3 +478,103 @@ def test_an_xid_of_another_container_s_gpu_is_not_this_run_s() -> None:
     assert any("not this run's" in e for e in st.evidence), st.evidence
     facts = _facts([*TRACEBACK, CUDA_LAUNCH, ASYNC], kernel, [{"index": 1, "pci_bus_id": "00000000:3B:00.0"}])
     assert probe.classify(facts).xid == 79  # the run's own GPU: its fault
+
+
+# ---------------------------------------------------------------------------------------------
+# --on-gpu-fault exclude: the policy, the health check before the restart, the messages
+
+
+def _fault(attempt: int, bus: str | None = "0000:18:00") -> probe.Status:
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.GPU_FAULT, attempt=attempt, gpu=1, xid=48)
+    st.exit_code, st.gpu_bus_id, st.detail = 1, bus, XID[48].split("] ", 1)[1]
+    st.fingerprint = f"gpu-fault|xid 48|{bus}"
+    return st
+
+
+def test_on_gpu_fault_exclude_restarts_once_per_gpu_and_gives_up_when_nothing_is_left() -> None:
+    opts = Options(on_gpu_fault="exclude", backoff=0)
+    p = Policy(opts, rng=random.Random(1))
+    d = p.observe(_fault(2), 100.0)
+    assert d.action == "restart" and d.reason.startswith("GPU 0000:18:00.0 excluded (--on-gpu-fault exclude); restart")
+    p.recovered(100.0, d.action, attempt=3)
+    p.excluded = {"0000:18:00.0": 2}  # what the loop wrote before the start, read back at the next probe
+    again = p.observe(_fault(3), 200.0)
+    assert again.action == GIVE_UP and again.reason.startswith(
+        "a second fault on GPU 0000:18:00.0, which the run already leaves out (excluded after attempt 2)"
+    )
+    # the same crash judged again (the supervisor restarted before its restart): still a restart
+    q = Policy(opts, rng=random.Random(1))
+    q.excluded = {"0000:18:00.0": 2}
+    assert q.observe(_fault(2), 100.0).action == "restart"
+    assert (
+        Policy(opts)
+        .observe(_fault(2, bus=None), 1.0)
+        .reason.endswith(
+            "the driver named no PCI bus id, so no GPU can be left out (--on-gpu-fault exclude): reset the GPU or "
+            "reboot the host, then `dflashctl start`"
+        )
+    )
+    # the trainer's own line: the excluded GPUs leave no drafter -> give up as a GPU fault (exit 13)
+    line = (
+        "dflash: DFLASH_EXCLUDED_GPUS=0000:18:00.0 leaves no drafter device of 4 targets ['cuda:0'] + 1 drafters "
+        "['cuda:1'] (excluded: cuda:1 (0000:18:00.0)); the run cannot start"
+    )
+    st = probe.Status("pve", "dflash", State.CRASHED, cause=Cause.NONZERO_EXIT, attempt=4, exit_code=1, detail=line)
+    d = Policy(opts).observe(st, 1.0)
+    assert (d.action, d.kind) == (GIVE_UP, "gpu-fault") and "no GPU left for the run" in d.reason
+    st.exit_code = 2
+    assert Policy(opts).observe(st, 1.0).action == "restart"  # not the trainer's verdict (exit 1)
+    with pytest.raises(errors.ConfigError) as e:
+        Options(on_gpu_fault="skip")
+    assert e.value.path == "--on-gpu-fault"
+
+
+def test_before_the_restart_the_failed_gpu_and_any_gpu_the_health_check_fails_are_excluded_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ops.remote import connect
+    from ops.supervise import Supervisor
+    from ops.supervise.exclusions import Exclusions
+    from testkit.nvidia_smi import install
+
+    gpus = [
+        FakeGpu("00000000:18:00.0"),
+        FakeGpu("00000000:3B:00.0", volatile_dram_uncorrectable=2),
+        FakeGpu("00000000:5E:00.0"),
+    ]
+    install(tmp_path / "bin", gpus)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    text = dump_hosts(None, {"l": {"transport": "local", "workdir": str(tmp_path / "w"), "command": "true"}})
+    host = parse_inventory(text, path=None, base=tmp_path).get()
+    sup = Supervisor(host, "s", Options(on_gpu_fault="exclude"), state_dir=tmp_path / "state", emit=lambda _: None)
+    inc: dict[str, object] = {}
+    added, excluded = sup._exclude(connect(host), _fault(2), inc)
+    assert [(e.bus_id, e.xid, e.attempt) for e in added] == [("0000:18:00.0", 48, 2), ("0000:3b:00.0", None, 2)]
+    assert added[1].why == "gpu-health: 2 uncorrectable ECC error(s) since the driver loaded (reset the GPU)"
+    assert inc["excluded_gpus"] == ["0000:18:00.0", "0000:3b:00.0"] and excluded == added
+    assert inc["gpu_health"] == [
+        "gpu-health: GPU 0 (00000000:18:00.0): ok",
+        "gpu-health: GPU 1 (00000000:3B:00.0): fail: 2 uncorrectable ECC error(s) since the driver loaded (reset the GPU)",
+        "gpu-health: GPU 2 (00000000:5E:00.0): ok",
+    ]
+    kept = Exclusions(tmp_path / "state" / "supervise" / "l.s", "l", "s")
+    assert kept.load() == tuple(added) and (kept.path.stat().st_mode & 0o777) == 0o600
+    # a crash of another kind later: no check, nothing added, the next attempt still runs without them
+    other = probe.Status("l", "s", State.CRASHED, cause=Cause.PYTHON_EXCEPTION, attempt=3, exit_code=1)
+    assert sup._exclude(connect(host), other, {}) == ([], list(added))
+    assert [e.bus_id for e in kept.include("3b:00")] == ["0000:3b:00.0"]
+    assert [e.bus_id for e in kept.load()] == ["0000:18:00.0"]
+
+
+def test_the_restart_message_says_which_gpu_the_next_attempt_runs_without() -> None:
+    from ops.notify import message_for
+    from ops.supervise.state import incident_for
+
+    opts = Options(on_gpu_fault="exclude")
+    st = _fault(2)
+    inc = incident_for(st, Policy(opts).observe(st, 1.0), 1.0, restarts=0, opts=opts)
+    inc.update(outcome="done", next_attempt=3, excluded="GPU 0000:18:00.0 (Xid 48) excluded; attempt 3 runs without it")
+    inc["gpu_health"] = ["gpu-health: GPU 0 (00000000:18:00.0): ok"]
+    msg = message_for(inc)
+    assert msg.title.endswith("; GPU 0000:18:00.0 (Xid 48) excluded; attempt 3 runs without it"), msg.title
+    assert "gpus: GPU 0000:18:00.0 (Xid 48) excluded; attempt 3 runs without it\n  gpu-health: GPU 0" in msg.body

@@ -297,6 +297,13 @@ def test_a_group_starts_reports_and_stops_as_one_run_and_names_the_node_that_is_
 
 
 def test_restart_on_crash_restarts_the_whole_group_when_one_node_crashes(pair: Pair) -> None:
+    state = str(pair.root / "state")
+    refused = pair.cli(
+        "--group", "pair", "restart-on-crash", "--once", "--on-gpu-fault", "exclude", "--state-dir", state
+    )
+    assert (
+        refused.returncode == 1 and "--on-gpu-fault: exclude is for one host's run, not a --group's" in refused.stderr
+    )
     assert pair.cli("--group", "pair", "start").returncode == 0
     b_run = pair.root / "b" / "runs" / "dflash" / "current"
     os.kill(pair.run_json("b")["child_pid"], signal.SIGKILL)  # node b's training process dies

@@ -288,8 +288,12 @@ def test_a_gpu_fallen_off_the_bus_is_read_from_the_host_kernel_log_and_never_res
     on_host: OnTheHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The trainer only says torch's CUDA error; the Xid is in the Proxmox host's kernel log (journalctl -k),
-    which dflashctl on the host reads. restart-on-crash gives up with exit 13 instead of a restart."""
-    on_host.table["command"] = train_command("--steps", "3", "--interval", "0.05", "--then", "cuda-launch")
+    which dflashctl on the host reads. restart-on-crash gives up with exit 13 instead of a restart; with
+    --on-gpu-fault exclude it restarts without that GPU (DFLASH_EXCLUDED_GPUS), and gives up (13) when the
+    GPU it left out faults again, also after its own restart; `gpus --include` puts it back."""
+    on_host.table["command"] = train_command(
+        "--steps", "3", "--interval", "0.05", "--then", "cuda-launch", "--gpus", "0000:3b:00.0,0000:5e:00.0"
+    )
     on_host.write()
     assert on_host.cli("deploy").exit_code == 0
     assert on_host.cli("start").exit_code == 0
@@ -327,3 +331,41 @@ def test_a_gpu_fallen_off_the_bus_is_read_from_the_host_kernel_log_and_never_res
     assert "supervisor saw crashed (gpu-fault) of attempt 1 -> give-up" in hist.stdout, hist.output
     row = on_host.cli("history", "--json", "--state-dir", state).json()["attempts"][0]
     assert (row["cause"], row["cause_from"]) == ("gpu-fault", "incident")  # the records alone say python-exception
+    _excluded_then_given_up(on_host, state)
+
+
+def _excluded_then_given_up(on_host: OnTheHost, state: str) -> None:
+    """--on-gpu-fault exclude on the crashed attempt 1: attempt 2 runs without 0000:3b:00.0 and crashes; the
+    kernel log names the same GPU again: a second fault on it gives up with 13."""
+    exclude = ("restart-on-crash", "--interval", "0.5", "--backoff", "0.2", "--on-gpu-fault", "exclude")
+    sup = on_host.cli(*exclude, "--state-dir", state, timeout=120)
+    assert sup.exit_code == 13, sup.output
+    said = "GPU 0000:3b:00.0 (Xid 79) excluded; attempt 2 runs without it (DFLASH_EXCLUDED_GPUS=0000:3b:00.0)"
+    assert said in sup.output
+    assert (
+        "gave up: a second fault on GPU 0000:3b:00.0, which the run already leaves out (excluded after attempt 1)"
+        in (sup.output)
+    )
+    assert "DFLASH_EXCLUDED_GPUS=0000:3b:00.0: 2 drafters -> 1 drafters" in on_host.log(2)  # the run's environment
+    assert not (on_host.run_dir / "dflash" / "attempt-3").exists()
+    doc = on_host.cli("status", "--json").json()
+    assert (doc["attempt"], doc["cause"], doc["excluded_gpus"]) == (2, "gpu-fault", ["0000:3b:00.0"])
+    assert "  excluded:  0000:3b:00.0 (this attempt runs without" in on_host.cli("status").stdout
+    hist = on_host.cli("history", "--state-dir", state).stdout
+    assert (
+        "supervisor saw crashed (gpu-fault) of attempt 1 -> restart: done, attempt 2 started; GPU 0000:3b:00.0 "
+        "(Xid 79) excluded; attempt 2 runs without it" in hist
+    ), hist
+
+    # the set outlives the supervisor: a new one gives up on the same fault again
+    once = on_host.cli(*exclude, "--once", "--state-dir", state, timeout=120)
+    assert once.exit_code == 13 and "a second fault on GPU 0000:3b:00.0" in once.output, once.output
+    listed = on_host.cli("gpus", "--state-dir", state)
+    assert "the next attempt the supervisor starts runs without 1 GPU(s)" in listed.stdout
+    assert "  0000:3b:00.0  NVRM: Xid (PCI:0000:3b:00): 79" in listed.stdout, listed.output
+    bad = on_host.cli("gpus", "--state-dir", state, "--include", "b3")
+    assert bad.exit_code == 1 and "not a PCI bus id" in bad.stderr and "Traceback" not in bad.output
+    back = on_host.cli("gpus", "--state-dir", state, "--include", "3b:00")
+    assert back.exit_code == 0 and "GPU 0000:3b:00.0 put back" in back.stdout, back.output
+    twice = on_host.cli("gpus", "--state-dir", state, "--include", "3b:00").stdout
+    assert "GPU 3b:00 was not excluded: nothing to put back\nct/dflash: no GPU excluded" in twice, twice

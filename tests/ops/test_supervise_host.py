@@ -223,6 +223,57 @@ def test_installed_supervisor_restarts_a_killed_run_and_recovers_the_container(n
     assert "  last action: " in again.stdout and "attempt 3, attempt 4 started" in again.stdout, again.stdout
 
 
+def test_the_installed_supervisor_restarts_without_a_failed_gpu_and_gives_up_on_a_second_fault(night: Night) -> None:
+    """--on-gpu-fault exclude on the host: the Xid is in the host's kernel log, which the supervisor there
+    reads; attempt 2 runs without the GPU, the same GPU faults again: a give-up, and it watches on. The
+    excluded set outlives the supervisor's restart; `supervise gpus --include` puts the GPU back."""
+    import time
+
+    control = night.shared / "control"
+    night.hosts.write(
+        command=train_command(
+            "--steps", "1", "--interval", "0.1", "--until", str(night.finish), "--control", str(control),
+            "--gpus", "0000:3b:00.0,5e:00",
+        )
+    )  # fmt: skip
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime())
+    night.pve.kernel_log(
+        f"{stamp} pve kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=2841, name=python, GPU has fallen off the bus."
+    )
+    night.start()
+    night.install("--on-gpu-fault", "exclude")
+    # The host's journalctl is the fake one: its folder goes first on the supervisor's PATH, through env.json (the
+    # environment the supervisor takes at its start; tmux gives a new session the PATH of the ssh login that asks)
+    env_json = night.sdir / unit.ENV_JSON
+    doc = json.loads(env_json.read_text())
+    doc["env"]["PATH"] = f"{night.pve.bin}:{os.environ['PATH']}"
+    env_json.write_text(json.dumps(doc))
+    first = night.supervisor_pid()
+    assert first is not None
+    os.kill(first, signal.SIGKILL)  # its tmux loop starts it again after 10 s, with that PATH
+    retry_until(lambda: night.supervisor_pid() not in (None, first), 40)
+
+    control.write_text("always:cuda-launch\n")
+    gave_up = retry_until(lambda: [i for i in night.incidents() if i["action"] == "give-up"], 60)
+    assert gave_up[0]["reason"].startswith(
+        "a second fault on GPU 0000:3b:00.0, which the run already leaves out (excluded after attempt 1)"
+    )
+    [restart] = [i for i in night.incidents() if i["action"] == "restart"]
+    assert restart["excluded"] == "GPU 0000:3b:00.0 (Xid 79) excluded; attempt 2 runs without it"
+    assert restart["excluded_gpus"] == ["0000:3b:00.0"] and restart["gpu_health"][0].startswith(
+        "gpu-health: not checked"
+    )
+    assert night.run_json(2)["started_by"]["excluded_gpus"] == ["0000:3b:00.0"]
+    assert "DFLASH_EXCLUDED_GPUS=0000:3b:00.0: 2 drafters -> 1 drafters" in night.log(2)
+    assert night.status()["excluded_gpus"] == ["0000:3b:00.0"] and night.attempts() == [1, 2]
+    assert night.supervisor_pid() is not None  # it watches on
+    listed = night.cli("supervise", "gpus")
+    assert "pve/dflash: the next attempt the supervisor starts runs without 1 GPU(s)" in listed.stdout, listed.output
+    back = night.cli("supervise", "gpus", "--include", "3b:00", "--json")
+    assert back.exit_code == 0 and [e["bus_id"] for e in back.json()["included"]] == ["0000:3b:00.0"], back.output
+    assert back.json()["excluded"] == []
+
+
 def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(night: Night) -> None:
     night.start()
     night.install()
@@ -367,7 +418,7 @@ def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert "Restart=always" in text and "RestartSec=10" in text and "KillMode=process" in text
     exec_start = next(ln for ln in text.splitlines() if ln.startswith("ExecStart="))
     assert "/var lib/dflash%%ctl/bin/" in exec_start
-    assert exec_start.endswith('"--start-container" "--retry-oom" "--on-diverged" "give-up"')
+    assert exec_start.endswith('"--retry-oom" "--on-diverged" "give-up" "--on-gpu-fault" "give-up"')
 
 
 def test_the_launcher_and_the_options_round_trip() -> None:
@@ -381,6 +432,7 @@ def test_the_launcher_and_the_options_round_trip() -> None:
     assert argv == [
         "--interval", "7.5", "--backoff", "3", "--max-backoff", "30", "--min-uptime", "60",
         "--max-restarts", "2", "--window", "99", "--retry-oom", "--on-diverged", "resume-from-last-finite",
+        "--on-gpu-fault", "give-up",
     ]  # fmt: skip
     assert Options(**vars(options_parser().parse_args(argv))) == opts
     sh = unit.launcher_text("/var/lib/it's", "/usr/bin/python3")
