@@ -7,6 +7,13 @@ A supervisor that saw a GPU fail in hardware restarts the run with that GPU's bu
 device of ``devices.targets`` / ``devices.drafters`` to its bus id (torch's device properties), drops the
 excluded ones and says the layout before and after in one line; ``cpu`` has no bus id and is never dropped.
 No target or no drafter left: ``NoDevicesLeft`` (one line, exit 1), before anything loads.
+
+A GPU that fell off the bus (Xid 79) is not enumerated any more, so every ``cuda:N`` after it names the next
+board. When an excluded bus id is missing from the devices there, the config's indices are read against the
+enumeration the box had with it: the devices there plus the missing ones, in PCI bus order (the order CUDA
+and nvidia-smi number identical boards in); the missing board is dropped and the others renumbered, said in
+the same line. Only where that order can be known: the devices there in increasing bus order, every bus id
+readable and ``CUDA_VISIBLE_DEVICES`` unset (else the indices are kept as they are, and a warning says so).
 """
 
 from __future__ import annotations
@@ -108,6 +115,48 @@ def torch_properties(index: int) -> t.Any:
     return torch.cuda.get_device_properties(index)
 
 
+def torch_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _order(bus: BusId) -> tuple[int, int, int]:
+    return (bus.domain or 0, bus.bus, bus.device)
+
+
+def renumbering(
+    excluded: t.Sequence[BusId],
+    environ: t.Mapping[str, str],
+    count: t.Callable[[], int],
+    properties: t.Callable[[int], t.Any],
+) -> dict[int, tuple[BusId, int | None]]:
+    """Config index -> (its board, the board's index there; None: it left the bus), when an excluded board is
+    missing from the devices there; empty when none is, or when the old order cannot be known (a warning says
+    why)."""
+    present = [bus_id_of(properties(i)) for i in range(count())]
+    missing = [x for x in excluded if not any(p is not None and x.matches(p) for p in present)]
+    if not missing or not present:
+        return {}
+    why = None
+    if environ.get("CUDA_VISIBLE_DEVICES"):
+        why = "CUDA_VISIBLE_DEVICES is set"
+    elif any(p is None for p in present):
+        why = "a device there has no readable bus id"
+    elif any(_order(t.cast(BusId, a)) >= _order(t.cast(BusId, b)) for a, b in zip(present, present[1:])):
+        why = "the devices there are not numbered in bus order"
+    if why is not None:
+        logger.warning(
+            "devices: %s names %s, not among the devices there, but %s: the config's cuda:N are taken as they are",
+            EXCLUDED_ENV,
+            ", ".join(str(x) for x in missing),
+            why,
+        )
+        return {}
+    boards = sorted([*t.cast(list[BusId], present), *missing], key=_order)
+    return {i: (b, None if b in missing else present.index(b)) for i, b in enumerate(boards)}
+
+
 def device_bus_id(device: str, properties: t.Callable[[int], t.Any]) -> BusId | None:
     """``cuda:N`` -> its bus id (None when unknown); ``cpu`` has none."""
     if not device.startswith("cuda:"):
@@ -119,18 +168,34 @@ def device_bus_id(device: str, properties: t.Callable[[int], t.Any]) -> BusId | 
 
 
 def exclude(
-    cfg: RunConfig, environ: t.Mapping[str, str], *, properties: t.Callable[[int], t.Any] = torch_properties
+    cfg: RunConfig,
+    environ: t.Mapping[str, str],
+    *,
+    properties: t.Callable[[int], t.Any] = torch_properties,
+    count: t.Callable[[], int] = torch_count,
 ) -> RunConfig:
     """``cfg`` without the devices whose bus id ``DFLASH_EXCLUDED_GPUS`` names, said in one line (nothing
-    said when the variable is unset or empty). ``properties``: a CUDA index's device properties (tests stub it)."""
+    said when the variable is unset or empty). ``properties``: a CUDA index's device properties, ``count``:
+    how many there are (tests stub both)."""
     excluded = excluded_from_env(environ)
     if not excluded:
         return cfg
+    moved = renumbering(excluded, environ, count, properties)
     kept: dict[str, tuple[str, ...]] = {}
     dropped: list[str] = []
+    renamed: list[str] = []
     for role in ("targets", "drafters"):
         keep = []
         for dev in getattr(cfg.devices, role):
+            index = int(dev.split(":")[1]) if dev.startswith("cuda:") and dev.split(":")[1].isdigit() else None
+            if index is not None and index in moved:
+                board, now = moved[index]
+                if now is None:
+                    dropped.append(f"{dev} ({board}: off the bus)")
+                    continue
+                if now != index:
+                    renamed.append(f"{dev} is now cuda:{now}")
+                    dev = f"cuda:{now}"
             bus = device_bus_id(dev, properties)
             if bus is not None and any(x.matches(bus) for x in excluded):
                 dropped.append(f"{dev} ({bus})")
@@ -140,6 +205,8 @@ def exclude(
     before = f"{len(cfg.devices.targets)} targets {list(cfg.devices.targets)} + {len(cfg.devices.drafters)} drafters {list(cfg.devices.drafters)}"
     after = f"{len(kept['targets'])} targets {list(kept['targets'])} + {len(kept['drafters'])} drafters {list(kept['drafters'])}"
     names = ",".join(str(x) for x in excluded)
+    if renamed:
+        after += f" ({'; '.join(renamed)}: a board left the bus)"
     for role in ("targets", "drafters"):
         if not kept[role]:
             raise NoDevicesLeft(
@@ -166,4 +233,5 @@ __all__ = [
     "exclude",
     "excluded_from_env",
     "parse_bus_id",
+    "renumbering",
 ]

@@ -101,6 +101,38 @@ def test_cpu_and_unknown_devices_are_never_excluded(tmp_path: Path, caplog: pyte
     assert any("none of the run's devices is on those buses" in r.getMessage() for r in caplog.records)
 
 
+def test_a_board_off_the_bus_is_dropped_and_the_boards_after_it_renumbered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Eight boards b0..b7; b3 fell off the bus (Xid 79), so torch enumerates seven and the config's cuda:4 is
+    the board torch now calls cuda:3: read against the box's old numbering, nothing lands on the wrong GPU."""
+    there = [0xB0, 0xB1, 0xB2, 0xB4, 0xB5, 0xB6, 0xB7]
+
+    def props_now(index: int) -> t.Any:
+        if index >= len(there):
+            raise AssertionError(f"Invalid device id {index}")
+        return types.SimpleNamespace(pci_domain_id=0, pci_bus_id=there[index], pci_device_id=0)
+
+    cfg = config(tuple(f"cuda:{i}" for i in range(5)), ("cuda:5", "cuda:6", "cuda:7"), tmp_path)
+    env = {EXCLUDED_ENV: "0000:b3:00"}
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        out = exclude(cfg, env, properties=props_now, count=lambda: len(there))
+    assert out.devices.targets == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    assert out.devices.drafters == ("cuda:4", "cuda:5", "cuda:6")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("devices:")]
+    assert "cuda:4 is now cuda:3; cuda:5 is now cuda:4; cuda:6 is now cuda:5; cuda:7 is now cuda:6" in line
+    assert line.endswith("(excluded cuda:3 (0000:b3:00: off the bus))")
+    # where the old numbering cannot be known, the indices stay and a warning says why
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dflash.train"):
+        kept = exclude(cfg, {**env, "CUDA_VISIBLE_DEVICES": "0,1,2,4,5,6,7"}, properties=props_now, count=lambda: 7)
+    assert kept.devices == cfg.devices
+    assert any(
+        "CUDA_VISIBLE_DEVICES is set: the config's cuda:N are taken as they are" in r.getMessage()
+        for r in caplog.records
+    )
+
+
 def test_no_drafter_left_is_one_line_and_exit_1(tmp_path: Path) -> None:
     cfg = config(("cuda:0", "cuda:1"), ("cuda:2",), tmp_path)
     with pytest.raises(NoDevicesLeft) as e:
