@@ -15,7 +15,6 @@ The operator side of the protocol (``agent_argv``, ``call``) is in ops/session.p
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import os
@@ -766,6 +765,8 @@ def read(req: Request) -> dict[str, t.Any]:
     from the offset the caller already has (complete lines only, base64, at most ``cap`` bytes in all:
     the caller loops while an attempt says ``more``), the log tail of the attempts it asks one for
     (``tail``: true, or "crashed" = when it ended non-zero and not on request: to name the cause), and the checkpoints under ``<run_dir>/<session>/checkpoints``."""
+    import base64  # here: the status probe, every call's verb, has no use for it (start-up time)
+
     sdir = session_dir(req)
     known = req.get("attempts") or {}
     if not isinstance(known, dict):

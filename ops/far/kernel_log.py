@@ -11,12 +11,8 @@ lines kept, and the reading stops at a cap (lines read, bytes read, time), the r
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import shutil
-import subprocess
-import tempfile
-import threading
 import typing as t
 
 TIMEOUT = 10.0
@@ -32,8 +28,7 @@ DMESG_READ_LINES = 1_000_000
 _LINE_BYTES = 4096  # one read; a longer line is cut, its rest skipped
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Read:
+class _Read(t.NamedTuple):
     """One reader's answer: its exit code (0 when the caps stopped it), the NVRM lines kept, the end of
     its stderr, and whether a cap stopped the reading before the end."""
 
@@ -56,6 +51,11 @@ def _run(
 ) -> _Read:
     """The NVRM lines ``keep`` accepts of what ``argv`` prints. Reads at most the caps; a reader stopped
     early by them is killed (by its pid) and counts as exit 0: what it said so far is its answer."""
+    # here, not at the top: every status probe imports this module, only a crashed run's reads the log
+    import subprocess
+    import tempfile
+    import threading
+
     try:
         err_file = tempfile.TemporaryFile()
     except OSError as e:

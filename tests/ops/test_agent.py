@@ -218,6 +218,31 @@ def test_probe_without_tmux_installed(tmp_path: Path) -> None:
     assert facts["ok"] and facts["tmux"]["installed"] is False and facts["attempt"] is None
 
 
+# What only pull, plot and a crashed run's kernel-log read need: a status probe (every call's verb, the
+# start-up CPU that `status` pays on the box) must not import them.
+PROBE_SKIPS = ("hashlib", "base64", "dataclasses", "tempfile", "inspect")
+
+
+def test_probe_imports_nothing_only_other_verbs_need(tmp_path: Path) -> None:
+    program = (
+        "import json, sys; sys.path.insert(0, sys.argv.pop(1)); from ops.far.agent import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        f"print(json.dumps(sorted(m for m in {PROBE_SKIPS!r} if m in sys.modules)))"
+    )
+    req = {"session": "dflash", "socket": "nosuch", "run_dir": str(tmp_path), "tmux": str(tmp_path / "no-tmux")}
+    root = str(Path(__file__).resolve().parents[2])
+    p = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", program, root, "probe", "--json"],
+        input=json.dumps(req),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    answer, loaded = p.stdout.strip().splitlines()[-2:]
+    assert json.loads(answer)["ok"], p.stdout + p.stderr
+    assert json.loads(loaded) == []
+
+
 def test_tmux_stderr_table() -> None:
     cases = {
         "no server running on /tmp/tmux-0/dflash": ("dead", None, "stale-socket"),
