@@ -350,9 +350,10 @@ def health_check(where: Transport | Container) -> Check:
     res = _run(where, list(gpu_health.ARGV), timeout=60)
     if isinstance(res, errors.OpsError):
         return Check("gpu-health", FAIL, str(res), res)
-    if res.exit_code != 0:
+    # nvidia-smi exits non-zero when a GPU does not answer, and still judges the others: read both streams
+    found = gpu_health.parse(f"{res.out}\n{res.err}")
+    if res.exit_code != 0 and not found:
         return Check("gpu-health", FAIL, f"{' '.join(gpu_health.ARGV)} failed: {_why(res)}")
-    found = gpu_health.parse(res.out)
     if not found:
         return Check("gpu-health", SKIP, "nvidia-smi -q listed no GPU")
     worst = FAIL if any(g.status == FAIL for g in found) else WARN if any(g.status == WARN for g in found) else OK

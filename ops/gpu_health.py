@@ -1,7 +1,9 @@
 """``dflashctl doctor``'s ``gpu-health``: what ``nvidia-smi -q -d ECC,ROW_REMAPPER,PERFORMANCE`` says of each
 GPU, judged ``fail`` (uncorrectable ECC errors since the driver loaded, a row remapping that failed),
 ``warn`` (uncorrectable errors in the GPU's lifetime, a remap pending a reset, a hardware or thermal
-slowdown) or ``ok`` (docs/design.md section 6, doctor).
+slowdown) or ``ok`` (docs/design.md section 6, doctor). A GPU that does not answer (nvidia-smi's
+``Unable to determine the device handle for GPU<bus>: Unknown Error`` or ``: GPU is lost ...``, on stdout or
+stderr, whatever its exit code) is ``fail`` too: it has no section, so its index is unknown.
 
 Pure: the text in, one verdict per GPU out. The layout is the driver's indented ``key : value`` tree;
 section names differ by driver (``Clocks Event Reasons`` from 535 on, ``Clocks Throttle Reasons``
@@ -15,6 +17,10 @@ import re
 
 ARGV = ("nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER,PERFORMANCE")
 _GPU = re.compile(r"^GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])\s*$")
+# the driver writes it with and without the space after "GPU"
+_LOST = re.compile(
+    r"Unable to determine the device handle for GPU ?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]): *(.*)$"
+)
 _THROTTLE = ("Clocks Event Reasons", "Clocks Throttle Reasons")
 # a slowdown the hardware forced (the GPU protects itself: heat, power brake); SW power cap and idle are normal
 _SLOWDOWNS = ("HW Slowdown", "HW Thermal Slowdown", "HW Power Brake Slowdown", "SW Thermal Slowdown")
@@ -22,13 +28,15 @@ _SLOWDOWNS = ("HW Slowdown", "HW Thermal Slowdown", "HW Power Brake Slowdown", "
 
 @dataclasses.dataclass(frozen=True)
 class GpuHealth:
-    index: int
+    index: int | None  # None: a GPU that did not answer (nvidia-smi gave it no section)
     bus_id: str
     status: str  # "ok" | "warn" | "fail"
     why: tuple[str, ...] = ()
 
     def line(self) -> str:
-        return f"GPU {self.index} ({self.bus_id}): {self.status}" + (f": {'; '.join(self.why)}" if self.why else "")
+        return f"GPU {'?' if self.index is None else self.index} ({self.bus_id}): {self.status}" + (
+            f": {'; '.join(self.why)}" if self.why else ""
+        )
 
 
 def _tree(lines: list[str]) -> dict[str, str]:
@@ -96,12 +104,19 @@ def judge(index: int, bus_id: str, lines: list[str]) -> GpuHealth:
 
 
 def parse(text: str) -> list[GpuHealth]:
-    """One verdict per ``GPU <bus id>`` section, in nvidia-smi's order (its index order)."""
+    """One verdict per ``GPU <bus id>`` section, in nvidia-smi's order (its index order), then one ``fail``
+    per GPU that did not answer (``text``: stdout and stderr)."""
     sections: list[tuple[str, list[str]]] = []
+    lost: list[GpuHealth] = []
     for line in text.splitlines():
+        gone = _LOST.search(line)
+        if gone:
+            why = gone.group(2).strip().rstrip(".") or "no reason given"
+            lost.append(GpuHealth(None, gone.group(1), "fail", (f"does not answer: {why[:200]}",)))
+            continue
         m = _GPU.match(line)
         if m:
             sections.append((m.group(1), []))
         elif sections:
             sections[-1][1].append(line)
-    return [judge(i, bus, body) for i, (bus, body) in enumerate(sections)]
+    return [*(judge(i, bus, body) for i, (bus, body) in enumerate(sections)), *lost]

@@ -19,6 +19,7 @@ class FakeGpu:
     remap_failed: bool = False
     hw_slowdown: bool = False
     thermal_slowdown: bool = False
+    lost: bool = False  # fell off the bus: no section, a line saying so (and the exit code of a failed query)
 
 
 def _active(on: bool) -> str:
@@ -26,7 +27,8 @@ def _active(on: bool) -> str:
 
 
 def report(gpus: list[FakeGpu], *, driver: str = "535.129.03") -> str:
-    """The text of ``nvidia-smi -q -d ECC,ROW_REMAPPER,PERFORMANCE``."""
+    """The text of ``nvidia-smi -q -d ECC,ROW_REMAPPER,PERFORMANCE`` (a lost GPU has no section)."""
+    gpus = [g for g in gpus if not g.lost]
     old = int(driver.split(".")[0]) < 535
     out = [
         "",
@@ -84,13 +86,19 @@ def report(gpus: list[FakeGpu], *, driver: str = "535.129.03") -> str:
 
 
 def install(bin_dir: Path, gpus: list[FakeGpu], *, driver: str = "535.129.03") -> Path:
-    """``bin_dir/nvidia-smi``: ``-q ...`` prints ``report``, ``--query-gpu=...`` the CSV of every GPU."""
+    """``bin_dir/nvidia-smi``: ``-q ...`` prints ``report``, ``--query-gpu=...`` the CSV of every GPU; a lost
+    GPU's line goes to stderr and ``-q`` exits 15 (nvidia-smi's "GPU is lost")."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     (bin_dir / "nvidia-smi.q").write_text(report(gpus, driver=driver))
+    lost = "".join(f"Unable to determine the device handle for GPU{g.bus_id}: Unknown Error\n" for g in gpus if g.lost)
+    (bin_dir / "nvidia-smi.lost").write_text(lost)
+    gpus = [g for g in gpus if not g.lost]
     csv = "".join(f"{i}, {g.name}, 81559 MiB\n" for i, g in enumerate(gpus))
     (bin_dir / "nvidia-smi.csv").write_text(csv)
     exe = bin_dir / "nvidia-smi"
     q, c = shlex.quote(str(bin_dir / "nvidia-smi.q")), shlex.quote(str(bin_dir / "nvidia-smi.csv"))
-    exe.write_text(f'#!/bin/sh\ncase "$1" in\n  -q) exec cat {q} ;;\n  *) exec cat {c} ;;\nesac\n')
+    lines = shlex.quote(str(bin_dir / "nvidia-smi.lost"))
+    query = f"cat {q}; if [ -s {lines} ]; then cat {lines} >&2; exit 15; fi ;;"
+    exe.write_text(f'#!/bin/sh\ncase "$1" in\n  -q) {query}\n  *) exec cat {c} ;;\nesac\n')
     exe.chmod(0o755)
     return exe

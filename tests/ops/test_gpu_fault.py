@@ -403,14 +403,17 @@ def test_doctor_says_gpu_health_per_gpu_through_the_fake_nvidia_smi(
     from ops import doctor
     from testkit.nvidia_smi import install
 
-    install(tmp_path / "bin", [FakeGpu("00000000:18:00.0"), FakeGpu("00000000:3B:00.0", remap_failed=True)])
+    gpus = [FakeGpu("00000000:18:00.0"), FakeGpu("00000000:3B:00.0", remap_failed=True)]
+    install(tmp_path / "bin", [*gpus, FakeGpu("00000000:5E:00.0", lost=True)])
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     text = dump_hosts(None, {"l": {"transport": "local", "workdir": str(tmp_path / "w"), "command": "true"}})
     rep = doctor.diagnose(parse_inventory(text, path=None, base=tmp_path).get())
     health = next(c for c in rep.checks if c.name == "gpu-health")
+    # the lost GPU's line (stderr, exit 15) is a verdict of its own, not "nvidia-smi failed"
     assert health.status == "fail" and health.detail.split("\n") == [
         "GPU 0 (00000000:18:00.0): ok",
         "GPU 1 (00000000:3B:00.0): fail: a row remapping failed (the GPU needs service)",
+        "GPU ? (00000000:5E:00.0): fail: does not answer: Unknown Error",
     ]
     text = rep.render().splitlines()
     at = next(i for i, x in enumerate(text) if "gpu-health" in x)
@@ -535,6 +538,7 @@ def test_before_the_restart_the_failed_gpu_and_any_gpu_the_health_check_fails_ar
     from ops.remote import connect
     from ops.supervise import Supervisor
     from ops.supervise.exclusions import Exclusions
+    from ops.supervise.loop import gpu_check
     from testkit.nvidia_smi import install
 
     gpus = [
@@ -557,6 +561,11 @@ def test_before_the_restart_the_failed_gpu_and_any_gpu_the_health_check_fails_ar
         "gpu-health: GPU 1 (00000000:3B:00.0): fail: 2 uncorrectable ECC error(s) since the driver loaded (reset the GPU)",
         "gpu-health: GPU 2 (00000000:5E:00.0): ok",
     ]
+    # a GPU that does not answer: nvidia-smi exits 15 with its line on stderr and still judges the others
+    install(tmp_path / "bin", [*gpus, FakeGpu("00000000:AF:00.0", lost=True)])
+    found, said = gpu_check(connect(host))
+    assert [(g.index, g.bus_id, g.status) for g in found][-1] == (None, "00000000:AF:00.0", "fail")
+    assert said[-1] == "gpu-health: GPU ? (00000000:AF:00.0): fail: does not answer: Unknown Error"
     kept = Exclusions(tmp_path / "state" / "supervise" / "l.s", "l", "s")
     assert kept.load() == tuple(added) and (kept.path.stat().st_mode & 0o777) == 0o600
     # a crash of another kind later: no check, nothing added, the next attempt still runs without them
