@@ -9,7 +9,7 @@ import dataclasses
 import typing as t
 
 from ops.far import records
-from ops.wire import Fields, Problems
+from ops.wire import Fields, Problems, record_fields
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,14 +40,9 @@ class ReadAnswer:
 
 
 def _checked(value: t.Any, name: str, problems: Problems) -> dict[str, t.Any] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        problems.append(f"{name}: not a JSON object")
-        return None
-    rec, found = records.check(name, value)
-    problems += found
-    return rec
+    """A record checked as every wire answer's is (``ops.wire.record_fields``), as the dict the caller keeps."""
+    f = record_fields(value, name, problems)
+    return dict(f.rec) if f is not None else None  # an empty record, as an absent one: nothing to read
 
 
 def parse_read(answer: t.Mapping[str, t.Any]) -> ReadAnswer:

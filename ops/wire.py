@@ -150,7 +150,7 @@ class StopRecord:
     requested_at: str | None
 
 
-def _record(value: t.Any, name: str, problems: Problems) -> Fields | None:
+def record_fields(value: t.Any, name: str, problems: Problems) -> Fields | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -162,7 +162,7 @@ def _record(value: t.Any, name: str, problems: Problems) -> Fields | None:
 
 
 def parse_run(value: t.Any, problems: Problems) -> RunRecord | None:
-    f = _record(value, records.RUN_JSON, problems)
+    f = record_fields(value, records.RUN_JSON, problems)
     if f is None:
         return None
     return RunRecord(
@@ -180,7 +180,7 @@ def parse_run(value: t.Any, problems: Problems) -> RunRecord | None:
 
 
 def parse_exit(value: t.Any, problems: Problems) -> ExitRecord | None:
-    f = _record(value, records.EXIT_JSON, problems)
+    f = record_fields(value, records.EXIT_JSON, problems)
     if f is None:
         return None
     return ExitRecord(
@@ -197,7 +197,7 @@ def parse_exit(value: t.Any, problems: Problems) -> ExitRecord | None:
 
 
 def parse_stop(value: t.Any, problems: Problems) -> StopRecord | None:
-    f = _record(value, records.STOP_JSON, problems)
+    f = record_fields(value, records.STOP_JSON, problems)
     if f is None:
         return None
     # an absent reason is a plain stop; a null one is shown as it is
