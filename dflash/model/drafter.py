@@ -5,7 +5,8 @@ A drafter predicts a whole block in one forward: ``[last verified token, MASK x 
 only, and its keys/values from ``[context ; block]``: the context is the target's features (outputs of
 ``n`` target layers, concatenated, ``fc`` to H, ``hidden_norm``), projected by the SAME k_proj/v_proj
 as the block, in every layer. RoPE covers ``[context positions ; block positions]``. The target's
-embedding and lm_head are used (``TargetHead``) but not owned, so they are not in the state dict.
+embedding and lm_head are used (``TargetHead``) but not owned, so they are not in the state dict; with a
+smaller ``draft_vocab_size`` the drafter owns an lm_head over it and the ``d2t``/``t2d`` maps (vLLM's names).
 
 Parameter names and ``config.json`` keys are those of z-lab's ``DFlashDraftModel`` (``dflash/model.py``),
 so a checkpoint of ours loads there; the config is a ``Qwen3Config`` (``model_type: qwen3``) with

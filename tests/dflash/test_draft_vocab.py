@@ -180,3 +180,14 @@ def test_the_contract_refuses_an_own_vocabulary_vllm_would_misread() -> None:
     # (the dict vLLM builds the drafter's config from; update_dflash does not copy it from the top)
     spec = speculators_config(data, verifier="t", verifier_architectures=["Qwen3ForCausalLM"], num_verifier_layers=8)
     assert spec["draft_vocab_size"] == 3 and spec["transformer_layer_config"]["has_own_lm_head"] is True
+
+
+def test_the_run_config_refuses_a_draft_vocabulary_it_cannot_train(tmp_path: Path) -> None:
+    from dflash.config import ConfigError
+    from tests.dflash.conftest import tiny_config
+
+    with pytest.raises(ConfigError, match=r"^drafter.draft_vocab_size: must be below the vocabulary \(512\)"):
+        tiny_config(tmp_path, "drafter.draft_vocab_size=512")
+    with pytest.raises(ConfigError, match="^drafter.draft_vocab_size: a dflash2 drafter reranks"):
+        tiny_config(tmp_path, "drafter.draft_vocab_size=64", "drafter.kind=dflash2", "drafter.conv_group_size=8")
+    assert tiny_config(tmp_path).drafter.draft_vocab_size is None  # unset: the target's vocabulary and lm_head
