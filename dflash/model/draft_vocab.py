@@ -34,6 +34,8 @@ __all__ = ["fill", "install", "labels", "maps", "supervised_counts"]
 
 logger = logging.getLogger(__name__)
 
+_CHUNK = 1 << 22  # supervised ids per bincount
+
 
 class _Samples(t.Protocol):
     def __len__(self) -> int: ...
@@ -42,12 +44,19 @@ class _Samples(t.Protocol):
 
 
 def supervised_counts(dataset: _Samples, vocab_size: int) -> np.ndarray:
-    """int64 [V]: how often each target id is a supervised token (``loss_mask`` > 0) in ``dataset``."""
+    """int64 [V]: how often each target id is a supervised token (``loss_mask`` > 0) in ``dataset``, the samples
+    as the run reads them (cut to ``data.max_length``). One bincount per ~4M ids, not one [V] array per sample."""
     counts = np.zeros(vocab_size, dtype=np.int64)
+    pending: list[np.ndarray] = []
+    held = 0
     for i in range(len(dataset)):
         sample = dataset.read(i)
         ids = np.asarray(sample.input_ids, dtype=np.int64)[np.asarray(sample.loss_mask) > 0]
-        counts += np.bincount(ids[ids < vocab_size], minlength=vocab_size)
+        pending.append(ids[(ids >= 0) & (ids < vocab_size)])
+        held += len(ids)
+        if held >= _CHUNK or i == len(dataset) - 1:
+            counts += np.bincount(np.concatenate(pending), minlength=vocab_size)
+            pending, held = [], 0
     return counts
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from dflash.data.samples import Sample
 from dflash.model import contract, draft_vocab
 from dflash.model.drafter import DFlashDraftModel, draft_config_for
 from dflash.model.loss import dflash_loss
@@ -42,6 +43,11 @@ def test_the_maps_are_the_most_frequent_ids_in_the_engines_offset_convention() -
     assert (torch.arange(3) + draft_vocab.maps(few, 3)[0]).tolist() == [0, 1, 4]
     with pytest.raises(ValueError, match="draft_vocab_size: expected 1..512"):
         draft_vocab.maps(counts, 513)
+
+    samples = [Sample([7, 2, 3, 2], [0, 1, 1, 1]), Sample([2, 600, 3], [1, 1, 0])]  # 600: past the vocabulary
+    data = type("Data", (), {"__len__": lambda self: 2, "read": lambda self, i: samples[i]})()
+    got = draft_vocab.supervised_counts(data, 512)
+    assert got[2] == 3 and got[3] == 1 and got.sum() == 4  # supervised tokens only; 7 and the last 3 are not
 
     model = own_drafter()
     draft_vocab.install(model, d2t, t2d)
