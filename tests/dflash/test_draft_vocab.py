@@ -197,3 +197,16 @@ def test_the_run_config_refuses_a_draft_vocabulary_it_cannot_train(tmp_path: Pat
     with pytest.raises(ConfigError, match="^drafter.draft_vocab_size: a dflash2 drafter reranks"):
         tiny_config(tmp_path, "drafter.draft_vocab_size=64", "drafter.kind=dflash2", "drafter.conv_group_size=8")
     assert tiny_config(tmp_path).drafter.draft_vocab_size is None  # unset: the target's vocabulary and lm_head
+
+
+def test_eval_untrained_refuses_a_run_whose_draft_vocabulary_is_counted_at_its_start(tmp_path: Path) -> None:
+    from dflash.eval.evaluate import EvalError, load_setup
+    from tests.dflash.conftest import TINY
+
+    text = TINY.read_text().replace('"tiny-data.jsonl"', json.dumps(str(TINY.parent / "tiny-data.jsonl")))
+    config = tmp_path / "run.toml"
+    config.write_text(text.replace("num_anchors = 16", "num_anchors = 16\ndraft_vocab_size = 64"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [3, 40, 41]}) + "\n")
+    with pytest.raises(EvalError, match="^--untrained: drafter.draft_vocab_size: the draft vocabulary is counted"):
+        load_setup(drafter=None, untrained=True, config=str(config), prompts=str(prompts))
