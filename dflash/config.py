@@ -95,6 +95,9 @@ class DrafterConfig:
     conv_group_size: int = 16  # dflash2: hidden channels sharing one dynamic tap weight (divides hidden_size)
     selector_rank: int = 256  # dflash2: rank of the selector's token codebooks
     selector_top_k: int = 16  # dflash2: candidates per slot the selector reranks
+    # None: the target's vocabulary (the target's lm_head scores). N: an own lm_head over the N most frequent
+    # supervised tokens of the training data (dflash.model.draft_vocab), mapped back by d2t
+    draft_vocab_size: int | None = None
 
     @property
     def loss_gamma(self) -> float:
@@ -661,6 +664,12 @@ def _check_drafter(d: DrafterConfig, tiny: TinyTargetConfig | None) -> None:
     _positive("drafter.num_anchors", d.num_anchors)
     _positive("drafter.loss_chunk", d.loss_chunk)
     _choice("drafter.kind", d.kind, DRAFTER_KINDS)
+    if d.draft_vocab_size is not None:
+        _positive("drafter.draft_vocab_size", d.draft_vocab_size)
+        if d.kind == "dflash2":
+            raise ConfigError("drafter.draft_vocab_size", "a dflash2 drafter reranks the target's vocabulary")
+        if tiny is not None and d.draft_vocab_size >= tiny.vocab_size:
+            raise ConfigError("drafter.draft_vocab_size", f"must be below the vocabulary ({tiny.vocab_size})")
     for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
         _positive(f"drafter.{name}", getattr(d, name))
     if d.kind == "dflash2" and d.conv_kernel_size > d.block_size:

@@ -92,6 +92,12 @@ def drafter_spec(cfg: RunConfig, target: TargetModel) -> DrafterSpec:
     else:
         d = cfg.drafter
         dflash2 = {k: int(getattr(d, k)) for k in DFLASH2_KEYS} if d.kind == "dflash2" else None
+        n = d.draft_vocab_size
+        if n is not None and n >= target.vocab_size:
+            raise ConfigError(
+                "drafter.draft_vocab_size", f"must be below the target's vocabulary ({target.vocab_size})"
+            )
+        own: dict[str, t.Any] = {"draft_vocab_size": n, "has_own_lm_head": True} if n is not None else {}
         try:
             config = draft_config_for(
                 target.model.config,
@@ -100,6 +106,7 @@ def drafter_spec(cfg: RunConfig, target: TargetModel) -> DrafterSpec:
                 mask_token_id=mask_id,
                 target_layer_ids=target.layer_ids,
                 dflash2=dflash2,
+                **own,
             )
         except ValueError as e:  # a DFlash2 size that does not fit this target (a group that does not divide H)
             message = str(e).removeprefix("dflash_config.")
@@ -186,6 +193,8 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
         ("block_size", model.block_size, d.block_size, "drafter.block_size"),
         ("kind", model.kind, d.kind, "drafter.kind"),
     ]
+    if d.draft_vocab_size is not None:  # unset: the warm start's own (its d2t/t2d come with its weights)
+        checks.append(("draft_vocab_size", c.draft_vocab, d.draft_vocab_size, "drafter.draft_vocab_size"))
     for name, theirs, ours, what in checks:
         if theirs != ours:
             raise ConfigError(key, f"{d.init_from}: {name} is {theirs}, but {what} is {ours}")

@@ -788,7 +788,10 @@ def load_drafter(
         raise CheckpointError(f"{weights_path} does not match {path / CONFIG_FILE}: {detail}") from exc
     # Non-persistent buffers (RoPE frequencies) are not in the file: rebuild them for real.
     model.rotary_emb = type(model.rotary_emb)(config)
-    model.to(device=device, dtype=dtype if dtype is not None else next(iter(state_dict.values())).dtype)  # type: ignore[call-arg]  # @wraps(Module.to) hides self
+    model.to(
+        device=device,
+        dtype=dtype if dtype is not None else next(v.dtype for v in state_dict.values() if v.is_floating_point()),
+    )  # type: ignore[call-arg]  # @wraps(Module.to) hides self
     model.requires_grad_(False)
     return model.eval()
 

@@ -338,7 +338,7 @@ def teacher_forced_walk(
                 noise_embedding=head.embed(block_ids),
                 target_hidden=feats[:, :start],
             )
-            logits = drafter.draft_logits(head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype)))[0].float()
+            logits = drafter.engine_logits(hidden[:, 1:], head.lm_head)[0].float()
             if budget is None:
                 best = draft_tokens(drafter, hidden[:, 1:], logits[None], block_ids[:, 0])[0].tolist()
                 accepted = 0
@@ -792,6 +792,11 @@ def load_setup(
         seed = run.seed if run is not None else 0
         init = spec.init if spec is not None else None
         model = untrained_drafter(draft_cfg, seed=seed, dtype=ddtype, device=device, init=init)
+        if init is None and model.lm_head is not None:
+            raise EvalError(
+                "--untrained: drafter.draft_vocab_size: the draft vocabulary is counted over the training data "
+                "when the run starts; evaluate one of its checkpoints"
+            )
         drafter_name = str(ckpt_dir or config)
     else:
         assert ckpt_dir is not None

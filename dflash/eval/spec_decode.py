@@ -277,7 +277,7 @@ def speculative_generate(
             )
             draft_cache.crop(start)  # keep the context, drop the block
             pending = pending[:, :0]
-            draft_logits = drafter.draft_logits(head.logits(hidden[:, 1:].to(head.lm_head.weight.dtype)))
+            draft_logits = drafter.engine_logits(hidden[:, 1:], head.lm_head)
             block_ids[0, 1:] = draft_tokens(drafter, hidden[:, 1:], draft_logits, block_ids[:, 0])[0]
             if keep_draft_logits:
                 kept.append(draft_logits[0].float().cpu())

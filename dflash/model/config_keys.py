@@ -112,6 +112,35 @@ def _target_hidden_rule(value: t.Any, data: t.Mapping[str, t.Any]) -> str | None
     return f"sizes fc from a target width other than hidden_size {data.get('hidden_size')!r}"
 
 
+def _draft_vocab_rule(value: t.Any, data: t.Mapping[str, t.Any]) -> str | None:
+    """An own draft vocabulary is below the target's (``vocab_size``); at ``vocab_size`` it is the target's."""
+    vocab = data.get("vocab_size")
+    if value is None or value == vocab:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not isinstance(vocab, int) or not 0 < value < vocab:
+        return f"is no draft vocabulary below vocab_size {vocab!r}"
+    if _dflash2(data):
+        return "on a DFlash2 drafter, whose selector reranks the target's vocabulary: not implemented here"
+    if data.get("has_own_lm_head") is not True:
+        return "without has_own_lm_head true: vLLM would put the target's lm_head in place of the drafter's own"
+    return None
+
+
+def _own_head_rule(value: t.Any, data: t.Mapping[str, t.Any]) -> str | None:
+    """vLLM keeps a drafter's head only with ``has_own_lm_head: true``, and we own one only for a smaller draft
+    vocabulary: true without one (an own full head) and false/absent with one (the target's head would score
+    draft ids) are refused."""
+    n, vocab = data.get("draft_vocab_size"), data.get("vocab_size")
+    smaller = isinstance(n, int) and isinstance(vocab, int) and n < vocab
+    if value is not None and not isinstance(value, bool):
+        return "is no flag (true or false)"
+    if bool(value) == smaller:
+        return None
+    if smaller:
+        return f"with draft_vocab_size {n}: vLLM would put the target's lm_head in place of the drafter's own"
+    return "without a smaller draft_vocab_size: an own head over the whole vocabulary is not implemented here"
+
+
 def _dflash2(data: t.Mapping[str, t.Any]) -> bool:
     return (data.get("dflash_config") or {}).get("selector_rank") is not None
 
@@ -249,14 +278,22 @@ KEYS: tuple[Key, ...] = (
     ),
     Key(
         "draft_vocab_size",
-        REFUSED,
-        "an own, smaller draft vocabulary mapped to the target's by d2t",
-        f"{_Q} compute_logits",
+        IMPLEMENTED,
+        "an own, smaller draft vocabulary: lm_head of that many rows, target id = draft id + d2t[draft id]",
+        f"{_Q} DFlashQwen3ForCausalLM.__init__, compute_logits, load_weights (lines 874-904, 930-945, 981-1013)",
         f"{VLLM}, speculators",
         _V33,
-        rule=_same_as("vocab_size"),
+        rule=_draft_vocab_rule,
     ),
-    Key("has_own_lm_head", REFUSED, "the drafter's own lm_head", _Q, VLLM, _V33, neutral=(False, None)),
+    Key(
+        "has_own_lm_head",
+        IMPLEMENTED,
+        "the drafter keeps its own lm_head (true exactly with a smaller draft_vocab_size)",
+        "vllm/v1/worker/gpu/spec_decode/dflash/utils.py load_dflash_model lines 61-71",
+        VLLM,
+        _V33,
+        rule=_own_head_rule,
+    ),
     Key(
         "add_swa_attention_sink_bias",
         REFUSED,

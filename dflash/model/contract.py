@@ -38,6 +38,14 @@ The rules, with the engine code each one was read from (engine facts: ``../share
   ``mlp_conv`` (``base_kernel`` [2, taps, hidden], ``kernel_projection.weight`` [2 x taps x hidden/group,
   hidden]) and one ``candidate_selector`` (``predecessor_codebook``/``successor_codebook`` [vocab, rank],
   ``hidden_projection.weight`` [rank, hidden]): the names and shapes both engines and speculators build.
+- **An own draft vocabulary** (``draft_vocab_size`` N below ``vocab_size``, ``has_own_lm_head: true``):
+  ``lm_head.weight`` [N, hidden], ``d2t`` int64 [N] (target id = draft id + ``d2t[draft id]``) and ``t2d`` bool
+  [vocab_size], at the top level. vLLM 0.34 ``DFlashQwen3ForCausalLM.load_weights`` (qwen3_dflash.py lines
+  981-1013) keeps ``lm_head`` unprefixed, renames ``d2t`` to its int64 ``draft_id_to_target_id`` [N]
+  (lines 898-904) and skips ``t2d``; ``load_dflash_model`` (spec_decode/dflash/utils.py lines 62-71) keeps the
+  drafter's head only with ``has_own_lm_head: true``, else puts the target's in its place. SGLang 0.5.23 has no
+  own draft head for DFLASH (dflash_worker_v2.py ``_DflashDraftSampler``: "it borrows the target lm_head";
+  models/dflash.py ``load_weights`` skips the three names): such a drafter is vLLM-only (``sglang_command``).
 - **fc** is ``[hidden_size, target_hidden_size x len(target_layer_ids)]``: vLLM sizes it from the aux
   layers (``_get_dflash_fc_input_size``) and raises "DFlash drafter expects N concatenated aux hidden
   features"; SGLang checks the shape on load.
@@ -65,6 +73,9 @@ __all__ = [
     "vllm_command",
     "vllm_runner_note",
     "vllm_speculators_command",
+    "OWN_VOCAB_WEIGHTS",
+    "own_vocab",
+    "own_vocab_shapes",
     "weight_names",
 ]
 
@@ -96,6 +107,8 @@ _SELECTOR_WEIGHTS = (
     "candidate_selector.successor_codebook",
     "candidate_selector.hidden_projection.weight",
 )
+# An own draft vocabulary's weights, top-level names as vLLM 0.34 and speculators 0.9.0 write and read them.
+OWN_VOCAB_WEIGHTS = ("lm_head.weight", "d2t", "t2d")
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
 
 
@@ -132,7 +145,20 @@ def weight_names(data: t.Mapping[str, t.Any]) -> set[str]:
     dflash2 = is_dflash2(data)
     per_layer = _LAYER_WEIGHTS + (_BIASES if data.get("attention_bias") else ()) + (_CONV_WEIGHTS if dflash2 else ())
     names = {f"layers.{i}.{w}" for i in range(int(data.get("num_hidden_layers") or 0)) for w in per_layer}
-    return names | set(_TOP_WEIGHTS) | (set(_SELECTOR_WEIGHTS) if dflash2 else set())
+    own = set(OWN_VOCAB_WEIGHTS) if own_vocab(data) else set()
+    return names | set(_TOP_WEIGHTS) | (set(_SELECTOR_WEIGHTS) if dflash2 else set()) | own
+
+
+def own_vocab(data: t.Mapping[str, t.Any]) -> bool:
+    """A config.json whose drafter has its own, smaller draft vocabulary (``draft_vocab_size`` < ``vocab_size``)."""
+    n, vocab = data.get("draft_vocab_size"), data.get("vocab_size")
+    return isinstance(n, int) and isinstance(vocab, int) and n < vocab
+
+
+def own_vocab_shapes(data: t.Mapping[str, t.Any], vocab_size: int | None = None) -> dict[str, list[int]]:
+    """The shapes vLLM 0.34 builds for an own draft vocabulary's weights (qwen3_dflash.py lines 884-904)."""
+    n, hidden = int(data["draft_vocab_size"]), int(data["hidden_size"])
+    return {"lm_head.weight": [n, hidden], "d2t": [n], "t2d": [int(vocab_size or data["vocab_size"])]}
 
 
 def is_dflash2(data: t.Mapping[str, t.Any]) -> bool:
@@ -251,6 +277,15 @@ def check(
     if missing:
         raise ContractError(f"weights missing: {_first(missing)}: an engine would serve them uninitialised")
 
+    if own_vocab(data):
+        if data.get("has_own_lm_head") is not True:
+            raise ContractError(
+                f"draft_vocab_size {data['draft_vocab_size']} without has_own_lm_head true: vLLM's "
+                "load_dflash_model puts the target's lm_head in place of the drafter's own"
+            )
+        for name, want in own_vocab_shapes(data, vocab if isinstance(vocab, int) else None).items():
+            if list(shapes[name]) != want:
+                raise ContractError(f"{name} is {list(shapes[name])}, not {want}: vLLM's loader refuses it")
     ids = dflash.get("target_layer_ids")
     hidden = data.get("hidden_size")
     target_hidden = target.hidden_size or data.get("target_hidden_size") or hidden
@@ -317,8 +352,11 @@ def vllm_speculators_command(*, drafter: str) -> str:
     return f"vllm serve {shlex.quote(drafter)}"
 
 
-def sglang_command(*, target: str, drafter: str, block_size: int) -> str:
-    """SGLang's DFLASH flags (python/sglang/srt/server_args.py); --speculative-num-draft-tokens is the block."""
+def sglang_command(*, target: str, drafter: str, block_size: int, own_vocab: bool = False) -> str | None:
+    """SGLang's DFLASH flags (python/sglang/srt/server_args.py); --speculative-num-draft-tokens is the block.
+    None for a drafter with an own draft vocabulary: SGLang 0.5.23 would draft with the target's lm_head."""
+    if own_vocab:
+        return None
     return (
         f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {shlex.quote(drafter)} --speculative-num-draft-tokens {block_size}"

@@ -5,7 +5,8 @@ A drafter predicts a whole block in one forward: ``[last verified token, MASK x 
 only, and its keys/values from ``[context ; block]``: the context is the target's features (outputs of
 ``n`` target layers, concatenated, ``fc`` to H, ``hidden_norm``), projected by the SAME k_proj/v_proj
 as the block, in every layer. RoPE covers ``[context positions ; block positions]``. The target's
-embedding and lm_head are used (``TargetHead``) but not owned, so they are not in the state dict.
+embedding and lm_head are used (``TargetHead``) but not owned, so they are not in the state dict; with a
+smaller ``draft_vocab_size`` the drafter owns an lm_head over it and the ``d2t``/``t2d`` maps (vLLM's names).
 
 Parameter names and ``config.json`` keys are those of z-lab's ``DFlashDraftModel`` (``dflash/model.py``),
 so a checkpoint of ours loads there; the config is a ``Qwen3Config`` (``model_type: qwen3``) with
@@ -180,6 +181,14 @@ class DFlashDraftConfig(Qwen3Config):
             )
         self._check_causal(layer_types)
         self._check_logit_keys()
+        own, n = self.__dict__.get("has_own_lm_head"), self.draft_vocab
+        if (n < self.vocab_size) != (own is True) or own not in (None, False, True) or not 1 <= n <= self.vocab_size:
+            raise ValueError(  # vLLM shares the target's head unless has_own_lm_head: true (dflash/utils.py)
+                f"draft_vocab_size {n} with has_own_lm_head {own!r}: expected a draft vocabulary in [1, "
+                f"{self.vocab_size}) with has_own_lm_head true, or the target's vocabulary and no own head"
+            )
+        if n < self.vocab_size and self.kind == DFLASH2:
+            raise ValueError("draft_vocab_size: a DFlash2 drafter reranks the target's vocabulary; not supported")
         if self.dflash_config is None:
             return
         self._check_dflash2()
@@ -292,6 +301,13 @@ class DFlashDraftConfig(Qwen3Config):
         if self.kind != DFLASH2:
             return 1.0
         return float((self.dflash_config or {}).get("input_embedding_scale") or 1.0)
+
+    @property
+    def draft_vocab(self) -> int:
+        """The rows of the drafter's own lm_head (``d2t`` maps them to target ids); the target's vocabulary
+        when the drafter has no head of its own and scores with the target's lm_head."""
+        n = self.__dict__.get("draft_vocab_size")
+        return int(self.vocab_size) if n is None else n if isinstance(n, int) and not isinstance(n, bool) else -1
 
     @property
     def kind(self) -> str:
@@ -788,6 +804,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     base_model_prefix = ""
     _no_split_modules = ["Qwen3DFlashDecoderLayer"]
     _can_record_outputs: dict[str, t.Any] = {}
+    d2t: torch.Tensor  # buffers of an own draft vocabulary (``lm_head`` not None)
+    t2d: torch.Tensor
 
     def __init__(self, config: DFlashDraftConfig) -> None:
         if not isinstance(config, DFlashDraftConfig):
@@ -809,6 +827,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if config.draft_vocab < config.vocab_size:  # an own, smaller head; d2t/t2d as vLLM and speculators
+            self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab, dtype=torch.long))  # target - draft id
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # target id in the draft
         self.candidate_selector: CandidateSelector | None = None
         if config.kind == DFLASH2:
             self.candidate_selector = CandidateSelector(
@@ -853,6 +876,18 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             return logits
         out = logits.float() * scale
         return out if cap is None else torch.tanh(out / cap) * cap
+
+    def engine_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """The scores an engine drafts from, over the target's vocabulary: ``draft_logits`` of the target's
+        ``lm_head``, or of this drafter's own head scattered to target ids ``i + d2t[i]``, -inf elsewhere
+        (vLLM 0.34 qwen3_dflash.py ``compute_logits``)."""
+        head = lm_head if self.lm_head is None else self.lm_head
+        logits = self.draft_logits(head(hidden.to(t.cast(torch.Tensor, head.weight).dtype)))
+        if self.lm_head is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], int(self.config.vocab_size)), -INF)
+        full[..., torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t] = logits
+        return full
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
         """Non-reentrant activation checkpointing per layer, done by the layers themselves."""

@@ -30,6 +30,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash.model import draft_vocab
+
 if t.TYPE_CHECKING:
     from dflash.model.drafter import CandidateSelector, DFlashDraftModel
     from dflash.model.target import TargetHead
@@ -393,6 +395,7 @@ class DraftHead(nn.Module):
 def draft_head(drafter: DFlashDraftModel, lm_head: nn.Module) -> nn.Module:
     """``lm_head`` itself for a drafter whose logits the engines take as they are (the default), else a ``DraftHead``."""
     cfg = drafter.config
+    lm_head = lm_head if drafter.lm_head is None else drafter.lm_head  # an own head: the draft vocabulary's
     return lm_head if cfg.logit_multiplier == 1.0 and cfg.logit_softcap is None else DraftHead(lm_head, drafter)
 
 
@@ -412,11 +415,12 @@ def _chunk_terms(
     if weight is not None and hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)  # a drafter may train in another dtype than the frozen head
     logits = lm_head(hidden).float()  # [n, B, V]: CE in fp32 whatever the model dtype
-    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    # A label of -1 (outside an own draft vocabulary) has no logit: no loss, but a miss in the metrics.
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=-1).view_as(labels)
     scored = weights > 0
     dpace = None
     if dpace_alpha is not None:
-        weights = dpace = dpace_weights(torch.exp(-ce.detach()), scored, dpace_alpha)
+        weights = dpace = dpace_weights(torch.exp(-ce.detach()), scored & (labels >= 0), dpace_alpha)
     loss_sum = (ce * weights).sum()
     extra: tuple[torch.Tensor, ...] = () if dpace is None else (dpace.sum(),)
     if selector is not None:
@@ -511,7 +515,7 @@ def dflash_loss(
         sums = list(terms) if sums is None else [a + b for a, b in zip(sums, terms)]
     assert sums is not None
     loss_sum, correct, scored, accepted, blocks = sums[:5]
-    weight_sum = weights.sum() if dpace_alpha is None else sums[5]
+    weight_sum = (weights * (labels >= 0)).sum() if dpace_alpha is None else sums[5]
     sel = sums[6:] if dpace_alpha is not None else sums[5:]
     return LossTerms(
         loss=loss_sum / weight_sum,
@@ -600,6 +604,7 @@ def drafter_loss(
         raise ValueError(f"position_weight: expected 'decay' or 'dpace', got {position_weight!r}")
     dpace = position_weight == "dpace"
     labels, weights = block_targets(input_ids, loss_mask, anchors, block_size=block, gamma=None if dpace else gamma)
+    labels = draft_vocab.labels(drafter, labels)  # an own draft vocabulary: its ids, -1 outside it
     terms = dflash_loss(
         hidden.view(batch, anchors.num_blocks, block, -1),
         draft_head(drafter, head.lm_head),

@@ -212,6 +212,7 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
     """The card's "Serving" section: the exact vLLM and SGLang command lines for this folder."""
     target = str(_run_field(run, "path") or "TARGET")
     drafter, block = str(out), int(config.block_size)
+    own = config.draft_vocab < config.vocab_size
     lines = ["", "## Serving", ""]
     if fmt == "speculators":
         lines += [
@@ -265,11 +266,15 @@ def _serving_lines(*, out: Path, fmt: str, config: t.Any, run: dict[str, t.Any])
                 else []
             ),
             "",
-            "SGLang:",
-            "",
-            "```bash",
-            contract.sglang_command(target=target, drafter=drafter, block_size=block),
-            "```",
+            *(
+                ["SGLang:", "", "```bash", sglang, "```"]
+                if (sglang := contract.sglang_command(target=target, drafter=drafter, block_size=block, own_vocab=own))
+                else [
+                    f"Not SGLang: this drafter has its own lm_head over {config.draft_vocab} of "
+                    f"{config.vocab_size} tokens (d2t/t2d), which SGLang 0.5.23 ignores (it drafts with the "
+                    "target's lm_head); vLLM reads it."
+                ]
+            ),
         ]
     if target == "TARGET":
         lines += ["", "TARGET: the model this drafter was trained for."]
@@ -380,8 +385,13 @@ def model_card(
         "```",
         "",
         "The target's embedding and lm_head are not part of this model: the drafter embeds its block "
-        "with the target's embedding and scores it with the target's lm_head. Parameter names and "
-        "config.json keys are those of z-lab's `DFlashDraftModel`.",
+        + (
+            "with the target's embedding and scores it with the target's lm_head. "
+            if config.draft_vocab >= config.vocab_size
+            else f"with the target's embedding and scores it with its own lm_head over {config.draft_vocab} target "
+            "tokens (target id = draft id + d2t[draft id]; t2d marks them). "
+        )
+        + "Parameter names and config.json keys are those of z-lab's `DFlashDraftModel`.",
         "",
     ]
     return "\n".join(lines)
@@ -418,7 +428,11 @@ def export(
     except CheckpointError as exc:
         raise ExportError(str(exc)) from None
     run = _run_config(path)
-    weights = {k: v.detach().to(torch_dtype(dtype)).contiguous() for k, v in model.state_dict().items()}
+    # d2t (int64) and t2d (bool) keep their dtypes: vLLM loads d2t into an int64 parameter
+    weights = {
+        k: (v.detach().to(torch_dtype(dtype)) if v.is_floating_point() else v.detach()).contiguous()
+        for k, v in model.state_dict().items()
+    }
     config = json.loads(ckpt.config_json(model.config, dtype=torch_dtype(dtype)))
     target = _target_facts(run)
     try:  # said before anything is written: OUT stays as it was

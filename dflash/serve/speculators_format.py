@@ -10,7 +10,9 @@ vllm/transformers_utils/configs/speculators/algos.py ``update_dflash``:
   (``architectures, auto_map, block_size, dflash_config, num_target_layers``), as Qwen3Config serialises it;
 - ``aux_hidden_state_layer_ids`` = z-lab ``target_layer_ids`` + 1 (vLLM captures the residual stream
   entering layer k+1; it takes these as its capture ids and ``dflash_config.target_layer_ids = aux - 1``);
-- ``mask_token_id``, ``block_size``, ``draft_vocab_size`` (no reduced vocabulary: the target's),
+- ``mask_token_id``, ``block_size``, ``draft_vocab_size`` (the target's vocabulary, or an own draft
+  vocabulary's size: then ``has_own_lm_head`` stays in ``transformer_layer_config``, which vLLM's
+  ``update_dflash`` takes as the drafter's config, and ``lm_head.weight``/``d2t``/``t2d`` are in the weights),
   ``target_hidden_size``, ``sample_from_anchor = false`` (the block's first slot is the verified token);
 - ``speculators_config``: algorithm ``dflash``, one greedy proposal of ``block_size - 1`` tokens (vLLM's
   default ``num_speculative_tokens``), and ``verifier {name_or_path, architectures}``.
@@ -104,7 +106,7 @@ def speculators_config(
         "architectures": [DFLASH2_ARCHITECTURE if kind == "dflash2" else "DFlashDraftModel"],
         "aux_hidden_state_layer_ids": [i + 1 for i in ids],
         "block_size": block,
-        "draft_vocab_size": int(zlab["vocab_size"]),
+        "draft_vocab_size": int(zlab.get("draft_vocab_size") or zlab["vocab_size"]),
         "dtype": zlab.get("dtype"),
         "mask_token_id": dflash.get("mask_token_id"),
         "sample_from_anchor": False,

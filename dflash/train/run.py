@@ -92,6 +92,7 @@ from dflash.data.batching import BatchPlan
 from dflash.data.samples import DataPosition, JsonlDataset, Shard, shard_starts
 from dflash.dtypes import torch_dtype
 from dflash.errors import EXIT_OK
+from dflash.model import draft_vocab
 from dflash.model.kernels import missing_kernels_warning
 from dflash.model.target import TargetHead
 from dflash.models import DrafterSpec, drafter_spec, initial_drafter, load_target
@@ -450,6 +451,8 @@ class Run:
         cfg = self.cfg
         dtype = torch_dtype(cfg.drafter.dtype)
         base = initial_drafter(self.draft_config, seed=cfg.seed, init=self.init_drafter)
+        if self.init_drafter is None:  # an own draft vocabulary: counted over the data (a warm start brings its own)
+            draft_vocab.fill(base, self.dataset, self.targets[0].model.lm_head.weight)
         ckpt.check_servable(base, self.draft_config, vocab_size=self.vocab_size)
         replica_cfg = ReplicaConfig.of(cfg)
         heads: dict[str, TargetHead] = {}

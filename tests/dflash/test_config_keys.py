@@ -202,8 +202,11 @@ def test_published_plain_drafters_pass_and_the_unimplemented_keys_are_refused_na
     for name in ("qwen3", "qwen3.5", "gemma4", "ours-served", "muse"):  # muse: the drafter's is_causal refuses it
         assert CONFIGS_LINE[name] == {}, name
     assert set(CONFIGS_LINE["mimo"]) == {"dflash_config.use_swa", "quantization_config"}
-    assert set(CONFIGS_LINE["speculators-32k"]) == {"draft_vocab_size", "has_own_lm_head"}
-    assert "an own, smaller draft vocabulary" in CONFIGS_LINE["speculators-32k"]["draft_vocab_size"]
+    assert set(CONFIGS_LINE["speculators-32k"]) == set()  # an own 32K head: implemented (dflash.model.draft_vocab)
+    line = config_keys.refusal(without(SPECULATORS_32K, "has_own_lm_head"))
+    assert line is not None and "vLLM would put the target's lm_head in place of the drafter's own" in line
+    line = config_keys.refusal({**SPECULATORS_32K, "draft_vocab_size": 200000})
+    assert line is not None and line.startswith("draft_vocab_size = 200000 is no draft vocabulary below")
     assert set(CONFIGS_LINE["vllm-test"]) == {
         "dflash_config.causal",
         "dflash_config.attention_sink_bias",
@@ -252,7 +255,7 @@ def test_our_own_config_json_passes(kw: dict[str, t.Any]) -> None:
 
 
 def test_init_from_eval_and_export_refuse_a_logit_changing_key_in_one_line(tmp_path: Path) -> None:
-    """One published folder (config.json + model.safetensors) with ``has_own_lm_head: true``: the same
+    """One published folder (config.json + model.safetensors) with ``is_neox_style: false``: the same
     one-line refusal in all three readers, before anything is loaded or written."""
     from safetensors.torch import save_file
 
@@ -267,9 +270,9 @@ def test_init_from_eval_and_export_refuse_a_logit_changing_key_in_one_line(tmp_p
     folder.mkdir()
     save_file(DFlashDraftModel(cfg).state_dict(), folder / "model.safetensors")
     data = json.loads(config_json(cfg))
-    data["has_own_lm_head"] = True
+    data["is_neox_style"] = False
     (folder / "config.json").write_text(json.dumps(data))
-    one = r"has_own_lm_head = true: the drafter's own lm_head, honoured by vLLM \(.*\); not implemented here"
+    one = r"is_neox_style = false: RoPE's rotate-half layout, honoured by vLLM \(.*\); not implemented here"
     with pytest.raises(ContractError, match=rf"^{one}"):
         config_keys.check_folder(folder)
     with pytest.raises(ExportError, match=rf"not exported: {one}") as e:

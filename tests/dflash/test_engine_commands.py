@@ -101,6 +101,7 @@ def cards() -> dict[str, str]:
         "full": {},
         "mixed": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
         "dflash2": {"dflash2": dflash2},
+        "own-vocab": {"draft_vocab_size": 64, "has_own_lm_head": True},
     }
     out = {}
     for name, kw in variants.items():
@@ -150,3 +151,8 @@ def test_a_drafter_only_the_v2_runner_serves_gets_the_pre_0_33_note_and_no_prefi
         assert "on a build before 0.33 put `VLLM_USE_V2_MODEL_RUNNER=1` in front" in CARDS[name]
     assert "VLLM_USE_V2_MODEL_RUNNER" not in CARDS["full-zlab"]
     assert "load_dflash_model" in CARDS["full-zlab"]
+
+
+def test_a_drafter_with_its_own_draft_vocabulary_gets_no_sglang_command() -> None:
+    assert "sglang.launch_server" in CARDS["full-zlab"] and "sglang.launch_server" not in CARDS["own-vocab-zlab"]
+    assert "Not SGLang: this drafter has its own lm_head over 64 of 512 tokens" in CARDS["own-vocab-zlab"]

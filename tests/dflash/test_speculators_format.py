@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import typing as t
 from pathlib import Path
 
 import pytest
@@ -31,15 +32,27 @@ SLIDING = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_w
 VERSIONS = {"speculators_version", "transformers_version"}
 
 
-def exports(tmp_path: Path, target_dir: Path, *, sliding: bool) -> tuple[Path, Path]:
+def exports(
+    tmp_path: Path,
+    target_dir: Path,
+    *,
+    sliding: bool,
+    maps: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kw: t.Any,
+) -> tuple[Path, Path]:
     cfg = draft_config_for(
-        tiny_target_config(), num_layers=2, block_size=4, mask_token_id=511, **(SLIDING if sliding else {})
+        tiny_target_config(), num_layers=2, block_size=4, mask_token_id=511, **(SLIDING if sliding else {}), **kw
     )
     torch.manual_seed(1)
+    drafter = DFlashDraftModel(cfg)
+    if maps is not None:
+        from dflash.model import draft_vocab
+
+        draft_vocab.install(drafter, *maps)
     ck = save_checkpoint(
         tmp_path / "ck",
         step=3,
-        drafter=DFlashDraftModel(cfg),
+        drafter=drafter,
         trainer_state={"config": {"target": {"path": str(target_dir)}}},
     )
     zlab, spec = tmp_path / "zlab", tmp_path / "spec"
@@ -69,6 +82,28 @@ def test_speculators_config_class_and_model_read_our_export(tmp_path: Path, targ
     theirs = model.state_dict()
     assert all(torch.equal(theirs[k], v) for k, v in ours.items())  # every weight we wrote, as written
     assert model.fc.in_features == 2 * 64 and model.target_layer_ids == [2, 6]
+
+
+def test_speculators_model_reads_our_own_draft_vocabulary(tmp_path: Path, target_dir: Path) -> None:
+    """An own 64-token head: speculators' config class reads draft_vocab_size, its model (``_init_vocab``: an
+    lm_head of that many rows, ``d2t``/``t2d`` buffers) takes our lm_head, d2t and t2d as written."""
+    from speculators.models.dflash import DFlashDraftModel as SpecDraftModel
+    from speculators.models.dflash import DFlashSpeculatorConfig
+
+    from dflash.model import draft_vocab
+
+    counts = [0] * 512
+    for i in range(0, 512, 3):
+        counts[i] = 1 + i % 7
+    d2t, t2d = draft_vocab.maps(counts, 64)
+    _, spec = exports(tmp_path, target_dir, sliding=False, draft_vocab_size=64, has_own_lm_head=True, maps=(d2t, t2d))
+    assert DFlashSpeculatorConfig.from_pretrained(spec).draft_vocab_size == 64
+    model = SpecDraftModel.from_pretrained(spec)
+    assert model.use_draft_vocab and torch.equal(model.d2t, d2t) and torch.equal(model.t2d, t2d)
+    ours = load_file(str(spec / "model.safetensors"))
+    assert {"lm_head.weight", "d2t", "t2d"} <= set(ours)
+    theirs = model.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in ours.items())
 
 
 @pytest.mark.parametrize("sliding", [False, True])
