@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import typing as t
 
@@ -155,7 +156,9 @@ class _Report:
             self.add(n, SKIP, self.blocked or "not checked")
 
 
-INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "kernels", "disk", "nvidia-smi", "gpu-health")
+INSIDE_CHECKS = ("tmux", "python", "packages", "torch", "kernels", "plan", "disk", "nvidia-smi", "gpu-health")
+# `dflash plan` of the run config in the deployed release (else the workdir): the box's own GPUs and RAM
+PLAN_SHELL = 'cd "$1" 2>/dev/null || cd "$2" || exit 2; shift 2; exec "$@"'
 
 
 def diagnose(host: Host) -> HostReport:
@@ -373,8 +376,41 @@ def run_config(command: t.Sequence[str]) -> str | None:
 def _kernels(rep: _Report, host: Host, where: Transport | Container, facts: dict[str, t.Any] | None) -> None:
     if facts is None:
         rep.add("kernels", SKIP, "python failed")
+        rep.add("plan", SKIP, "python failed")
         return
     rep.report.checks.append(kernel_check(host, where))
+    rep.report.checks.append(plan_check(host, where))
+
+
+def plan_check(host: Host, where: Transport | Container) -> Check:
+    """Will the host's run fit: ``dflash plan`` of the run config its command names, where the run lives (the
+    box's GPUs and RAM); its table as the detail, or its one line when it does not fit."""
+    config = run_config(host.command)
+    if config is None:
+        return Check("plan", SKIP, f"hosts.{host.name}.command names no --config: no run to plan")
+    release = os.path.join(host.workdir, "current")
+    argv = [
+        "sh",
+        "-c",
+        PLAN_SHELL,
+        "sh",
+        release,
+        host.workdir,
+        host.python,
+        "-m",
+        "dflash",
+        "plan",
+        "--config",
+        config,
+    ]
+    res = _run(where, argv, timeout=300)
+    if isinstance(res, errors.OpsError):
+        return Check("plan", FAIL, str(res), res)
+    if res.exit_code == 0:
+        return Check("plan", OK, "\n".join(ln for ln in res.out.strip().splitlines() if ln.strip()))
+    if res.exit_code == 1 and res.err.strip().startswith("dflash plan:"):
+        return Check("plan", FAIL, res.err.strip().splitlines()[-1])
+    return Check("plan", SKIP, f"cannot plan {config}: {_why(res)}")  # not deployed, no target there yet
 
 
 def kernel_check(host: Host, where: Transport | Container) -> Check:

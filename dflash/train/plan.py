@@ -35,7 +35,7 @@ import torch
 
 from dflash.config import ConfigError, RunConfig
 from dflash.dtypes import torch_dtype
-from dflash.errors import Failed
+from dflash.errors import Failed, InputError
 from dflash.model import model_config
 from dflash.model.drafter import DFLASH2_KEYS, DFlashDraftModel, draft_config_for
 from dflash.model.target import build_target_layer_ids, tiny_target_config_of
@@ -105,6 +105,8 @@ def _target_config(cfg: RunConfig) -> t.Any:
     try:
         model_config.read(path, "target.path")  # bounded and checked: a broken file is one line
         return AutoConfig.from_pretrained(path, local_files_only=True)
+    except InputError:  # model_config's own line names the file and the key already
+        raise
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError("target.path", f"cannot read {path}/config.json: {str(e).splitlines()[0]}") from None
 

@@ -990,7 +990,7 @@ def test_doctor_checks_the_kernels_of_a_hybrid_target(
     host = parse_inventory(text, path=None, base=tmp_path).get()
     if status == "fail":  # once through the whole doctor: its place among the checks
         report = doctor.diagnose(host)
-        assert [c.name for c in report.checks][4:7] == ["torch", "kernels", "disk"]
+        assert [c.name for c in report.checks][4:8] == ["torch", "kernels", "plan", "disk"]
         check = next(c for c in report.checks if c.name == "kernels")
     else:
         check = doctor.kernel_check(host, LocalTransport())

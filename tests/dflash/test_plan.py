@@ -36,6 +36,10 @@ def test_every_recipe_config_fits_the_box(capsys: pytest.CaptureFixture[str]) ->
             "fits: every GPU"
         ), out
         assert sum(line.startswith(("cuda:0 ", "cuda:4 ", "cuda:7 ")) for line in out.splitlines()) == 3
+    # without the target there (the recipes name /models/...): the reader's one line, said once
+    assert main(["plan", "--config", str(REPO / "configs" / "qwen3-8b-4k.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dflash: target.path: cannot read /models/Qwen3-8B/config.json: No such file or directory", err
 
 
 def test_a_run_that_does_not_fit_is_one_line_with_the_nearest_setting(capsys: pytest.CaptureFixture[str]) -> None:
@@ -93,6 +97,39 @@ def test_train_refuses_before_loading_on_gpus_it_knows(
     assert not any(tmp_path.iterdir())  # nothing written, nothing loaded
     # on the CPU the tiny runs are never judged
     plan.check_before_loading(load_config(REPO / "configs" / "tiny-random.toml"))
+
+
+def test_doctor_shows_the_plan_of_the_hosts_run_where_it_lives(tmp_path: Path) -> None:
+    from ops import doctor
+    from ops.hosts import parse_inventory
+    from ops.transport import LocalTransport
+    from testkit.hostsfile import dump_hosts
+
+    work = tmp_path / "w"
+    (work / "current").mkdir(parents=True)  # the deployed release: the run config's paths start there
+    recipe = (REPO / "configs" / "qwen3-8b-64k.toml").read_text()
+    (work / "current" / "run.toml").write_text(recipe.replace('"/models/Qwen3-8B"', f'"{TARGETS / "Qwen3-8B"}"'))
+    (work / "current" / "gone.toml").write_text(recipe)
+    env = {"PYTHONPATH": str(REPO)}
+    for name, status, words in (
+        ("run.toml", "ok", "cuda:5   drafter"),
+        ("gone.toml", "skip", "cannot plan gone.toml: dflash: target.path: cannot read /models/Qwen3-8B/config.json"),
+    ):
+        text = dump_hosts(
+            None,
+            {
+                "l": {
+                    "transport": "local",
+                    "workdir": str(work),
+                    "python": sys.executable,
+                    "env": env,
+                    "command": f"python -m dflash train --config {name}",
+                }
+            },
+        )
+        check = doctor.plan_check(parse_inventory(text, path=None, base=tmp_path).get(), LocalTransport())
+        assert check.status == status and words in check.detail, check
+    assert check.detail.endswith("(exit 2)")
 
 
 def test_sizes() -> None:

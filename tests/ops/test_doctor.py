@@ -41,11 +41,13 @@ def test_everything_passes_on_both_hosts(pve_hosts: PveHosts) -> None:
         "packages": "ok",
         "torch": "ok",
         "kernels": "skip",
+        "plan": "skip",
         "disk": "ok",
         "nvidia-smi": "skip",
         "gpu-health": "skip",
     }
     c = checks(r)
+    assert c["plan"]["detail"] == "hosts.pve.command names no --config: no run to plan"
     assert c["tmux"]["detail"].startswith("tmux 3.")
     assert c["packages"]["detail"] == "imports transformers, safetensors, accelerate, numpy, click" and c["torch"][
         "detail"
