@@ -34,6 +34,7 @@ RUN_DIR_ENV = "DFLASH_RUN_DIR"
 DTYPES = NAMES  # the canonical spelling only (dflash/dtypes.py)
 DRAFTER_KINDS = ("dflash", "dflash2")
 POSITION_WEIGHTS = ("decay", "dpace")
+LAYER_TYPES = ("sliding_attention", "full_attention")  # config.json's layer_types (dflash.model.drafter's)
 _DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
@@ -98,6 +99,8 @@ class DrafterConfig:
     # None: the target's vocabulary (the target's lm_head scores). N: an own lm_head over the N most frequent
     # supervised tokens of the training data (dflash.model.draft_vocab), mapped back by d2t
     draft_vocab_size: int | None = None
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included; None: no sliding layer
+    layer_types: tuple[str, ...] | None = None  # one of LAYER_TYPES per layer; None: all sliding with a window
 
     @property
     def loss_gamma(self) -> float:
@@ -560,6 +563,7 @@ BOUNDS: dict[str, float] = {
     "drafter.block_size": 1024,
     "drafter.num_anchors": 1 << 16,
     "drafter.loss_chunk": 1 << 16,
+    "drafter.sliding_window": 1 << 20,
     "drafter.conv_kernel_size": 1024,
     "drafter.conv_group_size": 1 << 18,
     "drafter.selector_rank": 4096,  # a (vocabulary x rank) codebook: 151,936 x 4096 fp32 is 2.5 GB already
@@ -608,6 +612,7 @@ def _check(cfg: RunConfig) -> None:
     """Range and cross-field checks, each naming its key: one check per section, in the order a file reads."""
     _check_target(cfg.target)
     _check_drafter(cfg.drafter, cfg.target.tiny)
+    _check_sliding(cfg.drafter)
     _check_loss(cfg.loss)
     _check_drafter_layers(cfg.drafter, cfg.target.tiny)
     _check_data(cfg.data)
@@ -686,6 +691,27 @@ def _check_drafter(d: DrafterConfig, tiny: TinyTargetConfig | None) -> None:
             raise ConfigError(
                 "drafter.selector_top_k", f"must be <= the vocabulary ({tiny.vocab_size}), got {d.selector_top_k}"
             )
+
+
+def _check_sliding(d: DrafterConfig) -> None:
+    """The sliding keys: a window, and per layer an attention kind, sliding ones only with a window."""
+    if d.sliding_window is not None:
+        _positive("drafter.sliding_window", d.sliding_window)
+    if d.layer_types is None:
+        return
+    if len(d.layer_types) != d.layers:
+        raise ConfigError(
+            "drafter.layer_types", f"expected {d.layers} entries (drafter.layers), got {len(d.layer_types)}"
+        )
+    for i, kind in enumerate(d.layer_types):
+        _choice(f"drafter.layer_types[{i}]", kind, LAYER_TYPES)
+    if (LAYER_TYPES[0] in d.layer_types) != (d.sliding_window is not None):
+        raise ConfigError(
+            "drafter.sliding_window",
+            "needed by the sliding_attention layers of drafter.layer_types"
+            if d.sliding_window is None
+            else "no layer of drafter.layer_types is sliding_attention: leave it out",
+        )
 
 
 def _check_loss(lo: LossConfig) -> None:

@@ -12,6 +12,11 @@ the id that drafter was trained with; else the id published drafters of the targ
 (``drafter.PUBLISHED_MASK_IDS``: Qwen3's 151,936-row vocabulary -> 151669), when the tokenizer leaves that
 row unused; else the last row of the target's embedding (``target.default_mask_token_id``).
 
+Sliding layers: ``drafter.layer_types`` and ``drafter.sliding_window`` go into the drafter config as the
+config.json keys the engines read (``layer_types``, ``sliding_window``; ``dflash.model.contract`` checks
+them on every save and export). With ``drafter.init_from`` the warm start's own are kept, and a key set to
+other values than the warm start's is refused in one line: its weights learnt under those masks.
+
 So ``dflash eval --untrained --config RUN.toml`` measures exactly the drafter ``dflash train`` starts from.
 """
 
@@ -26,7 +31,7 @@ import torch
 
 from dflash.checkpoint import checkpoints as ckpt
 from dflash.checkpoint.manifest import CheckpointError
-from dflash.config import ConfigError, RunConfig
+from dflash.config import ConfigError, DrafterConfig, RunConfig
 from dflash.data.chat import load_tokenizer
 from dflash.dtypes import torch_dtype
 from dflash.errors import DataError
@@ -34,6 +39,8 @@ from dflash.model import config_keys
 from dflash.model.contract import ContractError
 from dflash.model.drafter import (
     DFLASH2_KEYS,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
     DFlashDraftConfig,
     DFlashDraftModel,
     draft_config_for,
@@ -105,6 +112,8 @@ def drafter_spec(cfg: RunConfig, target: TargetModel) -> DrafterSpec:
                 block_size=d.block_size,
                 mask_token_id=mask_id,
                 target_layer_ids=target.layer_ids,
+                layer_types=attention_types(d),
+                sliding_window=d.sliding_window,
                 dflash2=dflash2,
                 **own,
             )
@@ -112,6 +121,14 @@ def drafter_spec(cfg: RunConfig, target: TargetModel) -> DrafterSpec:
             message = str(e).removeprefix("dflash_config.")
             raise ConfigError(f"drafter.{message.split(':')[0]}", message.split(": ", 1)[-1]) from None
     return DrafterSpec(config, mask_id, init, tokenizer)
+
+
+def attention_types(d: DrafterConfig) -> list[str]:
+    """Every drafter layer's attention as config.json's ``layer_types`` says it: ``drafter.layer_types``, else
+    every layer sliding when ``drafter.sliding_window`` is set, else every layer full."""
+    if d.layer_types is not None:
+        return list(d.layer_types)
+    return [SLIDING_ATTENTION if d.sliding_window is not None else FULL_ATTENTION] * d.layers
 
 
 def initial_drafter(config: DFlashDraftConfig, *, seed: int, init: DFlashDraftModel | None = None) -> DFlashDraftModel:
@@ -184,7 +201,7 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
     c = model.config
     tc = target.model.config
     text = tc.get_text_config() if hasattr(tc, "get_text_config") else tc
-    checks = [
+    checks: list[tuple[str, object, object, str]] = [
         ("vocab_size", c.vocab_size, target.vocab_size, "the target's vocabulary"),
         ("hidden_size", c.hidden_size, int(text.hidden_size), "the target's hidden size"),
         ("num_target_layers", c.num_target_layers, int(text.num_hidden_layers), "the target's layers"),
@@ -195,6 +212,11 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
     ]
     if d.draft_vocab_size is not None:  # unset: the warm start's own (its d2t/t2d come with its weights)
         checks.append(("draft_vocab_size", c.draft_vocab, d.draft_vocab_size, "drafter.draft_vocab_size"))
+    if d.layer_types is not None or d.sliding_window is not None:  # unset: the warm start's own
+        checks += [
+            ("layer_types", model.layer_types, attention_types(d), "drafter.layer_types"),
+            ("sliding_window", model.sliding_window, d.sliding_window, "drafter.sliding_window"),
+        ]
     for name, theirs, ours, what in checks:
         if theirs != ours:
             raise ConfigError(key, f"{d.init_from}: {name} is {theirs}, but {what} is {ours}")
@@ -204,6 +226,7 @@ def init_drafter(cfg: RunConfig, target: TargetModel) -> DFlashDraftModel:
 
 __all__ = [
     "DrafterSpec",
+    "attention_types",
     "default_rule_mask_id",
     "drafter_spec",
     "init_drafter",

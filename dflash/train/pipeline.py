@@ -208,6 +208,7 @@ class WorkerState:
     busy_s: float = 0.0  # in forward (targets) or in the training step (drafters)
     wait_s: float = 0.0  # blocked on the queue (targets: full; drafters: empty)
     sync_s: float = 0.0  # drafters: at the averaging/checkpoint barrier
+    longest_s: float = 0.0  # the longest busy stretch: a stop waits that long for one in flight (65K-token forwards)
     items: int = 0
     error: str | None = None
     # how busy_s is measured: "host" (monotonic clock around the work; a CPU worker, or a CUDA target,
@@ -233,6 +234,7 @@ class WorkerState:
     def _close(self, now: float) -> None:
         if self.phase == "busy":
             self.busy_s += now - self.since
+            self.longest_s = max(self.longest_s, now - self.since)
         elif self.phase == "wait":
             self.wait_s += now - self.since
         elif self.phase == "barrier":
@@ -639,7 +641,9 @@ class Pipeline:
             raise self._fatal.exc
         if hung:
             raise PipelineError(
-                f"threads still running {self.options.join_timeout:g}s after the stop: {', '.join(hung)}", self.failures
+                f"threads still running {self.options.join_timeout:g}s (plus twice the longest step) after the stop: "
+                f"{', '.join(hung)}",
+                self.failures,
             )
         steps = self.coord.completed
         stopped = self._stop_requested
@@ -903,7 +907,7 @@ class Pipeline:
                 self._done.set()
 
     def _join(self) -> list[str]:
-        deadline = time.monotonic() + self.options.join_timeout
+        deadline = time.monotonic() + self.options.join_timeout + 2 * max(w.longest_s for w in self.workers.values())
         hung = []
         for th in self.threads:
             th.join(max(0.0, deadline - time.monotonic()))

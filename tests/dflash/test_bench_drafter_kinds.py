@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.drafter_kinds import COMBOS, eval_args, mean_ktok_s, parse_args, table, train_args
+from bench.drafter_kinds import (
+    COMBOS,
+    eval_args,
+    long_prompts,
+    mean_ktok_s,
+    parse_args,
+    table,
+    train_args,
+    window_table,
+)
 
 ROWS = [
     {"kind": "dflash", "weighting": "decay", "steps": 800, "tau": 3.456, "ktok_s": 4.125,
@@ -65,3 +74,27 @@ def test_ktok_s_is_the_mean_of_the_step_records_only(tmp_path: Path) -> None:
     ]
     m.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert mean_ktok_s(m) == 3.0
+
+
+def test_window_mode_sets_the_window_and_builds_prompts_past_the_training_length(tmp_path: Path) -> None:
+    data, prompts = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [i] * 40, "loss_mask": [1] * 40}) + "\n" for i in range(3)))
+    prompts.write_text("".join(json.dumps({"input_ids": [90 + i] * 5}) + "\n" for i in range(2)))
+    a = parse_args(["--data", str(data), "--prompts", str(prompts), "--window", "64", "--max-length", "100"])
+    assert train_args(a, "dflash", "decay", tmp_path / "r", "drafter.sliding_window=64")[-4:] == [
+        "--set",
+        "data.max_length=100",
+        "--set",
+        "drafter.sliding_window=64",
+    ]
+    rows = [json.loads(line)["input_ids"] for line in long_prompts(a, tmp_path / "long.jsonl").read_text().splitlines()]
+    # whole conversations in order (wrapping around) until past 100 tokens, then the held-out prompt
+    assert rows == [[0] * 40 + [1] * 40 + [2] * 40 + [90] * 5, [0] * 40 + [1] * 40 + [2] * 40 + [91] * 5]
+    with pytest.raises(SystemExit):
+        parse_args(["--window", "0"])
+    row = {**ROWS[0], "attention": "sliding 64", "tau_long": 3.0}
+    lines = window_table([row]).splitlines()
+    assert lines[0].startswith("| attention | steps | tau | acc 1 |") and lines[0].endswith(
+        "| tau long | train Ktok/s |"
+    )
+    assert lines[2] == "| sliding 64 | 800 | 3.46 | 0.91 | 0.80 | 0.70 | 0.60 | 0.50 | 0.40 | 0.30 | 3.00 | 4.12 |"

@@ -61,6 +61,17 @@ def test_defaults_are_the_reference_recipe(tmp_path: Path) -> None:
         ("drafter=3", "drafter: expected a table, got 3"),
         ("optim.betas=[0.9]", "optim.betas: expected a list of 2 values, got 1"),
         ("drafter", '--set: expected key=value, got "drafter"'),
+        ("drafter.sliding_window=0", "drafter.sliding_window: must be > 0, got 0"),
+        ("drafter.sliding_window=2000000", "drafter.sliding_window: must be <= 1.04858e+06, got 2000000"),
+        ("drafter.layer_types=full_attention", "drafter.layer_types: expected 5 entries (drafter.layers), got 1"),
+        (
+            "drafter.layer_types=full_attention,sliding,full_attention,full_attention,full_attention",
+            "drafter.layer_types[1]: expected one of 'sliding_attention', 'full_attention', got \"sliding\"",
+        ),
+        (
+            "drafter.layer_types=" + ",".join(["sliding_attention"] + ["full_attention"] * 4),
+            "drafter.sliding_window: needed by the sliding_attention layers of drafter.layer_types",
+        ),
     ],
 )
 def test_bad_values_name_their_key(tmp_path: Path, override: str, message: str) -> None:
@@ -103,6 +114,24 @@ def test_overrides_are_typed_by_the_field(tmp_path: Path) -> None:
     assert cfg.output_dir == "123"
     assert cfg.compile is True
     assert cfg.checkpoint.resume == "/ckpt/step-40"
+
+
+def test_sliding_keys_default_to_none_and_a_window_without_a_sliding_layer_is_refused(tmp_path: Path) -> None:
+    d = load_config(write(tmp_path, MINIMAL)).drafter
+    assert d.sliding_window is None and d.layer_types is None  # every layer full, as before
+    d = load_config(
+        write(tmp_path, MINIMAL),
+        ["drafter.layers=2", "drafter.sliding_window=64", "drafter.layer_types=sliding_attention,full_attention"],
+    ).drafter
+    assert d.sliding_window == 64 and d.layer_types == ("sliding_attention", "full_attention")
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            write(tmp_path, MINIMAL),
+            ["drafter.layers=1", "drafter.sliding_window=64", "drafter.layer_types=full_attention"],
+        )
+    assert (
+        str(err.value) == "drafter.sliding_window: no layer of drafter.layer_types is sliding_attention: leave it out"
+    )
 
 
 def test_override_none_clears_an_optional_value(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import threading
+import time
 import typing as t
 from pathlib import Path
 
@@ -130,6 +131,29 @@ def test_every_batch_is_trained_exactly_once_and_the_step_count_is_exact() -> No
         taken = [i for i in trained if i % 3 == shard]
         assert nxt == (max(taken) + 3 if taken else shard)
         assert taken == list(range(shard, nxt, 3)), "each shard is consumed in order, without gaps"
+    assert_all_joined(pipe)
+
+
+class SlowTarget(TinyTarget):
+    """A target whose forward takes longer than the join timeout (a long sequence's, on a large target)."""
+
+    def produce(self, batch: Batch) -> tuple[int, torch.Tensor]:
+        time.sleep(0.4)
+        return super().produce(batch)
+
+
+def test_a_stop_waits_for_a_forward_in_flight_longer_than_the_join_timeout() -> None:
+    """At a fixed join timeout (0.1 s here, 8 s by default) a run whose target forwards take longer failed at its
+    end, on time, with "threads still running after the stop": the forward in flight cannot be interrupted."""
+    pipe = Pipeline(
+        targets=[SlowTarget()],
+        sources=[Source(0, 1)],
+        drafters=[TinyDrafter()],
+        options=PipelineOptions(max_steps=2, capacity=4, poll=0.02, join_timeout=0.1),
+    )
+    result = pipe.run()
+    assert result.steps == 2 and result.reason == "max-steps" and not result.failures
+    assert pipe.workers[("target", 0)].longest_s >= 0.4
     assert_all_joined(pipe)
 
 
