@@ -153,9 +153,13 @@ class QueueConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW on fp32 master weights; linear warmup then cosine (or linear, constant) decay."""
+    """AdamW (or Muon on the hidden matrices, AdamW on the rest) on fp32 master weights; linear warmup then
+    cosine (or linear, constant) decay."""
 
+    name: str = "adamw"  # "adamw" | "muon" (dflash.train.optimizer)
     lr: float = 6e-4
+    # Muon's peak lr, on the same schedule; None: ``lr`` (its update is scaled to AdamW's RMS, so lr carries over)
+    muon_lr: float | None = None
     warmup_ratio: float = 0.04
     schedule: str = "cosine"
     min_lr_ratio: float = 0.0
@@ -178,7 +182,7 @@ class CheckpointConfig:
     # "auto" (the newest run's latest intact checkpoint, if any), "never" (a new run; checkpoints already
     # in the dir are moved into old-<run id>-<time>/), or a checkpoint path
     resume: str = "auto"
-    optimizer: bool = True  # save one replica's AdamW moments + fp32 masters (resume gives them to every replica)
+    optimizer: bool = True  # save one replica's optimizer state + fp32 masters (resume gives them to every replica)
     # `dflashctl status` says `low disk` under this many GB free where checkpoints go; None: one checkpoint's size
     disk_warn_gb: float | None = None
     # a command run in the background after each checkpoint and each switch of `best` (dflash.checkpoint.sync):
@@ -781,7 +785,10 @@ def _check_queue(q: QueueConfig, *, drafters: int) -> None:
 
 
 def _check_optim(o: OptimConfig) -> None:
+    _choice("optim.name", o.name, ("adamw", "muon"))
     _positive("optim.lr", o.lr)
+    if o.muon_lr is not None:
+        _positive("optim.muon_lr", o.muon_lr)
     if not 0 <= o.warmup_ratio < 1:
         raise ConfigError("optim.warmup_ratio", f"must be in [0, 1), got {o.warmup_ratio:g}")
     _choice("optim.schedule", o.schedule, ("cosine", "linear", "constant"))

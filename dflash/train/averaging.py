@@ -30,6 +30,10 @@ the averager, so they are never touched.
 Optimizer state: each replica keeps its own AdamW moments (as Local SGD / torch's PeriodicModelAverager
 do); only the weights are averaged. Averaging the moments would cost a second and third pass over the
 model for no measured gain, and resetting them would restart the bias correction every interval.
+Muon's momentum buffers (``optim.name = "muon"``) stay per replica too, for the same reasons: each is the
+running mean of its own replica's gradients (the inner optimizer's state in Local SGD / DiLoCo), averaging
+it is another pass over every hidden matrix, and zeroing it would drop ~20 steps (1 / (1 - 0.95)) of
+gradient history at every round.
 
 The caller guarantees no replica is mid-step (the pipeline's barrier).
 """

@@ -3,7 +3,8 @@
 Every drafter update computes, on its device, a code of what went bad (``nonfinite_code``: 0 finite,
 1 the loss, 2 the gradient norm) and hands it to AdamW as ``found_inf`` (the fused kernel's own skip, the
 one ``torch.amp.GradScaler`` uses): a non-finite update never reaches the weights, and no host sync is
-added. The codes are read with the step's other figures, where the step line reads them (``dflash.train.metrics``),
+added (with Muon, which has no such input, one host read per update decides: ``dflash.train.optimizer``).
+The codes are read with the step's other figures, where the step line reads them (``dflash.train.metrics``),
 and at every checkpoint barrier before anything is written (``Run.save``). There the ``NonfiniteGuard``
 applies ``[train] on_nonfinite``: ``"stop"`` (the default) ends the run with ``Diverged`` (exit 3, one line,
 no checkpoint); ``"skip"`` counts the skipped update (a ``nonfinite-skip`` record) and stops after

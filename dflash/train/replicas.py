@@ -2,7 +2,7 @@
 
 - ``TargetReplica``: a frozen target on its device, batch -> ``FeatureBatch`` (the features on the
   consumer's device, or pinned host memory);
-- ``DrafterReplica``: a drafter with its fp32 master weights, AdamW, anchor generator and the target's
+- ``DrafterReplica``: a drafter with its fp32 master weights, optimizer, anchor generator and the target's
   frozen head; one ``step`` is one optimizer update over one batch or several (gradient accumulation, one
   weight sum), with the OOM retry's halved batch (``micro_batches``);
 - ``LRSchedule``: the learning rate at a global step; ``torch_dtype``: a config's dtype name (dflash/dtypes.py).
@@ -29,6 +29,7 @@ from dflash.train.feature_queue import (
     pinned_block,
     pinned_host_bytes,
 )
+from dflash.train.optimizer import DrafterOptimizer
 from dflash.train.pipeline import StepStats
 
 
@@ -141,10 +142,6 @@ def _blocking_event() -> t.Any:
     return torch.cuda.Event(blocking=True)
 
 
-# devices with a fused AdamW kernel (torch >= 2.4 has CPU and CUDA ones)
-_FUSED_ADAMW = ("cuda", "cpu")
-
-
 class TargetReplica:
     """One target thread's frozen model: batch -> FeatureBatch on ``dest``.
 
@@ -238,7 +235,7 @@ class _nullcontext:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplicaConfig:
-    """The sections of a run's config a drafter replica reads: AdamW and clipping (``optim``), anchors and the
+    """The sections of a run's config a drafter replica reads: the optimizer and clipping (``optim``), anchors and the
     loss (``drafter``), and the batch shapes its warm-up compiles for (``data``: batch_size, max_length)."""
 
     optim: OptimConfig
@@ -252,7 +249,7 @@ class ReplicaConfig:
 
 
 class DrafterReplica:
-    """One drafter thread's replica: its model, fp32 masters, AdamW, anchor generator and frozen head."""
+    """One drafter thread's replica: its model, fp32 masters, optimizer, anchor generator and frozen head."""
 
     def __init__(
         self,
@@ -271,26 +268,14 @@ class DrafterReplica:
         self.cfg = cfg
         self.schedule = schedule
         self.index = index
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         self.separate_masters = any(p.dtype != torch.float32 for p in self.params)
         if self.separate_masters:
             self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
         else:
             self.masters = self.params
-        o = cfg.optim
-        # fused: one kernel for all tensors, and the step counters stay on the device (the default
-        # for-each/single-tensor paths read them on the host per parameter)
-        fused = torch.device(device).type in _FUSED_ADAMW
-        self.fused = fused
-        self.optimizer = torch.optim.AdamW(
-            self.masters,
-            lr=o.lr,
-            betas=o.betas,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            fused=fused or None,
-            foreach=None if fused else True,
-        )
+        self.optimizer = DrafterOptimizer([n for n, _ in named], self.masters, cfg.optim, device=device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.trained: list[int] = []  # global batch indices this replica trained (tests, debugging)
@@ -341,7 +326,7 @@ class DrafterReplica:
         raises an out-of-memory error.
         """
         self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         self.fence.clear()
 
     def step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int = 1) -> StepStats:
@@ -461,8 +446,7 @@ class DrafterReplica:
     def _step(self, payload: FeatureBatch | t.Sequence[FeatureBatch], *, step: int, micro_batches: int) -> StepStats:
         payloads = [payload] if isinstance(payload, FeatureBatch) else list(payload)
         lr = self.schedule(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         fig = self.accumulate(payloads, micro_batches=micro_batches)
         if self.poison is not None and self.poison(step):  # DFLASH_FAULT nan-at-step: the loss and grads NaN
             fig["loss"] = fig["loss"] * float("nan")
@@ -471,14 +455,10 @@ class DrafterReplica:
                 torch._foreach_mul_(grads, float("nan"))
         grad_norm = self._grad_norm()
         code = nonfinite_code(fig["loss"], grad_norm)
-        # A non-finite update never reaches the weights: fused AdamW skips its step (and its step count) on
-        # the device when found_inf is 1, as under GradScaler; the code is read with the step's figures.
-        if self.fused:
-            self.optimizer.found_inf = (code > 0).to(torch.float32)  # type: ignore[attr-defined]
-            self.optimizer.step()
-        elif not bool(code):  # no device-side skip without the fused kernel: one host read
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # A non-finite update never reaches the weights (fused AdamW skips on the device, as under GradScaler;
+        # see DrafterOptimizer.step); the code is read with the step's figures.
+        self.optimizer.step(code)
+        self.optimizer.zero_grad()
         self.model.zero_grad(set_to_none=True)
         self.sync_from_masters()
         self.trained.extend(p.index for p in payloads)

@@ -13,7 +13,8 @@ The run id (``lineage``): a resumed run continues the checkpoint's run, unless t
 (a fork: continuing it under the same id would prune or overwrite its later checkpoints) or has no id;
 then, as for a fresh start, a new one. A node of a group looks in its own checkpoint dir and the newest
 checkpoint of any node is sent to all (``group_resume``). ``restore`` puts a checkpoint into the replicas:
-weights, fp32 masters, AdamW moments, anchor generators, RNG states and the data position.
+weights, fp32 masters, optimizer state (AdamW's moments, Muon's momentum), anchor generators, RNG states and
+the data position.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dflash.config import ConfigError
 from dflash.data.samples import DataPosition
 from dflash.model.drafter import DFLASH2_KEYS, DFlashDraftConfig
 from dflash.train.distributed import NodeGroup
+from dflash.train.optimizer import kind_of
 from dflash.train.replicas import DrafterReplica
 
 # The run's log lines keep the name they had in train.py: README and dflashctl show "dflash.train: resuming from".
@@ -171,6 +173,13 @@ def restore(
         r.model.load_state_dict(c.state_dict, strict=True)
     state = c.trainer_state or {}
     opt = c.optimizer_state or {}
+    saved_opts = opt.get("replicas") or []
+    if saved_opts and drafters and kind_of(saved_opts[0]) != drafters[0].optimizer.name:
+        raise ConfigError(
+            "optim.name",
+            f"the checkpoint {path} was trained with {kind_of(saved_opts[0])}, this run {drafters[0].optimizer.name}; "
+            'resume it with the same optimizer, or set checkpoint.resume = "never"',
+        )
     masters = opt.get("masters")
     for j, r in enumerate(drafters):
         if r.separate_masters:
@@ -181,7 +190,6 @@ def restore(
                 else:
                     for m, p in zip(r.masters, r.params):
                         m.copy_(p)
-        saved_opts = opt.get("replicas") or []
         if saved_opts:
             r.optimizer.load_state_dict(saved_opts[j % len(saved_opts)])
         gens = state.get("generators") or []

@@ -4,7 +4,7 @@
 
 What it builds: one frozen target replica per target device (``devices.targets``; a repeated "cpu" gets
 its own replica, since a target's feature hooks belong to one thread), one drafter replica per drafter
-device with its own AdamW over fp32 master weights (the model itself in ``drafter.dtype``; in fp32 the
+device with its own optimizer over fp32 master weights (the model itself in ``drafter.dtype``; in fp32 the
 masters are the parameters), the target's frozen embedding + lm_head on every drafter device, the data
 shards, and the pipeline (``dflash.train.pipeline``) that runs them. The parts live by role: the target, MASK id
 and drafter config in ``dflash.models`` (eval builds step 0 with them too), the replicas and the lr schedule
@@ -29,14 +29,14 @@ with half the anchors.
 Checkpoints (``dflash.checkpoint.checkpoints``): every ``checkpoint.interval`` global steps at the drafters' barrier,
 at the end, and on SIGTERM/SIGINT. The replicas are averaged first, so one drafter is saved; the trainer
 state holds the run id, the global step, the data position, the RNG states and (``checkpoint.optimizer``)
-one replica's AdamW state plus the fp32 masters. The barrier waits only for a CPU snapshot; a background
+one replica's optimizer state plus the fp32 masters. The barrier waits only for a CPU snapshot; a background
 thread writes it (one write at a time; the run waits for the last one before it exits, and a failed
 write fails the run). ``checkpoint.resume = "auto"`` continues the newest run from its latest intact
 checkpoint (a corrupted one is skipped with a warning): same step count, same next batch of every shard.
 ``"never"`` moves the checkpoints already there into ``old-<run id>-<time>/`` and starts a new run.
 
 Divergence (``dflash.train.divergence``, ``[train]``): every update's loss and gradient norm are checked on its
-device; a non-finite update is skipped there (fused AdamW's ``found_inf``) and read with the step line's
+device; a non-finite update is skipped there (``dflash.train.optimizer``) and read with the step line's
 figures, or at the next checkpoint barrier if that comes first: ``on_nonfinite = "stop"`` ends the run with
 one line (the step, the figure, the last finite checkpoint) and exit 3, writing no checkpoint; ``"skip"``
 goes on and stops after ``nonfinite_limit`` in a row. Averaged weights and a checkpoint's weights are
@@ -512,8 +512,8 @@ class Run:
     def save(self, step: int, position: t.Sequence[int], replicas: t.Sequence[int]) -> Path | None:
         """Snapshot one replica to CPU (the drafters wait only for this) and hand it to the background writer.
 
-        After averaging every replica holds the same weights, so one is saved; so are ONE replica's AdamW
-        moments (the first at the barrier): the others' differ only by the batches they saw, and saving
+        After averaging every replica holds the same weights, so one is saved; so is ONE replica's optimizer
+        state (the first at the barrier): the others' differ only by the batches they saw, and saving
         them all multiplied the barrier's copies and the bytes on disk by the number of drafters.
         ``resume.restore`` gives each replica its own moments when a checkpoint has several (older ones do).
         """

@@ -55,6 +55,7 @@ def test_defaults_are_the_reference_recipe(tmp_path: Path) -> None:
         ("devices.targets=cuda:0,gpu1", 'devices.targets[1]: expected "cpu" or "cuda:<index>", got "gpu1"'),
         ("devices.drafters=cuda:1,cuda:1", "devices.drafters[1]: cuda:1 is listed twice (only cpu may repeat)"),
         ("optim.lr=-1", "optim.lr: must be > 0, got -1"),
+        ("optim.name=sgd", "optim.name: expected one of 'adamw', 'muon', got \"sgd\""),
         ("compile=yes", 'compile: expected true or false, got "yes"'),
         ("target.dtype=fp8", "target.dtype: expected one of 'float32', 'bfloat16', 'float16', got \"fp8\""),
         ("nope=1", "nope: unknown key"),
