@@ -40,6 +40,7 @@ from dflash.model import model_config
 from dflash.model.drafter import DFLASH2_KEYS, DFlashDraftModel, draft_config_for
 from dflash.model.target import build_target_layer_ids, tiny_target_config_of
 from dflash.train.feature_queue import default_max_bytes, feature_item_bytes, format_bytes, pinned_block
+from dflash.train.optimizer import muon_split
 
 # Sequences per update summed over the drafters when optim.sequences_per_update is not set: the published
 # Qwen3-8B DFlash recipe (4 sequences per GPU x 8 GPUs).
@@ -84,6 +85,7 @@ class Shapes:
     feature_layers: int
     vocab: int
     drafter_tensors: tuple[int, ...]  # numel of each trainable drafter tensor
+    drafter_muon_params: int  # of those, what optim.name = "muon" gives Muon (its matrices: one momentum each)
     drafter_itemsize: int
     drafter_heads: int
     drafter_kv_heads: int
@@ -130,11 +132,22 @@ def read_shapes(cfg: RunConfig) -> Shapes:
     layers = int(text.num_hidden_layers)
     ids = list(d.target_layer_ids) if d.target_layer_ids else build_target_layer_ids(layers, d.layers)
     dflash2 = {k: int(getattr(d, k)) for k in DFLASH2_KEYS} if d.kind == "dflash2" else None
+    # an own draft vocabulary: the drafter's own (trainable) head of draft_vocab_size rows
+    own: dict[str, t.Any] = (
+        {"draft_vocab_size": d.draft_vocab_size, "has_own_lm_head": True} if d.draft_vocab_size else {}
+    )
     draft = draft_config_for(
-        config, num_layers=d.layers, block_size=d.block_size, mask_token_id=0, target_layer_ids=ids, dflash2=dflash2
+        config,
+        num_layers=d.layers,
+        block_size=d.block_size,
+        mask_token_id=0,
+        target_layer_ids=ids,
+        dflash2=dflash2,
+        **own,
     )
     with torch.device("meta"):
         drafter = DFlashDraftModel(draft)
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     heads, kv = (
         int(text.num_attention_heads),
         int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
@@ -158,6 +171,7 @@ def read_shapes(cfg: RunConfig) -> Shapes:
         feature_layers=len(ids),
         vocab=int(embed.shape[0]),
         drafter_tensors=tuple(p.numel() for p in drafter.parameters()),
+        drafter_muon_params=sum(named[i][1].numel() for i in muon_split(named)[0]),
         drafter_itemsize=torch_dtype(d.dtype).itemsize,
         drafter_heads=int(draft.num_attention_heads),
         drafter_kv_heads=int(t.cast(int, draft.num_key_value_heads)),
@@ -243,7 +257,10 @@ def activation_bytes(s: Shapes, b: Batch, *, checkpointing: bool, chunk: int, de
 
 
 def optimizer_bytes(cfg: RunConfig, s: Shapes) -> int:
-    """Optimizer state per drafter replica. AdamW: two fp32 moments per master (another optimizer: its branch)."""
+    """Optimizer state per drafter replica: AdamW's two fp32 moments per master; with Muon, one fp32 momentum
+    per master of its matrices and AdamW's two for the rest (dflash.train.optimizer.muon_split)."""
+    if cfg.optim.name == "muon":
+        return FP32 * s.drafter_muon_params + 2 * FP32 * (s.drafter_params - s.drafter_muon_params)
     return 2 * FP32 * s.drafter_params
 
 
@@ -503,7 +520,7 @@ def render(plan: Plan, *, source: str) -> list[str]:
         f"target   {s.target_name} ({source}): {s.target_params / 1e9:.2f}B parameters in {cfg.target.dtype}, "
         f"{s.feature_layers} feature layers x {s.hidden}",
         f"drafter  {cfg.drafter.kind}, {s.drafter_layers} layers: {s.drafter_params / 1e9:.2f}B parameters in "
-        f"{cfg.drafter.dtype}; AdamW on fp32 masters",
+        f"{cfg.drafter.dtype}; {'Muon (matrices) + AdamW' if cfg.optim.name == 'muon' else 'AdamW'} on fp32 masters",
         f"batch    longest: {b.rows} x {b.seq} tokens, {b.anchors} anchors x {b.block} = {b.anchors * b.block} "
         f"block queries per row; activation checkpointing {'on' if ac else 'off'}",
         "",

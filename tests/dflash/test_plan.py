@@ -132,6 +132,20 @@ def test_doctor_shows_the_plan_of_the_hosts_run_where_it_lives(tmp_path: Path) -
     assert check.detail.endswith("(exit 2)")
 
 
+def test_the_optimizer_state_is_counted_by_optimizer_and_an_own_head_by_its_rows() -> None:
+    sets = [f"target.path={TARGETS / 'Qwen3-8B'}"]
+    adamw = load_config(REPO / "configs" / "qwen3-8b-4k.toml", sets)
+    muon = load_config(REPO / "configs" / "qwen3-8b-4k.toml", [*sets, "optim.name=muon"])
+    s = plan.read_shapes(adamw)
+    assert 0.9 * s.drafter_params < s.drafter_muon_params < s.drafter_params  # norms stay with AdamW
+    assert plan.optimizer_bytes(adamw, s) == 8 * s.drafter_params
+    assert plan.optimizer_bytes(muon, s) == 4 * s.drafter_muon_params + 8 * (s.drafter_params - s.drafter_muon_params)
+    own = plan.read_shapes(
+        load_config(REPO / "configs" / "qwen3-8b-4k.toml", [*sets, "drafter.draft_vocab_size=32000"])
+    )
+    assert own.drafter_params - s.drafter_params == 32000 * s.hidden
+
+
 def test_sizes() -> None:
     assert plan.parse_size("96GiB", "--gpu-memory") == 96 << 30
     assert plan.parse_size("96G", "--gpu-memory") == 96 << 30
