@@ -11,7 +11,7 @@ the MOST anchors (``drafter.num_anchors``, at most ``max_length - 1`` per row):
   one decoder layer's transients; a padded [rows, 1, S, S] mask when rows > 1);
 - a drafter GPU: the target's frozen embedding and lm_head, the features of the batch it trains on and
   of the one it prefetches, the drafter's parameters + fp32 masters + optimizer state + gradients
-  (``optimizer_bytes``: AdamW today; another optimizer is one more branch there), and the activations
+  (``optimizer_bytes``: AdamW's two moments, or Muon's one momentum for its matrices), and the activations
   of one step, with and without activation checkpointing (``activation_bytes``: one term per saved
   tensor of a layer; a sliding window changes no saved tensor on a GPU, where flex attention skips the tiles outside it, and adds one mask off it: ``_dense_mask``);
 - the host: the queue's pinned bytes (``feature_queue.default_max_bytes``, the run's own bound, plus one
