@@ -150,6 +150,7 @@ def shapes_for(replica: DrafterReplica, *, attention: str = "auto") -> list[tupl
         block_size=d.block_size,
         flex=uses_flex(replica.device, attention),
         taken=_model_sizes(replica.model),
+        max_batch_tokens=replica.cfg.data.max_batch_tokens,
     )
 
 
@@ -335,7 +336,14 @@ def batch_shape(loss_mask: torch.Tensor, *, num_anchors: int) -> tuple[int, int,
 
 
 def warm_up_shapes(
-    *, rows: int, max_length: int, num_anchors: int, block_size: int, flex: bool, taken: t.Collection[int] = ()
+    *,
+    rows: int,
+    max_length: int,
+    num_anchors: int,
+    block_size: int,
+    flex: bool,
+    taken: t.Collection[int] = (),
+    max_batch_tokens: int | None = None,
 ) -> list[tuple[int, int, int]]:
     """``(rows, seq, blocks)`` batches, one per ``shape_class`` a run's batches can fall in.
 
@@ -344,9 +352,25 @@ def warm_up_shapes(
     class that can occur is warmed: rows 1 and >= 2, and with flex attention one block or several,
     short queries (< 128), one full query tile (exactly 128) or several, one key tile or several.
     Sizes >= 2 are kept apart from each other and from the model's sizes (``taken``) where possible.
+    Batches of several rows are no longer than ``max_batch_tokens`` allows them (the batch planner's bound):
+    at 65K tokens a warm-up batch of two full-length rows would need memory no batch of the run needs.
     """
     avoid = set(taken) | {0, 1, block_size, _TILE}
     many_rows = next(r for r in range(2, 1 << 20) if r not in avoid)
+    out = [(1, seq, blocks) for seq, blocks in _classes(max_length, num_anchors, block_size, flex, avoid, many_rows)]
+    longest = max_length if max_batch_tokens is None else min(max_length, max_batch_tokens // many_rows)
+    if rows >= 2 and longest >= 2:
+        out += [
+            (many_rows, seq, blocks)
+            for seq, blocks in _classes(longest, num_anchors, block_size, flex, avoid, many_rows)
+        ]
+    return out
+
+
+def _classes(
+    max_length: int, num_anchors: int, block_size: int, flex: bool, avoid: set[int], many_rows: int
+) -> list[tuple[int, int]]:
+    """``(seq, blocks)`` of each class sequences up to ``max_length`` fall in (``warm_up_shapes``)."""
     max_blocks = max(1, min(num_anchors, max_length - 1))
 
     def pick(blocks: int, hi: int) -> tuple[int, int] | None:
@@ -368,8 +392,7 @@ def warm_up_shapes(
             found = pick(blocks, hi)
             if found is not None:
                 cases.setdefault(shape_class(2, *found, block_size=block_size, flex=flex)[1:], found)
-    row_cases = [1, many_rows] if rows >= 2 else [1]
-    return [(r, seq, blocks) for r in row_cases for seq, blocks in cases.values()]
+    return list(cases.values())
 
 
 def _model_sizes(model: torch.nn.Module) -> set[int]:

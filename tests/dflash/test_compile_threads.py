@@ -197,3 +197,13 @@ def test_warm_up_shapes_cover_every_size_that_can_be_one() -> None:
     assert [rows for rows, _, _ in warm_up_shapes(rows=1, max_length=96, num_anchors=16, block_size=8, flex=False)] == [
         1
     ]
+    # 65K tokens with one full-length row per batch (max_batch_tokens): the several-row batches are no longer
+    # than the batch planner lets them be, and every class is still warmed
+    long = warm_up_shapes(rows=4, max_length=65536, num_anchors=2048, block_size=16, flex=True)
+    bounded = warm_up_shapes(
+        rows=4, max_length=65536, num_anchors=2048, block_size=16, flex=True, max_batch_tokens=65536
+    )
+    assert max(r * seq for r, seq, _ in long) == 2 * 65536 and max(r * seq for r, seq, _ in bounded) == 65536
+    assert {shape_class(r, q, b, block_size=16, flex=True) for r, q, b in bounded} == {
+        shape_class(r, q, b, block_size=16, flex=True) for r, q, b in long
+    }
