@@ -75,10 +75,11 @@ def train(config_path: str, overrides: tuple[str, ...]) -> int:
 
     die_with_agent()  # first, before torch loads: a torchrun worker must not outlive its agent
     from dflash.config import load_config
+
+    cfg = load_config(config_path, overrides)  # before torch too: a bad config is one line in a second, not ~6 s
     from dflash.train.plan import check_before_loading
     from dflash.train.run import run_training
 
-    cfg = load_config(config_path, overrides)
     check_before_loading(cfg)  # on GPUs this machine knows: a run that cannot fit is one line, nothing loaded
     return run_training(cfg)  # the run's own exit status: 0, 1, or 128 + the signal that stopped it
 

@@ -110,7 +110,7 @@ def parse_concurrency(text: str) -> list[int]:
 def read_prompts(path: str | os.PathLike[str]) -> list[Prompt]:
     """The prompts of a JSONL file or JSON array, as ``dflash eval --prompts`` reads them."""
     from dflash.data.chat import BadRecord
-    from dflash.eval.evaluate import EvalError, prompt_messages, read_records, token_prompt
+    from dflash.eval.prompts import EvalError, prompt_messages, read_records, token_prompt
 
     path = Path(path)
     try:  # a regular file: a FIFO would block here

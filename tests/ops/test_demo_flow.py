@@ -7,6 +7,7 @@ and `dflash eval`. A crash is injected with the training core's DFLASH_FAULT hoo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -20,8 +21,8 @@ import pytest
 import torch
 
 from dflash.data.tiny import TinySpec, make_tiny
-from testkit import CliResult, retry_until
-from testkit.hostsfile import dflashctl_argv, dump_hosts
+from testkit import CliResult, forkserver, retry_until
+from testkit.hostsfile import dump_hosts
 from testkit.runkit import REPO, reap_runs
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,10 +45,27 @@ def dflash(*args: str) -> subprocess.CompletedProcess[str]:
     return p
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """make-tiny, then the demo's data steps as scripts/demo runs them: regen, prepare-data -> tiny/store."""
-    out, _ = make_tiny(tmp_path_factory.mktemp("tiny") / "tiny", SMALL)
+    """make-tiny, then the demo's data steps as scripts/demo runs them: regen, prepare-data -> tiny/store.
+
+    Built once per test run (~18 s of CPU: a target trained, two `dflash` commands), not once per module
+    that uses it (tests/ops/test_plot.py does too): under pytest-xdist the first worker to ask builds it in
+    the run's shared temp dir while the others wait on the lock; each demo copies it, nothing writes it."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common dir
+    out, done = shared / "demo-tiny" / "tiny", shared / "demo-tiny" / "built"
+    with (shared / "demo-tiny.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a build cut short by another worker's crash
+            build_tiny(out)
+            done.touch()
+    return out
+
+
+def build_tiny(out: Path) -> None:
+    make_tiny(out, SMALL)
     p = dflash(
         "regen",
         "--config",
@@ -76,7 +94,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert re.search(
         rf"^prepare-data: {SMALL.conversations} records -> [1-9]\d* sequences, .* wrote ", p.stdout, re.M
     ), p.stdout
-    return out
 
 
 class LocalDemo:
@@ -114,13 +131,9 @@ class LocalDemo:
         return env
 
     def cli(self, *args: str, timeout: float = 90) -> CliResult:
-        p = subprocess.run(
-            [*dflashctl_argv(), "--hosts", str(self.hosts), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=self.environ(),
-            cwd=self.root,
+        """The real ``dflashctl``, a fork of this worker's fork server (its imports paid once, not per call)."""
+        p = forkserver.shared("dflashctl").run(
+            ["--hosts", str(self.hosts), *args], timeout=timeout, env=self.environ(), cwd=self.root
         )
         return CliResult(p.returncode, p.stdout, p.stderr)
 

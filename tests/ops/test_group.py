@@ -19,7 +19,7 @@ import pytest
 from ops.errors import ConfigError
 from ops.group import Verdict, fan_out, parse_groups, verdict
 from ops.hosts import Host
-from testkit import retry_until
+from testkit import forkserver, retry_until
 
 
 def host(name: str, **kw: t.Any) -> Host:
@@ -224,15 +224,10 @@ class Pair:
     until: Path
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The real dflashctl, a fork of this worker's dflashctl fork server (no interpreter start each)."""
         env = {k: v for k, v in os.environ.items() if k != "DFLASHCTL_HOSTS"}
-        return subprocess.run(
-            [sys.executable, "-m", "ops.cli", "--hosts", str(self.root / "hosts.toml"), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=self.root,
-        )
+        hosts = str(self.root / "hosts.toml")
+        return forkserver.shared("dflashctl").run(["--hosts", hosts, *args], timeout=120, env=env, cwd=self.root)
 
     def run_json(self, name: str) -> dict[str, t.Any]:
         return t.cast(

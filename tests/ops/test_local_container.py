@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 import typing as t
@@ -22,8 +21,8 @@ import pytest
 from ops.attach import attach_argv
 from ops.errors import ConfigError
 from ops.hosts import parse_inventory
-from testkit import FakePve, TmuxServers, retry_until
-from testkit.hostsfile import CliResult, dflashctl_argv, dump_hosts
+from testkit import FakePve, TmuxServers, forkserver, retry_until
+from testkit.hostsfile import CliResult, dump_hosts
 from testkit.runkit import reap_runs, train_command
 
 VMID = 200
@@ -60,13 +59,9 @@ class OnTheHost:
     def cli(self, *args: str, timeout: float = 300) -> CliResult:
         env = {k: v for k, v in os.environ.items() if k not in ("SSH_AUTH_SOCK", "TMUX")}
         env["HOME"] = str(self.root / "home")
-        p = subprocess.run(
-            [*dflashctl_argv(), "--hosts", str(self.path), *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            cwd=self.root,
+        # a fork of this worker's dflashctl fork server: the real command without an interpreter start each
+        p = forkserver.shared("dflashctl").run(
+            ["--hosts", str(self.path), *args], timeout=timeout, env=env, cwd=self.root
         )
         return CliResult(p.returncode, p.stdout, p.stderr)
 

@@ -19,9 +19,9 @@ import typing as t
 from pathlib import Path
 
 import pytest
-from test_demo_flow import LocalDemo, tiny  # noqa: F401  (tiny: the module-scoped fixture)
+from test_demo_flow import LocalDemo, tiny  # noqa: F401  (tiny: the fixture, built once per test run)
 
-from testkit import retry_until
+from testkit import forkserver, retry_until
 from testkit.hostsfile import dflashctl_argv
 from testkit.runkit import REPO, fake_release, reap_runs
 
@@ -288,13 +288,8 @@ class LocalHost:
         return path
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*dflashctl_argv(), "--hosts", str(self.hosts), *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-        )
+        """The real ``dflashctl``, a fork of this worker's fork server (its imports paid once, not per call)."""
+        return forkserver.shared("dflashctl").run(["--hosts", str(self.hosts), *args], timeout=120, cwd=REPO)
 
 
 @pytest.fixture
