@@ -36,10 +36,12 @@ PLAN: list[tuple[str, tuple[str, ...], int, str]] = [
     ("plot", ("--out", "dash.png"), 1, "pip install 'dflash[plot]'"),
     ("pull", ("pulled",), 1, "no checkpoint"),  # the fake trainer writes none: the one line that says so
     ("restart-on-crash", ("--once",), 0, "watching (once): running"),
+    ("gpus", (), 0, "no GPU excluded"),
     # the supervisor on "the Proxmox host" (this machine, over sshd): deployed from the base install's own files
     ("supervise install", ("--interval", "1"), 0, "installed the supervisor of pve/dflash"),
     ("supervise status", (), 0, "running (tmux"),
     ("supervise logs", (), 0, "watching (every 1s)"),
+    ("supervise gpus", (), 0, "no GPU excluded"),
     ("supervise stop", (), 0, "stopped the supervisor"),
     ("supervise uninstall", (), 0, "uninstalled the supervisor"),
     ("stop", ("--grace", "5"), 0, "stopped attempt 1"),
@@ -115,7 +117,7 @@ def test_every_dflashctl_command_runs_from_the_base_install(laptop: Laptop) -> N
     so under xdist they cannot be tests of their own that a worker might run apart."""
     for command, args, code, text in PLAN:
         argv = [*command.split(), *args]
-        if command == "restart-on-crash":
+        if command in ("restart-on-crash", "gpus"):  # the laptop supervisor's memory, where the test keeps it
             argv += ["--state-dir", str(laptop.hosts.root / "state")]
         p = laptop.run(*argv)
         if command == "tail":  # the first step lines, once the run has printed them
