@@ -347,6 +347,13 @@ def _clear_the_way(req: Request, sdir: str) -> dict[str, t.Any] | None:
         raise Refused(refusal.NO_TMUX, f"tmux is not installed where the run lives ({tf['stderr']})")
     af = attempt_facts(req, 0)
     live = _alive(af)
+    runner = (af or {}).get("runner") if af and af.get("exit") else None
+    for _ in range(100):  # an ended run's runner, between its exit record and its pane's end: a moment
+        pane = _pane(tf)
+        if not (runner and pane and pane.get("pane_dead") == "0" and pane.get("pane_pid") == str(runner["pid"])):
+            break
+        time.sleep(0.05)
+        tf = tmux_facts(req)
     pane = _pane(tf)
     pane_live = pane is not None and pane.get("pane_dead") == "0"
     disk = disk_facts(sdir)

@@ -218,6 +218,25 @@ def test_probe_without_tmux_installed(tmp_path: Path) -> None:
     assert facts["ok"] and facts["tmux"]["installed"] is False and facts["attempt"] is None
 
 
+def test_a_start_waits_for_an_ended_runs_pane_to_close_instead_of_refusing(local: Remote, tmp_path: Path) -> None:
+    """Between an ended run's exit record and its pane's end, the runner still runs in the pane for a moment
+    (seen under load): a start then is no start beside a live run, it waits for the pane, then starts."""
+    session.start(local)
+    (tmp_path / "finish").touch()
+    wait_state(local, "succeeded")
+    server = TmuxServers.server(local.host.tmux_socket)
+    server.kill_session("=dflash")
+    # the runner's last moment, stretched: the pane's process is the one run.json names, its exit record written
+    pane = server.new_session(session_name="dflash", window_command="sleep 1").active_window.active_pane
+    runner = int(pane.pane_pid)
+    record = attempt_dir(local, 1) / "run.json"
+    run = json.loads(record.read_text())
+    start_ticks = int(Path(f"/proc/{runner}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    record.write_text(json.dumps({**run, "pid": runner, "pid_start": start_ticks}))
+    assert session.start(local)["attempt"] == 2
+    assert not pid_alive(runner)
+
+
 # What only pull, plot and a crashed run's kernel-log read need: a status probe (every call's verb, the
 # start-up CPU that `status` pays on the box) must not import them.
 PROBE_SKIPS = ("hashlib", "base64", "dataclasses", "tempfile", "inspect")
