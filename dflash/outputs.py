@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import stat
+import time
 import typing as t
 from pathlib import Path
 
@@ -129,10 +130,11 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                holder = _holder_pid(fd)
                 os.close(fd)
+                named = f" (pid {holder})" if holder else ""
                 raise OutputBusy(
-                    f"{self.command}: another {self.command} (pid {holder}) is writing {self.out}; "
+                    f"{self.command}: another {self.command}{named} is writing {self.out}; "
                     f"wait for it, or stop it (its lock: {self.path})"
                 ) from None
             try:  # the file we locked must still be the one at the path (a releasing holder unlinks it)
@@ -153,6 +155,17 @@ class OutputLock:
                 os.unlink(self.path)  # while still holding it: a waiting opener then sees another inode
             os.close(self.fd)
             self.fd = None
+
+
+def _holder_pid(fd: int, wait: float = 2.0) -> str:
+    """The lock holder's pid as it wrote it, '' when it says nothing: it writes it just AFTER taking the lock,
+    so a loser that looks in between waits for it (``wait`` seconds at most)."""
+    deadline = time.monotonic() + wait
+    while True:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        if text.isdigit() or time.monotonic() >= deadline:
+            return text if text.isdigit() else ""
+        time.sleep(0.05)
 
 
 def write_failed(e: OSError, *, command: str, where: str | os.PathLike[str], kept: str = "") -> WriteFailed:

@@ -7,8 +7,10 @@ replace of one session) are both this; each caller words its own refusal from ``
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import time
+import typing as t
 
 
 class Busy(Exception):
@@ -61,3 +63,20 @@ class Lock:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
             self.fd = None
+
+
+def holder_json(fd: int, *, wait: float = 2.0) -> dict[str, t.Any]:
+    """What the holder of the flock on ``fd`` wrote about itself (a JSON object with its ``pid``); {} when it
+    says nothing. A holder writes that just AFTER taking the lock, so a loser that reads in between waits for
+    it (``wait`` seconds at most) rather than name no one (a "(pid None)" a CI run saw)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        except (OSError, ValueError, RecursionError):
+            data = {}
+        if isinstance(data, dict) and "pid" in data:
+            return data
+        if time.monotonic() >= deadline:
+            return data if isinstance(data, dict) else {}
+        time.sleep(0.05)

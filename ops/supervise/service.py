@@ -33,6 +33,7 @@ from pathlib import Path
 from ops import errors
 from ops.far import refusal, request, tmux
 from ops.far.atomic import create_new, write_json_atomic
+from ops.far.lock import holder_json
 from ops.hosts import Host, load_inventory, supervise_dir_problem
 from ops.state_dir import private_dir
 from ops.supervise import exclusions, record, unit
@@ -144,11 +145,7 @@ def lock_holder(path: str) -> dict[str, t.Any] | None:
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 return None
-            try:
-                data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError, RecursionError):
-                data = {}
-            return data if isinstance(data, dict) and data else {"pid": None}
+            return holder_json(fd) or {"pid": None}
         return None  # we got it: nobody holds it (closing the fd lets go)
     finally:
         os.close(fd)
@@ -557,17 +554,14 @@ class _install_lock:  # noqa: N801 (a context manager, named as it is used)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 raise
-            try:
-                who = json.loads(os.pread(self.fd, 4096, 0).decode() or "{}")
-            except (OSError, ValueError, RecursionError):
-                who = {}
+            who = holder_json(self.fd)
             os.close(self.fd)
             self.fd = -1
-            who = who if isinstance(who, dict) else {}
             pid = who.get("pid")
+            named = f" (pid {pid})" if isinstance(pid, int) and not isinstance(pid, bool) else ""
             raise Failed(
                 refusal.BUSY,
-                f"another `supervise {who.get('verb', 'install')}` runs on this host now (pid {pid}): "
+                f"another `supervise {who.get('verb', 'install')}` runs on this host now{named}: "
                 "nothing was changed; run it again once that one is done",
             ) from None
         os.ftruncate(self.fd, 0)

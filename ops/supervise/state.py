@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ops import errors
 from ops.far.atomic import write_json_atomic
+from ops.far.lock import holder_json
 from ops.probe import Status, iso
 from ops.state_dir import private_dir
 from ops.states import RECOVERY
@@ -52,7 +53,7 @@ class Lock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 os.close(fd)
                 raise
-            holder = self._holder(fd)
+            holder = holder_json(fd)
             os.close(fd)
             raise errors.SupervisorLocked(
                 f"restart-on-crash is already watching {self.what}: pid {holder.get('pid', '?')}"
@@ -65,14 +66,6 @@ class Lock:
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         self.fd = fd
         return self
-
-    @staticmethod
-    def _holder(fd: int) -> dict[str, t.Any]:
-        try:
-            data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError, RecursionError):
-            return {}
 
     def release(self) -> None:
         if self.fd is not None:

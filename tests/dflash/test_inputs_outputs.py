@@ -80,6 +80,32 @@ def test_loads_refuses_what_is_no_json_or_no_text() -> None:
         assert (e.value.reason, str(e.value)) == (reason, message), text
 
 
+def test_a_busy_output_names_the_holder_that_writes_its_pid_late_and_never_a_question_mark(tmp_path: Path) -> None:
+    """The holder writes its pid just after taking the lock: a loser looking in between said "(pid ?)". It
+    now waits for the pid (two seconds at most); a holder that never writes one is named by no pid."""
+    import fcntl
+    import threading
+
+    from dflash.outputs import OutputBusy, OutputLock
+
+    out = tmp_path / "store"
+    fd = os.open(str(out) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        late = threading.Timer(0.3, lambda: os.pwrite(fd, b"4242\n", 0))
+        late.start()
+        with pytest.raises(OutputBusy) as e, OutputLock(out, command="regen"):
+            pass
+        late.join()
+        assert str(e.value).startswith(f"regen: another regen (pid 4242) is writing {out};")
+        os.ftruncate(fd, 0)
+        with pytest.raises(OutputBusy) as e, OutputLock(out, command="regen"):
+            pass
+        assert str(e.value).startswith(f"regen: another regen is writing {out};"), str(e.value)
+    finally:
+        os.close(fd)
+
+
 def test_an_output_lock_is_one_writer_and_a_dead_holders_lock_is_free(tmp_path: Path) -> None:
     from dflash.outputs import OutputBusy, OutputLock
 

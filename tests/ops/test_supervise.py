@@ -533,6 +533,28 @@ def test_one_lock_per_host_and_session(tmp_path: Path) -> None:
     Lock(path, "pve/dflash").acquire().release()  # released: free again
 
 
+def test_a_second_watcher_between_the_firsts_lock_and_its_pid_waits_for_the_pid(tmp_path: Path) -> None:
+    """The holder writes who it is just after taking the lock; a second restart-on-crash reading in between
+    said "pid ?". It waits for it now (ops/far/lock.holder_json, shared with the host-side install lock)."""
+    import fcntl
+    import os
+    import threading
+
+    path = tmp_path / "supervise" / "pve.dflash.lock"
+    path.parent.mkdir(mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        late = threading.Timer(0.3, lambda: os.pwrite(fd, b'{"pid": 4242, "since": "2026-12-03 07:00:00"}\n', 0))
+        late.start()
+        with pytest.raises(errors.SupervisorLocked) as e:
+            Lock(path, "pve/dflash").acquire()
+        late.join()
+        assert "already watching pve/dflash: pid 4242 since 2026-12-03 07:00:00 holds" in str(e.value)
+    finally:
+        os.close(fd)
+
+
 def test_incident_files_and_the_hook(tmp_path: Path) -> None:
     st = crashed(3, at=T0)
     st.tail = ["step 7 | loss 1.0", "Traceback (most recent call last):", "KeyError: 'x'"]

@@ -645,6 +645,34 @@ def test_two_installs_at_once_one_runs_and_says_so_the_other_is_refused(night: N
         assert len(ok) == 1 and f"--max-restarts {running}" in ok[0][1], ok
 
 
+def test_a_refused_install_names_the_holder_that_writes_its_pid_late_and_never_pid_none(tmp_path: Path) -> None:
+    """The lock holder writes its pid just after taking the lock: a second install looking in between waited
+    for nothing and said "(pid None)" (a CI run hit it). It now waits for the pid; with none, it names no pid."""
+    import fcntl
+    import threading
+
+    from ops.supervise.service import Failed, _install_lock
+
+    (tmp_path / unit.MARKER).write_text("{}\n")
+    lock = tmp_path / unit.INSTALL_LOCK
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        late = threading.Timer(0.3, lambda: os.pwrite(fd, b'{"pid": 4242, "verb": "uninstall"}', 0))
+        late.start()
+        with pytest.raises(Failed) as e, _install_lock(str(tmp_path), "install"):
+            pass
+        late.join()
+        assert "another `supervise uninstall` runs on this host now (pid 4242): nothing was changed" in str(e.value)
+        os.ftruncate(fd, 0)  # a holder that never says who it is
+        with pytest.raises(Failed) as e, _install_lock(str(tmp_path), "install"):
+            pass
+        assert "another `supervise install` runs on this host now: nothing was changed" in str(e.value)
+        assert "None" not in str(e.value)
+    finally:
+        os.close(fd)
+
+
 def test_the_host_side_reads_its_own_files_checked_one_line_naming_file_and_key(tmp_path: Path) -> None:
     """service.json and env.json mangled (by hand, an older version, a crash): the host-side program and
     the supervisor itself say one line naming the file and the key, never a traceback."""
