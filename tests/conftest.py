@@ -71,7 +71,8 @@ def pytest_runtest_makereport(item: pytest.Item) -> t.Iterator[None]:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """DFLASH_TEST_TIMES=FILE: each test phase's seconds appended as it ends, in --durations' form (the
     input of ``python -m testkit.slowlist``), then its CPU seconds as a comment line (`# cpu 1.23 call
-    NODEID`), a failure as a comment line: a run cut short still tells.
+    NODEID`), the call's start and end (epoch seconds) and worker (`# at START STOP gwN NODEID`), a failure as
+    a comment line: a run cut short still tells.
     Under xdist the controller writes them all (the workers' reports reach it)."""
     path = os.environ.get("DFLASH_TEST_TIMES")
     if not path or os.environ.get("PYTEST_XDIST_WORKER"):
@@ -84,6 +85,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         f.write(f"{report.duration:.2f}s {report.when} {nodeid}\n")
         if cpu is not None:
             f.write(f"# cpu {cpu} {report.when} {nodeid}\n")
+        if report.when == "call":  # when and where it ran: what a run's tail waits for
+            worker = getattr(report, "worker_id", None) or getattr(getattr(report, "node", None), "workerid", "-")
+            f.write(f"# at {report.start:.1f} {report.stop:.1f} {worker} {nodeid}\n")
         if report.failed:
             f.write(f"# {report.outcome} {report.when} {nodeid}\n")
 
