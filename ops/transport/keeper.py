@@ -583,9 +583,10 @@ class Keeper:
                     "stdout": len(res.stdout),
                     "stderr": len(res.stderr),
                 }
-                _send(conn, reply, res.stdout + res.stderr)
+                # logged before the reply: a caller that reads the log once answered finds its line there
                 self.served += 1
                 logger.info("served: %s (exit %s)", head["argv"][0], res.exit_code)
+                _send(conn, reply, res.stdout + res.stderr)
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
             logger.warning("a request failed: %s", e)
         finally:
@@ -610,9 +611,9 @@ class Keeper:
             logger.warning("%s failed: %s: %s", name, type(e).__name__, e)
             _send(conn, {"refused": f"{name} failed here"}, b"")
             return
-        _send(conn, {"answer": answer}, b"")
         self.served += 1
         logger.info("served: %s", name)
+        _send(conn, {"answer": answer}, b"")
 
 
 def _take_lock(lock: Path) -> int | None:
