@@ -791,7 +791,7 @@ def load_drafter(
     model.to(
         device=device,
         dtype=dtype if dtype is not None else next(v.dtype for v in state_dict.values() if v.is_floating_point()),
-    )  # type: ignore[call-arg]  # @wraps(Module.to) hides self
+    )
     model.requires_grad_(False)
     return model.eval()
 

@@ -155,7 +155,7 @@ def untrained_drafter(
     """The drafter a run with this config and seed (and warm start ``init``) starts from, frozen for decoding
     (``dflash.models.initial_drafter``: training builds it the same way)."""
     model = initial_drafter(config, seed=seed, init=init)
-    model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(Module.to) hides self
+    model.to(device=device, dtype=dtype)
     model.requires_grad_(False)
     return model.eval()
 

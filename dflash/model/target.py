@@ -233,7 +233,7 @@ class TargetModel:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen3ForCausalLM(config)
-        model.to(device=device, dtype=dtype)  # type: ignore[call-arg]  # transformers' @wraps(Module.to) hides self
+        model.to(device=device, dtype=dtype)
         return cls(model, layer_ids=layer_ids, num_draft_layers=num_draft_layers)
 
     @classmethod
@@ -255,7 +255,7 @@ class TargetModel:
         dev = torch.device(device)
         placement = {} if dev.type == "cpu" else {"device_map": {"": dev}}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **placement)
-        model.to(dev)  # type: ignore[arg-type]  # a no-op where it already is; @wraps(Module.to) hides self
+        model.to(dev)  # a no-op where it already is
         return cls(model, layer_ids=layer_ids, num_draft_layers=num_draft_layers)
 
     # ---- facts ----------------------------------------------------------------------------

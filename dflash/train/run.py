@@ -458,7 +458,7 @@ class Run:
         heads: dict[str, TargetHead] = {}
         out = []
         for j, dev in enumerate(cfg.devices.drafters):
-            model = copy.deepcopy(base).to(device=dev, dtype=dtype)  # type: ignore[call-arg]  # @wraps(Module.to) hides self
+            model = copy.deepcopy(base).to(device=dev, dtype=dtype)
             if dev not in heads:
                 heads[dev] = self.targets[0].model.head().to(dev)
             prepare_drafter(

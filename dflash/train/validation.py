@@ -170,7 +170,7 @@ class Validator:
             self.target = load_target(cfg, self.device, layer_ids=draft_config.target_layer_ids)
             self.head = self.target.head()
             self.drafter = initial_drafter(draft_config, seed=cfg.seed)  # weights come with each submit
-            self.drafter.to(device=self.device, dtype=torch_dtype(cfg.drafter.dtype))  # type: ignore[call-arg]  # @wraps(Module.to) hides self
+            self.drafter.to(device=self.device, dtype=torch_dtype(cfg.drafter.dtype))
         except OSError as e:
             raise ConfigError("target.path", f"cannot load a model from {cfg.target.path}: {e}") from e
         except torch.OutOfMemoryError:

@@ -1,5 +1,6 @@
 """The compile gate (``python -m bench.cross_compile``) on a CUDA build of torch, no GPU: the flex kernels of the
-compiled drafter step fit the RTX PRO 6000's (sm_120) 101,376 bytes per block at head dims 64, 128 and 256 with
+compiled drafter step fit the RTX PRO 6000's (sm_120) 101,376 bytes per block at head dims 128 and 256 (the
+targets users train for; head dim 64, the tiny models', is the bench's: ~40 s of CPU here for no new risk) with
 the project's tiles, torch's own backward tile at head dim 256 does not (the gate can fail, and the override is
 why a head-dim-256 drafter trains there), and ``compile.flex_*_smem``'s estimate stays above every measured
 figure (the tiles are chosen by it).
@@ -26,7 +27,7 @@ from dflash.train.compile import flex_bwd_smem, flex_fwd_smem
 REPO = Path(__file__).resolve().parents[2]
 SM120 = 101_376
 
-# The gate's process: ~150 s of CPU (torch 2.14.1, one core), and on a machine shared by others its wall time
+# The gate's process: ~120 s of CPU (torch 2.14.1, one core), and on a machine shared by others its wall time
 # is theirs to decide, so the guard is its CPU time (RLIMIT_CPU) and the wall limits are far above it.
 GATE_CPU_S = 600
 # one worker for the module (scripts/test: --dist loadgroup), so the module's one gate process runs once
@@ -53,7 +54,7 @@ def cuda_python() -> str:
     return str(python)
 
 
-CASES = ("64", "128", "256", "256:torch-default")
+CASES = ("128", "256", "256:torch-default")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def estimate(row: dict[str, t.Any]) -> int:
     return flex_bwd_smem(tile[0], tile[1], row["stages"], row["head_dim"])
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [128, 256])
 def test_the_flex_kernels_fit_sm120_with_the_projects_tiles(
     gate: tuple[int, list[dict[str, t.Any]], str], head_dim: int
 ) -> None:
