@@ -47,6 +47,12 @@ _RECOVERY_NONE = re.compile(r"recovery action changed from 0x[0-9a-fA-F]{1,8} \(
 # (`NVRM: The NVIDIA GPU 0000:b3:00.0 ... NVRM: fallen off the bus and is not responding to commands.`)
 _FALLEN = re.compile(r"GPU has fallen off the bus|fallen off the bus and is not responding")
 _BUS = re.compile(r"\b(?P<bus>[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?\b")
+# A bus id given alone ([domain:]bus:device[.function], hex): the driver's 0000:b3:00.0, nvidia-smi's
+# 00000000:B3:00.0, the Xid line's 0000:b3:00, a short b3:00 (a line is searched with _BUS: domain required)
+_BUS_ID = re.compile(
+    r"(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<device>[0-9a-f]{1,2})(?:\.(?P<function>[0-7]))?",
+    re.IGNORECASE,
+)
 # What CUDA tells the program (torch's `CUDA error: ...`, the driver API's enum name)
 _ECC = re.compile(r"uncorrectable ECC error encountered|CUDA_ERROR_ECC_UNCORRECTABLE")
 # Also a bug's symptom: a hardware fault only with an Xid beside it
@@ -143,12 +149,26 @@ def pid_of(line: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def bus_key(text: str) -> tuple[int, int, int] | None:
-    """``0000:3b:00`` (the driver's), ``00000000:3B:00.0`` (nvidia-smi's) -> (domain, bus, device)."""
-    m = _BUS.fullmatch(text.strip()) or _BUS.search(text)
+def bus_id(text: str | None) -> str | None:
+    """A PCI bus id as the driver writes it (``0000:b3:00.0``), from any of its forms; None for what is not
+    one. A short form gets domain 0000 and function 0 (a GPU is function 0 of its PCI device)."""
+    m = _BUS_ID.fullmatch((text or "").strip())
     if m is None:
         return None
-    domain, bus, device = m.group("bus").split(":")
+    domain = int(m.group("domain") or "0", 16)
+    if domain > 0xFFFF:
+        return None
+    return f"{domain:04x}:{int(m.group('bus'), 16):02x}:{int(m.group('device'), 16):02x}.{m.group('function') or 0}"
+
+
+def bus_key(text: str) -> tuple[int, int, int] | None:
+    """The bus id a line names (``0000:3b:00``, the driver's; ``00000000:3B:00.0``, nvidia-smi's) as
+    (domain, bus, device); None when it names none."""
+    m = _BUS.fullmatch(text.strip()) or _BUS.search(text)
+    full = bus_id(m.group(0)) if m else None
+    if full is None:
+        return None
+    domain, bus, device = full.split(".")[0].split(":")
     return int(domain, 16), int(bus, 16), int(device, 16)
 
 

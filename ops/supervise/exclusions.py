@@ -15,10 +15,10 @@ import dataclasses
 import fcntl
 import json
 import os
-import re
 import typing as t
 from pathlib import Path
 
+from ops.diagnosis import bus_id
 from ops.far.atomic import write_json_atomic
 from ops.state_dir import private_dir
 
@@ -26,36 +26,16 @@ EXCLUDED_ENV = "DFLASH_EXCLUDED_GPUS"  # what dflash train reads (dflash/train/d
 MAX_EXCLUDED = 64  # more bus ids than any box has GPUs: a file with more is not ours
 FILE_MAX = 1 << 20
 
-# [domain:]bus:device[.function], hex: the driver's 0000:b3:00.0, nvidia-smi's 00000000:B3:00.0, the Xid
-# line's 0000:b3:00, a short b3:00
-_BUS_ID = re.compile(
-    r"(?:(?P<domain>[0-9a-f]{1,8}):)?(?P<bus>[0-9a-f]{1,2}):(?P<device>[0-9a-f]{1,2})(?:\.(?P<function>[0-7]))?",
-    re.IGNORECASE,
-)
-
-
-def bus_id(text: str | None) -> str | None:
-    """A PCI bus id as the driver writes it (``0000:b3:00.0``), from any of its forms; None for what is not
-    one. A short form gets domain 0000 and function 0 (a GPU is function 0 of its PCI device)."""
-    m = _BUS_ID.fullmatch((text or "").strip())
-    if m is None:
-        return None
-    domain = int(m.group("domain") or "0", 16)
-    if domain > 0xFFFF:
-        return None
-    return f"{domain:04x}:{int(m.group('bus'), 16):02x}:{int(m.group('device'), 16):02x}.{m.group('function') or 0}"
-
 
 def matches(given: str, stored: str) -> bool:
     """``b3:00`` (no domain) names ``0000:b3:00.0`` as the trainer reads it: bus and device decide, the domain
     only when given."""
-    m, full = _BUS_ID.fullmatch(given.strip()), bus_id(stored)
-    if m is None or full is None:
+    mine, full = bus_id(given), bus_id(stored)
+    if mine is None or full is None:
         return False
-    mine = bus_id(given)
-    if m.group("domain") is not None:
+    if given.strip().count(":") == 2:  # the domain given
         return mine == full
-    return mine is not None and mine.split(":", 1)[1] == full.split(":", 1)[1]
+    return mine.split(":", 1)[1] == full.split(":", 1)[1]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ops import errors, gpu_health
 from ops import session as run
-from ops.diagnosis import spike_line
+from ops.diagnosis import bus_id, spike_line
 from ops.far.atomic import write_json_atomic
 from ops.far_call import cannot_exec
 from ops.hosts import Host
@@ -28,7 +28,7 @@ from ops.remote import connect as connect_remote
 from ops.state_dir import default_state_dir, private_dir
 from ops.states import RECOVERY, Cause, State
 from ops.supervise.episode import Episodes
-from ops.supervise.exclusions import EXCLUDED_ENV, Excluded, Exclusions, bus_id, env_value
+from ops.supervise.exclusions import EXCLUDED_ENV, Excluded, Exclusions, env_value
 from ops.supervise.heartbeat import Heartbeat
 from ops.supervise.policy import (
     DONE,

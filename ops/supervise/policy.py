@@ -8,10 +8,9 @@ import random
 import typing as t
 
 from ops import errors
-from ops.diagnosis import last_finite_checkpoint, no_devices_left
+from ops.diagnosis import bus_id, last_finite_checkpoint, no_devices_left
 from ops.probe import Status
 from ops.states import RECOVERY, Action, Cause, State
-from ops.supervise.exclusions import bus_id
 from ops.times import duration, parse_iso
 
 # Actions a Decision can carry (short names for the policy's rules).
