@@ -163,7 +163,11 @@ def test_prompts_from_eval_and_training_files(tmp_path: Path) -> None:
         load_prompts(tmp_path / "missing.jsonl")
 
 
-def test_cli_writes_the_report_and_says_what_is_missing(tmp_path: Path, trained: tuple[Path, Run]) -> None:
+def test_cli_writes_the_report_and_says_what_is_missing(
+    tmp_path: Path, trained: tuple[Path, Run], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash.__main__ import main
+
     root, _ = trained
     out = tmp_path / "after.json"
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
@@ -196,16 +200,11 @@ def test_cli_writes_the_report_and_says_what_is_missing(tmp_path: Path, trained:
     assert f"tau {report['tau']:.2f}" in res.stdout
     assert "output identical to plain greedy decoding: yes (2/2 prompts)" in res.stdout
     assert "Loading weights" not in res.stderr
-    res = subprocess.run(
-        [sys.executable, "-m", "dflash", "eval", "--drafter", str(tmp_path / "nowhere")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert res.returncode == 2
-    assert res.stderr.strip().splitlines()[-1] == f"dflash: --drafter: {tmp_path / 'nowhere'} does not exist"
+    # what is missing: `python -m dflash` is main() (the run above), here in this process (no second interpreter)
+    capsys.readouterr()
+    assert main(["eval", "--drafter", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"dflash: --drafter: {tmp_path / 'nowhere'} does not exist"
 
 
 def test_prompts_after_a_bom_are_read_as_without_it(tmp_path: Path) -> None:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import typing as t
 from pathlib import Path
 
 import pytest
@@ -19,15 +24,19 @@ from dflash.model import hf_remote
 from dflash.model.drafter import DFlashDraftModel, draft_config_for, published_mask_token_id, selector_walk
 from dflash.model.target import TargetModel, build_target_layer_ids, tiny_target_config
 
+if t.TYPE_CHECKING:
+    from dflash.train.run import Run
+
 REPO = Path(__file__).resolve().parents[2]
 MASK = 511
 
 pytestmark = pytest.mark.timeout(240)
 
 # Runs in a fresh interpreter: the repo is off sys.path and any import of the `dflash` package fails,
-# so only transformers + torch + the folder's own dflash.py can build the model.
+# so only transformers + torch + each folder's own dflash.py can build the model. One interpreter loads every
+# folder of a venv's list (each import of torch and transformers is seconds of CPU).
 LOAD = textwrap.dedent("""
-    import importlib.abc, sys
+    import importlib.abc, json, sys
     repo = sys.argv[1]
     venv = sys.prefix + "/"  # the interpreter's own site-packages may live under the checkout (.venv*)
     sys.path[:] = [p for p in sys.path if p and not (p == repo or (p.startswith(repo + "/") and not p.startswith(venv)))]
@@ -40,22 +49,22 @@ LOAD = textwrap.dedent("""
 
     sys.meta_path.insert(0, NoDflash())
     import torch
-    from transformers import AutoModel
-    folder, inputs, out = sys.argv[2], sys.argv[3], sys.argv[4]
-    model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
-    x = torch.load(inputs)
-    with torch.no_grad():
-        hidden = model(position_ids=x["position_ids"], noise_embedding=x["noise_embedding"],
-                       target_hidden=x["target_hidden"])
     import transformers
-    drafts = None
-    if getattr(model, "candidate_selector", None) is not None:  # DFlash2: the selector's walk, as remote code
-        walk = sys.modules[type(model).__module__].selector_walk
+    from transformers import AutoModel
+    for folder, inputs, out in json.loads(sys.argv[2]):
+        model = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+        x = torch.load(inputs)
         with torch.no_grad():
-            logits = hidden[:, 1:] @ x["lm_head"].T
-            drafts = walk(model.candidate_selector, logits, hidden[:, 1:], x["anchor"])[0]
-    torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype),
-                "transformers": transformers.__version__, "drafts": drafts}, out)
+            hidden = model(position_ids=x["position_ids"], noise_embedding=x["noise_embedding"],
+                           target_hidden=x["target_hidden"])
+        drafts = None
+        if getattr(model, "candidate_selector", None) is not None:  # DFlash2: the selector's walk, as remote code
+            walk = sys.modules[type(model).__module__].selector_walk
+            with torch.no_grad():
+                logits = hidden[:, 1:] @ x["lm_head"].T
+                drafts = walk(model.candidate_selector, logits, hidden[:, 1:], x["anchor"])[0]
+        torch.save({"hidden": hidden, "module": type(model).__module__, "dtype": str(next(model.parameters()).dtype),
+                    "transformers": transformers.__version__, "drafts": drafts}, out)
 """)
 
 
@@ -82,13 +91,17 @@ def inputs(target: TargetModel) -> dict[str, torch.Tensor]:
 
 
 def load_in_fresh_interpreter(
-    folder: Path, x: dict[str, torch.Tensor], tmp_path: Path, python: str = sys.executable
-) -> dict[str, object]:
-    torch.save(x, tmp_path / "inputs.pt")
+    folders: dict[str, tuple[Path, dict[str, torch.Tensor]]], tmp_path: Path, python: str = sys.executable
+) -> dict[str, dict[str, object]]:
+    """Each NAME: (FOLDER, INPUTS) loaded with AutoModel and run on its inputs, all in one fresh interpreter."""
+    jobs = []
+    for name, (folder, x) in folders.items():
+        torch.save(x, tmp_path / f"{name}.in.pt")
+        jobs.append([str(folder), str(tmp_path / f"{name}.in.pt"), str(tmp_path / f"{name}.out.pt")])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [python, "-c", LOAD, str(REPO), str(folder), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")],
+        [python, "-c", LOAD, str(REPO), json.dumps(jobs)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -96,7 +109,90 @@ def load_in_fresh_interpreter(
         timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
+    return {name: torch.load(tmp_path / f"{name}.out.pt") for name in folders}
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A drafter trained 2 steps (checkpoints in ckpt/) and `dflash export`ed to out/, with an eval report."""
+
+    run: Run
+    ckpt: Path
+    out: Path
+    stdout: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
+    from dflash.__main__ import main
+    from dflash.train.run import Run
+
+    root = tmp_path_factory.mktemp("served")
+    run = Run(run_config(root, "a", "max_steps=2"), environ={})
+    assert run.train() == 0
+    report = root / "eval.json"
+    report.write_text(
+        json.dumps(
+            {
+                "tau": 6.41,
+                "num_prompts": 32,
+                "prompts": "eval.jsonl",
+                "max_new_tokens": 64,
+                "target": "tiny",
+                "all_equal": True,
+            }
+        )
+    )
+    out = root / "served"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(["export", str(root / "a" / "ckpt"), str(out), "--eval", str(report)]) == 0
+    return Served(run, root / "a" / "ckpt", out, stdout.getvalue())
+
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "full": {},
+    "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},
+    "dflash2": {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(
+    tmp_path_factory: pytest.TempPathFactory, target: TargetModel
+) -> dict[str, tuple[DFlashDraftModel, Path, dict[str, torch.Tensor]]]:
+    """Each variant: the drafter, its checkpoint (step 3) and the inputs it is run on."""
+    root = tmp_path_factory.mktemp("variants")
+    made = {}
+    for variant, kw in VARIANTS.items():
+        drafter = new_drafter(**kw).eval()
+        x = inputs(target)
+        if variant == "dflash2":
+            with torch.no_grad():  # convolutions and selector away from their init, so that they show
+                for p in drafter.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            x = {**x, "lm_head": target.head().lm_head.weight.detach().clone(), "anchor": torch.tensor([3])}
+        made[variant] = (drafter, save_checkpoint(root / variant, step=3, drafter=drafter, trainer_state={}), x)
+    return made
+
+
+@pytest.fixture(scope="module")
+def loaded(
+    tmp_path_factory: pytest.TempPathFactory, target: TargetModel, checkpoints: dict, served: Served
+) -> t.Callable[[str], dict[str, dict[str, object]]]:
+    """python -> what AutoModel made of each variant's checkpoint in one fresh interpreter of that venv (and, in
+    this one's, of the exported bf16 folder as "served")."""
+    done: dict[str, dict[str, dict[str, object]]] = {}
+
+    def load(python: str) -> dict[str, dict[str, object]]:
+        if python not in done:
+            folders = {variant: (path, x) for variant, (_, path, x) in checkpoints.items()}
+            if python == sys.executable:
+                folders["served"] = (served.out, inputs(target))
+            done[python] = load_in_fresh_interpreter(folders, tmp_path_factory.mktemp("load"), python)
+        return done[python]
+
+    return load
 
 
 # floor: the remote code under this venv's transformers; the 4.57 case runs once (in .venv's run): the same subprocess
@@ -104,31 +200,23 @@ def load_in_fresh_interpreter(
     "transformers_4",
     [pytest.param(False, id="this-transformers", marks=pytest.mark.floor), pytest.param(True, id="transformers-4.57")],
 )
-@pytest.mark.parametrize("variant", ["full", "sliding", "dflash2"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_automodel_loads_a_checkpoint_in_a_fresh_interpreter_without_this_package(
-    tmp_path: Path, target: TargetModel, variant: str, transformers_4: bool, request: pytest.FixtureRequest
+    target: TargetModel,
+    checkpoints: dict[str, tuple[DFlashDraftModel, Path, dict[str, torch.Tensor]]],
+    loaded: t.Callable[[str], dict[str, dict[str, object]]],
+    variant: str,
+    transformers_4: bool,
+    request: pytest.FixtureRequest,
 ) -> None:
     # transformers 4.57 (z-lab's pin, .venv-tf457): the remote code must load there too, bit for bit
     python = request.getfixturevalue("tf457_python") if transformers_4 else sys.executable
-    kw: dict[str, object] = {}
-    if variant == "sliding":
-        kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
-    if variant == "dflash2":
-        kw = {"dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}}
-    drafter = new_drafter(**kw).eval()
-    if variant == "dflash2":
-        with torch.no_grad():  # convolutions and selector away from their init, so that they show
-            for p in drafter.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-    path = save_checkpoint(tmp_path / "ckpt", step=3, drafter=drafter, trainer_state={})
-    assert latest_complete(tmp_path / "ckpt") == path, "dflash.py is part of a complete checkpoint"
+    drafter, path, x = checkpoints[variant]
+    assert latest_complete(path.parent) == path, "dflash.py is part of a complete checkpoint"
     config = json.loads((path / "config.json").read_text())
     assert config["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     assert (path / "dflash.py").read_text() == hf_remote.source()
-    x = inputs(target)
-    if variant == "dflash2":
-        x = {**x, "lm_head": target.head().lm_head.weight.detach().clone(), "anchor": torch.tensor([3])}
-    got = load_in_fresh_interpreter(path, x, tmp_path, python)
+    got = loaded(python)[variant]
     if variant == "dflash2":
         with torch.no_grad():
             hidden = drafter(**{k: v for k, v in x.items() if k not in ("lm_head", "anchor")})
@@ -253,15 +341,13 @@ def run_config(tmp_path: Path, name: str, *overrides: str):
 
 
 @pytest.mark.floor  # a published folder's config.json read by this transformers
-def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path) -> None:
+def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: Path, served: Served) -> None:
     import zlab_reference
 
     from dflash.config import ConfigError
     from dflash.train.run import Run
 
-    first = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
-    assert first.train() == 0
-    ours = latest_complete(tmp_path / "a" / "ckpt")
+    ours = latest_complete(served.ckpt)  # a run of 2 steps
     assert ours is not None
     # a published-drafter folder: written by z-lab's class (config.json + model.safetensors only)
     zlab_reference.DFlashDraftModel.from_pretrained(ours).save_pretrained(tmp_path / "published")
@@ -299,35 +385,22 @@ def test_init_from_a_published_drafter_folder_starts_from_its_weights(tmp_path: 
 
 @pytest.mark.floor  # AutoModel in 5.13-5.18 registers the remote class (drafter.py's config_class)
 def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
-    tmp_path: Path, target: TargetModel, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    target: TargetModel,
+    served: Served,
+    loaded: t.Callable[[str], dict[str, dict[str, object]]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from safetensors.torch import load_file
 
     from dflash.__main__ import main
-    from dflash.train.run import Run
 
-    run = Run(run_config(tmp_path, "a", "max_steps=2"), environ={})
-    assert run.train() == 0
-    report = tmp_path / "eval.json"
-    report.write_text(
-        json.dumps(
-            {
-                "tau": 6.41,
-                "num_prompts": 32,
-                "prompts": "eval.jsonl",
-                "max_new_tokens": 64,
-                "target": "tiny",
-                "all_equal": True,
-            }
-        )
-    )
-    out = tmp_path / "served"
-    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--eval", str(report)]) == 0
-    assert f"exported bfloat16 drafter to {out}" in capsys.readouterr().out
+    out, ckpt = served.out, served.ckpt  # `export CKPT OUT --eval REPORT` of a run of 2 steps
+    assert f"exported bfloat16 drafter to {out}" in served.stdout
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "dflash.py", "model.safetensors"]
     weights = load_file(str(out / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
-    trained = run.drafters[0].model.state_dict()
+    trained = served.run.drafters[0].model.state_dict()
     assert weights.keys() == trained.keys()
     assert all(torch.equal(weights[k], trained[k].to(torch.bfloat16)) for k in weights)
     config = json.loads((out / "config.json").read_text())
@@ -337,16 +410,17 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     assert "a tiny random Qwen3-shaped target" in card and "MASK id 511" in card
 
     x = {k: v for k, v in inputs(target).items()}
-    got = load_in_fresh_interpreter(out, x, tmp_path)
+    got = loaded(sys.executable)["served"]
     assert got["dtype"] == "torch.bfloat16"
     ours = load_drafter(out)
     with torch.no_grad():  # bf16: RoPE tables may be kept in another precision by from_pretrained (fp32 is exact above)
         torch.testing.assert_close(got["hidden"], ours(**x), atol=5e-2, rtol=2e-2)  # type: ignore[arg-type]
 
     # bad input: one line, exit 2, OUT untouched
-    assert main(["export", str(tmp_path / "a" / "ckpt"), str(out)]) == 2
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(out)]) == 2
     assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "o2")]) == 2
-    assert main(["export", str(tmp_path / "a" / "ckpt"), str(tmp_path / "o3"), "--eval", str(tmp_path / "x.json")]) == 2
+    assert main(["export", str(ckpt), str(tmp_path / "o3"), "--eval", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
         f"dflash: {out}: exists and is not empty (use --force to replace it)",
@@ -355,11 +429,13 @@ def test_export_writes_a_serving_folder_that_automodel_loads_in_bf16(
     ]
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
     # one dtype vocabulary: the config's names (canonical, dflash/dtypes.py) and the short ones export took first
+    again = tmp_path / "served"  # a copy: the module's export stays as it was written
+    shutil.copytree(out, again)
     for spelling in ("fp16", "float16"):
         capsys.readouterr()
-        assert main(["export", str(tmp_path / "a" / "ckpt"), str(out), "--dtype", spelling, "--force"]) == 0
-        assert {v.dtype for v in load_file(str(out / "model.safetensors")).values()} == {torch.float16}
-        assert f"exported float16 drafter to {out}" in capsys.readouterr().out
+        assert main(["export", str(ckpt), str(again), "--dtype", spelling, "--force"]) == 0
+        assert {v.dtype for v in load_file(str(again / "model.safetensors")).values()} == {torch.float16}
+        assert f"exported float16 drafter to {again}" in capsys.readouterr().out
 
 
 def test_a_qwen3_shaped_target_gets_the_published_mask_id_recorded_in_config_json(tmp_path: Path) -> None:

@@ -28,6 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 SMALL = TinySpec(target_steps=40, train_samples=24, conversations=12, eval_prompts=6, response_len=20, threads=1)
 CHAT = SMALL.chat
+# for what any spec shows (a damaged output is built again, another seed is other data): a fraction of SMALL's cost
+SMALLER = TinySpec(
+    target_steps=2, target_batch=4, train_samples=4, conversations=4, eval_prompts=2, response_len=4, threads=1
+)
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -68,13 +72,17 @@ def test_same_seed_same_bytes_and_a_rerun_is_a_no_op(tmp_path: Path, tiny: Path)
     _, built = make_tiny(again, SMALL)
     assert not built, "a complete output of the same spec is left alone"
     assert {p: p.stat().st_mtime_ns for p in again.rglob("*")} == before
-    (again / "train.jsonl").write_text("truncated")  # a damaged output is ours: built again
-    assert load_manifest(again) is None
-    _, built = make_tiny(again, SMALL)
-    assert built and files(again) == theirs
-    other, _ = make_tiny(tmp_path / "other", dataclasses.replace(SMALL, seed=1))
-    assert files(other)["train.jsonl"] != theirs["train.jsonl"]
-    assert files(other)["chat.jsonl"] != theirs["chat.jsonl"]
+    # the rest on SMALLER: the same code paths, a fraction of the cost
+    small, built = make_tiny(tmp_path / "small", SMALLER)
+    assert built
+    want = files(small)
+    (small / "train.jsonl").write_text("truncated")  # a damaged output is ours: built again
+    assert load_manifest(small) is None
+    _, built = make_tiny(small, SMALLER)
+    assert built and files(small) == want
+    other, _ = make_tiny(tmp_path / "other", dataclasses.replace(SMALLER, seed=1))
+    assert files(other)["train.jsonl"] != want["train.jsonl"]
+    assert files(other)["chat.jsonl"] != want["chat.jsonl"]
 
 
 def test_the_data_is_the_targets_own_greedy_answer_up_to_its_end_of_turn(tiny: Path) -> None:
