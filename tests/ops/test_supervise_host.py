@@ -24,8 +24,7 @@ import pytest
 
 from ops.supervise import unit
 from ops.supervise.policy import Options
-from testkit import PveHosts, TmuxServers, pid_alive, retry_until
-from testkit.hostsfile import dflashctl_argv
+from testkit import PveHosts, TmuxServers, forkserver, pid_alive, retry_until
 from testkit.runkit import LEAKY_TOKEN, fake_release, leaked, leaky_command, reap_runs, train_command
 
 VMID = 200
@@ -131,6 +130,15 @@ def _parent(pid: int) -> int:
 
 def _python() -> str:
     return sys.executable
+
+
+def _outputs(proc: t.Any) -> tuple[str, str]:
+    """A spawned command's stdout and stderr once it has ended (a few lines: no pipe fills meanwhile)."""
+    return proc.stdout.read(), proc.stderr.read()
+
+
+def _said(proc: t.Any) -> str:
+    return "".join(_outputs(proc))
 
 
 @pytest.fixture
@@ -281,20 +289,23 @@ def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(nig
     assert first is not None
     # SIGKILL: no farewell. The tmux loop (Restart=always) starts it again after 10 s: meanwhile, stale.
     os.kill(first, signal.SIGKILL)
-    sv = retry_until(lambda: (s := night.status()).get("supervisor", {}).get("state") == "stale" and s, 40)
+    # each look is `dflashctl status` over ssh (~0.3 s of CPU): once a second, for what takes 3 intervals
+    sv = retry_until(
+        lambda: (s := night.status()).get("supervisor", {}).get("state") == "stale" and s, 40, interval=1.0
+    )
     assert sv["state"] == "running"  # the run's state is not the supervisor's fault
     assert any(e.startswith("supervisor: STALE: the supervisor pve (tmux, pid ") for e in sv["evidence"]), sv
     human = night.cli("status")
     assert human.exit_code == 0 and "  watch:     STALE: the supervisor pve (tmux, pid" in human.stdout
     second = retry_until(lambda: (p := night.supervisor_pid()) not in (None, first) and p, 30)
-    assert retry_until(lambda: night.status()["supervisor"]["state"] == "watching", 30)
+    assert retry_until(lambda: night.status()["supervisor"]["state"] == "watching", 30, interval=0.5)
     assert night.status()["supervisor"]["pid"] == second  # the same installed supervisor took its lease back
 
     # killed for good (the loop too): stale, and it stays stale
     loop = _parent(second)  # the sh loop of the launcher
     os.kill(loop, signal.SIGKILL)
     os.kill(second, signal.SIGKILL)
-    retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 40)
+    retry_until(lambda: night.status()["supervisor"]["state"] == "stale", 40, interval=1.0)
     st = night.cli("supervise", "status")
     assert st.exit_code == 8 and "supervisor of pve/dflash on pve: NOT running (tmux)" in st.stdout, st.output
 
@@ -338,11 +349,11 @@ def test_install_twice_is_one_supervisor_with_the_new_policy_and_stop_and_uninst
 def test_install_is_refused_while_another_supervisor_watches_and_so_is_a_laptop_one(night: Night) -> None:
     night.start()
     # restart-on-crash on the laptop, in the foreground
-    argv = [*dflashctl_argv(), "--hosts", str(night.hosts.path), "restart-on-crash", *FAST]
+    argv = ["--hosts", str(night.hosts.path), "restart-on-crash", *FAST]
     argv += ["--state-dir", str(night.dir.parent / "laptop-state")]
-    laptop = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=night.hosts.env())
+    laptop = forkserver.shared("dflashctl").spawn(argv, env=night.hosts.env())  # the real command, forked
     try:
-        retry_until(lambda: (night.status().get("supervisor") or {}).get("mode") == "foreground", 30)
+        retry_until(lambda: (night.status().get("supervisor") or {}).get("mode") == "foreground", 30, interval=0.5)
         r = night.cli("supervise", "install")
         assert r.exit_code == 1, r.output
         [line] = [x for x in r.stderr.splitlines() if x.strip()]
@@ -354,7 +365,8 @@ def test_install_is_refused_while_another_supervisor_watches_and_so_is_a_laptop_
         assert night.supervisor_pid() is None  # nothing started on the host
     finally:
         laptop.send_signal(signal.SIGTERM)
-        out = laptop.communicate(timeout=60)[0]
+        laptop.wait(60)
+        out = _said(laptop)
     assert laptop.returncode == 0, out
     # it stopped on purpose: its lease ended at once, the host's supervisor installs now
     night.install()
@@ -619,15 +631,12 @@ def test_a_dir_below_a_link_to_a_system_folder_is_refused_on_the_host_and_nothin
 def test_two_installs_at_once_one_runs_and_says_so_the_other_is_refused(night: Night) -> None:
     night.start()
     night.install()  # deployed: the two below race on the host-side install only
-    argv = [*dflashctl_argv(), "--hosts", str(night.hosts.path), "supervise", "install", *FAST]
+    argv = ["--hosts", str(night.hosts.path), "supervise", "install", *FAST]
+    server = forkserver.shared("dflashctl")  # each a fork of the real command, side by side
     procs = [
-        subprocess.Popen(
-            [*argv, "--max-restarts", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=night.hosts.env(), cwd=night.hosts.root,
-        )
-        for n in (3, 4)
-    ]  # fmt: skip
-    outs = [(p.wait(300), *p.communicate()) for p in procs]
+        server.spawn([*argv, "--max-restarts", str(n)], env=night.hosts.env(), cwd=night.hosts.root) for n in (3, 4)
+    ]
+    outs = [(p.wait(300), *_outputs(p)) for p in procs]
     ok = [o for o in outs if o[0] == 0]
     refused = [o for o in outs if o[0] != 0]
     service = json.loads((night.sdir / "service.json").read_text())
