@@ -259,7 +259,7 @@ def test_the_installed_supervisor_restarts_without_a_failed_gpu_and_gives_up_on_
     first = night.supervisor_pid()
     assert first is not None
     os.kill(first, signal.SIGKILL)  # its tmux loop starts it again after 10 s, with that PATH
-    retry_until(lambda: night.supervisor_pid() not in (None, first), 40)
+    retry_until(lambda: night.supervisor_pid() not in (None, first), 40, interval=0.5)  # the tmux loop waits 10 s
 
     control.write_text("always:cuda-launch\n")
     gave_up = retry_until(lambda: [i for i in night.incidents() if i["action"] == "give-up"], 60)
@@ -297,7 +297,7 @@ def test_a_killed_supervisor_is_stale_in_status_and_the_loop_starts_it_again(nig
     assert any(e.startswith("supervisor: STALE: the supervisor pve (tmux, pid ") for e in sv["evidence"]), sv
     human = night.cli("status")
     assert human.exit_code == 0 and "  watch:     STALE: the supervisor pve (tmux, pid" in human.stdout
-    second = retry_until(lambda: (p := night.supervisor_pid()) not in (None, first) and p, 30)
+    second = retry_until(lambda: (p := night.supervisor_pid()) not in (None, first) and p, 30, interval=0.5)
     assert retry_until(lambda: night.status()["supervisor"]["state"] == "watching", 30, interval=0.5)
     assert night.status()["supervisor"]["pid"] == second  # the same installed supervisor took its lease back
 
