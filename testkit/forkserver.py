@@ -27,6 +27,7 @@ import json
 import os
 import select
 import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -221,6 +222,8 @@ class Spawned:
             with open(os.devnull, "rb") as nul:
                 _send(self._sock, {"args": args, "cwd": cwd, "env": env}, [nul.fileno(), out_w, err_w])
             (self.pid,), _ = _recv(self._sock)
+            # signals go to this very process (the server reaps it, not us: its pid may be another's later)
+            self._pidfd: int | None = os.pidfd_open(self.pid)
         finally:
             os.close(out_w)  # the command holds its own copies: EOF here when it (and what inherited them) ends
             os.close(err_w)
@@ -238,6 +241,9 @@ class Spawned:
                 self._sock.settimeout(None)
             self.returncode = os.waitstatus_to_exitcode(status)
             self._sock.close()
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
         return self.returncode
 
     def poll(self) -> int | None:
@@ -246,8 +252,11 @@ class Spawned:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # not yet reaped by the server: the pid is still the command's
-            os.kill(self.pid, sig)
+        if self.poll() is None and self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:  # it ended meanwhile, as Popen.send_signal allows
+                pass
 
     def kill(self) -> None:
         self.send_signal(9)
