@@ -15,6 +15,9 @@ What differs from a fresh interpreter: modules are imported before the command's
 test): HF_HOME or DFLASH_* read at import time stay right. ops reads the environment only when a command
 runs, so a `dflashctl` command forks with any environment whose PYTHON* variables are the server's. A
 command given stdin, or whose environment differs, runs as a real subprocess.
+
+`spawn` starts a long-lived command the same way (a supervisor a test streams the output of and signals by
+pid) on a connection of its own, so the caller's `run` commands still fork meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import select
+import selectors
+import signal
 import socket
 import struct
 import subprocess
@@ -163,6 +169,30 @@ class ForkServer:
                 [self.program, *args], code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
             )
 
+    def spawn(
+        self,
+        args: t.Sequence[str],
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        env: t.Mapping[str, str] | None = None,
+    ) -> Spawned | subprocess.Popen[str]:
+        """What `subprocess.Popen([PROGRAM, *args], stdout=PIPE, stderr=PIPE, text=True)` gives (pid, stdout,
+        stderr, poll, wait, send_signal, kill, returncode): a fork on a connection of its own, or that Popen
+        where a command cannot fork (see `run`)."""
+        env = dict(env) if env is not None else dict(os.environ)
+        same = _same(env, self.env) if self.program == "dflash" else _same_imports(env, self.env)
+        off = os.environ.get("DFLASH_TEST_FORK") == "0"
+        if off or not same or self._proc.poll() is not None or not _ready(self._proc, self.socket_path):
+            return subprocess.Popen(
+                [*PROGRAMS[self.program], *args],
+                cwd=cwd or REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        return Spawned(self.program, self.socket_path, list(args), str(cwd or REPO), env)
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -175,6 +205,61 @@ class ForkServer:
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)
+
+
+class Spawned:
+    """A command forked by the server on a connection of its own: its pid is the command's, its stdout and
+    stderr are pipes to this process, and the server says its wait status on the connection when it ends."""
+
+    def __init__(self, program: str, path: str, args: list[str], cwd: str, env: dict[str, str]) -> None:
+        self.args = [program, *args]
+        self.returncode: int | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            with open(os.devnull, "rb") as nul:
+                _send(self._sock, {"args": args, "cwd": cwd, "env": env}, [nul.fileno(), out_w, err_w])
+            (self.pid,), _ = _recv(self._sock)
+            # signals go to this very process (the server reaps it, not us: its pid may be another's later)
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        finally:
+            os.close(out_w)  # the command holds its own copies: EOF here when it (and what inherited them) ends
+            os.close(err_w)
+        self.stdout = open(out_r, encoding="utf-8", errors="replace")  # noqa: SIM115 (read by the caller's threads)
+        self.stderr = open(err_r, encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._sock.settimeout(timeout)
+            try:
+                (status,), _ = _recv(self._sock)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            finally:
+                self._sock.settimeout(None)
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._sock.close()
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._sock], [], [], 0)[0]:
+            return self.wait()  # the status is there (one short message): read whole
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None and self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:  # it ended meanwhile, as Popen.send_signal allows
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(9)
 
 
 # what pytest changes in os.environ around each test (nothing reads it at import time)
@@ -225,7 +310,6 @@ def serve(program: str, path: str) -> None:
     on SIGTERM (``ForkServer.close``)."""
     import importlib
     import pkgutil
-    import runpy
 
     # the imports the commands pay (each command imports its modules when it runs): paid once
     if program == "dflash":
@@ -247,45 +331,74 @@ def serve(program: str, path: str) -> None:
     listener.bind(path)
     listener.listen(8)
     Path(path + ".ready").touch()
+    # each connection runs one command at a time; several connections (a `spawn` each) run side by side,
+    # their commands' ends seen through pidfds
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, None)
     while True:
-        conn, _ = listener.accept()
-        while True:
+        for key, _ in sel.select():
+            if key.data is None:
+                conn, _ = listener.accept()
+                sel.register(conn, selectors.EVENT_READ, ("conn", conn))
+                continue
+            if key.data[0] == "child":
+                _, pid, conn = key.data
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                _, status = os.waitpid(pid, 0)
+                try:
+                    _send(conn, [status])
+                except OSError:  # the caller went away first
+                    pass
+                continue
+            conn = key.data[1]
             try:
                 req, fds = _recv(conn, 3)
             except (EOFError, OSError):
+                sel.unregister(conn)
                 conn.close()
-                break
+                continue
             pid = os.fork()
             if pid == 0:
-                listener.close()
-                conn.close()
-                for target, fd in enumerate(fds):
-                    os.dup2(fd, target)
-                    os.close(fd)
-                os.chdir(req["cwd"])
-                os.environ.clear()
-                os.environ.update(req["env"])
-                code = 0
-                try:
-                    if program == "dflash":
-                        sys.argv = ["python -m dflash", *req["args"]]  # runpy puts __main__.py's path first
-                        runpy.run_module("dflash", run_name="__main__", alter_sys=True)
+                for other in list(sel.get_map().values()):  # the server's sockets and pidfds are not the command's
+                    if other.data is not None and other.data[0] == "child":
+                        os.close(other.fd)
                     else:
-                        from ops.console import main
-
-                        sys.argv = ["dflashctl", *req["args"]]
-                        main()  # the console script's entry: it ends with sys.exit (status: os._exit)
-                except SystemExit as e:
-                    code = _code(e.code)
-                except BaseException:
-                    traceback.print_exc()
-                    code = 1
-                _exit(code)
+                        t.cast(socket.socket, other.fileobj).close()
+                sel.close()
+                _child(program, req, fds)
             for fd in fds:
                 os.close(fd)
             _send(conn, [pid])
-            _, status = os.waitpid(pid, 0)
-            _send(conn, [status])
+            sel.register(os.pidfd_open(pid), selectors.EVENT_READ, ("child", pid, conn))
+
+
+def _child(program: str, req: dict[str, t.Any], fds: list[int]) -> t.NoReturn:
+    """The forked command: the caller's stdin/stdout/stderr, cwd, environment and argv; its exit code."""
+    import runpy
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    code = 0
+    try:
+        if program == "dflash":
+            sys.argv = ["python -m dflash", *req["args"]]  # runpy puts __main__.py's path first
+            runpy.run_module("dflash", run_name="__main__", alter_sys=True)
+        else:
+            from ops.console import main
+
+            sys.argv = ["dflashctl", *req["args"]]
+            main()  # the console script's entry: it ends with sys.exit (status: os._exit)
+    except SystemExit as e:
+        code = _code(e.code)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit(code)
 
 
 def _exit(code: int) -> t.NoReturn:

@@ -177,6 +177,37 @@ def test_a_forked_dflashctl_is_the_real_command_with_the_callers_home(tmp_path: 
     assert forkserver.shared("dflashctl").run(["status"], env=shadowed, cwd=tmp_path).args[0] != "dflashctl"
 
 
+def test_a_spawned_dflashctl_streams_runs_beside_a_forked_command_and_ends_by_its_signal(tmp_path: Path) -> None:
+    """testkit.forkserver's spawn (a supervisor a test watches): a fork of the real command with its own pid,
+    its output read while it runs, a `run` forking meanwhile, and a signal to its pid ends it as it would a
+    fresh `dflashctl` (restart-on-crash's farewell, exit 0)."""
+    import signal
+
+    from testkit import forkserver, retry_until
+    from testkit.hostsfile import local_host
+
+    local_host(tmp_path, "dflash-spawn-test", ["sleep", "600"])  # never started: the supervisor only watches
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    env.pop("DFLASHCTL_HOSTS", None)
+    hosts = ["--hosts", str(tmp_path / "hosts.toml")]
+    server = forkserver.shared("dflashctl")
+    sup = server.spawn([*hosts, "restart-on-crash", "--interval", "0.2", "--state-dir", str(tmp_path / "s")], env=env)
+    try:
+        assert isinstance(sup, forkserver.Spawned), "it forked (a fallback is a Popen)"
+        assert sup.stdout is not None
+        first = sup.stdout.readline()
+        assert "local/dflash: watching (every 0.2s): not-started" in first, first
+        assert sup.poll() is None and Path(f"/proc/{sup.pid}").exists()
+        beside = server.run([*hosts, "status", "--json"], env=env, cwd=tmp_path)
+        assert beside.args[0] == "dflashctl" and beside.returncode == 7, beside  # forked too, meanwhile
+        sup.send_signal(signal.SIGINT)
+        assert sup.wait(60) == 0
+        assert "supervisor stopped by SIGINT; the run is left as it is" in sup.stdout.read()
+        assert retry_until(lambda: not Path(f"/proc/{sup.pid}").exists(), 30)  # reaped by the server
+    finally:
+        sup.kill()
+
+
 def test_no_ops_module_reads_the_environment_when_it_is_imported() -> None:
     """What lets a dflashctl command fork from a server that imported ops under another environment."""
     import ast

@@ -53,7 +53,7 @@ with open(os.path.join(out, f"{n:03d}.json"), "w") as f:
 
 def test_traceback_is_restarted_and_resumes_then_success_ends_the_supervisor(rig: Rig, tmp_path: Path) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=2 * K + 2)
     hook_dir = tmp_path / "hook"
     hook_dir.mkdir()
     (tmp_path / "hook.py").write_text(HOOK)
@@ -64,7 +64,6 @@ def test_traceback_is_restarted_and_resumes_then_success_ends_the_supervisor(rig
     assert second.exit_code == 1
     assert f"restart-on-crash is already watching pve/dflash: pid {sup.proc.pid}" in second.stderr
 
-    retry_until(lambda: len(rig.steps(1)) >= 2 * K + 2, 30)
     rig.fault("once:exception")
     line = sup.event(r"crashed: KeyError: 'missing_key'")
     assert "restart in" in line and "(restart 1 of at most 5" in line
@@ -130,9 +129,8 @@ def test_cuda_oom_is_not_restarted_without_retry_oom_and_is_with_it(rig: Rig, tm
 
 def test_the_same_oom_twice_before_min_uptime_gives_up(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 2)
     sup = rig.supervise(*FAST, "--retry-oom")
-    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("always:oom@3")  # every run: OOM after 3 steps
     sup.event(r"restarted: attempt 2 started")
     assert sup.wait(60) == 11, sup.text
@@ -154,9 +152,8 @@ def test_an_uncorrectable_ecc_error_is_not_restarted_into_the_supervisor_gives_u
     """torch's words for a GPU that failed under it (a real CUDA text, no Xid in the log): restart-on-crash
     ends with exit 13 rather than restarting until its crash-loop guard gives up."""
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 2)
     sup = rig.supervise(*FAST)
-    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("always:cuda-ecc")  # every run would fail the same way: none is started
     assert sup.wait(60) == 13, sup.text
     give_up = sup.event(r"-> give-up")
@@ -180,9 +177,8 @@ def test_an_uncorrectable_ecc_error_is_not_restarted_into_the_supervisor_gives_u
 
 def test_sigkilled_training_is_restarted(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 3)
     sup = rig.supervise(*FAST)
-    retry_until(lambda: len(rig.steps(1)) >= K + 3, 30)
     assert rig.inside("kill", "-KILL", str(rig.run_json(1)["child_pid"])).returncode == 0
     sup.event(r"crashed: killed by signal 9 \(SIGKILL\)")
     sup.event(r"restarted: attempt 2 started")
@@ -197,7 +193,7 @@ def test_tmux_server_sigkilled_training_goes_on_without_a_restart(rig: Rig) -> N
     sup = rig.supervise(*FAST)
     server = int(rig.inside("tmux", "-L", rig.socket, "display-message", "-p", "#{pid}").stdout.decode().strip())
     assert rig.inside("kill", "-KILL", str(server)).returncode == 0
-    retry_until(lambda: rig.status()["tmux"]["server"] == "dead", 30)
+    retry_until(lambda: rig.status()["tmux"]["server"] == "dead", 30, interval=0.5)
     n = len(rig.steps(1))
     sup.more_probes(4)
     assert rig.attempts() == [1] and len(rig.steps(1)) > n  # still training, still logging
@@ -216,9 +212,8 @@ def test_tmux_server_sigkilled_training_goes_on_without_a_restart(rig: Rig) -> N
 
 def test_container_rebooted_is_restarted_once_it_is_up(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 3)
     sup = rig.supervise(*FAST)
-    retry_until(lambda: len(rig.steps(1)) >= K + 3, 30)
     rig.pve.reboot(VMID)
     sup.event(r"lost: the container restarted during the run")
     sup.event(r"restarted: attempt 2 started")
@@ -237,9 +232,8 @@ def test_container_rebooted_is_restarted_once_it_is_up(rig: Rig) -> None:
 
 def test_container_stopped_is_not_started_without_the_flag_and_restarted_when_back(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 3)
     sup = rig.supervise(*FAST)
-    retry_until(lambda: len(rig.steps(1)) >= K + 3, 30)
     rig.pve.stop(VMID)
     line = sup.event(r"container-down: container 200 is stopped")
     assert "-> wait:" in line and "pass --start-container" in line
@@ -254,9 +248,8 @@ def test_container_stopped_is_not_started_without_the_flag_and_restarted_when_ba
 
 def test_container_stopped_is_started_with_start_container(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 3)
     sup = rig.supervise(*FAST, "--start-container")
-    retry_until(lambda: len(rig.steps(1)) >= K + 3, 30)
     rig.pve.stop(VMID)
     sup.event(r"container-down: container 200 is stopped -> start the container in")
     sup.event(r"container 200 started; re-probing")
@@ -340,9 +333,8 @@ def test_sshd_down_for_a_while_is_no_crash_and_the_supervisor_goes_on(rig: Rig) 
 
 def test_hung_process_is_stopped_and_restarted_with_restart_stalled(rig: Rig) -> None:
     rig.configure(hang_after=1)
-    rig.start()
+    rig.start(steps=K + 2)
     sup = rig.supervise(*FAST, "--restart-stalled")
-    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("once:forever")  # sleeps without a word
     sup.event(r"stalled: no progress for .* -> stop and restart in")
     sup.event(r"restarted: replaced attempt 1 by \w+; attempt 2 started")
@@ -487,9 +479,8 @@ def test_local_host_once_restarts_a_crashed_run(pve_hosts: PveHosts, tmp_path: P
 
 def test_a_diverged_run_is_not_restarted_by_default_exit_12(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 2)
     sup = rig.supervise(*FAST)
-    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("once:diverged")
     line = sup.event(r"crashed: training diverged")
     assert "-> give-up" in line and f"last finite checkpoint: {rig.ckpt} (step " in line
@@ -508,9 +499,8 @@ def test_a_diverged_run_is_not_restarted_by_default_exit_12(rig: Rig) -> None:
 
 def test_on_diverged_resume_from_last_finite_resumes_once_then_gives_up(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 2)
     sup = rig.supervise(*FAST, "--on-diverged", "resume-from-last-finite")
-    retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("always:diverged@3")  # the same data replays: every run diverges again
     line = sup.event(r"crashed: training diverged")
     assert "resuming once from the last finite checkpoint" in line and "the same data position replays" in line

@@ -265,10 +265,9 @@ def test_notifications_arrive_with_no_secret_in_them(rig: Rig, pve_hosts: PveHos
     # the run prints both secrets (a careless script): they reach the log tail, never a message
     cmd = list(t.cast(list[str], pve_hosts.pve_table["command"]))
     pve_hosts.write(command=["sh", "-c", f'echo "HF_TOKEN=$HF_TOKEN api={api_token}"; exec "$@"', "sh", *cmd])
-    rig.start()
+    rig.start(steps=K + 2)
     with Webhook() as hook:
         sup = rig.supervise(*FAST, "--notify", hook.url, env={"PVE_TOKEN_TEST": api_token})
-        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
         rig.fault("once:exception")
         sup.event(r"restarted: attempt 2 started")
         rig.assert_resumed(1, 2)
@@ -303,10 +302,9 @@ def test_a_secret_in_every_form_and_cut_by_the_evidence_reaches_no_message_recor
     rig.configure(env={"HF_TOKEN": LEAKY_TOKEN})
     cmd = list(t.cast(list[str], pve_hosts.pve_table["command"]))
     pve_hosts.write(command=leaky_command(cmd))
-    rig.start()
+    rig.start(steps=K + 2)
     with Webhook() as hook:
         sup = rig.supervise(*FAST, "--notify", hook.url)
-        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
         rig.fault("once:exception")
         sup.event(r"restarted: attempt 2 started")
         retry_until(lambda: any(x.startswith("dflash pve/dflash: restarted") for x in hook.titles()), 30)
@@ -468,10 +466,9 @@ def test_the_delivery_process_imports_apprise_from_where_the_supervisor_did(tmp_
 
 def test_a_loss_spike_is_told_once_and_a_diverged_run_s_give_up_names_it(rig: Rig) -> None:
     rig.configure()
-    rig.start()
+    rig.start(steps=K + 2)
     with Webhook() as hook:
         sup = rig.supervise(*FAST, "--notify", hook.url)
-        retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
         rig.fault("once:spike")
         line = sup.event(r"loss spike at step")
         assert "(a warning: the run goes on)" in line
@@ -498,7 +495,7 @@ def test_status_in_every_form_shows_no_secret_the_run_printed(rig: Rig, pve_host
     rig.start()
     retry_until(lambda: len(rig.steps(1)) >= K + 2, 30)
     rig.fault("once:exception")
-    retry_until(lambda: rig.cli("status").exit_code not in (0, 3), 60)
+    retry_until(lambda: rig.cli("status").exit_code not in (0, 3), 60, interval=0.5)
     said = {
         form: rig.cli("status", *extra)
         for form, extra in (("text", ()), ("json", ("--json",)), ("facts", ("--facts",)))

@@ -159,9 +159,10 @@ def test_a_file_rotten_on_the_box_is_fetched_twice_then_one_line_names_it(box: P
 
 @pytest.fixture
 def small_chunks(box: PveHosts, monkeypatch: pytest.MonkeyPatch) -> t.Iterator[t.Any]:
-    """ops.pull in-process over the box's ssh + pct, 16 KiB a call: the weights take 11 calls."""
+    """ops.pull in-process over the box's ssh + pct, 48 KiB a call: the weights (162 KiB) take 4 calls, so a
+    cut falls between two of them (each call is an ssh exec of the agent in the container: ~0.2 s of CPU)."""
     monkeypatch.setenv("HOME", str(box.home))
-    monkeypatch.setattr(pull, "CHUNK", 16 << 10)
+    monkeypatch.setattr(pull, "CHUNK", 48 << 10)
     remote = connect(box.host("pve"))
     try:
         yield remote
