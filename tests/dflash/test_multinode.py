@@ -1,8 +1,10 @@
 """Several nodes: real torchrun, real gloo on 127.0.0.1, two ``dflash train`` processes of 1 target + 1 drafter.
 
 Each node has its own output and checkpoint dir (no shared filesystem): rank 0 alone writes checkpoints and
-broadcasts the one it resumes from. Every process imports torch (~10 s each on this machine), so the
-cases are few and do several checks each.
+broadcasts the one it resumes from. Every process imports torch (a group start is ~17 s of CPU: two
+torchrun agents and two workers), so the cases are few and do several checks each: one group learns, is
+restarted by torchrun midway and finishes (the module's fixture); the resume test goes on from a copy of its
+folders and ends with a SIGTERM.
 """
 
 from __future__ import annotations
@@ -202,117 +204,212 @@ def test_a_node_of_three_counts_every_nodes_steps_and_reads_its_shard() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Ran:
-    """A group that ran and ended: its folder (a node<n>/ each), exit codes and logs."""
+    """A group that ran and ended: its folder (a node<n>/ each), exit codes and logs, and what it trained."""
 
     base: Path
     codes: list[int]
     logs: list[str]
+    tiny: Path  # the tiny target and data it trained on (make_tiny's folder)
+    recipe: tuple[str, ...]  # its --set overrides of configs/tiny-cpu.toml
 
     def copy_to(self, dest: Path) -> None:
         """Its node folders (output, checkpoints, logs) into ``dest``, for a test to go on from."""
         shutil.copytree(self.base, dest, dirs_exist_ok=True)
 
 
+CPU_TOML = REPO / "configs" / "tiny-cpu.toml"
+STEPS = 240  # the learning recipe's steps: at 120 both the group and one node reached only tau ~1.45
+EVERY = 40  # its checkpoint interval
+
+
 @pytest.fixture(scope="module")
-def group_at_8(tmp_path_factory: pytest.TempPathFactory) -> Ran:
-    """Two nodes (c10d rendezvous) trained to step 8, checkpoints at 4 and 8: the first half of both resume
-    tests, run once for the two (each group is four interpreters that import torch: ~20 s of CPU). Each test
-    resumes from its own copy of the folders."""
-    base = tmp_path_factory.mktemp("group8")
-    nodes = start_group(base, "max_steps=8")
+def group_learned(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """Two nodes (c10d rendezvous) of 1 target + 1 drafter train a drafter for a tiny target that learned a
+    language: 2 replicas, averaged every 25 updates, 240 global steps, a checkpoint every 40. Under
+    ``--max-restarts 1`` (hosts.toml ``[groups.X] max_restarts``), once past a checkpoint, node 1's training
+    process is killed: torchrun restarts the workers of both nodes in a new rendezvous round, they resume
+    from rank 0's checkpoint (node 1's dir has none) and the run finishes, with no restart by dflashctl.
+    One run for the whole module (each group is four interpreters that import torch: ~17 s of CPU): the
+    learning test compares it with one node, the training test reads its logs and checkpoints, and the
+    resume test goes on from a copy of its folders."""
+    base = tmp_path_factory.mktemp("learned")
+    tiny, _ = make_tiny(
+        base / "tiny",
+        TinySpec(target_steps=60, train_samples=64, eval_prompts=16, response_len=24, gen_batch=16, threads=1),
+    )
+    recipe = (
+        f"target.path={tiny / 'target'}",
+        f"data.path={tiny / 'train.jsonl'}",
+        f"max_steps={STEPS}",
+        "average_every=25",
+        f"checkpoint.interval={EVERY}",
+        "optim.lr=5e-3",
+        "optim.sequences_per_update=4",
+    )
+    group = base / "group"
+    nodes = start_group(group, *recipe, "log_every=20", config=CPU_TOML, max_restarts=1)
+    ck0 = group / "node0" / "ckpt"
     try:
-        codes = finish(nodes)
+
+        def past_a_checkpoint() -> bool:
+            return any(ck0.glob("step-*")) and all(max(steps(n.text()), default=0) >= EVERY + 20 for n in nodes)
+
+        retry_until(past_a_checkpoint, 240, interval=0.5)
+        first = nodes[1].worker()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        codes = finish(nodes, seconds=360)
     finally:
         stop_all(nodes)
-    return Ran(base, codes, [n.text() for n in nodes])
+    return Ran(group, codes, [n.text() for n in nodes], tiny, recipe)
 
 
 def digests(text: str) -> list[str]:
     return re.findall(r"weights sha256 (\w+)", text)
 
 
-def test_two_nodes_train_average_checkpoint_and_resume(tmp_path: Path, group_at_8: Ran) -> None:
-    group_at_8.copy_to(tmp_path)
-    codes, logs = group_at_8.codes, group_at_8.logs
+def steps(text: str) -> list[int]:
+    """The step numbers of a log's step lines."""
+    return [int(s) for s in re.findall(r"^step (\d+) \|", text, re.M)]
+
+
+def test_two_nodes_train_average_checkpoint_and_resume_when_torchrun_restarts_them(
+    tmp_path: Path, group_learned: Ran
+) -> None:
+    codes, logs, base = group_learned.codes, group_learned.logs, group_learned.base
     assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
+    ck0 = base / "node0" / "ckpt"
+    for text in logs:
+        # torchrun's second round resumed from rank 0's checkpoint on both nodes; no step before it trained again
+        resumes = re.findall(rf"resuming from {re.escape(str(ck0))}/step-(\d+) at step (\d+)", text)
+        assert len(resumes) == 1 and resumes[0][0] == resumes[0][1], text[-3000:]
+        at = int(resumes[0][0])
+        assert at >= EVERY and at % EVERY == 0, resumes
+        after = text[text.index("resuming from") :]
+        assert min(steps(after)) > at, after[-3000:]
+        # each node logs its own step lines (global step numbers: 2 nodes, each local update is 2 steps)
+        assert re.search(rf"^step {STEPS} \| loss ", after, re.M), text[-2000:]
     # every replica on every node holds the same bytes after the final averaging
     d0, d1 = digests(logs[0]), digests(logs[1])
     assert len(d0) == 1 and d0 == d1, (d0, d1)
-    # each node logs its own step lines (global step numbers: 2 nodes, each local update is 2 steps)
-    for text in logs:
-        assert re.search(r"^step 8 \| loss ", text, re.M), text[-2000:]
     # rank 0 alone logs the group's throughput, and writes the checkpoints
-    assert re.search(r"nodes \| step 8 \| [\d.]+ Ktok/s \| node-0 [\d.]+ \| node-1 [\d.]+", logs[0]), logs[0][-2000:]
+    nodes_line = rf"nodes \| step {STEPS} \| [\d.]+ Ktok/s \| node-0 [\d.]+ \| node-1 [\d.]+"
+    assert re.search(nodes_line, logs[0]), logs[0][-2000:]
     assert "nodes |" not in logs[1]
-    ck0 = tmp_path / "node0" / "ckpt"
-    assert sorted(p.name for p in ck0.glob("step-*")) == ["step-4", "step-8"]
-    assert not list((tmp_path / "node1" / "ckpt").glob("step-*"))
-    c = ckpt.load_checkpoint(ck0 / "step-8", map_location="cpu")
+    assert sorted(p.name for p in ck0.glob("step-*")) == [f"step-{STEPS - EVERY}", f"step-{STEPS}"]  # keep = 2
+    assert not list((base / "node1" / "ckpt").glob("step-*"))
+    c = ckpt.load_checkpoint(ck0 / f"step-{STEPS}", map_location="cpu")
     state = c.trainer_state or {}
     assert state["nodes"] == 2 and state["targets"] == 2 and state["drafters"] == 2
     nxt = state["data"]["next"]
-    # shard = (node, local target): node 0 reads the even batches, node 1 the odd ones; 8 steps = 8 batches
-    assert [g % 2 for g in nxt] == [0, 1] and min(nxt) >= 6, nxt
+    # shard = (node, local target): node 0 reads the even batches, node 1 the odd ones; 240 steps = 240 batches
+    assert [g % 2 for g in nxt] == [0, 1] and min(nxt) >= STEPS - 2, nxt
     assert len(state["generators"]) == 2
-    saved = ckpt.load_drafter(ck0 / "step-8")
+    saved = ckpt.load_drafter(ck0 / f"step-{STEPS}")
     assert weights_digest(list(saved.parameters())) == d0[0]  # load_drafter freezes them all: every one trains
 
-    # resume: rank 0 reads its checkpoint and broadcasts it; node 1's dir has none
-    nodes = start_group(tmp_path, "max_steps=12")
-    try:
-        codes = finish(nodes)
-    finally:
-        stop_all(nodes)
-    logs = [n.text() for n in nodes]
-    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
-    for text in logs:
-        assert f"resuming from {ck0 / 'step-8'} at step 8" in text, text[-2000:]
-        assert not re.search(r"^step [2468] \|", text, re.M)  # no step trained twice
-        assert re.search(r"^step 12 \|", text, re.M)
-    assert nodes[0].digests() == nodes[1].digests()
-    assert (ck0 / "step-12").is_dir() and not list((tmp_path / "node1" / "ckpt").glob("step-*"))
-
     # the same run on one node (no torchrun) continues from the group's checkpoint: no batch lost
-    resumed = ckpt.load_checkpoint(ck0 / "step-12", map_location="cpu")
-    nxt = (resumed.trainer_state or {})["data"]["next"]
     cfg = load_config(
-        TINY,
+        CPU_TOML,
         [
+            *group_learned.recipe,
             'devices.targets=["cpu"]',
             'devices.drafters=["cpu"]',
-            "max_steps=16",
+            f"max_steps={STEPS + 4}",
             f"output_dir={tmp_path / 'single'}",
             f"checkpoint.dir={ck0}",
         ],
     )
     run = Run(cfg, environ={})
-    assert run.group is None and run.start_step == 12
+    assert run.group is None and run.start_step == STEPS
     assert run.shard_starts == [min(nxt)]  # one shard from the earliest unseen batch: some repeat, none lost
 
 
-def test_a_restarted_group_resumes_from_the_node_that_holds_the_checkpoint_whatever_its_rank(
-    tmp_path: Path, group_at_8: Ran
+def test_two_nodes_learn_as_well_as_one_node_with_as_many_replicas(tmp_path: Path, group_learned: Ran) -> None:
+    """The same drafter recipe (2 replicas, averaged every 25 updates, 240 global steps) on 2 nodes x (1
+    target + 1 drafter) and on one node with 2 + 2 threads, against a tiny target that learned a language:
+    both learn, and two nodes learn no worse than one node (the group's torchrun restart and resume midway
+    included). The group is deterministic (one target feeds one drafter per node, and the restart resumes
+    exactly: tau 2.35 in three runs); the one-node run is not (two drafters race for one shared queue, so
+    which replica trains on which batch changes): its tau spread 1.91-2.35 over twelve runs, so the check
+    is one-sided with a margin wider than that spread, not a two-sided 15%. It guards learning, not
+    the averaging itself (nodes that never all_reduce still reach 1.87 here): the bit-identical digests
+    across nodes in the tests above do that. The untrained baseline is read on 4 of the 16 prompts (it
+    accepts nothing: tau 1.00 on all 16 too). Not fewer steps: at 120 both runs reached only ~1.45."""
+    assert group_learned.codes == [0, 0], "\n\n".join(x[-3000:] for x in group_learned.logs)
+    cfg = load_config(
+        CPU_TOML,
+        [
+            *group_learned.recipe,
+            f"output_dir={tmp_path / 'one'}",
+            f"checkpoint.dir={tmp_path / 'one' / 'ckpt'}",
+            "log_every=60",
+        ],
+    )
+    assert cfg.devices.drafters == ("cpu", "cpu") and cfg.devices.targets == ("cpu", "cpu")
+    assert Run(cfg, environ={}, stream=io.StringIO()).train() == 0
+
+    taus = {}
+    for name, ck in (("two nodes", group_learned.base / "node0" / "ckpt"), ("one node", tmp_path / "one" / "ckpt")):
+        s = load_setup(drafter=str(ck))
+        assert s.step == STEPS
+        taus[name] = evaluate(s.target, s.drafter, s.prompts, max_new_tokens=24, ddtree_budget=0).tau
+    # the untrained baseline on 4 of the 16 prompts: it accepts nothing (tau 1.00 on all 16 as on these 4), and
+    # with one target call per token it was the dearest of the three evaluations (~6 s of CPU)
+    untrained = untrained_drafter(s.drafter.config)
+    before = evaluate(s.target, untrained, s.prompts[:4], max_new_tokens=24, ddtree_budget=0)
+    print(f"tau: untrained {before.tau:.2f}, " + ", ".join(f"{k} {v:.2f}" for k, v in taus.items()))
+    assert min(taus.values()) > before.tau + 0.5, (before.tau, taus)
+    assert taus["two nodes"] >= 0.8 * taus["one node"], taus
+
+
+def resume_group(ran: Ran, base: Path, *overrides: str, ranks: t.Sequence[int] | None = None) -> list[Node]:
+    """The learned group's copy in ``base`` started again: every 2 steps averaged, every 4 checkpointed."""
+    ran.copy_to(base)
+    return start_group(
+        base,
+        *ran.recipe,
+        "log_every=1",
+        "average_every=2",
+        "checkpoint.interval=4",
+        *overrides,
+        ranks=ranks,
+        config=CPU_TOML,
+    )
+
+
+def test_a_restarted_group_resumes_from_the_node_that_holds_the_checkpoint_and_stops_together_on_sigterm(
+    tmp_path: Path, group_learned: Ran
 ) -> None:
     """No shared filesystem and a rendezvous that may hand rank 0 to another box after a restart: the
     checkpoint written by rank 0 is on node 0; the restarted group makes node 1 rank 0. Before, only rank 0
-    looked for a checkpoint, found none, and the run started over at step 0."""
-    group_at_8.copy_to(tmp_path)
-    assert group_at_8.codes == [0, 0], "\n\n".join(x[-3000:] for x in group_at_8.logs)
-    ck0 = tmp_path / "node0" / "ckpt"
-    assert (ck0 / "step-8").is_dir() and not list((tmp_path / "node1" / "ckpt").glob("step-*"))
-    nodes = start_group(tmp_path, "max_steps=12", ranks=[1, 0])  # node 1 is rank 0 now
+    looked for a checkpoint, found none, and the run started over at step 0. Then a SIGTERM on one node
+    (rank 1 now) stops every node at the next barrier, with a checkpoint."""
+    assert group_learned.codes == [0, 0], "\n\n".join(x[-3000:] for x in group_learned.logs)
+    ck0, ck1 = tmp_path / "node0" / "ckpt", tmp_path / "node1" / "ckpt"
+    nodes = resume_group(group_learned, tmp_path, "max_steps=100000", ranks=[1, 0])  # node 1 is rank 0 now
     try:
-        codes = finish(nodes)
+        retry_until(lambda: all(max(steps(n.text()), default=0) >= STEPS + 6 for n in nodes), 240, interval=0.5)
+        pid = nodes[0].worker()
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        finish(nodes, seconds=120)
     finally:
         stop_all(nodes)
     logs = [n.text() for n in nodes]
-    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
     for text in logs:
-        assert f"resuming from {ck0 / 'step-8'} at step 8" in text, text[-2000:]
-        assert not re.search(r"^step [2468] \|", text, re.M)  # nothing trained again
-    assert "node 1 holds the newest checkpoint (step 8)" in logs[1]  # node 0 has rank 1 now
-    assert (tmp_path / "node1" / "ckpt" / "step-12").is_dir(), "the new rank 0 writes the next checkpoints"
-    assert nodes[0].digests() == nodes[1].digests()
+        assert f"resuming from {ck0 / f'step-{STEPS}'} at step {STEPS}" in text, text[-2000:]
+        assert min(steps(text)) > STEPS  # nothing trained again
+    assert f"node 1 holds the newest checkpoint (step {STEPS})" in logs[1]  # node 0 has rank 1 now
+    stops = [re.search(r"stopped at step (\d+) after a checkpoint", x) for x in logs]
+    assert all(stops), "\n\n".join(x[-3000:] for x in logs)
+    step = stops[0].group(1) if stops[0] else ""
+    assert stops[1] and stops[1].group(1) == step  # the same step on both nodes
+    for x in logs:
+        assert f"stop requested on node(s) 1: every node stops after the barrier at step {step}" in x
+    assert (ck1 / f"step-{step}").is_dir(), "the new rank 0 writes the next checkpoints"
+    assert sorted(p.name for p in ck0.glob("step-*")) == [f"step-{STEPS - EVERY}", f"step-{STEPS}"]
+    assert nodes[0].digests() == nodes[1].digests() and nodes[0].digests()
 
 
 def test_a_killed_node_ends_the_other_with_peer_lost(tmp_path: Path) -> None:
@@ -339,30 +436,6 @@ def test_a_killed_node_ends_the_other_with_peer_lost(tmp_path: Path) -> None:
     assert re.search(r"Connection (reset|closed) by peer|Timed out waiting", line), line
 
 
-def test_torchrun_restarts_re_form_the_group_which_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    """``--max-restarts 1`` (hosts.toml ``[groups.X] max_restarts``): node 1's training process is killed;
-    torchrun restarts the workers of both nodes in a new rendezvous round, they resume from rank 0's
-    checkpoint and the run finishes, with no restart by dflashctl."""
-    nodes = start_group(tmp_path, "max_steps=40", max_restarts=1)
-    try:
-        retry_until(lambda: all(re.search(r"^step 10 \|", n.text(), re.M) for n in nodes), 240, interval=0.5)
-        first = nodes[1].worker()
-        assert first is not None
-        os.kill(first, signal.SIGKILL)
-        codes = finish(nodes, seconds=300)
-    finally:
-        stop_all(nodes)
-    logs = [n.text() for n in nodes]
-    assert codes == [0, 0], "\n\n".join(x[-3000:] for x in logs)
-    ck0 = tmp_path / "node0" / "ckpt"
-    for text in logs:
-        m = re.search(rf"resuming from {re.escape(str(ck0))}/step-(\d+) at step (\d+)", text)
-        assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 8, text[-3000:]
-        assert re.search(r"^step 40 \|", text, re.M)
-    assert (ck0 / "step-40").is_dir()
-    assert nodes[0].digests()[-1] == nodes[1].digests()[-1]  # the finished replicas agree across nodes
-
-
 def test_restarts_with_torchruns_shared_store_are_refused_in_one_line() -> None:
     """torchrun keeps the workers' store across rendezvous rounds: a restarted round read the last round's
     gloo addresses in CI ("connectFullMesh failed ... Connection refused") and the group died. A node under
@@ -383,74 +456,3 @@ def test_a_node_logs_a_step_line_when_its_stride_reaches_or_passes_log_every() -
         m.record(step, StepStats(loss=1.0, acc=0.5, tau_tf=1.0), 100)
     m.close()
     assert re.findall(r"^step (\d+) \|", out.getvalue(), re.M) == ["11", "14", "20", "26"]
-
-
-def test_sigterm_on_one_node_stops_every_node_at_the_next_barrier_with_a_checkpoint(tmp_path: Path) -> None:
-    nodes = start_group(tmp_path, "max_steps=2000", "checkpoint.interval=0")
-    try:
-        retry_until(lambda: all(re.search(r"^step 6 \|", n.text(), re.M) for n in nodes), 240, interval=0.5)
-        pid = nodes[1].worker()
-        assert pid is not None
-        os.kill(pid, signal.SIGTERM)
-        finish(nodes, seconds=120)
-    finally:
-        stop_all(nodes)
-    logs = [n.text() for n in nodes]
-    stops = [re.search(r"stopped at step (\d+) after a checkpoint", x) for x in logs]
-    assert all(stops), "\n\n".join(x[-3000:] for x in logs)
-    step = stops[0].group(1) if stops[0] else ""
-    assert stops[1] and stops[1].group(1) == step  # the same step on both nodes
-    for x in logs:
-        assert f"stop requested on node(s) 1: every node stops after the barrier at step {step}" in x
-    assert (tmp_path / "node0" / "ckpt" / f"step-{step}").is_dir()
-    assert nodes[0].digests() == nodes[1].digests() and nodes[0].digests()
-
-
-def test_two_nodes_learn_as_well_as_one_node_with_as_many_replicas(tmp_path: Path) -> None:
-    """The same drafter recipe (2 replicas, averaged every 25 updates, 240 global steps) on 2 nodes x (1
-    target + 1 drafter) and on one node with 2 + 2 threads, against a tiny target that learned a language:
-    both learn, and two nodes learn no worse than one node. The group is deterministic (one target feeds one
-    drafter per node: tau 2.25 in every run); the one-node run is not (two drafters race for one shared
-    queue, so which replica trains on which batch changes): its tau spread 1.91-2.31 over nine runs, so the
-    check is one-sided with a margin wider than that spread, not a two-sided 15%. It guards learning, not
-    the averaging itself (nodes that never all_reduce still reach 1.87 here): the bit-identical digests
-    across nodes in the tests above do that. The untrained baseline is read on 4 of the 16 prompts (it
-    accepts nothing: tau 1.00 on all 16 too). Not fewer steps: at 120 both runs reached only ~1.45."""
-    tiny, _ = make_tiny(
-        tmp_path / "tiny",
-        TinySpec(target_steps=60, train_samples=64, eval_prompts=16, response_len=24, gen_batch=16, threads=1),
-    )
-    recipe = (
-        f"target.path={tiny / 'target'}",
-        f"data.path={tiny / 'train.jsonl'}",
-        "max_steps=240",
-        "average_every=25",
-        "checkpoint.interval=0",
-        "optim.lr=5e-3",
-        "optim.sequences_per_update=4",
-    )
-    nodes = start_group(tmp_path / "group", *recipe, "log_every=60", config=REPO / "configs" / "tiny-cpu.toml")
-    try:
-        codes = finish(nodes, seconds=360)
-    finally:
-        stop_all(nodes)
-    assert codes == [0, 0], "\n\n".join(n.text()[-3000:] for n in nodes)
-    cfg = load_config(
-        REPO / "configs" / "tiny-cpu.toml",
-        [*recipe, f"output_dir={tmp_path / 'one'}", f"checkpoint.dir={tmp_path / 'one' / 'ckpt'}", "log_every=60"],
-    )
-    assert cfg.devices.drafters == ("cpu", "cpu") and cfg.devices.targets == ("cpu", "cpu")
-    assert Run(cfg, environ={}, stream=io.StringIO()).train() == 0
-
-    taus = {}
-    for name, ck in (("two nodes", tmp_path / "group" / "node0" / "ckpt"), ("one node", tmp_path / "one" / "ckpt")):
-        s = load_setup(drafter=str(ck))
-        assert s.step == 240
-        taus[name] = evaluate(s.target, s.drafter, s.prompts, max_new_tokens=24, ddtree_budget=0).tau
-    # the untrained baseline on 4 of the 16 prompts: it accepts nothing (tau 1.00 on all 16 as on these 4), and
-    # with one target call per token it was the dearest of the three evaluations (~6 s of CPU)
-    untrained = untrained_drafter(s.drafter.config)
-    before = evaluate(s.target, untrained, s.prompts[:4], max_new_tokens=24, ddtree_budget=0)
-    print(f"tau: untrained {before.tau:.2f}, " + ", ".join(f"{k} {v:.2f}" for k, v in taus.items()))
-    assert min(taus.values()) > before.tau + 0.5, (before.tau, taus)
-    assert taus["two nodes"] >= 0.8 * taus["one node"], taus
