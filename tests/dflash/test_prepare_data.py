@@ -254,8 +254,9 @@ def test_bad_records_are_counted_by_line_and_strict_fails(
 def test_killed_prepare_resumes_and_equals_one_run(
     tmp_path: Path, qwen3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Only the killed run is a process of its own (a SIGKILL); the resume and the uninterrupted run are the
-    real command in this process (no interpreter start and imports for each)."""
+    """Only the killed run (a pool of 2 workers) is a process of its own (a SIGKILL); the resume and the
+    uninterrupted run are the real command in this process (no interpreter start, imports or pool for each):
+    the store of pool shards and in-process shards is byte for byte the one-run store."""
     qwen3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(30))
     args = [
@@ -274,7 +275,8 @@ def test_killed_prepare_resumes_and_equals_one_run(
     done = sorted(p.name for p in (tmp_path / "a.partial" / "parts").iterdir())
     # the other worker may finish the shard it was on: 1 or 2 of the 6 shards, never all (CI once saw 3 of 3)
     assert 1 <= sum(not n.endswith(".tmp") for n in done) <= 2 and not (tmp_path / "a").exists()
-    rc, _, err = run_main(capsys, *args, "--out", str(tmp_path / "a"), "--workers", "2")
+    # the rest in this process, one worker: the shards the pool wrote before the kill are kept as they are
+    rc, _, err = run_main(capsys, *args, "--out", str(tmp_path / "a"))
     assert rc == 0, err
     assert "resuming:" in err and "shards already done" in err
     rc, _, err = run_main(capsys, *args, "--out", str(tmp_path / "b"))  # one worker: in this process
@@ -538,7 +540,7 @@ def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: 
     """Every assistant turn rendered the whole history before it (1600 pairs: 56 s and 1.9 GB for one
     line, then cut to 3072 tokens). The renders are counted, the tokens compared with the whole render cut."""
     messages = []
-    for k in range(300):
+    for k in range(150):  # 300 renders of a growing history without the cut: as telling as 1600 pairs
         messages += [
             {"role": "user", "content": f"hello {WORDS[k % len(WORDS)]}"},
             {"role": "assistant", "content": "ok bye"},
@@ -549,7 +551,7 @@ def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: 
     text = r._text
     r._text = lambda m, gen, tools=None: calls.append(len(m)) or text(m, gen, tools)  # type: ignore[method-assign]
     cut = r.render(messages, max_len=64)
-    assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (600 without it)"
+    assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (300 without it)"
     assert max(calls) < 30, "never the whole history"
     assert [(s.input_ids[:64], s.loss_mask[:64]) for s in cut.sequences] == [
         (s.input_ids[:64], s.loss_mask[:64]) for s in whole.sequences
