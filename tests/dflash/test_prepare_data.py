@@ -221,8 +221,7 @@ def chats(n: int) -> list[dict[str, t.Any]]:
 def test_bad_records_are_counted_by_line_and_strict_fails(
     tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The first run is a real `python -m dflash` (what a user's shell sees); --strict and an empty input are
-    the same command in this process."""
+    """The command in this process (the killed, full-disk and tiny-data tests run it as a process of its own)."""
     llama3.save_pretrained(tmp_path / "tok")
     lines: list[t.Any] = chats(5)
     lines[1] = '{"messages": [broken'
@@ -231,17 +230,17 @@ def test_bad_records_are_counted_by_line_and_strict_fails(
     lines.append("x" * (10 << 20))  # a 10 MB line
     lines.append(chats(1)[0])
     src = write_lines(tmp_path / "raw.jsonl", lines)
-    p = dflash("prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(tmp_path / "s"))
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr + p.stdout
-    assert "dropped 1 bad-json" in p.stdout and "(line 2)" in p.stdout
-    assert "dropped 1 no-assistant: no assistant turn (line 3)" in p.stdout
-    assert "dropped 1 unknown-role" in p.stdout and "(line 4)" in p.stdout
-    assert "dropped 1 line-too-long" in p.stdout and "(line 6)" in p.stdout
+    tok = ["prepare-data", "--tokenizer", str(tmp_path / "tok")]
+    rc, out, err = run_main(capsys, *tok, "--in", str(src), "--out", str(tmp_path / "s"))
+    assert rc == 0, err
+    assert "Traceback" not in err + out
+    assert "dropped 1 bad-json" in out and "(line 2)" in out
+    assert "dropped 1 no-assistant: no assistant turn (line 3)" in out
+    assert "dropped 1 unknown-role" in out and "(line 4)" in out
+    assert "dropped 1 line-too-long" in out and "(line 6)" in out
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["counts"]["records"] == 7 and meta["counts"]["sequences"] == 3 and meta["counts"]["dropped"] == 4
     assert meta["drops"]["bad-json"]["lines"] == [2]
-    tok = ["prepare-data", "--tokenizer", str(tmp_path / "tok")]
     rc, _, err = run_main(capsys, *tok, "--in", str(src), "--out", str(tmp_path / "s2"), "--strict")
     assert rc == 2 and err.count("\n") == 1, err
     assert err.startswith("prepare-data: line 2: not valid JSON") and "--strict" in err
