@@ -4,9 +4,6 @@ objective and figures, tiny runs of both kinds and weightings through ``dflash t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -210,8 +207,13 @@ def test_bad_dflash2_and_loss_keys_are_one_line_config_errors(tmp_path: Path) ->
             tiny(tmp_path, "drafter.kind=dflash2", override) if "kind=" not in override else tiny(tmp_path, override)
 
 
-def test_dflash_train_cli_trains_a_dflash2_drafter_with_dpace(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "dflash", "train", "--config", str(TINY)]
+def test_dflash_train_cli_trains_a_dflash2_drafter_with_dpace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command in this process (test_train.py runs `python -m dflash train` as a process of its own)."""
+    from dflash.__main__ import main
+
+    args = ["train", "--config", str(TINY)]
     for o in (
         f"output_dir={tmp_path / 'run'}",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
@@ -223,12 +225,13 @@ def test_dflash_train_cli_trains_a_dflash2_drafter_with_dpace(tmp_path: Path) ->
         "loss.position_weight=dpace",
         "loss.dpace_alpha=0.3",
     ):
-        cmd += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DFLASH_RUN_DIR", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    steps = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+        args += ["--set", o]
+    monkeypatch.delenv("DFLASH_RUN_DIR", raising=False)
+    capsys.readouterr()
+    rc = main(args)
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-2000:]
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(steps) == 2 and all(" | sel " in ln and " | top-k " in ln for ln in steps)
 
 

@@ -218,7 +218,10 @@ def chats(n: int) -> list[dict[str, t.Any]]:
     return out
 
 
-def test_bad_records_are_counted_by_line_and_strict_fails(tmp_path: Path, llama3: t.Any) -> None:
+def test_bad_records_are_counted_by_line_and_strict_fails(
+    tmp_path: Path, llama3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command in this process (the killed, full-disk and tiny-data tests run it as a process of its own)."""
     llama3.save_pretrained(tmp_path / "tok")
     lines: list[t.Any] = chats(5)
     lines[1] = '{"messages": [broken'
@@ -227,42 +230,32 @@ def test_bad_records_are_counted_by_line_and_strict_fails(tmp_path: Path, llama3
     lines.append("x" * (10 << 20))  # a 10 MB line
     lines.append(chats(1)[0])
     src = write_lines(tmp_path / "raw.jsonl", lines)
-    p = dflash("prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src), "--out", str(tmp_path / "s"))
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr + p.stdout
-    assert "dropped 1 bad-json" in p.stdout and "(line 2)" in p.stdout
-    assert "dropped 1 no-assistant: no assistant turn (line 3)" in p.stdout
-    assert "dropped 1 unknown-role" in p.stdout and "(line 4)" in p.stdout
-    assert "dropped 1 line-too-long" in p.stdout and "(line 6)" in p.stdout
+    tok = ["prepare-data", "--tokenizer", str(tmp_path / "tok")]
+    rc, out, err = run_main(capsys, *tok, "--in", str(src), "--out", str(tmp_path / "s"))
+    assert rc == 0, err
+    assert "Traceback" not in err + out
+    assert "dropped 1 bad-json" in out and "(line 2)" in out
+    assert "dropped 1 no-assistant: no assistant turn (line 3)" in out
+    assert "dropped 1 unknown-role" in out and "(line 4)" in out
+    assert "dropped 1 line-too-long" in out and "(line 6)" in out
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["counts"]["records"] == 7 and meta["counts"]["sequences"] == 3 and meta["counts"]["dropped"] == 4
     assert meta["drops"]["bad-json"]["lines"] == [2]
-    strict = dflash(
-        "prepare-data",
-        "--tokenizer",
-        str(tmp_path / "tok"),
-        "--in",
-        str(src),
-        "--out",
-        str(tmp_path / "s2"),
-        "--strict",
-    )
-    assert strict.returncode == 2 and strict.stderr.count("\n") == 1, strict.stderr
-    assert strict.stderr.startswith("prepare-data: line 2: not valid JSON") and "--strict" in strict.stderr
+    rc, _, err = run_main(capsys, *tok, "--in", str(src), "--out", str(tmp_path / "s2"), "--strict")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("prepare-data: line 2: not valid JSON") and "--strict" in err
     assert not (tmp_path / "s2").exists()
-    empty = dflash(
-        "prepare-data",
-        "--tokenizer",
-        str(tmp_path / "tok"),
-        "--in",
-        str(write_lines(tmp_path / "e.jsonl", [])),
-        "--out",
-        str(tmp_path / "s3"),
-    )
-    assert empty.returncode == 2 and "is empty" in empty.stderr and "Traceback" not in empty.stderr
+    empty = write_lines(tmp_path / "e.jsonl", [])
+    rc, _, err = run_main(capsys, *tok, "--in", str(empty), "--out", str(tmp_path / "s3"))
+    assert rc == 2 and "is empty" in err and "Traceback" not in err
 
 
-def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any) -> None:
+def test_killed_prepare_resumes_and_equals_one_run(
+    tmp_path: Path, qwen3: t.Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the killed run (a pool of 2 workers) is a process of its own (a SIGKILL); the resume and the
+    uninterrupted run are the real command in this process (no interpreter start, imports or pool for each):
+    the store of pool shards and in-process shards is byte for byte the one-run store."""
     qwen3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(30))
     args = [
@@ -281,11 +274,12 @@ def test_killed_prepare_resumes_and_equals_one_run(tmp_path: Path, qwen3: t.Any)
     done = sorted(p.name for p in (tmp_path / "a.partial" / "parts").iterdir())
     # the other worker may finish the shard it was on: 1 or 2 of the 6 shards, never all (CI once saw 3 of 3)
     assert 1 <= sum(not n.endswith(".tmp") for n in done) <= 2 and not (tmp_path / "a").exists()
-    again = dflash(*args, "--out", str(tmp_path / "a"), "--workers", "2")
-    assert again.returncode == 0, again.stderr
-    assert "resuming:" in again.stderr and "shards already done" in again.stderr
-    whole = dflash(*args, "--out", str(tmp_path / "b"))
-    assert whole.returncode == 0, whole.stderr
+    # the rest in this process, one worker: the shards the pool wrote before the kill are kept as they are
+    rc, _, err = run_main(capsys, *args, "--out", str(tmp_path / "a"))
+    assert rc == 0, err
+    assert "resuming:" in err and "shards already done" in err
+    rc, _, err = run_main(capsys, *args, "--out", str(tmp_path / "b"))  # one worker: in this process
+    assert rc == 0, err
     for name in ("tokens.bin", "loss_mask.bin", "offsets.bin", "first_anchor.bin", "token_counts.bin"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     a, b = (json.loads((tmp_path / x / "meta.json").read_text()) for x in "ab")
@@ -545,7 +539,7 @@ def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: 
     """Every assistant turn rendered the whole history before it (1600 pairs: 56 s and 1.9 GB for one
     line, then cut to 3072 tokens). The renders are counted, the tokens compared with the whole render cut."""
     messages = []
-    for k in range(300):
+    for k in range(150):  # 300 renders of a growing history without the cut: as telling as 1600 pairs
         messages += [
             {"role": "user", "content": f"hello {WORDS[k % len(WORDS)]}"},
             {"role": "assistant", "content": "ok bye"},
@@ -556,7 +550,7 @@ def test_rendering_stops_once_a_sequence_passes_max_len(tmp_path: Path, llama3: 
     text = r._text
     r._text = lambda m, gen, tools=None: calls.append(len(m)) or text(m, gen, tools)  # type: ignore[method-assign]
     cut = r.render(messages, max_len=64)
-    assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (600 without it)"
+    assert len(calls) < 40, f"{len(calls)} renders for a 64-token cut (300 without it)"
     assert max(calls) < 30, "never the whole history"
     assert [(s.input_ids[:64], s.loss_mask[:64]) for s in cut.sequences] == [
         (s.input_ids[:64], s.loss_mask[:64]) for s in whole.sequences
@@ -651,17 +645,28 @@ def test_a_json_array_with_a_record_nested_100000_deep(
     assert meta["counts"]["records"] == 4 and meta["counts"]["sequences"] == 3
 
 
-DISK_FULL = """
-set -e
-mount -t tmpfs -o size=256k dflash-test "$1"
-set +e
-"$2" -m dflash prepare-data --tokenizer "$3" --in "$4" --out "$1/store" --shard-lines 50
-echo "rc=$?" >&2
-mount -o remount,size=64m "$1"
-"$2" -m dflash prepare-data --tokenizer "$3" --in "$4" --out "$1/store" --shard-lines 50
-echo "rc=$?" >&2
-"$2" -c 'import os, sys; print(sorted(os.listdir(sys.argv[1])))' "$1/store"
+FULL_DISK = """
+import os, subprocess, sys
+from dflash.__main__ import main
+size, disk, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "dflash-test", disk], check=True)
+print(f"rc={main(args)}", file=sys.stderr, flush=True)
+subprocess.run(["mount", "-o", "remount,size=64m", disk], check=True)
+print(f"rc={main(args)}", file=sys.stderr, flush=True)
+for root, _, files in os.walk(disk):
+    print(root, sorted(files))
 """
+
+
+def on_a_full_disk(disk: Path, size: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`dflash ARGS` twice in one process of a mount namespace of its own (unshare -m): first on a tmpfs of
+    SIZE at DISK, then again once it has grown to 64 MiB; stderr says each run's code (``rc=N``), stdout
+    ends with the files under DISK. One interpreter for both runs: the real command, imports paid once."""
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", sys.executable, "-c", FULL_DISK, size, str(disk), *args],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )  # fmt: skip
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_finished_shards(tmp_path: Path, llama3: t.Any) -> None:
@@ -674,11 +679,10 @@ def test_a_full_disk_is_one_line_and_keeps_the_finished_shards(tmp_path: Path, l
     llama3.save_pretrained(tmp_path / "tok")
     src = write_lines(tmp_path / "raw.jsonl", chats(600))
     (tmp_path / "disk").mkdir()
-    proc = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", DISK_FULL, "sh", str(tmp_path / "disk"),
-         sys.executable, str(tmp_path / "tok"), str(src)],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    disk = tmp_path / "disk"
+    proc = on_a_full_disk(
+        disk, "256k", "prepare-data", "--tokenizer", str(tmp_path / "tok"), "--in", str(src),
+        "--out", str(disk / "store"), "--shard-lines", "50",
     )  # fmt: skip
     first, second = proc.stderr.split("rc=")[:2]
     assert "rc=1" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -934,7 +934,7 @@ def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
     target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An unwritable --out was a traceback (after loading the target); a full disk too."""
-    from test_prepare_data import unwritable
+    from test_prepare_data import on_a_full_disk, unwritable
 
     src = write_corpus(tmp_path / "raw.jsonl")
     with unwritable(tmp_path / "ro") as ro:
@@ -953,16 +953,8 @@ def test_regen_output_checked_before_the_work_and_a_full_disk_keeps_the_shards(
     disk = tmp_path / "disk"
     disk.mkdir()
     args = [*regen_args(target, tmp_path, src, str(disk / "new.jsonl")), *openai(srv, "--shard-lines", "2")]
-    script = (
-        'mount -t tmpfs -o size=96k dflash-test "$1" && shift && "$@"; echo "rc=$?" >&2; '
-        'mount -o remount,size=64m "$DISK" && "$@"; echo "rc=$?" >&2'
-    )
     try:
-        proc = subprocess.run(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c", script.replace("$DISK", str(disk)), "sh",
-             str(disk), sys.executable, "-m", "dflash", *args],
-            capture_output=True, text=True, timeout=240, cwd=REPO,
-        )  # fmt: skip
+        proc = on_a_full_disk(disk, "96k", *args)
     finally:
         srv.shutdown()
     first, second = proc.stderr.split("rc=")[:2]

@@ -230,26 +230,10 @@ def metrics_steps(tmp_path: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
 
 
-def test_sigterm_writes_a_checkpoint_then_exits_143(tmp_path: Path) -> None:
-    proc = dflash(tmp_path, "max_steps=100000", "checkpoint.interval=0")
-    try:
-        retry_until(lambda: len(metrics_steps(tmp_path)) >= 3, 120)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, err
-    assert "SIGTERM: finishing the steps in flight" in err
-    latest = ckpt.latest_complete(tmp_path / "ckpt")
-    assert latest is not None
-    saved = ckpt.load_checkpoint(latest)
-    assert saved.step >= max(metrics_steps(tmp_path)) >= 3
-    assert "stopped at step" in err
-
-
-def test_kill_9_mid_checkpoint_keeps_the_previous_one_and_resume_goes_on(tmp_path: Path) -> None:
+def test_kill_9_mid_checkpoint_keeps_the_previous_one_and_resume_goes_on_until_sigterm(tmp_path: Path) -> None:
+    """A run killed (SIGKILL) while writing its second checkpoint; the rerun resumes from the first one, goes
+    on, and a SIGTERM then makes it write a checkpoint and exit 143. One process per stop: the resumed run is
+    the one SIGTERM stops."""
     env = {"DFLASH_FAULT": "kill-in-checkpoint:6"}
     proc = dflash(tmp_path, "max_steps=12", "checkpoint.interval=3", env=env)
     out, err = proc.communicate(timeout=180)
@@ -262,31 +246,53 @@ def test_kill_9_mid_checkpoint_keeps_the_previous_one_and_resume_goes_on(tmp_pat
     killed_at, run_id = ckpt.load_checkpoint(latest).step, ckpt.load_checkpoint(latest).run_id
 
     seen = len(metrics_steps(tmp_path))
-    proc = dflash(tmp_path, "max_steps=12", "checkpoint.interval=3", env=env)  # same env: the marker stops a 2nd kill
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err
+    # same env: the marker stops a 2nd kill; no checkpoint but SIGTERM's after the resume
+    proc = dflash(tmp_path, "max_steps=100000", "checkpoint.interval=0", env=env)
+    try:
+        retry_until(lambda: len(metrics_steps(tmp_path)) >= seen + 3, 120)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
     assert f"resuming from {latest}" in err
+    assert "SIGTERM: finishing the steps in flight" in err and "stopped at step" in err
     # the line as the runner's train.log holds it is what `dflashctl history` reads (ops/far/history.py)
     (tmp_path / "train.log").write_text(err)
     found = resumed_from(str(tmp_path / "train.log"))
     assert found is not None and (found["path"], found["step"]) == (str(latest), killed_at), found
     assert run_id is not None and found["run"] == run_id, found  # the resumed run keeps its id (the pruned step's)
     resumed = metrics_steps(tmp_path)[seen:]
-    assert resumed == list(range(killed_at + 1, 13)), "the step count continues from the checkpoint"
-    assert ckpt.latest_complete(root).name == "step-12"
+    assert resumed == list(range(killed_at + 1, killed_at + 1 + len(resumed))), "the step count continues"
+    saved = ckpt.load_checkpoint(ckpt.latest_complete(root))
+    assert saved.step >= max(resumed) >= killed_at + 3, "SIGTERM's checkpoint holds every step logged"
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-step-")], "the stale temp dir was cleaned"
 
 
-def test_cli_exit_codes_for_bad_config_and_dead_drafters(tmp_path: Path) -> None:
-    proc = dflash(tmp_path, "drafter.block_size=x")
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    assert err.strip().splitlines()[-1] == 'dflash: drafter.block_size: expected an integer, got "x"'
+def test_cli_exit_codes_for_bad_config_and_dead_drafters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command in this process (the tests above run `python -m dflash train` as a process of its own):
+    a bad config is exit 2 and one line; a run's failure leaves main with its traceback, which the
+    interpreter prints, ending with the line below, and exits 1 (test_exit_codes: entry is sys.exit(main()))."""
+    import traceback
 
-    proc = dflash(tmp_path, "max_steps=1000", env={"DFLASH_FAULT": "drafter-oom-at-step:2:0,drafter-oom-at-step:2:1"})
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1
-    last = err.strip().splitlines()[-1]
+    from dflash.__main__ import main
+
+    base = ["train", "--config", str(TINY), "--set", f"output_dir={tmp_path / 'run'}"]
+    base += ["--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "log_every=1"]
+    assert main([*base, "--set", "drafter.block_size=x"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == 'dflash: drafter.block_size: expected an integer, got "x"'
+    assert not (tmp_path / "run").exists(), "a bad config: nothing written"
+
+    monkeypatch.setenv("DFLASH_FAULT", "drafter-oom-at-step:2:0,drafter-oom-at-step:2:1")
+    monkeypatch.delenv("DFLASH_RUN_DIR", raising=False)
+    with pytest.raises(PipelineError) as e:
+        main([*base, "--set", "max_steps=1000"])
+    last = traceback.format_exception_only(e.value)[-1].strip()
     assert (
         last.startswith("dflash.train.pipeline.PipelineError: no drafter left at step") and "CUDA out of memory" in last
     )
