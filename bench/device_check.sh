@@ -29,14 +29,29 @@ PROBE_LIMIT=${DEVICE_CHECK_PROBE_S:-60}
 cd -- "$ROOT" || exit 1
 
 cpu=0
-for a in "$@"; do [ "$a" = --cpu ] && cpu=1; done  # the same path tiny on the CPU (tests/dflash/test_gpu_path.py)
-if [ "$cpu" = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null; then
-    if "$PY" -c 'import torch' 2>/dev/null; then
+for a in "$@"; do [ "$a" = --cpu ] && cpu=1; done  # the same path tiny on the CPU (tests/dflash/test_gpu_smoke.py)
+if [ "$cpu" = 0 ]; then
+    # one interpreter says both (torch's import is seconds): 0 CUDA, 3 torch but no CUDA, 4 no torch
+    "$PY" -c 'import sys
+try:
+    import torch
+except Exception:
+    sys.exit(4)
+try:
+    sys.exit(0 if torch.cuda.is_available() else 3)
+except Exception:
+    sys.exit(3)' 2>/dev/null
+    case $? in
+    0) ;;
+    3)
         echo "device_check: no CUDA device: nothing to check"
         exit 0
-    fi
-    echo "device_check: $PY cannot import torch: nothing to check" >&2
-    exit 1
+        ;;
+    *)
+        echo "device_check: $PY cannot import torch: nothing to check" >&2
+        exit 1
+        ;;
+    esac
 fi
 
 shopt -s nullglob

@@ -6,10 +6,11 @@ tokens, 16 anchors of 8) and others (one row, one anchor, short sequences). Afte
 stance is ``fail_on_recompile``, so a miss is an exception in the thread, and dynamo's graph counter
 must not move. Dynamo traces, guards and recompiles with ``eager`` and ``aot_eager`` exactly as with
 inductor (which needs minutes here); only the code it hands back is not fused. The dense test uses
-``aot_eager`` and three rounds of batches (~60 s): concurrent calls of AOTAutograd-compiled layers made
+``aot_eager``, a one-layer drafter and six rounds of batches (48 compiled-layer calls per thread, as
+three rounds of a two-layer drafter made): concurrent calls of AOTAutograd-compiled layers made
 dynamo's cache lookup miss now and then ("Unexpected recompilation"; timing-dependent: a stress run of
 48 steps per thread missed in 2 runs of 2 without ``dflash.model.drafter._compiled_calls``, 0 of 7 with it;
-at this test's 24 steps it is caught only sometimes). CPU flex attention has no backward in torch
+at this test's 48 calls it is caught only sometimes). CPU flex attention has no backward in torch
 2.13, so the flex test runs the drafter forward only (frozen parameters), with ``eager``.
 """
 
@@ -119,12 +120,15 @@ def train_in_threads(run: Run, attention: str, rounds: int = 1) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize(("attention", "backend", "rounds"), [("dense", "aot_eager", 3), ("flex", "eager", 1)])
+@pytest.mark.parametrize(("attention", "backend", "rounds"), [("dense", "aot_eager", 6), ("flex", "eager", 1)])
 def test_after_warm_up_three_drafter_threads_never_recompile_nor_run_unfused_flex(
     tmp_path: Path, attention: str, backend: str, rounds: int, unfused_flex_calls: list[str]
 ) -> None:
     torch._dynamo.reset()
-    run = three_drafters(tmp_path, "activation_checkpointing=true", f"compile_backend={backend}")
+    # dense: one drafter layer, so one layer input kind (two graphs, not four: an AOTAutograd graph is ~5 s
+    # of CPU here); the kind whose input needs grad trains in threads in tests/dflash/test_compile.py
+    layers = ["drafter.layers=1"] if attention == "dense" else []
+    run = three_drafters(tmp_path, "activation_checkpointing=true", f"compile_backend={backend}", *layers)
     if attention == "flex":  # CPU flex attention has no backward: forward only
         for r in run.drafters:
             r.model.requires_grad_(False)
